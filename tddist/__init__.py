@@ -1,0 +1,50 @@
+"""tddist: atomic, checksummed, sharded checkpoints of multi-rank PyTorch state.
+
+Every rank calls ``save`` with its shard; the checkpoint appears at the
+target all at once, complete and verified, or not at all.
+"""
+
+__version__ = "0.1.0"
+
+from .api import load, read_manifest, recover, save  # noqa: E402
+from .comm import Communicator, LocalComm, ThreadComm, run_threads  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointNotFoundError,
+    CollectiveError,
+    CommError,
+    CommTimeoutError,
+    CorruptCheckpointError,
+    InvalidArgumentError,
+    InvalidDataError,
+    ManifestError,
+    ShardingError,
+    TargetError,
+    TddistError,
+)
+from .manifest import Manifest  # noqa: E402
+from .sharding import Replicate, Shard  # noqa: E402
+
+__all__ = [
+    "save",
+    "load",
+    "read_manifest",
+    "recover",
+    "Shard",
+    "Replicate",
+    "Manifest",
+    "Communicator",
+    "LocalComm",
+    "ThreadComm",
+    "run_threads",
+    "TddistError",
+    "InvalidArgumentError",
+    "InvalidDataError",
+    "ShardingError",
+    "TargetError",
+    "CheckpointNotFoundError",
+    "ManifestError",
+    "CorruptCheckpointError",
+    "CommError",
+    "CommTimeoutError",
+    "CollectiveError",
+]

@@ -1,0 +1,252 @@
+"""Communicators: the few object collectives tddist needs, and error agreement.
+
+A ``Communicator`` is anything with ``rank``, ``size`` and four collectives on
+picklable objects. Implementations: ``LocalComm`` (one process),
+``ThreadComm`` (ranks as threads of one process, for fast tests),
+``comm_torch.TorchComm`` (a private gloo group) and ``comm_mpi.MPIComm`` (a
+``Dup()`` of an MPI communicator). ``resolve`` picks one from what the caller
+passed or from the environment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import traceback
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from .errors import BY_NAME, CollectiveError, CommError, CommTimeoutError, InvalidArgumentError, TddistError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = float(os.environ.get("TDDIST_TIMEOUT", "600"))
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    rank: int
+    size: int
+
+    def barrier(self) -> None: ...
+
+    def broadcast(self, obj: Any, root: int = 0) -> Any: ...
+
+    def gather(self, obj: Any, root: int = 0) -> list | None: ...
+
+    def allgather(self, obj: Any) -> list: ...
+
+
+class LocalComm:
+    """The communicator of a single process."""
+
+    rank = 0
+    size = 1
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj, root=0):
+        return obj
+
+    def gather(self, obj, root=0):
+        return [obj]
+
+    def allgather(self, obj):
+        return [obj]
+
+
+class _ThreadGroup:
+    def __init__(self, size: int, timeout: float):
+        self.size = size
+        self.timeout = timeout
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size)
+
+
+class ThreadComm:
+    """One rank of a group of threads in this process (tests and in-process use).
+
+    Objects are pickled on the way, as a real transport would, so what works
+    here also works across processes.
+    """
+
+    def __init__(self, group: _ThreadGroup, rank: int):
+        self._g = group
+        self.rank = rank
+        self.size = group.size
+
+    @staticmethod
+    def create(size: int, timeout: float = DEFAULT_TIMEOUT) -> list["ThreadComm"]:
+        group = _ThreadGroup(size, timeout)
+        return [ThreadComm(group, r) for r in range(size)]
+
+    def _wait(self, op: str) -> None:
+        try:
+            self._g.barrier.wait(self._g.timeout)
+        except threading.BrokenBarrierError:
+            raise CommTimeoutError(
+                f"rank {self.rank}: {op} did not complete within {self._g.timeout:.0f}s (another thread-rank "
+                f"failed or hung); nothing was committed"
+            ) from None
+
+    def _exchange(self, obj, op: str) -> list:
+        self._g.slots[self.rank] = pickle.dumps(obj)
+        self._wait(op)
+        out = [pickle.loads(s) for s in self._g.slots]
+        self._wait(op)
+        return out
+
+    def barrier(self) -> None:
+        self._wait("barrier")
+
+    def broadcast(self, obj, root=0):
+        return self._exchange(obj if self.rank == root else None, "broadcast")[root]
+
+    def gather(self, obj, root=0):
+        out = self._exchange(obj, "gather")
+        return out if self.rank == root else None
+
+    def allgather(self, obj):
+        return self._exchange(obj, "allgather")
+
+
+def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list:
+    """Run ``fn(comm)`` on ``size`` thread-ranks; returns each rank's result or exception."""
+    comms = ThreadComm.create(size, timeout)
+    results: list[Any] = [None] * size
+
+    def body(c: ThreadComm):
+        try:
+            results[c.rank] = fn(c)
+        except BaseException as e:  # reported to the caller as a value
+            results[c.rank] = e
+
+    threads = [threading.Thread(target=body, args=(c,), name=f"tddist-rank{c.rank}") for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    if any(t.is_alive() for t in threads):
+        raise CommTimeoutError(f"thread ranks did not finish within {timeout + 30:.0f}s")
+    return results
+
+
+# --- error agreement -----------------------------------------------------------------
+
+
+def describe(exc: BaseException) -> tuple[str, str]:
+    """(class name, message) of a local error, as sent to other ranks."""
+    if isinstance(exc, TddistError):
+        return type(exc).__name__, str(exc)
+    logger.debug("local error:\n%s", "".join(traceback.format_exception(exc)))
+    return type(exc).__name__, f"{type(exc).__name__}: {exc}"
+
+
+def collective_error(what: str, failures: dict[int, tuple[str, str]]) -> TddistError:
+    """One error, the same on every rank, naming every failing rank and its message.
+
+    If all failing ranks raised the same tddist error class, that class is
+    used; otherwise ``CollectiveError``.
+    """
+    names = {name for name, _ in failures.values()}
+    cls = BY_NAME.get(names.pop()) if len(names) == 1 else None
+    cls = cls or CollectiveError
+    ranks = sorted(failures)
+    lines = "\n".join(f"  rank {r}: {failures[r][1]}" for r in ranks[:16])
+    more = f"\n  ... and {len(ranks) - 16} more ranks" if len(ranks) > 16 else ""
+    msg = f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}:\n{lines}{more}"
+    return cls(msg, failures={r: m for r, (_, m) in failures.items()})
+
+
+def agree(comm: Communicator, what: str, local_error: BaseException | None) -> None:
+    """Collectively raise the same error on every rank if any rank had one (one allgather)."""
+    status = describe(local_error) if local_error is not None else None
+    statuses = comm.allgather(status)
+    failures = {r: s for r, s in enumerate(statuses) if s is not None}
+    if failures:
+        err = collective_error(what, failures)
+        raise err from local_error
+
+
+def run_step(comm: Communicator, what: str, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on every rank; if it fails on any rank, raise the same error on all."""
+    try:
+        value, error = fn(), None
+    except Exception as e:
+        value, error = None, e
+    agree(comm, what, error)
+    return value
+
+
+# --- choosing a communicator -----------------------------------------------------------
+
+
+def _mpi_world_size_from_env() -> int:
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS"):
+        v = os.environ.get(var)
+        if v and v.isdigit():
+            return int(v)
+    return 0
+
+
+def resolve(comm: Any = None, timeout: float | None = None) -> Communicator:
+    """The communicator to use for ``comm`` (None: detect from the environment).
+
+    Detection order: an initialised torch.distributed default group; an MPI
+    launch of more than one rank; torchrun's environment (gloo is initialised);
+    else a single process.
+    """
+    timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+    if comm is not None:
+        if isinstance(comm, (LocalComm, ThreadComm)) or _is_tddist_comm(comm):
+            return comm
+        mod = type(comm).__module__ or ""
+        if mod.startswith("mpi4py"):
+            from .comm_mpi import MPIComm
+
+            return MPIComm(comm, timeout)
+        if mod.startswith("torch"):
+            from .comm_torch import torch_comm
+
+            return torch_comm(comm, timeout)
+        if isinstance(comm, Communicator):
+            return comm
+        raise InvalidArgumentError(
+            f"comm={comm!r} is not a torch ProcessGroup, an mpi4py communicator or a tddist Communicator; "
+            f"pass one of those, or comm=None to detect it"
+        )
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from .comm_torch import torch_comm
+
+        return torch_comm(None, timeout)
+    if _mpi_world_size_from_env() > 1:
+        from .comm_mpi import MPIComm
+
+        return MPIComm(None, timeout)
+    if all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        from .comm_torch import init_from_env, torch_comm
+
+        init_from_env(timeout)
+        return torch_comm(None, timeout)
+    return LocalComm()
+
+
+def _is_tddist_comm(comm) -> bool:
+    return type(comm).__module__.startswith("tddist.")
+
+
+def wrap_transport_error(rank: int, op: str, exc: BaseException, elapsed: float, timeout: float) -> CommError:
+    """Turn a transport exception into CommError/CommTimeoutError with advice."""
+    text = str(exc)
+    timed_out = elapsed >= 0.9 * timeout or "timed out" in text.lower() or "timeout" in text.lower()
+    cls = CommTimeoutError if timed_out else CommError
+    why = f"did not complete within {timeout:.0f}s" if timed_out else "failed"
+    return cls(
+        f"rank {rank}: {op} {why} after {elapsed:.1f}s ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
+        f"a peer rank probably died or hung, see the other ranks' logs. Nothing new was committed by this rank; "
+        f"the previous checkpoint is intact (run tddist.recover on the target to remove leftovers)"
+    )

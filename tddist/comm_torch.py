@@ -1,0 +1,87 @@
+"""torch.distributed communicator on a private gloo group.
+
+tddist never runs its collectives on the user's group: that group may be NCCL
+(objects would go through the GPU) and its collectives must never interleave
+with ours. A private gloo group with its own timeout is created once per
+parent group and reused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from .comm import wrap_transport_error
+
+logger = logging.getLogger(__name__)
+
+_GROUPS: dict[tuple, "TorchComm"] = {}
+
+
+def init_from_env(timeout: float) -> None:
+    """Initialise torch.distributed with gloo from torchrun's environment variables."""
+    if not dist.is_initialized():
+        logger.info("initialising torch.distributed (gloo) from the environment")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+
+
+class TorchComm:
+    """Collectives over a private gloo process group."""
+
+    def __init__(self, group, timeout: float):
+        self.group = group
+        self.timeout = timeout
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    def _run(self, op: str, fn):
+        start = time.monotonic()
+        try:
+            return fn()
+        except Exception as e:  # gloo raises RuntimeError (or DistBackendError) on a dead peer or timeout
+            raise wrap_transport_error(self.rank, f"{op} on the tddist gloo group", e, time.monotonic() - start, self.timeout) from e
+
+    def barrier(self) -> None:
+        self._run("barrier", lambda: dist.barrier(group=self.group))
+
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        box = [obj if self.rank == root else None]
+        self._run("broadcast", lambda: dist.broadcast_object_list(box, group=self.group, group_src=root))
+        return box[0]
+
+    def gather(self, obj: Any, root: int = 0) -> list | None:
+        out = [None] * self.size if self.rank == root else None
+        self._run("gather", lambda: dist.gather_object(obj, out, group=self.group, group_dst=root))
+        return out
+
+    def allgather(self, obj: Any) -> list:
+        out = [None] * self.size
+        self._run("allgather", lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+
+def torch_comm(group, timeout: float, purpose: str = "save") -> TorchComm:
+    """The private gloo TorchComm for ``group`` (None: the default group).
+
+    Creating it is collective over ``group``'s ranks the first time; later
+    calls reuse it. ``purpose`` keeps independent channels apart (the
+    background commit of an asynchronous save uses its own).
+    """
+    parent = group if group is not None else dist.group.WORLD
+    ranks = tuple(dist.get_process_group_ranks(parent))
+    key = (id(parent), ranks, purpose, round(timeout, 3), os.getpid())
+    comm = _GROUPS.get(key)
+    if comm is None:
+        td = datetime.timedelta(seconds=timeout)
+        if len(ranks) == dist.get_world_size():
+            pg = dist.new_group(ranks=list(ranks), backend="gloo", timeout=td)
+        else:
+            pg = dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=True)
+        comm = TorchComm(pg, timeout)
+        _GROUPS[key] = comm
+    return comm

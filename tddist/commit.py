@@ -1,0 +1,218 @@
+"""The two-phase commit that makes a multi-rank checkpoint appear atomically.
+
+Steps (the names in brackets are the fault-injection points of ``_faults``):
+
+1. (rank 0) Check the target: a file or a foreign non-empty directory is
+   refused, never deleted. Create a staging directory beside it, on the same
+   file system, named ``.<target>.tddist-staging-<uuid>``. Broadcast its path,
+   or the error, so no rank waits forever.                         [prepare]
+2. (all ranks) Write the local shard into the staging directory; every file
+   and directory is fsynced. The fragment (or the error) is the vote. [write]
+3. (all ranks -> rank 0) Gather the votes.                          [vote]
+4. (rank 0) Any failure: remove the staging directory and decide ABORT with
+   every failing rank's error. Otherwise merge and validate the fragments
+   (they must tile every global tensor) [validate], write and fsync the
+   manifest and fsync the staging directory [manifest], then publish: a
+   ``rename`` onto an absent target, or a ``renameat2(RENAME_EXCHANGE)`` with
+   an existing one, then fsync the parent directory. The rename is the commit
+   point [publish]. The old checkpoint, now at the staging name, is removed
+   [replace].
+5. (rank 0 -> all) Broadcast the decision. Every rank returns only after
+   COMMITTED, so a save that returned is durable.                   [announce]
+
+Without RENAME_EXCHANGE the old checkpoint is first renamed to
+``.<target>.tddist-backup-<uuid>``; ``recover`` puts it back if a crash struck
+before the new one was in place.
+
+With ``atomic=False`` the ranks write into the target itself and the manifest
+is still written last, so an interrupted save leaves a directory that readers
+refuse instead of misread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Callable
+
+from . import format as fmt
+from ._faults import fault_point
+from ._fs import exchange, fsync_path, remove_tree, rename_noreplace, write_durable
+from .comm import Communicator, collective_error, describe
+from .errors import TargetError
+
+logger = logging.getLogger(__name__)
+
+_RANK_DIR_RE = re.compile(r"^rank-\d{5,}$")
+
+
+def is_tddist_dir(path: str) -> bool:
+    """True if ``path`` holds only what tddist writes (a checkpoint, torn or not)."""
+    names = os.listdir(path)
+    return all(n == fmt.MANIFEST_NAME or _RANK_DIR_RE.match(n) for n in names)
+
+
+def check_target(target: str) -> bool:
+    """Refuse targets tddist must not replace; return whether one exists."""
+    if os.path.islink(target):
+        raise TargetError(f"target {target!r} is a symbolic link; pass the real path or another target")
+    if os.path.isfile(target):
+        raise TargetError(
+            f"target {target!r} is an existing file, not a checkpoint directory; choose another path "
+            f"(it was left untouched)"
+        )
+    if not os.path.exists(target):
+        return False
+    if not os.path.isdir(target):
+        raise TargetError(f"target {target!r} exists and is not a directory; choose another path")
+    if not is_tddist_dir(target):
+        raise TargetError(
+            f"target {target!r} is a non-empty directory that is not a tddist checkpoint; tddist never "
+            f"deletes foreign data: choose another path or empty it yourself"
+        )
+    return True
+
+
+def _prepare(target: str, atomic: bool) -> str:
+    parent = os.path.dirname(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    exists = check_target(target)
+    if not atomic:
+        if exists:
+            manifest = os.path.join(target, fmt.MANIFEST_NAME)
+            if os.path.exists(manifest):
+                os.unlink(manifest)  # the old data stops being trusted first
+                fsync_path(target)
+            for name in os.listdir(target):
+                remove_tree(os.path.join(target, name))
+        else:
+            os.makedirs(target)
+        fsync_path(parent)
+        return os.path.abspath(target)
+    staging = fmt.staging_path(target)
+    os.mkdir(staging)
+    return staging
+
+
+def publish(staging: str, target: str) -> None:
+    """Make the fully written ``staging`` directory the target: the commit point."""
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.exists(target):
+        rename_noreplace(staging, target)
+        fsync_path(parent)
+        return
+    if exchange(staging, target):
+        fsync_path(parent)
+        fault_point("replace", 0)
+        remove_tree(staging)  # now holds the old checkpoint
+        return
+    logger.info("RENAME_EXCHANGE unsupported here; replacing %s through a backup name", target)
+    backup = fmt.backup_path(target)
+    os.rename(target, backup)
+    fsync_path(parent)
+    os.rename(staging, target)
+    fsync_path(parent)
+    remove_tree(backup)
+
+
+def two_phase_commit(
+    comm: Communicator,
+    target: str,
+    write_fragment: Callable[[str], dict],
+    build_manifest: Callable[[list[dict]], bytes],
+    atomic: bool = True,
+) -> None:
+    """Run the protocol above. Returns on every rank only once the checkpoint is committed.
+
+    ``write_fragment(root)`` writes this rank's shard under ``root`` and returns
+    its fragment; ``build_manifest(fragments)`` (rank 0) validates them and
+    returns the manifest bytes.
+    """
+    rank = comm.rank
+    # 1. prepare (rank 0) -> broadcast the staging path or the error
+    staging, error = None, None
+    if rank == 0:
+        try:
+            staging = _prepare(target, atomic)
+            fault_point("prepare", 0)
+        except Exception as e:
+            error = describe(e)
+    staging, error = comm.broadcast((staging, error), 0)
+    if error is not None:
+        raise collective_error(f"save to {target!r}", {0: error})
+
+    # 2. write (all ranks): the vote is the fragment or the error
+    try:
+        vote = ("ok", write_fragment(staging))
+        fault_point("write", rank)
+    except Exception as e:
+        logger.debug("rank %d failed to write its shard", rank, exc_info=True)
+        vote = ("error", describe(e))
+
+    # 3. vote (all -> rank 0)
+    votes = comm.gather(vote, 0)
+    fault_point("vote", rank)
+
+    # 4. decide (rank 0)
+    decision = None
+    if rank == 0:
+        decision = _decide(target, staging, votes, build_manifest, atomic)
+
+    # 5. announce (rank 0 -> all)
+    decision = comm.broadcast(decision, 0)
+    fault_point("announce", rank)
+    if decision != "committed":
+        raise collective_error(f"save to {target!r}", decision)
+
+
+def _decide(target: str, staging: str, votes: list, build_manifest, atomic: bool):
+    """Rank 0's half of step 4: abort with all failures, or validate, write the manifest, publish."""
+    failures = {r: v[1] for r, v in enumerate(votes) if v[0] != "ok"}
+    if not failures:
+        try:
+            manifest = build_manifest([v[1] for v in votes])
+            fault_point("validate", 0)
+            write_durable(os.path.join(staging, fmt.MANIFEST_NAME), manifest)
+            fsync_path(staging)
+            fault_point("manifest", 0)
+            if atomic:
+                publish(staging, target)
+            else:
+                fsync_path(os.path.dirname(os.path.abspath(target)))
+            fault_point("publish", 0)
+            return "committed"
+        except Exception as e:
+            logger.debug("rank 0 failed to commit", exc_info=True)
+            failures = {0: describe(e)}
+    if atomic:
+        remove_tree(staging)
+    return failures
+
+
+def recover(target: str) -> list[str]:
+    """Remove leftovers of interrupted saves beside ``target``; returns what was done.
+
+    Staging and trash directories are removed. A backup of a replaced
+    checkpoint is moved back to the target if the target lost its manifest
+    (a crash in the middle of a replace without RENAME_EXCHANGE), otherwise
+    removed. Committed checkpoints and foreign files are never touched. Call
+    it only when no save to ``target`` is running.
+    """
+    done = []
+    target_ok = os.path.isfile(os.path.join(target, fmt.MANIFEST_NAME))
+    for kind, path in fmt.side_entries(target):
+        if kind == "backup" and not target_ok and os.path.isfile(os.path.join(path, fmt.MANIFEST_NAME)):
+            if os.path.isdir(target) and is_tddist_dir(target):
+                remove_tree(target)
+            if not os.path.exists(target):
+                os.rename(path, target)
+                fsync_path(os.path.dirname(os.path.abspath(target)))
+                target_ok = True
+                done.append(f"restored {path} to {target}")
+                continue
+        remove_tree(path)
+        done.append(f"removed {path}")
+        logger.info("recover: removed %s", path)
+    return done
+

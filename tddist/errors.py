@@ -1,0 +1,85 @@
+"""Every exception tddist raises.
+
+All are ``TddistError`` subclasses so callers can catch one type. Messages say
+what happened, on which rank, and how to fix it. Each class takes a single
+message so an error raised on one rank can be rebuilt, with the same class, on
+every other rank (see ``comm.collective_step``).
+"""
+
+from __future__ import annotations
+
+
+class TddistError(Exception):
+    """Base class of every tddist error.
+
+    ``failures`` maps each failing rank to its message when the error was
+    agreed on collectively; it is empty for a purely local error.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None):
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+
+class InvalidArgumentError(TddistError, ValueError):
+    """An argument of ``save``/``load`` is invalid (wrong type, unknown option)."""
+
+
+class InvalidDataError(TddistError, ValueError):
+    """The data handed to ``save`` cannot be checkpointed as given."""
+
+
+class ShardingError(InvalidDataError):
+    """The ranks' shards do not tile their global tensors (gap, overlap, mismatch)."""
+
+
+class TargetError(TddistError):
+    """The target path cannot be written: a file, a foreign directory, unwritable."""
+
+
+class CheckpointNotFoundError(TddistError, FileNotFoundError):
+    """No committed checkpoint (no valid manifest) exists at the given path."""
+
+
+class ManifestError(TddistError):
+    """The manifest is unreadable, of an unknown version, or inconsistent."""
+
+
+class CorruptCheckpointError(TddistError):
+    """A data file is missing, of the wrong size, or fails its checksum."""
+
+
+class CommError(TddistError):
+    """A collective operation failed: a peer died or the transport broke."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A collective operation did not complete within its timeout (a rank hung or died)."""
+
+
+class CollectiveError(TddistError):
+    """Several ranks failed with different errors; ``failures`` lists them all."""
+
+
+class InjectedFault(TddistError):
+    """Raised by the fault-injection hook (tests only, see ``tddist._faults``)."""
+
+
+#: Classes that may be rebuilt by name on another rank.
+BY_NAME: dict[str, type[TddistError]] = {
+    cls.__name__: cls
+    for cls in (
+        TddistError,
+        InvalidArgumentError,
+        InvalidDataError,
+        ShardingError,
+        TargetError,
+        CheckpointNotFoundError,
+        ManifestError,
+        CorruptCheckpointError,
+        CommError,
+        CommTimeoutError,
+        CollectiveError,
+        InjectedFault,
+    )
+}

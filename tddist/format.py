@@ -1,0 +1,181 @@
+"""The on-disk layout: names, version, key escaping, dtypes, JSON encoding.
+
+This is the only module that knows file names. ``docs/format.md`` is the
+public specification of what is written here; change both together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+
+import torch
+
+FORMAT_NAME = "tddist"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "tddist.json"
+TD_META_NAME = "meta.json"
+LEAF_SUFFIX = ".memmap"
+
+#: Checksum of one file: xxh3-64 of each block of ``CHECKSUM_BLOCK`` bytes,
+#: then xxh3-64 of the concatenated 8-byte big-endian block digests. Blocks let
+#: several threads hash (and verify) one large file in parallel.
+CHECKSUM_ALGORITHM = "xxh3-64-blocks"
+CHECKSUM_BLOCK = 32 * 1024 * 1024
+
+_STAGING_TAG = ".tddist-staging-"
+_TRASH_TAG = ".tddist-trash-"
+_BACKUP_TAG = ".tddist-backup-"
+_SIDE_RE = re.compile(r"^\.(?P<base>.+)\.tddist-(?P<kind>staging|trash|backup)-(?P<uid>[0-9a-f]{32})$")
+
+#: Top-level names of tensordict's meta.json; a key with one of these names
+#: would clash with them, so ``save`` refuses it.
+TD_META_RESERVED = frozenset({"shape", "device", "_type", "_format_version", "_class", "_names"})
+
+# Same unsafe set as tensordict's memmap writer, so each rank directory stays
+# loadable by ``TensorDict.load_memmap``. Kept here (not imported from
+# tensordict's private module) because the layout is our public contract.
+_UNSAFE = set('/<>:"|?*\\ \0%') | {chr(i) for i in range(32)} | {chr(127)}
+_ENCODE_TABLE = str.maketrans({c: f"%{ord(c):02X}" for c in _UNSAFE})
+_SAFE_VERBATIM_RE = re.compile(r'^[^/<>:"|?*\\\x00-\x1f\x7f%]+$')
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.bool,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of a torch dtype (``torch.float32`` -> ``float32``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise KeyError(name)
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of ``dtype_name``; raises KeyError for anything not whitelisted."""
+    return _DTYPES[name]
+
+
+def encode_key(key: str, robust: bool = True) -> str:
+    """File-name form of one key component (tensordict's percent-encoding)."""
+    if not robust:
+        return key
+    if not key:
+        return "%"
+    if key in (".", ".."):
+        return "%2E" * len(key)
+    return key.translate(_ENCODE_TABLE)
+
+
+def verbatim_key_problem(key: str) -> str | None:
+    """Why ``key`` cannot be a file name verbatim (``robust_key=False``), or None."""
+    if key in ("", ".", ".."):
+        return f"{key!r} does not name a file"
+    if not _SAFE_VERBATIM_RE.match(key):
+        return f"{key!r} contains a character that is unsafe in a file name"
+    if len(os.fsencode(key)) + len(LEAF_SUFFIX) > 255:
+        return f"{key[:40]!r}... is too long for a file name"
+    return None
+
+
+def rank_dir(rank: int) -> str:
+    """Name of the directory holding what ``rank`` wrote."""
+    return f"rank-{rank:05d}"
+
+
+def node_relpath(rank: int, key: tuple[str, ...], robust: bool = True) -> str:
+    """Relative path of the directory of the (sub-)TensorDict at ``key``."""
+    return os.path.join(rank_dir(rank), *(encode_key(k, robust) for k in key))
+
+
+def leaf_relpath(rank: int, key: tuple[str, ...], robust: bool = True) -> str:
+    """Relative path of the file that holds ``rank``'s chunk of leaf ``key``."""
+    *parents, name = key
+    return os.path.join(node_relpath(rank, tuple(parents), robust), encode_key(name, robust) + LEAF_SUFFIX)
+
+
+def td_meta(batch_size, leaves: dict[str, tuple[list[int], torch.dtype]], children: list[str]) -> dict:
+    """The meta.json that ``TensorDict.load_memmap`` reads for one node."""
+    meta: dict = {}
+    for name, (shape, dtype) in leaves.items():
+        meta[name] = {"device": "cpu", "shape": list(shape), "dtype": str(dtype), "is_nested": False}
+    for name in children:
+        meta[name] = {"type": "TensorDict"}
+    meta.update(
+        shape=list(batch_size),
+        device="cpu",
+        _type="<class 'tensordict._td.TensorDict'>",
+        _format_version=1,
+        _class="tensordict:TensorDict",
+    )
+    return meta
+
+
+def dumps(obj) -> bytes:
+    """Compact JSON (no NaN, UTF-8) as written to disk."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+
+
+def loads(data: bytes):
+    """Parse JSON written by ``dumps``."""
+    return json.loads(data)
+
+
+# --- names beside the target -------------------------------------------------
+
+
+def _side_name(target: str, tag: str) -> str:
+    parent, base = os.path.split(os.path.abspath(target))
+    return os.path.join(parent, f".{base}{tag}{uuid.uuid4().hex}")
+
+
+def staging_path(target: str) -> str:
+    """A fresh staging name beside ``target``, on the same file system."""
+    return _side_name(target, _STAGING_TAG)
+
+
+def trash_path(target: str) -> str:
+    """A fresh name for an old checkpoint being removed after a replace."""
+    return _side_name(target, _TRASH_TAG)
+
+
+def backup_path(target: str) -> str:
+    """A fresh name for the old checkpoint while it is replaced without RENAME_EXCHANGE."""
+    return _side_name(target, _BACKUP_TAG)
+
+
+def side_entries(target: str) -> list[tuple[str, str]]:
+    """(kind, path) of every staging/trash/backup entry that belongs to ``target``."""
+    parent, base = os.path.split(os.path.abspath(target))
+    found = []
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = _SIDE_RE.match(name)
+        if m and m.group("base") == base:
+            found.append((m.group("kind"), os.path.join(parent, name)))
+    return sorted(found)

@@ -1,0 +1,350 @@
+"""The manifest model: merging the ranks' fragments, validating, (de)serialising.
+
+A *fragment* is what one rank reports after writing its shard (its vote): the
+nodes (sub-TensorDicts) it holds and, for each leaf, its local shape,
+placement, and, if it wrote the leaf, the byte size and checksum. Rank 0
+merges the fragments into a ``Manifest``; readers parse it back with
+``parse_manifest``, which trusts nothing in the file.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import format as fmt
+from .errors import ManifestError, ShardingError
+from .sharding import Box, Replicate, Shard, full_box, shard_box, tiling_problems
+
+Key = tuple[str, ...]
+_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+_MAX_ELEMENTS = 1 << 56
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a leaf: who wrote it, where it lies in the global tensor, its bytes."""
+
+    rank: int
+    box: Box
+    nbytes: int
+    checksum: str
+
+
+@dataclass
+class Leaf:
+    key: Key
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    placement: Shard | Replicate
+    chunks: list[Chunk]
+
+
+@dataclass
+class Manifest:
+    world_size: int
+    nodes: dict[Key, tuple[int, ...]]  # node key -> global batch size
+    leaves: dict[Key, Leaf]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    robust_key: bool = True
+    created: str = ""
+    tddist_version: str = ""
+    version: int = fmt.FORMAT_VERSION
+
+
+# --- fragments -----------------------------------------------------------------
+
+
+def leaf_entry(key: Key, tensor_shape, dtype: torch.dtype, placement, nbytes: int | None, checksum: str | None) -> dict:
+    """One leaf of a fragment. ``checksum`` is None when this rank did not write the leaf."""
+    kind = ["shard", placement.dim] if isinstance(placement, Shard) else ["replicate"]
+    return {
+        "key": list(key),
+        "dtype": fmt.dtype_name(dtype),
+        "shape": list(tensor_shape),
+        "placement": kind,
+        "nbytes": nbytes,
+        "checksum": checksum,
+    }
+
+
+def merge_fragments(
+    fragments: list[dict], *, metadata: dict | None, robust_key: bool, version: str
+) -> Manifest:
+    """Validate the ranks' fragments against each other and build the manifest (rank 0).
+
+    Raises ShardingError naming the keys and ranks that disagree.
+    """
+    world = len(fragments)
+    first = fragments[0]
+    node_keys = [tuple(k) for k, _ in first["nodes"]]
+    leaf_keys = [tuple(e["key"]) for e in first["leaves"]]
+    for f in fragments[1:]:
+        if [tuple(k) for k, _ in f["nodes"]] != node_keys or [tuple(e["key"]) for e in f["leaves"]] != leaf_keys:
+            _raise_structure_mismatch(first, f)
+
+    nodes: dict[Key, tuple[int, ...]] = {}
+    for i, key in enumerate(node_keys):
+        sizes = [tuple(f["nodes"][i][1]) for f in fragments]
+        if any(len(s) != len(sizes[0]) or s[1:] != sizes[0][1:] for s in sizes):
+            raise ShardingError(
+                f"the TensorDict at {_show(key)} has batch sizes that differ beyond dim 0 across ranks: "
+                f"{_by_rank(sizes)}; only dim 0 may differ (it is the sharded batch dim)"
+            )
+        nodes[key] = (sum(s[0] for s in sizes), *sizes[0][1:]) if sizes[0] else ()
+
+    leaves: dict[Key, Leaf] = {}
+    for i, key in enumerate(leaf_keys):
+        entries = [f["leaves"][i] for f in fragments]
+        leaves[key] = _merge_leaf(key, entries)
+    return Manifest(
+        world_size=world,
+        nodes=nodes,
+        leaves=leaves,
+        metadata=dict(metadata or {}),
+        robust_key=robust_key,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        tddist_version=version,
+    )
+
+
+def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
+    e0 = entries[0]
+    for name in ("dtype", "placement"):
+        if any(e[name] != e0[name] for e in entries):
+            raise ShardingError(
+                f"leaf {_show(key)} has a different {name} on different ranks: "
+                f"{_by_rank([e[name] for e in entries])}; every rank must save the same {name}"
+            )
+    dtype = fmt.dtype_from_name(e0["dtype"])
+    shapes = [tuple(e["shape"]) for e in entries]
+    if e0["placement"][0] == "replicate":
+        if any(s != shapes[0] for s in shapes):
+            raise ShardingError(
+                f"replicated leaf {_show(key)} has different shapes on different ranks: {_by_rank(shapes)}; "
+                f"make them equal, or shard it with placements={{{_show(key)}: tddist.Shard(0)}}"
+            )
+        writers = [r for r, e in enumerate(entries) if e["checksum"] is not None]
+        differing = [r for r, e in enumerate(entries) if e.get("replica") not in (None, entries[writers[0]]["checksum"])]
+        if differing:
+            raise ShardingError(
+                f"replicated leaf {_show(key)} differs between ranks: rank(s) {differing[:16]} hold other values "
+                f"than rank {writers[0]}, whose copy would be written; make the replicas equal, or shard the leaf"
+            )
+        chunks = [Chunk(r, full_box(shapes[0]), entries[r]["nbytes"], entries[r]["checksum"]) for r in writers]
+        return Leaf(key, dtype, shapes[0], Replicate(), chunks)
+    dim = e0["placement"][1]
+    ndims = {len(s) for s in shapes}
+    if ndims != {len(shapes[0])} or dim >= len(shapes[0]):
+        raise ShardingError(
+            f"leaf {_show(key)} is sharded along dim {dim} but has shapes {_by_rank(shapes)}; "
+            f"every rank needs a tensor with more than {dim} dims and the same number of dims"
+        )
+    others = {s[:dim] + s[dim + 1 :] for s in shapes}
+    if len(others) != 1:
+        raise ShardingError(
+            f"leaf {_show(key)} is sharded along dim {dim}, but its shapes differ in other dims across ranks: "
+            f"{_by_rank(shapes)}; only dim {dim} may differ"
+        )
+    total = sum(s[dim] for s in shapes)
+    gshape = shapes[0][:dim] + (total,) + shapes[0][dim + 1 :]
+    chunks, start = [], 0
+    for r, (e, s) in enumerate(zip(entries, shapes)):
+        chunks.append(Chunk(r, shard_box(gshape, dim, start, start + s[dim]), e["nbytes"], e["checksum"]))
+        start += s[dim]
+    return Leaf(key, dtype, gshape, Shard(dim), chunks)
+
+
+def _raise_structure_mismatch(a: dict, b: dict) -> None:
+    ka = {tuple(e["key"]) for e in a["leaves"]} | {("<node>",) + tuple(k) for k, _ in a["nodes"]}
+    kb = {tuple(e["key"]) for e in b["leaves"]} | {("<node>",) + tuple(k) for k, _ in b["nodes"]}
+    only_a = sorted(_show(k) for k in ka - kb)[:5]
+    only_b = sorted(_show(k) for k in kb - ka)[:5]
+    raise ShardingError(
+        f"rank {a['rank']} and rank {b['rank']} save different keys (only on rank {a['rank']}: {only_a}, "
+        f"only on rank {b['rank']}: {only_b}, or the same keys in another order); every rank must pass "
+        f"a TensorDict with the same structure"
+    )
+
+
+def _by_rank(values: list) -> str:
+    shown = ", ".join(f"rank {r}: {v}" for r, v in list(enumerate(values))[:8])
+    return shown + (", ..." if len(values) > 8 else "")
+
+
+def _show(key: Key) -> str:
+    return repr(key[0]) if len(key) == 1 else repr(tuple(key))
+
+
+# --- JSON ---------------------------------------------------------------------
+
+
+def to_json(m: Manifest) -> dict:
+    """The manifest as written to disk (see docs/format.md)."""
+    leaves = []
+    for leaf in m.leaves.values():
+        if isinstance(leaf.placement, Shard):
+            d = leaf.placement.dim
+            placement = {"type": "shard", "dim": d}
+            chunks = [[c.rank, c.box[0][d], c.box[1][d], c.nbytes, c.checksum] for c in leaf.chunks]
+        else:
+            placement = {"type": "replicate"}
+            chunks = [[c.rank, c.nbytes, c.checksum] for c in leaf.chunks]
+        leaves.append(
+            {
+                "key": list(leaf.key),
+                "dtype": fmt.dtype_name(leaf.dtype),
+                "shape": list(leaf.shape),
+                "placement": placement,
+                "chunks": chunks,
+            }
+        )
+    return {
+        "format": fmt.FORMAT_NAME,
+        "version": m.version,
+        "tddist_version": m.tddist_version,
+        "created": m.created,
+        "world_size": m.world_size,
+        "layout": "directory",
+        "robust_key": m.robust_key,
+        "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
+        "metadata": m.metadata,
+        "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
+        "leaves": leaves,
+    }
+
+
+def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
+    """Build a Manifest from parsed JSON, validating every field (the file is untrusted)."""
+    p = _Parser(where)
+    p.check(isinstance(obj, dict), "is not a JSON object")
+    p.check(obj.get("format") == fmt.FORMAT_NAME, f"has format {obj.get('format')!r}, expected {fmt.FORMAT_NAME!r}")
+    version = obj.get("version")
+    p.check(type(version) is int, "has no integer 'version'")
+    if version > fmt.FORMAT_VERSION:
+        raise ManifestError(
+            f"{where} has format version {version}, newer than this tddist reads ({fmt.FORMAT_VERSION}); "
+            f"upgrade tddist to load it"
+        )
+    p.check(version >= 1, f"has invalid version {version}")
+    world = obj.get("world_size")
+    p.check(type(world) is int and world >= 1, f"has invalid world_size {world!r}")
+    p.check(obj.get("layout") == "directory", f"has unknown layout {obj.get('layout')!r}")
+    cs = obj.get("checksum")
+    p.check(
+        cs == {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
+        f"uses unknown checksum settings {cs!r}",
+    )
+    robust = obj.get("robust_key", True)
+    p.check(isinstance(robust, bool), "has a non-boolean 'robust_key'")
+    metadata = obj.get("metadata", {})
+    p.check(isinstance(metadata, dict), "has non-object 'metadata'")
+
+    nodes: dict[Key, tuple[int, ...]] = {}
+    for n in p.list_of(obj, "nodes"):
+        p.check(isinstance(n, dict), "has a node that is not an object")
+        key = p.key(n.get("key"), allow_empty=True)
+        p.check(key not in nodes, f"lists node {key!r} twice")
+        nodes[key] = p.shape(n.get("batch_size"), f"node {key!r} batch_size")
+
+    leaves: dict[Key, Leaf] = {}
+    for e in p.list_of(obj, "leaves"):
+        p.check(isinstance(e, dict), "has a leaf that is not an object")
+        leaf = _parse_leaf(p, e, world)
+        p.check(leaf.key not in leaves, f"lists leaf {leaf.key!r} twice")
+        p.check(leaf.key not in nodes, f"has {leaf.key!r} both as a node and as a leaf")
+        p.check(leaf.key[:-1] in nodes, f"has leaf {leaf.key!r} whose parent node is not listed")
+        leaves[leaf.key] = leaf
+    return Manifest(
+        world_size=world,
+        nodes=nodes,
+        leaves=leaves,
+        metadata=metadata,
+        robust_key=robust,
+        created=str(obj.get("created", "")),
+        tddist_version=str(obj.get("tddist_version", "")),
+        version=version,
+    )
+
+
+def _parse_leaf(p: "_Parser", e: dict, world: int) -> Leaf:
+    key = p.key(e.get("key"), allow_empty=False)
+    try:
+        dtype = fmt.dtype_from_name(e.get("dtype"))
+    except (KeyError, TypeError):
+        p.fail(f"leaf {key!r} has unknown dtype {e.get('dtype')!r}")
+    shape = p.shape(e.get("shape"), f"leaf {key!r} shape")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    pl = e.get("placement")
+    p.check(isinstance(pl, dict), f"leaf {key!r} has no placement object")
+    raw_chunks = p.list_of(e, "chunks")
+    chunks = []
+    if pl.get("type") == "shard":
+        dim = pl.get("dim")
+        p.check(type(dim) is int and 0 <= dim < len(shape), f"leaf {key!r} is sharded on invalid dim {dim!r}")
+        placement: Shard | Replicate = Shard(dim)
+        for c in raw_chunks:
+            p.check(isinstance(c, list) and len(c) == 5, f"leaf {key!r} has a malformed chunk {c!r}")
+            rank, start, length, nbytes, checksum = c
+            p.check(all(type(v) is int for v in (start, length)), f"leaf {key!r} has a malformed chunk {c!r}")
+            p.check(start >= 0 and length >= 0, f"leaf {key!r} has a negative chunk offset or size {c!r}")
+            chunks.append(_chunk(p, key, rank, shard_box(shape, dim, start, start + length), nbytes, checksum, world, itemsize))
+    elif pl.get("type") == "replicate":
+        placement = Replicate()
+        for c in raw_chunks:
+            p.check(isinstance(c, list) and len(c) == 3, f"leaf {key!r} has a malformed chunk {c!r}")
+            chunks.append(_chunk(p, key, c[0], full_box(shape), c[1], c[2], world, itemsize))
+        p.check(len(chunks) == 1, f"replicated leaf {key!r} must have exactly one chunk, has {len(chunks)}")
+    else:
+        p.fail(f"leaf {key!r} has unknown placement {pl!r}")
+    p.check(len({c.rank for c in chunks}) == len(chunks), f"leaf {key!r} lists a rank twice")
+    problems = tiling_problems(shape, [c.box for c in chunks])
+    p.check(not problems, f"leaf {key!r} chunks do not tile shape {list(shape)}: {'; '.join(problems)}")
+    return Leaf(key, dtype, shape, placement, chunks)
+
+
+def _chunk(p: "_Parser", key, rank, box: Box, nbytes, checksum, world: int, itemsize: int) -> Chunk:
+    p.check(type(rank) is int and 0 <= rank < world, f"leaf {key!r} has a chunk of invalid rank {rank!r}")
+    expected = math.prod(box[1]) * itemsize
+    p.check(type(nbytes) is int and nbytes == expected, f"leaf {key!r} rank {rank} declares {nbytes!r} bytes, its shape needs {expected}")
+    p.check(isinstance(checksum, str) and _HEX16.match(checksum) is not None, f"leaf {key!r} rank {rank} has a malformed checksum")
+    return Chunk(rank, box, nbytes, checksum)
+
+
+class _Parser:
+    """Small helper that turns every malformed field into one ManifestError."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, why: str):
+        raise ManifestError(
+            f"{self.where} {why}; the checkpoint is damaged or was tampered with (restore it from a copy)"
+        )
+
+    def check(self, ok: bool, why: str) -> None:
+        if not ok:
+            self.fail(why)
+
+    def list_of(self, obj: dict, name: str) -> list:
+        v = obj.get(name)
+        self.check(isinstance(v, list), f"has no list {name!r}")
+        return v
+
+    def key(self, v, allow_empty: bool) -> Key:
+        ok = isinstance(v, list) and all(isinstance(k, str) for k in v) and (allow_empty or v)
+        self.check(bool(ok) or (allow_empty and v == []), f"has an invalid key {v!r}")
+        return tuple(v)
+
+    def shape(self, v, what: str) -> tuple[int, ...]:
+        self.check(
+            isinstance(v, list) and len(v) <= 64 and all(type(s) is int and s >= 0 for s in v),
+            f"has invalid {what} {v!r}",
+        )
+        self.check(math.prod(v) < _MAX_ELEMENTS, f"has absurd {what} {v!r}")
+        return tuple(v)

@@ -1,0 +1,153 @@
+"""Between user data and flat keys: flatten what ``save`` gets, rebuild what ``load`` returns.
+
+Nodes are (sub-)TensorDicts, keyed by tuples of strings; leaves are tensors.
+A nested ``dict`` is a node with no batch dims.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from tensordict import TensorDict, TensorDictBase, is_tensorclass
+
+from . import format as fmt
+from .errors import InvalidArgumentError, InvalidDataError
+from .sharding import Replicate, Shard, consistent_batch
+
+Key = tuple[str, ...]
+
+
+def flatten(data: Any) -> tuple[dict[Key, tuple[int, ...]], dict[Key, torch.Tensor]]:
+    """``(nodes, leaves)`` of a TensorDict, tensorclass or nested dict of tensors, in insertion order."""
+    if is_tensorclass(data):
+        data = data._tensordict
+    if not isinstance(data, (TensorDictBase, Mapping)):
+        raise InvalidDataError(
+            f"save() takes a TensorDict, a tensorclass or a nested dict of tensors, got {type(data).__name__}"
+        )
+    nodes: dict[Key, tuple[int, ...]] = {}
+    leaves: dict[Key, torch.Tensor] = {}
+    _walk(data, (), nodes, leaves)
+    return nodes, leaves
+
+
+def _walk(node, key: Key, nodes: dict, leaves: dict) -> None:
+    if isinstance(node, TensorDictBase):
+        if not isinstance(node, TensorDict):
+            node = node.to_tensordict()
+        nodes[key] = tuple(node.batch_size)
+        items = node.items(include_nested=False, leaves_only=False)
+    else:
+        nodes[key] = ()
+        items = node.items()
+    for name, value in items:
+        if not isinstance(name, str):
+            raise InvalidDataError(f"key {name!r} under {list(key)} is not a string; use string keys")
+        if name in fmt.TD_META_RESERVED:
+            raise InvalidDataError(
+                f"key {name!r} under {list(key)} clashes with a field of tensordict's meta.json; rename it"
+            )
+        child = key + (name,)
+        if is_tensorclass(value):
+            value = value._tensordict
+        if isinstance(value, (TensorDictBase, Mapping)):
+            _walk(value, child, nodes, leaves)
+        elif isinstance(value, torch.Tensor) and _is_plain_tensor(value):
+            leaves[child] = value
+        else:
+            raise InvalidDataError(
+                f"leaf {list(child)} is a {type(value).__name__}; only plain tensors are saved "
+                f"(convert it to a tensor, or keep it in metadata= if it is small and JSON-able)"
+            )
+
+
+def _is_plain_tensor(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter) or type(t).__name__ == "MemoryMappedTensor"
+
+
+def local_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s values (a copy only when needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.contiguous()
+
+
+def resolve_placements(
+    nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], overrides: Mapping | None
+) -> dict[Key, Shard | Replicate]:
+    """Each leaf's placement: the override for it or its nearest node, else Shard(0) under batch dims, else Replicate."""
+    norm: dict[Key, Shard | Replicate] = {}
+    for k, p in (overrides or {}).items():
+        key = (k,) if isinstance(k, str) else tuple(k)
+        if key not in leaves and key not in nodes:
+            raise InvalidArgumentError(f"placements names key {k!r}, which is not in the data; known keys: {_some(leaves)}")
+        norm[key] = _placement(p, k)
+    out = {}
+    for key, t in leaves.items():
+        p = next((norm[key[:i]] for i in range(len(key), -1, -1) if key[:i] in norm), None)
+        if p is None:
+            p = Shard(0) if nodes[key[:-1]] else Replicate()
+        if isinstance(p, Shard) and not 0 <= p.dim < t.dim():
+            raise InvalidDataError(
+                f"leaf {list(key)} of shape {list(t.shape)} cannot be sharded along dim {p.dim}; "
+                f"give it placements={{{key!r}: tddist.Replicate()}} or a valid dim"
+            )
+        out[key] = p
+    return out
+
+
+def _placement(p, name) -> Shard | Replicate:
+    if isinstance(p, (Shard, Replicate)):
+        return p
+    cls = type(p).__name__
+    if cls == "Shard" and hasattr(p, "dim"):  # torch.distributed.tensor.Shard
+        return Shard(int(p.dim))
+    if cls == "Replicate":
+        return Replicate()
+    raise InvalidArgumentError(f"placement {p!r} for {name!r} is not tddist.Shard(dim) or tddist.Replicate()")
+
+
+def _some(d) -> str:
+    keys = [k[0] if len(k) == 1 else k for k in list(d)[:8]]
+    return f"{keys}{' ...' if len(d) > 8 else ''}"
+
+
+def select(leaf_keys, nodes, keys) -> tuple[list[Key], list[Key]]:
+    """(leaf keys, node keys) named by ``keys``: a leaf, or a node meaning everything under it."""
+    if keys is None:
+        return list(leaf_keys), list(nodes)
+    wanted = [(k,) if isinstance(k, str) else tuple(k) for k in ([keys] if isinstance(keys, (str, tuple)) else keys)]
+    out: list[Key] = []
+    for w in wanted:
+        hits = [k for k in leaf_keys if k[: len(w)] == w]
+        if not hits and w not in nodes:
+            raise InvalidArgumentError(f"key {w!r} is not in the checkpoint; it holds {_some(leaf_keys)}")
+        out.extend(h for h in hits if h not in out)
+    chosen = set(out) | {w for w in wanted if w in nodes}
+    node_keys = [n for n in nodes if not n or any(c[: len(n)] == n for c in chosen)]
+    return out, node_keys
+
+
+def build(nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], node_rows, device=None) -> TensorDict:
+    """A TensorDict from loaded leaves. A node's batch size is its saved one with dim 0
+    set to ``node_rows(key, batch)``, shortened until every child fits."""
+    children: dict[Key, dict[str, Any]] = {k: {} for k in nodes}
+    for key, t in leaves.items():
+        children[key[:-1]][key[-1]] = t
+    root = None
+    for key in sorted(nodes, key=len, reverse=True):
+        batch = nodes[key]
+        if batch:
+            batch = (node_rows(key, batch), *batch[1:])
+        source = children[key]
+        shapes = [v.batch_size if isinstance(v, TensorDictBase) else v.shape for v in source.values()]
+        root = TensorDict(source, batch_size=consistent_batch(batch, shapes), device=device)
+        if key:
+            children[key[:-1]][key[-1]] = root
+    return root

@@ -1,0 +1,206 @@
+"""Rank-local writing of one shard into the staging area, with checksums.
+
+The bytes go straight from each tensor's memory into its file with positioned
+``pwrite`` calls, in blocks spread over ``num_threads`` threads, and each
+block is hashed while it is in cache. This keeps tensordict's file layout
+(``<key>.memmap`` files plus ``meta.json`` per node) but not its writer:
+tensordict writes through a memory map, which costs an extra page-cache pass
+and turns a full disk into SIGBUS instead of an error. ``posix_fallocate``
+reserves each file's space first so a full disk fails fast with ENOSPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+import xxhash
+
+from . import format as fmt
+from ._fs import fsync_tree_dirs, write_durable
+from .manifest import leaf_entry
+from .sharding import consistent_batch
+
+logger = logging.getLogger(__name__)
+
+_WRITE_STEP = 8 * 1024 * 1024
+
+
+@dataclass
+class LeafToWrite:
+    """A tensor this rank writes: its key and its local (contiguous CPU) bytes."""
+
+    key: tuple[str, ...]
+    tensor: torch.Tensor
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 view of a contiguous CPU tensor (no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def hash_blocks(data) -> list[int]:
+    """xxh3-64 digests of each CHECKSUM_BLOCK-sized block of ``data``."""
+    mv = memoryview(data)
+    return [xxhash.xxh3_64_intdigest(mv[i : i + fmt.CHECKSUM_BLOCK]) for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
+
+
+def combine_digests(digests: list[int]) -> str:
+    """The file checksum from its block digests (see format.CHECKSUM_ALGORITHM)."""
+    joined = b"".join(d.to_bytes(8, "big") for d in digests)
+    return xxhash.xxh3_64_hexdigest(joined)
+
+
+def checksum_bytes(data) -> str:
+    """The checksum of a whole in-memory buffer."""
+    return combine_digests(hash_blocks(data))
+
+
+class _FileJob:
+    """One output file: its descriptor, the blocks still to write, their digests."""
+
+    def __init__(self, path: str, data: np.ndarray):
+        self.path = path
+        self.data = memoryview(data)
+        self.nblocks = (len(self.data) + fmt.CHECKSUM_BLOCK - 1) // fmt.CHECKSUM_BLOCK
+        self.digests: list[int] = [0] * self.nblocks
+        self.remaining = self.nblocks
+        self.lock = threading.Lock()
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.posix_fallocate(self.fd, 0, len(self.data))
+        except OSError:
+            os.close(self.fd)
+            raise
+
+    def write_block(self, index: int) -> None:
+        lo = index * fmt.CHECKSUM_BLOCK
+        block = self.data[lo : lo + fmt.CHECKSUM_BLOCK]
+        self.digests[index] = xxhash.xxh3_64_intdigest(block)
+        pos = 0
+        while pos < len(block):
+            pos += os.pwrite(self.fd, block[pos : pos + _WRITE_STEP], lo + pos)
+        with self.lock:
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.finish()
+
+    def finish(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def write_leaves(root: str, rank: int, leaves: list[LeafToWrite], robust_key: bool, num_threads: int) -> dict[tuple, tuple[int, str]]:
+    """Write each leaf's bytes to ``root/<rank dir>/<key>.memmap``; fsync each file.
+
+    Returns ``{key: (nbytes, checksum)}``. Tensors with no elements get no file,
+    as in tensordict. Directories are created but not fsynced (``write_shard`` does).
+    """
+    results: dict[tuple, tuple[int, str]] = {}
+    jobs: list[_FileJob] = []
+    try:
+        for leaf in leaves:
+            data = tensor_bytes(leaf.tensor)
+            if data.size == 0:
+                results[leaf.key] = (0, combine_digests([]))
+                continue
+            path = os.path.join(root, fmt.leaf_relpath(rank, leaf.key, robust_key))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            jobs.append(_FileJob(path, data))
+        tasks: list[Callable[[], None]] = [
+            (lambda j=j, i=i: j.write_block(i)) for j in jobs for i in range(j.nblocks)
+        ]
+        _run_all(tasks, num_threads)
+    finally:
+        for j in jobs:
+            j.close()
+    for leaf, j in zip([lf for lf in leaves if lf.tensor.numel()], jobs):
+        results[leaf.key] = (len(j.data), combine_digests(j.digests))
+    return results
+
+
+def _run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
+    """Run tasks in order on ``num_threads`` threads (0 or 1: this thread); re-raise the first error."""
+    if num_threads <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            t()
+        return
+    with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="tddist-write") as ex:
+        futures = [ex.submit(t) for t in tasks]
+        error = None
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:  # keep draining so every file gets closed
+                error = error or e
+                for g in futures:
+                    g.cancel()
+        if error is not None:
+            raise error
+
+
+def write_node_metas(root: str, rank: int, nodes: dict[tuple, tuple[int, ...]], leaves: dict[tuple, torch.Tensor], robust_key: bool) -> None:
+    """Write tensordict's meta.json in every node directory of this rank, so
+    ``TensorDict.load_memmap(<rank dir>)`` opens what this rank wrote."""
+    children: dict[tuple, list[str]] = {k: [] for k in nodes}
+    node_leaves: dict[tuple, dict] = {k: {} for k in nodes}
+    for key in nodes:
+        if key:
+            children[key[:-1]].append(key[-1])
+    for key, t in leaves.items():
+        node_leaves[key[:-1]][key[-1]] = (list(t.shape), t.dtype)
+    for key, batch in nodes.items():
+        batch = consistent_batch(batch, [s for s, _ in node_leaves[key].values()])
+        d = os.path.join(root, fmt.node_relpath(rank, key, robust_key))
+        os.makedirs(d, exist_ok=True)
+        write_durable(os.path.join(d, fmt.TD_META_NAME), fmt.dumps(fmt.td_meta(batch, node_leaves[key], children[key])))
+
+
+def sync_dirs(root: str, rank: int) -> None:
+    """fsync every directory this rank created."""
+    top = os.path.join(root, fmt.rank_dir(rank))
+    if os.path.isdir(top):
+        fsync_tree_dirs(top)
+
+
+def write_shard(
+    root: str,
+    rank: int,
+    nodes: dict[tuple, tuple[int, ...]],
+    leaves: list[tuple[tuple, torch.Tensor, object, bool]],
+    robust_key: bool,
+    num_threads: int,
+    check_replicas: bool = False,
+) -> dict:
+    """Write this rank's part of a checkpoint under ``root`` and return its fragment (its vote).
+
+    ``leaves`` holds ``(key, local tensor, placement, write)``; ``write`` is
+    False for a replicated leaf another rank writes. With ``check_replicas``
+    the leaves not written are still hashed, so rank 0 can compare replicas.
+    """
+    os.makedirs(os.path.join(root, fmt.rank_dir(rank)), exist_ok=True)
+    written = {key: t for key, t, _p, write in leaves if write}
+    results = write_leaves(root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads)
+    write_node_metas(root, rank, nodes, written, robust_key)
+    sync_dirs(root, rank)
+    entries = []
+    for key, t, placement, write in leaves:
+        nbytes, checksum = results.get(key, (None, None))
+        entry = leaf_entry(key, t.shape, t.dtype, placement, nbytes, checksum)
+        if check_replicas and not write:
+            entry["replica"] = checksum_bytes(tensor_bytes(t))
+        entries.append(entry)
+    return {"rank": rank, "nodes": [[list(k), list(b)] for k, b in nodes.items()], "leaves": entries}
