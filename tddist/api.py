@@ -8,34 +8,27 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 from tensordict import TensorDict
 
-from . import __version__
+from . import __version__, background
 from . import format as fmt
 from .comm import LocalComm, agree, resolve
 from .commit import recover as _recover
 from .commit import two_phase_commit
 from .errors import InvalidArgumentError, InvalidDataError
 from .manifest import Manifest, merge_fragments, to_json
-from .reader import read_leaves
+from .reader import mapped_file, read_leaves
 from .reader import read_manifest as _read_manifest
 from .sharding import Replicate, Shard, even_split, full_box, shard_box
 from .tree import build, flatten, local_bytes, resolve_placements, select
 from .writer import write_shard
 
 logger = logging.getLogger(__name__)
-
-_UNSUPPORTED_YET = {
-    "return_early": False,
-    "archive": False,
-    "compression": None,
-    "copy_existing": False,
-    "share_non_tensor": False,
-}
-
 
 def save(
     data: Any,
@@ -44,13 +37,19 @@ def save(
     comm: Any = None,
     placements: Mapping | None = None,
     num_threads: int = 0,
+    return_early: bool = False,
     atomic: bool = True,
     metadata: Mapping | None = None,
+    copy_existing: bool = False,
+    share_non_tensor: bool = False,
     robust_key: bool = True,
+    allow_pickle: bool = False,
     check_replicas: bool = False,
+    wait_for_pending: bool = True,
     timeout: float | None = None,
-    **options: Any,
-) -> TensorDict:
+    archive: bool = False,
+    compression: Any = None,
+) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint directory ``prefix``.
 
     Every rank of ``comm`` must call it with data of the same structure. Leaves
@@ -58,38 +57,104 @@ def save(
     is the ranks' rows in rank order); other leaves are replicated and written
     once, by rank 0. ``placements`` overrides this per key (or per node).
     Returns this rank's saved shard, memory-mapped (copy-on-write) from the
-    committed checkpoint. Returns only once the checkpoint is durable on every rank.
+    committed checkpoint, once the checkpoint is durable on every rank; with
+    ``return_early=True`` returns a ``concurrent.futures.Future`` of it as
+    soon as the data is snapshotted. See docs/parameters.md for every option.
     """
-    for name, value in options.items():
-        if name not in _UNSUPPORTED_YET:
-            raise InvalidArgumentError(f"save() got an unexpected argument {name!r}")
-        if value != _UNSUPPORTED_YET[name]:
-            raise InvalidArgumentError(f"save({name}={value!r}) is not supported by this version of tddist")
+    _check_save_args(prefix, num_threads, metadata, archive, compression)
+    target = os.path.abspath(os.fspath(prefix))
+    c = resolve(comm, timeout)
+    ch = background.channel(c)
+    ch.wait_idle(wait_for_pending, target)
+    options = dict(
+        placements=placements, robust_key=robust_key, allow_pickle=allow_pickle, copy_existing=copy_existing
+    )
+    if not return_early:
+        local = _prepare_local(data, c.rank, None, **options)
+        return _commit_and_open(c, target, local, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle)
+    bg = ch.background_comm()
+    local = _prepare_local(data, c.rank, ch.buffers, **options)
+    threads = max(num_threads, 1)
+    return ch.submit(
+        lambda: _commit_and_open(bg, target, local, metadata, robust_key, threads, check_replicas, atomic, share_non_tensor, allow_pickle)
+    )
+
+
+def _check_save_args(prefix, num_threads, metadata, archive, compression) -> None:
     if prefix is None:
-        raise InvalidArgumentError("save() needs a prefix: the checkpoint directory to create or replace")
+        raise InvalidArgumentError(
+            "save(prefix=None) is not supported: tensordict would write into the TensorDict's own memmap "
+            "directory or anonymous memory, which no other rank can see; pass the checkpoint path"
+        )
+    if archive or compression is not None:
+        raise InvalidArgumentError("archive=/compression= are not supported by this version of tddist")
     _check_int("num_threads", num_threads)
     if metadata is not None:
         try:
             fmt.dumps(dict(metadata))
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(f"metadata must be a JSON-able dict: {e}") from None
-    target = os.path.abspath(os.fspath(prefix))
-    c = resolve(comm, timeout)
 
-    def prepare():
-        nodes, leaves = flatten(data)
+
+@dataclass
+class _Local:
+    """This rank's prepared shard, or the error that preparing it raised (it becomes this rank's vote)."""
+
+    nodes: dict = None
+    items: list = None
+    objects: dict = None
+    error: Exception | None = None
+
+
+def _prepare_local(data, rank: int, buffers, *, placements, robust_key, allow_pickle, copy_existing) -> _Local:
+    """Flatten and check the data; with ``buffers``, snapshot it (asynchronous save).
+
+    Errors are captured, not raised: every rank must still take part in the
+    commit so that all of them raise the same error instead of some hanging.
+    """
+    try:
+        nodes, leaves, objects = flatten(data)
         if not robust_key:
-            _check_verbatim_keys(nodes, leaves)
+            _check_verbatim_keys(nodes, {**leaves, **objects})
+        if not copy_existing:
+            _check_not_mapped(leaves, rank)
         chosen = resolve_placements(nodes, leaves, placements)
-        return nodes, [(k, local_bytes(t), chosen[k], isinstance(chosen[k], Shard) or c.rank == 0) for k, t in leaves.items()]
+        encoded = {}
+        for k, (kind, value) in objects.items():
+            where = f"rank {rank}: non-tensor leaf {list(k)}"
+            if kind == "stack":
+                encoded[k] = (kind, [fmt.encode_object(v, allow_pickle, where) for v in value])
+            else:
+                encoded[k] = (kind, fmt.encode_object(value, allow_pickle, where))
+        items = []
+        for k, t in leaves.items():
+            local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
+            items.append((k, local, chosen[k], isinstance(chosen[k], Shard) or rank == 0))
+        if buffers is not None:
+            buffers.synchronize()
+            buffers.retain_only(set(leaves))
+        return _Local(nodes, items, encoded)
+    except Exception as e:
+        return _Local(error=e)
 
-    prepared = None
+
+def _check_not_mapped(leaves, rank: int) -> None:
+    for k, t in leaves.items():
+        path = mapped_file(t)
+        if path is not None:
+            raise InvalidDataError(
+                f"rank {rank}: leaf {list(k)} is memory-mapped from {path!r} (for example, loaded from a "
+                f"checkpoint); pass copy_existing=True to copy its data into the new checkpoint"
+            )
+
+
+def _commit_and_open(c, target, local: _Local, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle) -> TensorDict:
+    """Run the two-phase commit with this rank's prepared shard, then map what it saved."""
 
     def write_fragment(root: str) -> dict:
-        nonlocal prepared
-        prepared = prepare()
-        nodes, items = prepared
-        return write_shard(root, c.rank, nodes, items, robust_key, num_threads, check_replicas)
+        if local.error is not None:
+            raise local.error
+        return write_shard(root, c.rank, local.nodes, local.items, local.objects, robust_key, num_threads, check_replicas)
 
     def build_manifest(fragments: list[dict]) -> bytes:
         m = merge_fragments(fragments, metadata=dict(metadata or {}), robust_key=robust_key, version=__version__)
@@ -98,7 +163,7 @@ def save(
     two_phase_commit(c, target, write_fragment, build_manifest, atomic=atomic)
     logger.info("rank %d: committed %s", c.rank, target)
     manifest = _read_manifest(target)
-    return _load_from(manifest, target, c, shard="saved", keys=None, device=None, verify=False, num_threads=0)
+    return _load_from(manifest, target, c, "saved", None, None, False, 0, allow_pickle, share_non_tensor)
 
 
 def load(
@@ -110,6 +175,7 @@ def load(
     device: torch.device | str | None = None,
     verify: bool = False,
     num_threads: int = 0,
+    allow_pickle: bool = False,
     timeout: float | None = None,
 ) -> TensorDict:
     """Load a committed checkpoint.
@@ -119,31 +185,35 @@ def load(
     the rows this rank saved (same world size only). ``shard=None``: the whole
     global TensorDict, in any process. ``keys`` reads only those leaves (or
     nodes). ``verify`` checks every chunk read against its checksum.
-    Replicated leaves come back whole.
+    Replicated leaves come back whole. Non-tensor values saved with pickle
+    load only with ``allow_pickle=True``.
     """
     if shard not in ("even", "saved", None):
         raise InvalidArgumentError(f"shard={shard!r} is not supported; use 'even', 'saved' or None")
     _check_int("num_threads", num_threads)
     target = os.path.abspath(os.fspath(prefix))
     c = LocalComm() if shard is None and comm is None else resolve(comm, timeout)
+    args = (target, c, shard, keys, device, verify, num_threads, allow_pickle)
     if c.size == 1 or shard is None:
-        return _load_from(_read_manifest(target), target, c, shard, keys, device, verify, num_threads)
+        return _load_from(_read_manifest(target), *args)
     result, error = None, None
     try:
-        result = _load_from(_read_manifest(target), target, c, shard, keys, device, verify, num_threads)
+        result = _load_from(_read_manifest(target), *args)
     except Exception as e:
         error = e
     agree(c, f"load of {target!r}", error)
     return result
 
 
-def _load_from(manifest: Manifest, target: str, c, shard, keys, device, verify: bool, num_threads: int) -> TensorDict:
+def _load_from(manifest: Manifest, target: str, c, shard, keys, device, verify: bool, num_threads: int, allow_pickle: bool = False, share_non_tensor: bool = False) -> TensorDict:
     if shard == "saved" and manifest.world_size != c.size:
         raise InvalidArgumentError(
             f"rank {c.rank}: shard='saved' needs the saving world size ({manifest.world_size} ranks), this job has "
             f"{c.size}; use shard='even' to reshard"
         )
-    leaf_keys, node_keys = select(manifest.leaves, manifest.nodes, keys)
+    leaf_keys, node_keys = select(list(manifest.leaves) + list(manifest.objects), manifest.nodes, keys)
+    objects = {k: _object_value(manifest.objects[k], shard, c.rank, c.size, allow_pickle) for k in leaf_keys if k in manifest.objects}
+    leaf_keys = [k for k in leaf_keys if k in manifest.leaves]
     leaves = [manifest.leaves[k] for k in leaf_keys]
     boxes = [_box(leaf, shard, c.rank, c.size) for leaf in leaves]
     tensors = read_leaves(target, manifest, zip(leaves, boxes), num_threads, verify)
@@ -154,7 +224,24 @@ def _load_from(manifest: Manifest, target: str, c, shard, keys, device, verify: 
     def node_rows(key, batch):
         return _rows(manifest, key, batch[0], shard, c.rank, c.size)
 
-    return build({k: manifest.nodes[k] for k in node_keys}, loaded, node_rows, device)
+    return build({k: manifest.nodes[k] for k in node_keys}, loaded, node_rows, device, objects, share_non_tensor)
+
+
+def _object_value(obj, shard, rank: int, size: int, allow_pickle: bool) -> tuple[str, Any]:
+    """A non-tensor leaf as (kind, value) for this rank (see docs/parameters.md)."""
+    where = f"non-tensor leaf {list(obj.key)}"
+    values = obj.values
+    if obj.placement == "replicate":
+        return "data", fmt.decode_object(values[0], allow_pickle, where)
+    if obj.placement == "per_rank":
+        mine = shard == "saved" or (shard == "even" and len(values) == size)
+        chosen = values[rank] if mine else values
+        return "data", fmt.decode_object(chosen, allow_pickle, where) if mine else [fmt.decode_object(v, allow_pickle, where) for v in chosen]
+    rows = [v for per_rank in (values[rank:rank + 1] if shard == "saved" else values) for v in per_rank]
+    if shard == "even":
+        start, stop = even_split(len(rows), size)[rank]
+        rows = rows[start:stop]
+    return "stack", [fmt.decode_object(v, allow_pickle, where) for v in rows]
 
 
 def _box(leaf, shard, rank: int, size: int):

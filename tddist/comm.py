@@ -37,6 +37,10 @@ class Communicator(Protocol):
 
     def allgather(self, obj: Any) -> list: ...
 
+    def dup(self) -> "Communicator":
+        """A new communicator over the same ranks whose messages never mix with this one's (collective)."""
+        ...
+
 
 class LocalComm:
     """The communicator of a single process."""
@@ -56,6 +60,9 @@ class LocalComm:
     def allgather(self, obj):
         return [obj]
 
+    def dup(self):
+        return LocalComm()
+
 
 class _ThreadGroup:
     def __init__(self, size: int, timeout: float):
@@ -63,6 +70,8 @@ class _ThreadGroup:
         self.timeout = timeout
         self.slots: list[Any] = [None] * size
         self.barrier = threading.Barrier(size)
+        self.dups: list[_ThreadGroup] = []
+        self.lock = threading.Lock()
 
 
 class ThreadComm:
@@ -76,6 +85,7 @@ class ThreadComm:
         self._g = group
         self.rank = rank
         self.size = group.size
+        self._ndups = 0
 
     @staticmethod
     def create(size: int, timeout: float = DEFAULT_TIMEOUT) -> list["ThreadComm"]:
@@ -110,6 +120,14 @@ class ThreadComm:
 
     def allgather(self, obj):
         return self._exchange(obj, "allgather")
+
+    def dup(self) -> "ThreadComm":
+        with self._g.lock:
+            if len(self._g.dups) <= self._ndups:
+                self._g.dups.append(_ThreadGroup(self.size, self._g.timeout))
+            group = self._g.dups[self._ndups]
+        self._ndups += 1
+        return ThreadComm(group, self.rank)
 
 
 def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list:
@@ -204,9 +222,9 @@ def resolve(comm: Any = None, timeout: float | None = None) -> Communicator:
             return comm
         mod = type(comm).__module__ or ""
         if mod.startswith("mpi4py"):
-            from .comm_mpi import MPIComm
+            from .comm_mpi import mpi_comm
 
-            return MPIComm(comm, timeout)
+            return mpi_comm(comm, timeout)
         if mod.startswith("torch"):
             from .comm_torch import torch_comm
 
@@ -224,9 +242,9 @@ def resolve(comm: Any = None, timeout: float | None = None) -> Communicator:
 
         return torch_comm(None, timeout)
     if _mpi_world_size_from_env() > 1:
-        from .comm_mpi import MPIComm
+        from .comm_mpi import mpi_comm
 
-        return MPIComm(None, timeout)
+        return mpi_comm(None, timeout)
     if all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         from .comm_torch import init_from_env, torch_comm
 

@@ -88,3 +88,21 @@ class MPIComm:
 
     def allgather(self, obj: Any) -> list:
         return self.broadcast(self.gather(obj, 0), 0)
+
+    def dup(self) -> "MPIComm":
+        return MPIComm(self.comm, self.timeout)
+
+
+_CACHE: dict[tuple, MPIComm] = {}
+
+
+def mpi_comm(parent=None, timeout: float = 600.0) -> MPIComm:
+    """The MPIComm for ``parent`` (None: COMM_WORLD), duplicated once and reused."""
+    from mpi4py import MPI
+
+    parent = parent if parent is not None else MPI.COMM_WORLD
+    key = (parent.py2f(), round(timeout, 3))
+    comm = _CACHE.get(key)
+    if comm is None:
+        comm = _CACHE[key] = MPIComm(parent, timeout)
+    return comm

@@ -64,24 +64,28 @@ class TorchComm:
         self._run("allgather", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
+    def dup(self) -> "TorchComm":
+        return TorchComm(_new_gloo_group(tuple(dist.get_process_group_ranks(self.group)), self.timeout), self.timeout)
 
-def torch_comm(group, timeout: float, purpose: str = "save") -> TorchComm:
+
+def torch_comm(group, timeout: float) -> TorchComm:
     """The private gloo TorchComm for ``group`` (None: the default group).
 
     Creating it is collective over ``group``'s ranks the first time; later
-    calls reuse it. ``purpose`` keeps independent channels apart (the
-    background commit of an asynchronous save uses its own).
+    calls reuse it.
     """
     parent = group if group is not None else dist.group.WORLD
     ranks = tuple(dist.get_process_group_ranks(parent))
-    key = (id(parent), ranks, purpose, round(timeout, 3), os.getpid())
+    key = (id(parent), ranks, round(timeout, 3), os.getpid())
     comm = _GROUPS.get(key)
     if comm is None:
-        td = datetime.timedelta(seconds=timeout)
-        if len(ranks) == dist.get_world_size():
-            pg = dist.new_group(ranks=list(ranks), backend="gloo", timeout=td)
-        else:
-            pg = dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=True)
-        comm = TorchComm(pg, timeout)
+        comm = TorchComm(_new_gloo_group(ranks, timeout), timeout)
         _GROUPS[key] = comm
     return comm
+
+
+def _new_gloo_group(ranks: tuple, timeout: float):
+    """A new gloo group over ``ranks`` (collective over them)."""
+    td = datetime.timedelta(seconds=timeout)
+    local = len(ranks) != dist.get_world_size()
+    return dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=local)

@@ -61,6 +61,10 @@ class CollectiveError(TddistError):
     """Several ranks failed with different errors; ``failures`` lists them all."""
 
 
+class SaveInProgressError(TddistError):
+    """An asynchronous save is still in flight and the caller asked not to wait for it."""
+
+
 class InjectedFault(TddistError):
     """Raised by the fault-injection hook (tests only, see ``tddist._faults``)."""
 
@@ -80,6 +84,7 @@ BY_NAME: dict[str, type[TddistError]] = {
         CommError,
         CommTimeoutError,
         CollectiveError,
+        SaveInProgressError,
         InjectedFault,
     )
 }

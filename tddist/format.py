@@ -6,12 +6,16 @@ public specification of what is written here; change both together.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import pickle
 import re
 import uuid
 
 import torch
+
+from .errors import InvalidArgumentError, InvalidDataError, ManifestError
 
 FORMAT_NAME = "tddist"
 FORMAT_VERSION = 1
@@ -116,13 +120,20 @@ def leaf_relpath(rank: int, key: tuple[str, ...], robust: bool = True) -> str:
     return os.path.join(node_relpath(rank, tuple(parents), robust), encode_key(name, robust) + LEAF_SUFFIX)
 
 
-def td_meta(batch_size, leaves: dict[str, tuple[list[int], torch.dtype]], children: list[str]) -> dict:
+def td_meta(
+    batch_size,
+    leaves: dict[str, tuple[list[int], torch.dtype]],
+    children: list[str],
+    objects: dict[str, str] | None = None,
+) -> dict:
     """The meta.json that ``TensorDict.load_memmap`` reads for one node."""
     meta: dict = {}
     for name, (shape, dtype) in leaves.items():
         meta[name] = {"device": "cpu", "shape": list(shape), "dtype": str(dtype), "is_nested": False}
     for name in children:
         meta[name] = {"type": "TensorDict"}
+    for name, type_name in (objects or {}).items():
+        meta[name] = {"type": type_name}
     meta.update(
         shape=list(batch_size),
         device="cpu",
@@ -131,6 +142,67 @@ def td_meta(batch_size, leaves: dict[str, tuple[list[int], torch.dtype]], childr
         _class="tensordict:TensorDict",
     )
     return meta
+
+
+def encode_object(value, allow_pickle: bool, where: str) -> dict:
+    """A non-tensor value as stored in the manifest: ``{"json": v}``, or ``{"pickle": base64}`` if allowed.
+
+    A value is stored as JSON only if it comes back from JSON equal and of the
+    same type (a tuple would come back a list, so it needs pickle).
+    """
+    try:
+        if json.loads(json.dumps(value, allow_nan=False)) == value and _same_types(value):
+            return {"json": value}
+    except (TypeError, ValueError, RecursionError):
+        pass
+    if not allow_pickle:
+        raise InvalidDataError(
+            f"{where} holds a {type(value).__name__}, which JSON cannot represent exactly; convert it to JSON "
+            f"types (str, int, float, bool, None, list, dict with str keys), or pass allow_pickle=True to save "
+            f"and load it with pickle (never load pickled checkpoints from untrusted sources)"
+        )
+    return {"pickle": base64.b64encode(pickle.dumps(value, protocol=4)).decode("ascii")}
+
+
+def _same_types(value) -> bool:
+    if isinstance(value, (list,)):
+        return all(_same_types(v) for v in value)
+    if isinstance(value, dict):
+        return all(type(k) is str and _same_types(v) for k, v in value.items())
+    return type(value) in (str, int, float, bool, type(None))
+
+
+def decode_object(enc, allow_pickle: bool, where: str):
+    """Inverse of ``encode_object``; pickled values are refused unless ``allow_pickle``."""
+    if isinstance(enc, dict) and len(enc) == 1 and "json" in enc:
+        return enc["json"]
+    if isinstance(enc, dict) and len(enc) == 1 and isinstance(enc.get("pickle"), str):
+        if not allow_pickle:
+            raise InvalidArgumentError(
+                f"{where} was saved with pickle; loading it would execute code from the checkpoint. Pass "
+                f"allow_pickle=True only if you trust where the checkpoint comes from"
+            )
+        return pickle.loads(base64.b64decode(enc["pickle"]))
+    raise ManifestError(f"{where} has a malformed value {str(enc)[:80]!r}; the checkpoint is damaged")
+
+
+def td_object_meta(kind: str, enc) -> dict | None:
+    """tensordict's meta.json of a NonTensorData ("data") or NonTensorStack ("stack") leaf,
+    or None if its value is pickled (tensordict would need a pickle file)."""
+    if kind == "stack":
+        if not all("json" in e for e in enc):
+            return None
+        return {
+            "_type": "<class 'tensordict.tensorclass.NonTensorStack'>",
+            "_format_version": 1,
+            "_class": "tensordict:NonTensorStack",
+            "stack_dim": 0,
+            "device": None,
+            "data": [e["json"] for e in enc],
+        }
+    if "json" not in enc:
+        return None
+    return {"_type": "<class 'tensordict.tensorclass.NonTensorData'>", "data": enc["json"], "_metadata": None, "_is_non_tensor": True}
 
 
 def dumps(obj) -> bytes:

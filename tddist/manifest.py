@@ -46,10 +46,21 @@ class Leaf:
 
 
 @dataclass
+class ObjectLeaf:
+    """A non-tensor leaf. ``placement``: "replicate" (one value, written once), "per_rank"
+    (one value per saving rank) or "shard" (a stack: one list of row values per rank)."""
+
+    key: Key
+    placement: str
+    values: list  # encoded values (see format.encode_object)
+
+
+@dataclass
 class Manifest:
     world_size: int
     nodes: dict[Key, tuple[int, ...]]  # node key -> global batch size
     leaves: dict[Key, Leaf]
+    objects: dict[Key, ObjectLeaf] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     robust_key: bool = True
     created: str = ""
@@ -106,6 +117,7 @@ def merge_fragments(
         world_size=world,
         nodes=nodes,
         leaves=leaves,
+        objects=_merge_objects(fragments),
         metadata=dict(metadata or {}),
         robust_key=robust_key,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -158,6 +170,29 @@ def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
         chunks.append(Chunk(r, shard_box(gshape, dim, start, start + s[dim]), e["nbytes"], e["checksum"]))
         start += s[dim]
     return Leaf(key, dtype, gshape, Shard(dim), chunks)
+
+
+def _merge_objects(fragments: list[dict]) -> dict[Key, ObjectLeaf]:
+    """Non-tensor leaves: equal values on all ranks are stored once, others per rank; stacks are sharded."""
+    first = fragments[0].get("objects", [])
+    keys = [(tuple(o["key"]), o["kind"]) for o in first]
+    out: dict[Key, ObjectLeaf] = {}
+    for f in fragments[1:]:
+        if [(tuple(o["key"]), o["kind"]) for o in f.get("objects", [])] != keys:
+            theirs = [(tuple(o["key"]), o["kind"]) for o in f.get("objects", [])]
+            raise ShardingError(
+                f"rank 0 and rank {f['rank']} save different non-tensor entries ({keys[:5]} vs {theirs[:5]}); "
+                f"every rank must pass a TensorDict with the same structure"
+            )
+    for i, (key, kind) in enumerate(keys):
+        values = [f["objects"][i]["value"] for f in fragments]
+        if kind == "stack":
+            out[key] = ObjectLeaf(key, "shard", values)
+        elif all(v == values[0] for v in values):
+            out[key] = ObjectLeaf(key, "replicate", values[:1])
+        else:
+            out[key] = ObjectLeaf(key, "per_rank", values)
+    return out
 
 
 def _raise_structure_mismatch(a: dict, b: dict) -> None:
@@ -216,6 +251,7 @@ def to_json(m: Manifest) -> dict:
         "metadata": m.metadata,
         "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
         "leaves": leaves,
+        "objects": [{"key": list(o.key), "placement": o.placement, "values": o.values} for o in m.objects.values()],
     }
 
 
@@ -260,10 +296,24 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
         p.check(leaf.key not in nodes, f"has {leaf.key!r} both as a node and as a leaf")
         p.check(leaf.key[:-1] in nodes, f"has leaf {leaf.key!r} whose parent node is not listed")
         leaves[leaf.key] = leaf
+    objects: dict[Key, ObjectLeaf] = {}
+    for o in obj.get("objects", []) if isinstance(obj.get("objects", []), list) else p.fail("has a non-list 'objects'"):
+        p.check(isinstance(o, dict), "has a non-tensor entry that is not an object")
+        key = p.key(o.get("key"), allow_empty=False)
+        p.check(key not in objects and key not in leaves and key not in nodes, f"lists {key!r} twice")
+        p.check(key[:-1] in nodes, f"has non-tensor entry {key!r} whose parent node is not listed")
+        placement, values = o.get("placement"), o.get("values")
+        p.check(placement in ("replicate", "per_rank", "shard"), f"has non-tensor entry {key!r} with unknown placement {placement!r}")
+        p.check(isinstance(values, list) and len(values) == (1 if placement == "replicate" else world),
+                f"has non-tensor entry {key!r} with the wrong number of values")
+        if placement == "shard":
+            p.check(all(isinstance(v, list) for v in values), f"has non-tensor stack {key!r} with non-list values")
+        objects[key] = ObjectLeaf(key, placement, values)
     return Manifest(
         world_size=world,
         nodes=nodes,
         leaves=leaves,
+        objects=objects,
         metadata=metadata,
         robust_key=robust,
         created=str(obj.get("created", "")),

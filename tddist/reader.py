@@ -12,6 +12,7 @@ import errno
 import logging
 import math
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -27,6 +28,21 @@ from .sharding import Box, plan_reads
 from .writer import combine_digests
 
 logger = logging.getLogger(__name__)
+
+# Start address of each live chunk mapping -> its file, so ``save`` can tell
+# that a tensor is backed by a checkpoint file (``copy_existing``).
+_MAPPED: dict[int, str] = {}
+
+
+def mapped_file(t: torch.Tensor) -> str | None:
+    """The file ``t`` is memory-mapped from (a tddist load or a tensordict MemoryMappedTensor), or None."""
+    name = getattr(t, "filename", None)
+    if name:
+        return str(name)
+    try:
+        return _MAPPED.get(t.untyped_storage().data_ptr())
+    except RuntimeError:
+        return None
 
 
 def read_manifest(path: str) -> Manifest:
@@ -97,7 +113,11 @@ class ChunkSource:
                 f"file {path!r} of leaf {leaf.key!r} has {size} bytes, the manifest says {chunk.nbytes}; "
                 f"the checkpoint is damaged or truncated"
             )
-        return np.memmap(path, dtype=np.uint8, mode="c", shape=(chunk.nbytes,))
+        arr = np.memmap(path, dtype=np.uint8, mode="c", shape=(chunk.nbytes,))
+        addr = arr.ctypes.data
+        _MAPPED[addr] = path
+        weakref.finalize(arr, _MAPPED.pop, addr, None)
+        return arr
 
     def verify(self, leaf: Leaf, chunk: Chunk, pool: ThreadPoolExecutor | None) -> None:
         """Recompute the chunk's checksum and compare it with the manifest's."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from tensordict import TensorDict, TensorDictBase, is_tensorclass
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
 from . import format as fmt
 from .errors import InvalidArgumentError, InvalidDataError
@@ -18,8 +18,13 @@ from .sharding import Replicate, Shard, consistent_batch
 Key = tuple[str, ...]
 
 
-def flatten(data: Any) -> tuple[dict[Key, tuple[int, ...]], dict[Key, torch.Tensor]]:
-    """``(nodes, leaves)`` of a TensorDict, tensorclass or nested dict of tensors, in insertion order."""
+def flatten(data: Any) -> tuple[dict[Key, tuple[int, ...]], dict[Key, torch.Tensor], dict[Key, tuple[str, Any]]]:
+    """``(nodes, leaves, objects)`` of a TensorDict, tensorclass or nested dict, in insertion order.
+
+    ``objects`` holds the non-tensor leaves as ``("data", value)`` (one value,
+    a ``NonTensorData`` or a plain Python value in a dict) or ``("stack",
+    [values])`` (a ``NonTensorStack``: one value per row).
+    """
     if is_tensorclass(data):
         data = data._tensordict
     if not isinstance(data, (TensorDictBase, Mapping)):
@@ -28,11 +33,12 @@ def flatten(data: Any) -> tuple[dict[Key, tuple[int, ...]], dict[Key, torch.Tens
         )
     nodes: dict[Key, tuple[int, ...]] = {}
     leaves: dict[Key, torch.Tensor] = {}
-    _walk(data, (), nodes, leaves)
-    return nodes, leaves
+    objects: dict[Key, tuple[str, Any]] = {}
+    _walk(data, (), nodes, leaves, objects)
+    return nodes, leaves, objects
 
 
-def _walk(node, key: Key, nodes: dict, leaves: dict) -> None:
+def _walk(node, key: Key, nodes: dict, leaves: dict, objects: dict) -> None:
     if isinstance(node, TensorDictBase):
         if not isinstance(node, TensorDict):
             node = node.to_tensordict()
@@ -49,17 +55,28 @@ def _walk(node, key: Key, nodes: dict, leaves: dict) -> None:
                 f"key {name!r} under {list(key)} clashes with a field of tensordict's meta.json; rename it"
             )
         child = key + (name,)
-        if is_tensorclass(value):
-            value = value._tensordict
-        if isinstance(value, (TensorDictBase, Mapping)):
-            _walk(value, child, nodes, leaves)
-        elif isinstance(value, torch.Tensor) and _is_plain_tensor(value):
+        if isinstance(value, NonTensorData):
+            objects[child] = ("data", value.data)
+        elif isinstance(value, NonTensorStack):
+            if value.batch_dims != 1:
+                raise InvalidDataError(
+                    f"leaf {list(child)} is a NonTensorStack with {value.batch_dims} batch dims; only stacks "
+                    f"along one dim are saved (flatten it, or store it as a NonTensorData)"
+                )
+            objects[child] = ("stack", value.tolist())
+        elif is_tensorclass(value):
+            _walk(value._tensordict, child, nodes, leaves, objects)
+        elif isinstance(value, (TensorDictBase, Mapping)):
+            _walk(value, child, nodes, leaves, objects)
+        elif isinstance(value, torch.Tensor):
+            if not _is_plain_tensor(value):
+                raise InvalidDataError(
+                    f"leaf {list(child)} is a {type(value).__name__}; only plain tensors are saved by this "
+                    f"version (convert it with .full_tensor() or .to_local())"
+                )
             leaves[child] = value
         else:
-            raise InvalidDataError(
-                f"leaf {list(child)} is a {type(value).__name__}; only plain tensors are saved "
-                f"(convert it to a tensor, or keep it in metadata= if it is small and JSON-able)"
-            )
+            objects[child] = ("data", value)
 
 
 def _is_plain_tensor(t: torch.Tensor) -> bool:
@@ -134,12 +151,27 @@ def select(leaf_keys, nodes, keys) -> tuple[list[Key], list[Key]]:
     return out, node_keys
 
 
-def build(nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], node_rows, device=None) -> TensorDict:
-    """A TensorDict from loaded leaves. A node's batch size is its saved one with dim 0
-    set to ``node_rows(key, batch)``, shortened until every child fits."""
+def build(
+    nodes: dict[Key, tuple[int, ...]],
+    leaves: dict[Key, torch.Tensor],
+    node_rows,
+    device=None,
+    objects: dict[Key, tuple[str, Any]] | None = None,
+    share_non_tensor: bool = False,
+) -> TensorDict:
+    """A TensorDict from loaded leaves and non-tensor objects (as ``flatten`` returns them).
+
+    A node's batch size is its saved one with dim 0 set to
+    ``node_rows(key, batch)``, shortened until every child fits.
+    ``share_non_tensor`` puts non-tensor values in shared memory, as
+    tensordict's ``memmap(share_non_tensor=True)`` does.
+    """
     children: dict[Key, dict[str, Any]] = {k: {} for k in nodes}
     for key, t in leaves.items():
         children[key[:-1]][key[-1]] = t
+    node_objects: dict[Key, dict[str, tuple[str, Any]]] = {k: {} for k in nodes}
+    for key, obj in (objects or {}).items():
+        node_objects[key[:-1]][key[-1]] = obj
     root = None
     for key in sorted(nodes, key=len, reverse=True):
         batch = nodes[key]
@@ -147,7 +179,15 @@ def build(nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], no
             batch = (node_rows(key, batch), *batch[1:])
         source = children[key]
         shapes = [v.batch_size if isinstance(v, TensorDictBase) else v.shape for v in source.values()]
+        shapes += [(len(v),) for kind, v in node_objects[key].values() if kind == "stack"]
         root = TensorDict(source, batch_size=consistent_batch(batch, shapes), device=device)
+        for name, (kind, value) in node_objects[key].items():
+            if kind == "stack":
+                root.set(name, NonTensorStack.from_list(value))
+            else:
+                root.set_non_tensor(name, value)
+            if share_non_tensor:
+                root.get(name).share_memory_()
         if key:
             children[key[:-1]][key[-1]] = root
     return root

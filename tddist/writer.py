@@ -152,21 +152,43 @@ def _run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
             raise error
 
 
-def write_node_metas(root: str, rank: int, nodes: dict[tuple, tuple[int, ...]], leaves: dict[tuple, torch.Tensor], robust_key: bool) -> None:
+def write_node_metas(
+    root: str,
+    rank: int,
+    nodes: dict[tuple, tuple[int, ...]],
+    leaves: dict[tuple, torch.Tensor],
+    objects: dict[tuple, tuple[str, object]],
+    robust_key: bool,
+) -> None:
     """Write tensordict's meta.json in every node directory of this rank, so
-    ``TensorDict.load_memmap(<rank dir>)`` opens what this rank wrote."""
+    ``TensorDict.load_memmap(<rank dir>)`` opens what this rank wrote.
+
+    Non-tensor values stored as JSON get tensordict's NonTensorData /
+    NonTensorStack entries; pickled ones are left out (tddist never writes pickle files).
+    """
     children: dict[tuple, list[str]] = {k: [] for k in nodes}
     node_leaves: dict[tuple, dict] = {k: {} for k in nodes}
+    node_objects: dict[tuple, dict[str, str]] = {k: {} for k in nodes}
     for key in nodes:
         if key:
             children[key[:-1]].append(key[-1])
     for key, t in leaves.items():
         node_leaves[key[:-1]][key[-1]] = (list(t.shape), t.dtype)
-    for key, batch in nodes.items():
-        batch = consistent_batch(batch, [s for s, _ in node_leaves[key].values()])
+    for key, (kind, enc) in objects.items():
+        meta = fmt.td_object_meta(kind, enc)
+        if meta is None:
+            continue
         d = os.path.join(root, fmt.node_relpath(rank, key, robust_key))
         os.makedirs(d, exist_ok=True)
-        write_durable(os.path.join(d, fmt.TD_META_NAME), fmt.dumps(fmt.td_meta(batch, node_leaves[key], children[key])))
+        write_durable(os.path.join(d, fmt.TD_META_NAME), fmt.dumps(meta))
+        node_objects[key[:-1]][key[-1]] = "NonTensorStack" if kind == "stack" else "NonTensorData"
+    for key, batch in nodes.items():
+        shapes = [s for s, _ in node_leaves[key].values()]
+        batch = consistent_batch(batch, shapes)
+        meta = fmt.td_meta(batch, node_leaves[key], children[key], node_objects[key])
+        d = os.path.join(root, fmt.node_relpath(rank, key, robust_key))
+        os.makedirs(d, exist_ok=True)
+        write_durable(os.path.join(d, fmt.TD_META_NAME), fmt.dumps(meta))
 
 
 def sync_dirs(root: str, rank: int) -> None:
@@ -181,6 +203,7 @@ def write_shard(
     rank: int,
     nodes: dict[tuple, tuple[int, ...]],
     leaves: list[tuple[tuple, torch.Tensor, object, bool]],
+    objects: dict[tuple, tuple[str, object]],
     robust_key: bool,
     num_threads: int,
     check_replicas: bool = False,
@@ -188,13 +211,14 @@ def write_shard(
     """Write this rank's part of a checkpoint under ``root`` and return its fragment (its vote).
 
     ``leaves`` holds ``(key, local tensor, placement, write)``; ``write`` is
-    False for a replicated leaf another rank writes. With ``check_replicas``
+    False for a replicated leaf another rank writes. ``objects`` holds the
+    non-tensor leaves, already encoded. With ``check_replicas``
     the leaves not written are still hashed, so rank 0 can compare replicas.
     """
     os.makedirs(os.path.join(root, fmt.rank_dir(rank)), exist_ok=True)
     written = {key: t for key, t, _p, write in leaves if write}
     results = write_leaves(root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads)
-    write_node_metas(root, rank, nodes, written, robust_key)
+    write_node_metas(root, rank, nodes, written, objects, robust_key)
     sync_dirs(root, rank)
     entries = []
     for key, t, placement, write in leaves:
@@ -203,4 +227,9 @@ def write_shard(
         if check_replicas and not write:
             entry["replica"] = checksum_bytes(tensor_bytes(t))
         entries.append(entry)
-    return {"rank": rank, "nodes": [[list(k), list(b)] for k, b in nodes.items()], "leaves": entries}
+    return {
+        "rank": rank,
+        "nodes": [[list(k), list(b)] for k, b in nodes.items()],
+        "leaves": entries,
+        "objects": [{"key": list(k), "kind": kind, "value": enc} for k, (kind, enc) in objects.items()],
+    }
