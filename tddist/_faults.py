@@ -1,7 +1,7 @@
 """Fault injection at named points of the commit, for the test suite.
 
 Set ``TDDIST_FAULT=<point>:<rank>:<action>[,...]`` (action: ``raise``,
-``kill`` for SIGKILL, ``hang``) or use ``inject()`` in-process. The points are
+``kill`` for SIGKILL, ``hang``, ``delay`` for one second) or use ``inject()`` in-process. The points are
 listed in ``commit.py``'s docstring. With nothing set this is one dict lookup.
 """
 
@@ -41,6 +41,9 @@ def fault_point(point: str, rank: int) -> None:
     if action == "hang":
         while True:
             time.sleep(3600)
+    if action == "delay":
+        time.sleep(1.0)
+        return
     raise ValueError(f"unknown fault action {action!r}")
 
 

@@ -74,6 +74,34 @@ _channels: dict[int, Channel] = {}
 _lock = threading.Lock()
 
 
+def wait_all() -> None:
+    """Wait for every in-flight save of this process; log the ones that failed."""
+    for ch in list(_channels.values()):
+        fut = ch.pending
+        if fut is None:
+            continue
+        if not fut.done():
+            logger.warning("rank %d: waiting for an in-flight tddist save before exiting", ch.comm.rank)
+        try:
+            fut.result()
+        except Exception as e:
+            logger.error("rank %d: an asynchronous tddist save failed: %s", ch.comm.rank, e)
+
+
+# At exit, in-flight saves must finish before concurrent.futures stops
+# accepting work (the writer's threads are pools too). threading's exit hooks
+# run in reverse order of registration, before atexit's, and
+# concurrent.futures registered its own when it was imported above, so this
+# hook runs first. ``_register_atexit`` is private; without it, fall back to atexit.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(wait_all)
+else:  # pragma: no cover
+    import atexit
+
+    atexit.register(wait_all)
+
+
 def channel(comm: Communicator) -> Channel:
     """The channel of ``comm`` (communicators are cached by ``comm.resolve``, so identity is stable)."""
     with _lock:

@@ -1,0 +1,137 @@
+"""Rank program for asynchronous-save tests: ``python tests/async_rank.py <workdir> <mode>``.
+
+Runs every scenario in sequence inside the same ranks, then starts one more
+save with return_early=True and leaves the interpreter without waiting for it
+(the test then checks that this last checkpoint is complete).
+The communicator is detected (torchrun -> gloo, mpiexec -> MPI). Each rank
+writes a report through ``tests.launch_util.write_report``.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist import _faults
+from tddist.background import channel
+from tddist.comm import resolve
+from tests.launch_util import write_report
+
+
+def make(rank: int, step: int) -> TensorDict:
+    rows = 1000 + 37 * rank
+    base = torch.arange(rows * 64, dtype=torch.float32).view(rows, 64) + 1e6 * rank
+    return TensorDict(w=base + step, idx=torch.arange(rows) + step, batch_size=[rows])
+
+
+class Training:
+    """The job's own collectives, run while a save is in flight."""
+
+    def __init__(self, comm):
+        self.kind = type(comm).__name__
+        if self.kind == "TorchComm":
+            import torch.distributed as dist
+
+            self.dist = dist
+        else:
+            from mpi4py import MPI
+
+            self.mpi = MPI.COMM_WORLD
+
+    def allreduce(self, value: float) -> float:
+        if self.kind == "TorchComm":
+            t = torch.tensor([value])
+            self.dist.all_reduce(t)
+            return float(t.item())
+        return float(self.mpi.allreduce(value))
+
+
+def scenario_snapshot_and_training(work: Path, comm, rank: int, size: int) -> None:
+    """Mutations after save returns do not reach the checkpoint; training collectives run meanwhile."""
+    td = make(rank, 0)
+    expected = td.clone()
+    fut = tddist.save(td, work / "snap", return_early=True, num_threads=2)
+    td["w"].add_(5.0)
+    td["idx"].mul_(0)
+    train = Training(comm)
+    for i in range(20):
+        assert train.allreduce(1.0) == size, "training all_reduce returned a wrong value"
+    out = fut.result(timeout=60)
+    assert fut.done() and fut.exception() is None
+    assert (out == expected).all(), "the checkpoint holds values changed after save returned"
+    back = tddist.load(work / "snap", shard="saved", verify=True)
+    assert (back == expected).all()
+
+
+def scenario_buffers_reused(work: Path, comm, rank: int, size: int) -> None:
+    """A second asynchronous save of the same structure allocates no new snapshot buffers."""
+    ch = channel(comm)
+    tddist.save(make(rank, 1), work / "reuse", return_early=True).result(60)
+    before = ch.buffers.allocations
+    tddist.save(make(rank, 2), work / "reuse", return_early=True).result(60)
+    assert ch.buffers.allocations == before, (before, ch.buffers.allocations)
+    full = tddist.load(work / "reuse", shard="saved")
+    assert torch.equal(full["w"], make(rank, 2)["w"])
+
+
+def scenario_one_in_flight(work: Path, comm, rank: int, size: int) -> None:
+    """A second save waits for the first by default, or raises SaveInProgressError if asked not to wait."""
+    with _faults.inject("write", rank, "delay"):
+        first = tddist.save(make(rank, 3), work / "a", return_early=True)
+        try:
+            tddist.save(make(rank, 4), work / "b", return_early=True, wait_for_pending=False)
+        except tddist.errors.SaveInProgressError as e:
+            assert "in flight" in str(e)
+        else:
+            raise AssertionError("a second save did not refuse to start while one was in flight")
+        second = tddist.save(make(rank, 4), work / "b", return_early=True)  # waits for the first
+        assert first.done()
+    second.result(60)
+    assert torch.equal(tddist.load(work / "a", shard="saved")["w"], make(rank, 3)["w"])
+    assert torch.equal(tddist.load(work / "b", shard="saved")["w"], make(rank, 4)["w"])
+
+
+def scenario_failure_fails_every_future(work: Path, comm, rank: int, size: int) -> None:
+    """An error in the background on one rank fails every rank's future; nothing is committed."""
+    target = work / "fail"
+    tddist.save(make(rank, 5), target)
+    with _faults.inject("write", size - 1, "raise"):
+        fut = tddist.save(make(rank, 6), target, return_early=True)
+        err = fut.exception(timeout=60)
+    assert isinstance(err, tddist.errors.InjectedFault), repr(err)
+    assert f"rank {size - 1}" in str(err)
+    assert torch.equal(tddist.load(target, shard="saved")["w"], make(rank, 5)["w"])
+
+
+SCENARIOS = [
+    scenario_snapshot_and_training,
+    scenario_buffers_reused,
+    scenario_one_in_flight,
+    scenario_failure_fails_every_future,
+]
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    comm = resolve(None, timeout=60)
+    rank, size = comm.rank, comm.size
+    failures = {}
+    for scenario in SCENARIOS:
+        comm.barrier()
+        try:
+            scenario(work, comm, rank, size)
+        except Exception:
+            failures[scenario.__name__] = traceback.format_exc()
+    comm.barrier()
+    tddist.save(make(rank, 7), work / "exit", return_early=True, num_threads=2)
+    write_report(rank, "failed" if failures else "ok", failures=failures, comm=type(comm).__name__)
+    # leave with the save in flight: the interpreter must wait for it
+
+
+if __name__ == "__main__":
+    main()
