@@ -1,6 +1,7 @@
-"""Rank program for asynchronous-save tests: ``python tests/async_rank.py <workdir> <mode>``.
+"""Rank program for asynchronous-save tests: ``python tests/async_rank.py <workdir>``.
 
-Runs every scenario in sequence inside the same ranks, then starts one more
+Runs every scenario in sequence inside the same ranks (plus the parameter
+scenarios of tests/param_scenarios.py), then starts one more
 save with return_early=True and leaves the interpreter without waiting for it
 (the test then checks that this last checkpoint is complete).
 The communicator is detected (torchrun -> gloo, mpiexec -> MPI). Each rank
@@ -21,6 +22,7 @@ from tddist import _faults
 from tddist.background import channel
 from tddist.comm import resolve
 from tests.launch_util import write_report
+from tests.param_scenarios import SCENARIOS as PARAMETER_SCENARIOS
 
 
 def make(rank: int, step: int) -> TensorDict:
@@ -125,6 +127,12 @@ def main() -> None:
         comm.barrier()
         try:
             scenario(work, comm, rank, size)
+        except Exception:
+            failures[scenario.__name__] = traceback.format_exc()
+    for scenario in PARAMETER_SCENARIOS:  # comm=None: each save detects the communicator
+        comm.barrier()
+        try:
+            scenario(None, work / "params", rank, size)
         except Exception:
             failures[scenario.__name__] = traceback.format_exc()
     comm.barrier()
