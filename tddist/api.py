@@ -17,15 +17,17 @@ from tensordict import TensorDict
 
 from . import __version__, background
 from . import format as fmt
-from .comm import LocalComm, agree, resolve
+from .comm import LocalComm, resolve, run_step
 from .commit import recover as _recover
 from .commit import two_phase_commit
 from .errors import InvalidArgumentError, InvalidDataError
 from .manifest import Manifest, merge_fragments, to_json
 from .reader import mapped_file, read_leaves
 from .reader import read_manifest as _read_manifest
-from .sharding import Replicate, Shard, even_split, full_box, shard_box
-from .tree import build, flatten, local_bytes, resolve_placements, select
+from .plan import LoadReport, check_shard, leaf_box, node_rows, object_value
+from .restore import fill
+from .sharding import Boxes, Shard
+from .tree import build, dtensor_box, flatten, local_bytes, resolve_placements, select
 from .writer import write_shard
 
 logger = logging.getLogger(__name__)
@@ -128,8 +130,13 @@ def _prepare_local(data, rank: int, buffers, *, placements, robust_key, allow_pi
                 encoded[k] = (kind, fmt.encode_object(value, allow_pickle, where))
         items = []
         for k, t in leaves.items():
+            if isinstance(chosen[k], Boxes):
+                box, write = dtensor_box(t, k)
+                where = (box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
+            else:
+                write, where = isinstance(chosen[k], Shard) or rank == 0, None
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
-            items.append((k, local, chosen[k], isinstance(chosen[k], Shard) or rank == 0))
+            items.append((k, local, chosen[k], write, where))
         if buffers is not None:
             buffers.synchronize()
             buffers.retain_only(set(leaves))
@@ -163,107 +170,80 @@ def _commit_and_open(c, target, local: _Local, metadata, robust_key, num_threads
     two_phase_commit(c, target, write_fragment, build_manifest, atomic=atomic)
     logger.info("rank %d: committed %s", c.rank, target)
     manifest = _read_manifest(target)
-    return _load_from(manifest, target, c, "saved", None, None, False, 0, allow_pickle, share_non_tensor)
+    own = {k: where[0] for k, _t, _p, _w, where in local.items if where is not None}
+    return _load_from(manifest, target, c, "saved", None, None, False, 0, allow_pickle, share_non_tensor, own)
 
 
 def load(
     prefix: str | os.PathLike,
     *,
     comm: Any = None,
-    shard: str | None = "even",
+    shard: Any = "even",
     keys: Sequence | str | None = None,
+    into: Any = None,
+    strict: bool = True,
     device: torch.device | str | None = None,
     verify: bool = False,
     num_threads: int = 0,
     allow_pickle: bool = False,
     timeout: float | None = None,
-) -> TensorDict:
-    """Load a committed checkpoint.
+) -> TensorDict | LoadReport:
+    """Load a committed checkpoint, on any world size.
 
     ``shard="even"``: this rank's even share of the global rows (split as
-    ``torch.tensor_split`` does), on any world size. ``shard="saved"``: exactly
-    the rows this rank saved (same world size only). ``shard=None``: the whole
-    global TensorDict, in any process. ``keys`` reads only those leaves (or
-    nodes). ``verify`` checks every chunk read against its checksum.
-    Replicated leaves come back whole. Non-tensor values saved with pickle
-    load only with ``allow_pickle=True``.
+    ``torch.tensor_split`` does). ``shard="saved"``: exactly the rows this
+    rank saved (same world size only). ``shard=(start, stop)``: that row
+    range; ``shard=[n_0, n_1, ...]``: per-rank row counts. ``shard=None``:
+    the whole global TensorDict, in any process. Replicated and DTensor
+    leaves come back whole. ``keys`` reads only those leaves (or nodes).
+    ``verify`` checks every chunk read against its checksum.
+
+    ``into=target`` (a TensorDict or nested dict of tensors and DTensors)
+    fills the target in place instead, each leaf in its own placements, and
+    returns a ``LoadReport``. Every key is checked first: with ``strict``,
+    any missing, unexpected or mismatched key raises
+    ``IncompatibleCheckpointError`` listing all of them and nothing is
+    touched; ``strict=False`` loads what matches.
     """
-    if shard not in ("even", "saved", None):
-        raise InvalidArgumentError(f"shard={shard!r} is not supported; use 'even', 'saved' or None")
     _check_int("num_threads", num_threads)
     target = os.path.abspath(os.fspath(prefix))
-    c = LocalComm() if shard is None and comm is None else resolve(comm, timeout)
-    args = (target, c, shard, keys, device, verify, num_threads, allow_pickle)
-    if c.size == 1 or shard is None:
-        return _load_from(_read_manifest(target), *args)
-    result, error = None, None
-    try:
-        result = _load_from(_read_manifest(target), *args)
-    except Exception as e:
-        error = e
-    agree(c, f"load of {target!r}", error)
-    return result
+    c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)
+    check_shard(shard, c.size)
+
+    def run():
+        manifest = _read_manifest(target)
+        if into is not None:
+            return fill(manifest, target, into, strict=strict, shard=shard, rank=c.rank, size=c.size,
+                        num_threads=num_threads, verify=verify, allow_pickle=allow_pickle)
+        return _load_from(manifest, target, c, shard, keys, device, verify, num_threads, allow_pickle)
+
+    if c.size == 1 or (shard is None and into is None):
+        return run()
+    return run_step(c, f"load of {target!r}", run)
 
 
-def _load_from(manifest: Manifest, target: str, c, shard, keys, device, verify: bool, num_threads: int, allow_pickle: bool = False, share_non_tensor: bool = False) -> TensorDict:
+def _load_from(manifest: Manifest, target: str, c, shard, keys, device, verify: bool, num_threads: int,
+               allow_pickle: bool = False, share_non_tensor: bool = False, own_boxes: dict | None = None) -> TensorDict:
     if shard == "saved" and manifest.world_size != c.size:
         raise InvalidArgumentError(
             f"rank {c.rank}: shard='saved' needs the saving world size ({manifest.world_size} ranks), this job has "
             f"{c.size}; use shard='even' to reshard"
         )
     leaf_keys, node_keys = select(list(manifest.leaves) + list(manifest.objects), manifest.nodes, keys)
-    objects = {k: _object_value(manifest.objects[k], shard, c.rank, c.size, allow_pickle) for k in leaf_keys if k in manifest.objects}
+    objects = {k: object_value(manifest.objects[k], shard, c.rank, c.size, allow_pickle) for k in leaf_keys if k in manifest.objects}
     leaf_keys = [k for k in leaf_keys if k in manifest.leaves]
     leaves = [manifest.leaves[k] for k in leaf_keys]
-    boxes = [_box(leaf, shard, c.rank, c.size) for leaf in leaves]
+    own_boxes = own_boxes or {}
+    boxes = [own_boxes.get(leaf.key) or leaf_box(leaf, shard, c.rank, c.size) for leaf in leaves]
     tensors = read_leaves(target, manifest, zip(leaves, boxes), num_threads, verify)
     if device is not None:
         tensors = [t.to(device) for t in tensors]
     loaded = dict(zip(leaf_keys, tensors))
 
-    def node_rows(key, batch):
-        return _rows(manifest, key, batch[0], shard, c.rank, c.size)
+    def rows(key, batch):
+        return node_rows(manifest, key, batch[0], shard, c.rank, c.size)
 
-    return build({k: manifest.nodes[k] for k in node_keys}, loaded, node_rows, device, objects, share_non_tensor)
-
-
-def _object_value(obj, shard, rank: int, size: int, allow_pickle: bool) -> tuple[str, Any]:
-    """A non-tensor leaf as (kind, value) for this rank (see docs/parameters.md)."""
-    where = f"non-tensor leaf {list(obj.key)}"
-    values = obj.values
-    if obj.placement == "replicate":
-        return "data", fmt.decode_object(values[0], allow_pickle, where)
-    if obj.placement == "per_rank":
-        mine = shard == "saved" or (shard == "even" and len(values) == size)
-        chosen = values[rank] if mine else values
-        return "data", fmt.decode_object(chosen, allow_pickle, where) if mine else [fmt.decode_object(v, allow_pickle, where) for v in chosen]
-    rows = [v for per_rank in (values[rank:rank + 1] if shard == "saved" else values) for v in per_rank]
-    if shard == "even":
-        start, stop = even_split(len(rows), size)[rank]
-        rows = rows[start:stop]
-    return "stack", [fmt.decode_object(v, allow_pickle, where) for v in rows]
-
-
-def _box(leaf, shard, rank: int, size: int):
-    if shard is None or isinstance(leaf.placement, Replicate):
-        return full_box(leaf.shape)
-    d = leaf.placement.dim
-    if shard == "saved":
-        return leaf.chunks[rank].box
-    start, stop = even_split(leaf.shape[d], size)[rank]
-    return shard_box(leaf.shape, d, start, stop)
-
-
-def _rows(manifest: Manifest, node_key, global_rows: int, shard, rank: int, size: int) -> int:
-    """How many rows of a node's dim-0 batch this rank gets."""
-    if shard is None:
-        return global_rows
-    if shard == "saved":
-        for leaf in manifest.leaves.values():
-            if leaf.key[: len(node_key)] == node_key and leaf.placement == Shard(0):
-                return leaf.chunks[rank].box[1][0]
-    start, stop = even_split(global_rows, size)[rank]
-    return stop - start
+    return build({k: manifest.nodes[k] for k in node_keys}, loaded, rows, device, objects, share_non_tensor)
 
 
 def read_manifest(prefix: str | os.PathLike) -> Manifest:

@@ -172,7 +172,7 @@ def collective_error(what: str, failures: dict[int, tuple[str, str]]) -> TddistE
     cls = BY_NAME.get(names.pop()) if len(names) == 1 else None
     cls = cls or CollectiveError
     ranks = sorted(failures)
-    lines = "\n".join(f"  rank {r}: {failures[r][1]}" for r in ranks[:16])
+    lines = "\n".join(f"  rank {r}: {failures[r][1].removeprefix(f'rank {r}: ')}" for r in ranks[:16])
     more = f"\n  ... and {len(ranks) - 16} more ranks" if len(ranks) > 16 else ""
     msg = f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}:\n{lines}{more}"
     return cls(msg, failures={r: m for r, (_, m) in failures.items()})

@@ -45,6 +45,10 @@ class ManifestError(TddistError):
     """The manifest is unreadable, of an unknown version, or inconsistent."""
 
 
+class IncompatibleCheckpointError(TddistError):
+    """``load(into=...)``: the checkpoint's keys, shapes or dtypes do not match the target."""
+
+
 class CorruptCheckpointError(TddistError):
     """A data file is missing, of the wrong size, or fails its checksum."""
 
@@ -80,6 +84,7 @@ BY_NAME: dict[str, type[TddistError]] = {
         TargetError,
         CheckpointNotFoundError,
         ManifestError,
+        IncompatibleCheckpointError,
         CorruptCheckpointError,
         CommError,
         CommTimeoutError,

@@ -19,7 +19,7 @@ import torch
 
 from . import format as fmt
 from .errors import ManifestError, ShardingError
-from .sharding import Box, Replicate, Shard, full_box, shard_box, tiling_problems
+from .sharding import Box, Boxes, Placement, Replicate, Shard, full_box, shard_box, tiling_problems
 
 Key = tuple[str, ...]
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -41,7 +41,7 @@ class Leaf:
     key: Key
     dtype: torch.dtype
     shape: tuple[int, ...]
-    placement: Shard | Replicate
+    placement: Placement
     chunks: list[Chunk]
 
 
@@ -71,9 +71,27 @@ class Manifest:
 # --- fragments -----------------------------------------------------------------
 
 
-def leaf_entry(key: Key, tensor_shape, dtype: torch.dtype, placement, nbytes: int | None, checksum: str | None) -> dict:
-    """One leaf of a fragment. ``checksum`` is None when this rank did not write the leaf."""
-    kind = ["shard", placement.dim] if isinstance(placement, Shard) else ["replicate"]
+def leaf_entry(
+    key: Key,
+    tensor_shape,
+    dtype: torch.dtype,
+    placement,
+    nbytes: int | None,
+    checksum: str | None,
+    box: Box | None = None,
+    global_shape=None,
+) -> dict:
+    """One leaf of a fragment. ``checksum`` is None when this rank did not write the leaf.
+
+    ``Boxes`` leaves (DTensors) also give this rank's ``box`` in the global
+    tensor of ``global_shape``.
+    """
+    if isinstance(placement, Shard):
+        kind = ["shard", placement.dim]
+    elif isinstance(placement, Boxes):
+        kind = ["boxes", list(global_shape), [list(box[0]), list(box[1])]]
+    else:
+        kind = ["replicate"]
     return {
         "key": list(key),
         "dtype": fmt.dtype_name(dtype),
@@ -127,6 +145,8 @@ def merge_fragments(
 
 def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
     e0 = entries[0]
+    if e0["placement"][0] == "boxes":
+        return _merge_boxes(key, entries)
     for name in ("dtype", "placement"):
         if any(e[name] != e0[name] for e in entries):
             raise ShardingError(
@@ -170,6 +190,29 @@ def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
         chunks.append(Chunk(r, shard_box(gshape, dim, start, start + s[dim]), e["nbytes"], e["checksum"]))
         start += s[dim]
     return Leaf(key, dtype, gshape, Shard(dim), chunks)
+
+
+def _merge_boxes(key: Key, entries: list[dict]) -> Leaf:
+    """A DTensor leaf: each writing rank's box; together they must tile the global shape."""
+    kinds = {(e["dtype"], e["placement"][0], tuple(e["placement"][1])) for e in entries}
+    if len(kinds) != 1:
+        raise ShardingError(
+            f"DTensor leaf {_show(key)} differs across ranks in dtype, placement kind or global shape: "
+            f"{_by_rank([(e['dtype'], e['placement'][0], e['placement'][1]) for e in entries])}"
+        )
+    gshape = tuple(entries[0]["placement"][1])
+    chunks = [
+        Chunk(r, (tuple(e["placement"][2][0]), tuple(e["placement"][2][1])), e["nbytes"], e["checksum"])
+        for r, e in enumerate(entries)
+        if e["checksum"] is not None
+    ]
+    problems = tiling_problems(gshape, [c.box for c in chunks])
+    if problems:
+        raise ShardingError(
+            f"the ranks' shards of DTensor leaf {_show(key)} do not tile its global shape {list(gshape)}: "
+            f"{'; '.join(problems)}"
+        )
+    return Leaf(key, fmt.dtype_from_name(entries[0]["dtype"]), gshape, Boxes(), chunks)
 
 
 def _merge_objects(fragments: list[dict]) -> dict[Key, ObjectLeaf]:
@@ -227,6 +270,9 @@ def to_json(m: Manifest) -> dict:
             d = leaf.placement.dim
             placement = {"type": "shard", "dim": d}
             chunks = [[c.rank, c.box[0][d], c.box[1][d], c.nbytes, c.checksum] for c in leaf.chunks]
+        elif isinstance(leaf.placement, Boxes):
+            placement = {"type": "boxes"}
+            chunks = [[c.rank, list(c.box[0]), list(c.box[1]), c.nbytes, c.checksum] for c in leaf.chunks]
         else:
             placement = {"type": "replicate"}
             chunks = [[c.rank, c.nbytes, c.checksum] for c in leaf.chunks]
@@ -337,13 +383,21 @@ def _parse_leaf(p: "_Parser", e: dict, world: int) -> Leaf:
     if pl.get("type") == "shard":
         dim = pl.get("dim")
         p.check(type(dim) is int and 0 <= dim < len(shape), f"leaf {key!r} is sharded on invalid dim {dim!r}")
-        placement: Shard | Replicate = Shard(dim)
+        placement: Placement = Shard(dim)
         for c in raw_chunks:
             p.check(isinstance(c, list) and len(c) == 5, f"leaf {key!r} has a malformed chunk {c!r}")
             rank, start, length, nbytes, checksum = c
             p.check(all(type(v) is int for v in (start, length)), f"leaf {key!r} has a malformed chunk {c!r}")
             p.check(start >= 0 and length >= 0, f"leaf {key!r} has a negative chunk offset or size {c!r}")
             chunks.append(_chunk(p, key, rank, shard_box(shape, dim, start, start + length), nbytes, checksum, world, itemsize))
+    elif pl.get("type") == "boxes":
+        placement = Boxes()
+        for c in raw_chunks:
+            p.check(isinstance(c, list) and len(c) == 5, f"leaf {key!r} has a malformed chunk {c!r}")
+            rank, offs, sizes, nbytes, checksum = c
+            ok = all(isinstance(v, list) and len(v) == len(shape) and all(type(x) is int and x >= 0 for x in v) for v in (offs, sizes))
+            p.check(ok, f"leaf {key!r} has a malformed chunk box {c!r}")
+            chunks.append(_chunk(p, key, rank, (tuple(offs), tuple(sizes)), nbytes, checksum, world, itemsize))
     elif pl.get("type") == "replicate":
         placement = Replicate()
         for c in raw_chunks:

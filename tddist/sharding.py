@@ -25,7 +25,12 @@ class Replicate:
     """Every rank holds the whole leaf; one copy is written."""
 
 
-Placement = Shard | Replicate
+@dataclass(frozen=True)
+class Boxes:
+    """Each rank holds an arbitrary box of the leaf (a DTensor's local shard); replicas are written once."""
+
+
+Placement = Shard | Replicate | Boxes
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -27,7 +27,9 @@ class SnapshotBuffers:
         self.allocations = 0  # how many buffers were ever allocated (tests and benchmarks read it)
 
     def snapshot(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
-        """A CPU copy of ``t`` in this key's reusable buffer."""
+        """A CPU copy of ``t`` (a DTensor's local shard) in this key's reusable buffer."""
+        if hasattr(t, "to_local") and hasattr(t, "device_mesh"):
+            t = t.to_local()
         t = t.detach()
         if t.is_conj():
             t = t.resolve_conj()

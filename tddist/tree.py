@@ -13,7 +13,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from . import format as fmt
 from .errors import InvalidArgumentError, InvalidDataError
-from .sharding import Replicate, Shard, consistent_batch
+from .sharding import Box, Boxes, Placement, Replicate, Shard, consistent_batch
 
 Key = tuple[str, ...]
 
@@ -69,10 +69,10 @@ def _walk(node, key: Key, nodes: dict, leaves: dict, objects: dict) -> None:
         elif isinstance(value, (TensorDictBase, Mapping)):
             _walk(value, child, nodes, leaves, objects)
         elif isinstance(value, torch.Tensor):
-            if not _is_plain_tensor(value):
+            if not (_is_plain_tensor(value) or is_dtensor(value)):
                 raise InvalidDataError(
-                    f"leaf {list(child)} is a {type(value).__name__}; only plain tensors are saved by this "
-                    f"version (convert it with .full_tensor() or .to_local())"
+                    f"leaf {list(child)} is a {type(value).__name__}; tddist saves plain tensors and DTensors "
+                    f"(convert it to one of those)"
                 )
             leaves[child] = value
         else:
@@ -83,8 +83,35 @@ def _is_plain_tensor(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) or type(t).__name__ == "MemoryMappedTensor"
 
 
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
+
+
+def dtensor_box(d, key: Key) -> tuple[Box | None, bool]:
+    """This rank's box of a DTensor in its global tensor, and whether this rank writes it.
+
+    Of the ranks holding the same replica (Replicate on a mesh dim), only the
+    one at coordinate 0 of those mesh dims writes. A rank outside the mesh has no box.
+    """
+    kinds = [type(p).__name__ for p in d.placements]
+    if "Partial" in kinds:
+        raise InvalidDataError(
+            f"DTensor leaf {list(key)} has a Partial placement {d.placements}: its local values are not the "
+            f"tensor's values yet; call .redistribute() to Replicate or Shard before saving"
+        )
+    coord = d.device_mesh.get_coordinate()
+    if coord is None:
+        return None, False
+    (chunk,) = d.__create_chunk_list__()
+    box = (tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes))
+    writes = all(c == 0 for c, k in zip(coord, kinds) if k == "Replicate")
+    return box, writes
+
+
 def local_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with ``t``'s values (a copy only when needed)."""
+    """A contiguous CPU tensor with ``t``'s (local) values (a copy only when needed)."""
+    if is_dtensor(t):
+        t = t.to_local()
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -97,16 +124,25 @@ def local_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def resolve_placements(
     nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], overrides: Mapping | None
-) -> dict[Key, Shard | Replicate]:
-    """Each leaf's placement: the override for it or its nearest node, else Shard(0) under batch dims, else Replicate."""
+) -> dict[Key, Placement]:
+    """Each leaf's placement: Boxes for a DTensor (it keeps its own placements); else the override
+    for it or its nearest node, else Shard(0) under batch dims, else Replicate."""
     norm: dict[Key, Shard | Replicate] = {}
     for k, p in (overrides or {}).items():
         key = (k,) if isinstance(k, str) else tuple(k)
         if key not in leaves and key not in nodes:
             raise InvalidArgumentError(f"placements names key {k!r}, which is not in the data; known keys: {_some(leaves)}")
         norm[key] = _placement(p, k)
-    out = {}
+    out: dict[Key, Placement] = {}
     for key, t in leaves.items():
+        if is_dtensor(t):
+            if key in norm:
+                raise InvalidArgumentError(
+                    f"placements names DTensor leaf {list(key)}; a DTensor keeps its own placements "
+                    f"({t.placements}); redistribute it instead"
+                )
+            out[key] = Boxes()
+            continue
         p = next((norm[key[:i]] for i in range(len(key), -1, -1) if key[:i] in norm), None)
         if p is None:
             p = Shard(0) if nodes[key[:-1]] else Replicate()

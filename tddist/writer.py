@@ -202,7 +202,7 @@ def write_shard(
     root: str,
     rank: int,
     nodes: dict[tuple, tuple[int, ...]],
-    leaves: list[tuple[tuple, torch.Tensor, object, bool]],
+    leaves: list[tuple[tuple, torch.Tensor, object, bool, tuple | None]],
     objects: dict[tuple, tuple[str, object]],
     robust_key: bool,
     num_threads: int,
@@ -210,20 +210,21 @@ def write_shard(
 ) -> dict:
     """Write this rank's part of a checkpoint under ``root`` and return its fragment (its vote).
 
-    ``leaves`` holds ``(key, local tensor, placement, write)``; ``write`` is
-    False for a replicated leaf another rank writes. ``objects`` holds the
+    ``leaves`` holds ``(key, local tensor, placement, write, (box, global
+    shape) or None)``; ``write`` is False for a replica another rank writes. ``objects`` holds the
     non-tensor leaves, already encoded. With ``check_replicas``
     the leaves not written are still hashed, so rank 0 can compare replicas.
     """
     os.makedirs(os.path.join(root, fmt.rank_dir(rank)), exist_ok=True)
-    written = {key: t for key, t, _p, write in leaves if write}
+    written = {key: t for key, t, _p, write, _b in leaves if write}
     results = write_leaves(root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads)
     write_node_metas(root, rank, nodes, written, objects, robust_key)
     sync_dirs(root, rank)
     entries = []
-    for key, t, placement, write in leaves:
+    for key, t, placement, write, where in leaves:
         nbytes, checksum = results.get(key, (None, None))
-        entry = leaf_entry(key, t.shape, t.dtype, placement, nbytes, checksum)
+        box, global_shape = where or (None, None)
+        entry = leaf_entry(key, t.shape, t.dtype, placement, nbytes, checksum, box, global_shape)
         if check_replicas and not write:
             entry["replica"] = checksum_bytes(tensor_bytes(t))
         entries.append(entry)

@@ -1,0 +1,160 @@
+"""What each rank reads: boxes for a ``shard=`` request, node rows, non-tensor values,
+and the compatibility report of a ``load(into=...)`` target. Pure; no I/O.
+
+``shard`` is one of:
+
+- ``"even"``: rows ``[start_r, end_r)`` as ``torch.tensor_split`` splits them;
+- ``"saved"``: exactly the rows this rank saved (same world size only);
+- ``(start, stop)``: an explicit row range, the same for every sharded leaf;
+- ``[n_0, n_1, ...]``: per-rank row counts (one per rank, summing to the global rows);
+- ``None``: everything.
+
+Rows are along each leaf's shard dim; replicated and DTensor leaves come back whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import format as fmt
+from .errors import InvalidArgumentError
+from .manifest import Leaf, Manifest, ObjectLeaf
+from .sharding import Box, Shard, even_split, full_box, ranges_from_counts, shard_box
+
+
+def check_shard(shard, size: int) -> None:
+    """Refuse a malformed ``shard=`` before any reading."""
+    if shard in ("even", "saved", None):
+        return
+    if isinstance(shard, tuple) and len(shard) == 2 and all(type(v) is int for v in shard):
+        if not 0 <= shard[0] <= shard[1]:
+            raise InvalidArgumentError(f"shard={shard!r} is not a valid row range (start, stop) with 0 <= start <= stop")
+        return
+    if isinstance(shard, list) and all(type(v) is int and v >= 0 for v in shard):
+        if len(shard) != size:
+            raise InvalidArgumentError(f"shard= lists {len(shard)} row counts for {size} ranks; give one per rank")
+        return
+    raise InvalidArgumentError(
+        f"shard={shard!r} is not supported; use 'even', 'saved', None, a (start, stop) row range or a list of "
+        f"per-rank row counts"
+    )
+
+
+def row_range(n: int, shard, rank: int, size: int, what: str) -> tuple[int, int]:
+    """This rank's rows of ``n`` global rows for an "even", range or counts request."""
+    if shard == "even":
+        return even_split(n, size)[rank]
+    if isinstance(shard, tuple):
+        if shard[1] > n:
+            raise InvalidArgumentError(f"rank {rank}: shard={shard!r} ends past the {n} rows of {what}")
+        return shard
+    if sum(shard) != n:
+        raise InvalidArgumentError(f"shard= row counts sum to {sum(shard)}, but {what} has {n} rows")
+    return ranges_from_counts(shard)[rank]
+
+
+def leaf_box(leaf: Leaf, shard, rank: int, size: int) -> Box:
+    """The box of ``leaf`` this rank gets."""
+    if shard is None or not isinstance(leaf.placement, Shard):
+        return full_box(leaf.shape)
+    d = leaf.placement.dim
+    if shard == "saved":
+        return leaf.chunks[rank].box
+    start, stop = row_range(leaf.shape[d], shard, rank, size, f"leaf {list(leaf.key)}")
+    return shard_box(leaf.shape, d, start, stop)
+
+
+def node_rows(manifest: Manifest, node_key, global_rows: int, shard, rank: int, size: int) -> int:
+    """How many rows of a node's dim-0 batch this rank gets."""
+    if shard is None:
+        return global_rows
+    if shard == "saved":
+        for leaf in manifest.leaves.values():
+            if leaf.key[: len(node_key)] == node_key and leaf.placement == Shard(0):
+                return leaf.chunks[rank].box[1][0]
+    start, stop = row_range(global_rows, shard, rank, size, f"node {list(node_key)}")
+    return stop - start
+
+
+def object_value(obj: ObjectLeaf, shard, rank: int, size: int, allow_pickle: bool) -> tuple[str, Any]:
+    """A non-tensor leaf as (kind, value) for this rank (see docs/parameters.md)."""
+    where = f"non-tensor leaf {list(obj.key)}"
+    values = obj.values
+    if obj.placement == "replicate":
+        return "data", fmt.decode_object(values[0], allow_pickle, where)
+    if obj.placement == "per_rank":
+        if shard == "saved" or (shard == "even" and len(values) == size):
+            return "data", fmt.decode_object(values[rank], allow_pickle, where)
+        return "data", [fmt.decode_object(v, allow_pickle, where) for v in values]
+    rows = [v for per_rank in (values[rank : rank + 1] if shard == "saved" else values) for v in per_rank]
+    if shard not in ("saved", None):
+        start, stop = row_range(len(rows), shard, rank, size, where)
+        rows = rows[start:stop]
+    return "stack", [fmt.decode_object(v, allow_pickle, where) for v in rows]
+
+
+@dataclass
+class LoadReport:
+    """What ``load(into=...)`` found: keys missing from the checkpoint, keys the target
+    lacks, and leaves whose shape or dtype differ (key -> why). ``ok`` when all three are empty."""
+
+    missing: list = field(default_factory=list)
+    unexpected: list = field(default_factory=list)
+    mismatched: dict = field(default_factory=dict)
+    loaded: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def describe(self) -> str:
+        parts = []
+        if self.missing:
+            parts.append(f"missing from the checkpoint: {_keys(self.missing)}")
+        if self.unexpected:
+            parts.append(f"in the checkpoint but not in the target: {_keys(self.unexpected)}")
+        for m in list(self.mismatched.values())[:20]:
+            parts.append(m)
+        if len(self.mismatched) > 20:
+            parts.append(f"... and {len(self.mismatched) - 20} more mismatches")
+        return "; ".join(parts)
+
+
+def _keys(keys: list) -> str:
+    shown = [k[0] if len(k) == 1 else "/".join(k) for k in keys[:20]]
+    return f"{shown}{' ...' if len(keys) > 20 else ''}"
+
+
+def compare(manifest: Manifest, tensors: dict, objects: dict, global_shape) -> LoadReport:
+    """Check a target's leaves against the manifest (``global_shape(t)`` gives a target tensor's global shape)."""
+    report = LoadReport()
+    stored = set(manifest.leaves) | set(manifest.objects)
+    wanted = set(tensors) | set(objects)
+    report.missing = [k for k in list(tensors) + list(objects) if k not in stored]
+    report.unexpected = [k for k in list(manifest.leaves) + list(manifest.objects) if k not in wanted]
+    for key, t in tensors.items():
+        leaf = manifest.leaves.get(key)
+        if leaf is None:
+            if key in manifest.objects:
+                report.mismatched[key] = f"{list(key)} is a tensor in the target but a non-tensor value in the checkpoint"
+            continue
+        if t.dtype != leaf.dtype:
+            report.mismatched[key] = f"{list(key)} has dtype {t.dtype} in the target, {leaf.dtype} in the checkpoint"
+        elif tuple(global_shape(t)) != tuple(leaf.shape) and not _fits_part(t, leaf):
+            report.mismatched[key] = (
+                f"{list(key)} has shape {list(global_shape(t))} in the target, {list(leaf.shape)} in the checkpoint"
+            )
+    for key in objects:
+        if key in manifest.leaves:
+            report.mismatched[key] = f"{list(key)} is a non-tensor value in the target but a tensor in the checkpoint"
+    return report
+
+
+def _fits_part(t, leaf: Leaf) -> bool:
+    """A plain target tensor may hold a row range of a sharded leaf (same other dims)."""
+    if not isinstance(leaf.placement, Shard) or t.dim() != len(leaf.shape):
+        return False
+    d = leaf.placement.dim
+    return all(a == b for i, (a, b) in enumerate(zip(t.shape, leaf.shape)) if i != d) and t.shape[d] <= leaf.shape[d]
+
