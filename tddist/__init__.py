@@ -14,6 +14,7 @@ from .errors import (  # noqa: E402
     CommError,
     CommTimeoutError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     InvalidArgumentError,
     InvalidDataError,
     ManifestError,
@@ -22,13 +23,18 @@ from .errors import (  # noqa: E402
     TddistError,
 )
 from .manifest import Manifest  # noqa: E402
+from .plan import LoadReport  # noqa: E402
 from .sharding import Replicate, Shard  # noqa: E402
+from .state import get_state, set_state  # noqa: E402
 
 __all__ = [
     "save",
     "load",
     "read_manifest",
     "recover",
+    "get_state",
+    "set_state",
+    "LoadReport",
     "Shard",
     "Replicate",
     "Manifest",
@@ -44,6 +50,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ManifestError",
     "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
     "CommError",
     "CommTimeoutError",
     "CollectiveError",

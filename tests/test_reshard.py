@@ -1,0 +1,27 @@
+"""Resharding on real processes: save on 4 torchrun ranks (and 3 mpiexec ranks),
+load on 1, 2, 3 and 5 torchrun ranks. See tests/reshard_rank.py for what each
+job checks, including the bit-exact FSDP2 resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.launch_util import run_job
+
+SCRIPT = Path(__file__).with_name("reshard_rank.py")
+pytestmark = pytest.mark.multirank
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("reshard")
+    run_job("torchrun", 4, SCRIPT, [str(work), "save"], work / "reports-save", timeout=240).assert_ok(4)
+    run_job("mpiexec", 3, SCRIPT, [str(work), "mpisave"], work / "reports-mpi", timeout=120).assert_ok(3)
+    return work
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_load_on_other_world_size(saved: Path, world: int) -> None:
+    run_job("torchrun", world, SCRIPT, [str(saved), "load"], saved / f"reports-load{world}", timeout=240).assert_ok(world)
