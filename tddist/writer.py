@@ -152,15 +152,14 @@ def _run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
             raise error
 
 
-def write_node_metas(
-    root: str,
+def node_meta_files(
     rank: int,
     nodes: dict[tuple, tuple[int, ...]],
     leaves: dict[tuple, torch.Tensor],
     objects: dict[tuple, tuple[str, object]],
     robust_key: bool,
-) -> None:
-    """Write tensordict's meta.json in every node directory of this rank, so
+) -> dict[str, bytes]:
+    """tensordict's meta.json of every node of this rank, by relative path, so
     ``TensorDict.load_memmap(<rank dir>)`` opens what this rank wrote.
 
     Non-tensor values stored as JSON get tensordict's NonTensorData /
@@ -169,6 +168,7 @@ def write_node_metas(
     children: dict[tuple, list[str]] = {k: [] for k in nodes}
     node_leaves: dict[tuple, dict] = {k: {} for k in nodes}
     node_objects: dict[tuple, dict[str, str]] = {k: {} for k in nodes}
+    files: dict[str, bytes] = {}
     for key in nodes:
         if key:
             children[key[:-1]].append(key[-1])
@@ -176,19 +176,22 @@ def write_node_metas(
         node_leaves[key[:-1]][key[-1]] = (list(t.shape), t.dtype)
     for key, (kind, enc) in objects.items():
         meta = fmt.td_object_meta(kind, enc)
-        if meta is None:
-            continue
-        d = os.path.join(root, fmt.node_relpath(rank, key, robust_key))
-        os.makedirs(d, exist_ok=True)
-        write_durable(os.path.join(d, fmt.TD_META_NAME), fmt.dumps(meta))
-        node_objects[key[:-1]][key[-1]] = "NonTensorStack" if kind == "stack" else "NonTensorData"
+        if meta is not None:
+            files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
+            node_objects[key[:-1]][key[-1]] = "NonTensorStack" if kind == "stack" else "NonTensorData"
     for key, batch in nodes.items():
-        shapes = [s for s, _ in node_leaves[key].values()]
-        batch = consistent_batch(batch, shapes)
+        batch = consistent_batch(batch, [s for s, _ in node_leaves[key].values()])
         meta = fmt.td_meta(batch, node_leaves[key], children[key], node_objects[key])
-        d = os.path.join(root, fmt.node_relpath(rank, key, robust_key))
-        os.makedirs(d, exist_ok=True)
-        write_durable(os.path.join(d, fmt.TD_META_NAME), fmt.dumps(meta))
+        files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
+    return files
+
+
+def write_files(root: str, files: dict[str, bytes]) -> None:
+    """Write small files (the meta.json) durably under ``root``."""
+    for rel, data in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_durable(path, data)
 
 
 def sync_dirs(root: str, rank: int) -> None:
@@ -208,18 +211,26 @@ def write_shard(
     num_threads: int,
     check_replicas: bool = False,
 ) -> dict:
-    """Write this rank's part of a checkpoint under ``root`` and return its fragment (its vote).
+    """Write this rank's part of a directory checkpoint under ``root``; return its fragment (its vote).
 
     ``leaves`` holds ``(key, local tensor, placement, write, (box, global
-    shape) or None)``; ``write`` is False for a replica another rank writes. ``objects`` holds the
-    non-tensor leaves, already encoded. With ``check_replicas``
-    the leaves not written are still hashed, so rank 0 can compare replicas.
+    shape) or None)``; ``write`` is False for a replica another rank writes.
+    ``objects`` holds the non-tensor leaves, already encoded.
     """
     os.makedirs(os.path.join(root, fmt.rank_dir(rank)), exist_ok=True)
     written = {key: t for key, t, _p, write, _b in leaves if write}
     results = write_leaves(root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads)
-    write_node_metas(root, rank, nodes, written, objects, robust_key)
+    write_files(root, node_meta_files(rank, nodes, written, objects, robust_key))
     sync_dirs(root, rank)
+    return fragment(rank, nodes, leaves, objects, results, check_replicas)
+
+
+def fragment(rank: int, nodes, leaves, objects, results: dict, check_replicas: bool) -> dict:
+    """This rank's vote: its nodes, and each leaf's shape, placement, and (if written) size and checksum.
+
+    With ``check_replicas`` the replicas this rank did not write are hashed
+    too, so rank 0 can compare them with the copy it writes.
+    """
     entries = []
     for key, t, placement, write, where in leaves:
         nbytes, checksum = results.get(key, (None, None))
