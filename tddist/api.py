@@ -96,6 +96,19 @@ def _check_save_args(prefix, num_threads, metadata, archive, compression) -> Non
             fmt.dumps(dict(metadata))
         except (TypeError, ValueError) as e:
             raise InvalidArgumentError(f"metadata must be a JSON-able dict: {e}") from None
+        if not _str_keys(dict(metadata)):
+            raise InvalidArgumentError(
+                "metadata must be a JSON-able dict: every dict key must be a str (JSON would turn other keys "
+                "into strings, and keys such as 1 and '1' into one)"
+            )
+
+
+def _str_keys(value) -> bool:
+    if isinstance(value, Mapping):
+        return all(type(k) is str and _str_keys(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_str_keys(v) for v in value)
+    return True
 
 
 @dataclass
@@ -118,6 +131,7 @@ def _prepare_local(data, rank: int, buffers, *, placements, robust_key, allow_pi
         nodes, leaves, objects = flatten(data)
         if not robust_key:
             _check_verbatim_keys(nodes, {**leaves, **objects})
+        _check_file_names(nodes, leaves, objects, robust_key)
         if not copy_existing:
             _check_not_mapped(leaves, rank)
         chosen = resolve_placements(nodes, leaves, placements)
@@ -275,3 +289,20 @@ def _check_verbatim_keys(nodes, leaves) -> None:
                     f"use robust_key=True (the default) or rename the key"
                 )
 
+
+def _check_file_names(nodes, leaves, objects, robust_key: bool) -> None:
+    """Refuse keys whose files would collide in a rank directory (with each other or with meta.json),
+    or whose encoded names are too long for a file system."""
+    taken: dict[tuple, dict[str, tuple | None]] = {k: {fmt.TD_META_NAME: None} for k in nodes}
+    entries = [(k, fmt.encode_key(k[-1], robust_key)) for k in nodes if k]
+    entries += [(k, fmt.encode_key(k[-1], robust_key) + fmt.LEAF_SUFFIX) for k in leaves]
+    entries += [(k, fmt.encode_key(k[-1], robust_key)) for k in objects]
+    for key, name in entries:
+        if len(os.fsencode(name)) > 255:
+            raise InvalidDataError(f"key {list(key)[:3]}... is stored as a file name of more than 255 bytes; shorten it")
+        names = taken[key[:-1]]
+        if name in names:
+            other = names[name]
+            clash = "tensordict's meta.json" if other is None else f"the file of key {list(other)}"
+            raise InvalidDataError(f"key {list(key)} would be stored as {name!r}, which clashes with {clash}; rename it")
+        names[name] = key

@@ -211,6 +211,12 @@ def recover(target: str) -> list[str]:
                 target_ok = True
                 done.append(f"restored {path} to {target}")
                 continue
+            done.append(
+                f"kept {path}: it holds the only committed checkpoint, but {target} is occupied by something "
+                f"that is not a checkpoint; move that away and run recover again"
+            )
+            logger.warning("recover: %s", done[-1])
+            continue
         remove_tree(path)
         done.append(f"removed {path}")
         logger.info("recover: removed %s", path)

@@ -66,6 +66,7 @@ class Manifest:
     created: str = ""
     tddist_version: str = ""
     version: int = fmt.FORMAT_VERSION
+    node_rows: dict[Key, list[int]] = field(default_factory=dict)  # batched node -> its dim-0 rows per rank
 
 
 # --- fragments -----------------------------------------------------------------
@@ -118,6 +119,7 @@ def merge_fragments(
             _raise_structure_mismatch(first, f)
 
     nodes: dict[Key, tuple[int, ...]] = {}
+    node_rows: dict[Key, list[int]] = {}
     for i, key in enumerate(node_keys):
         sizes = [tuple(f["nodes"][i][1]) for f in fragments]
         if any(len(s) != len(sizes[0]) or s[1:] != sizes[0][1:] for s in sizes):
@@ -126,6 +128,8 @@ def merge_fragments(
                 f"{_by_rank(sizes)}; only dim 0 may differ (it is the sharded batch dim)"
             )
         nodes[key] = (sum(s[0] for s in sizes), *sizes[0][1:]) if sizes[0] else ()
+        if sizes[0]:
+            node_rows[key] = [s[0] for s in sizes]
 
     leaves: dict[Key, Leaf] = {}
     for i, key in enumerate(leaf_keys):
@@ -135,6 +139,7 @@ def merge_fragments(
         world_size=world,
         nodes=nodes,
         leaves=leaves,
+        node_rows=node_rows,
         objects=_merge_objects(fragments),
         metadata=dict(metadata or {}),
         robust_key=robust_key,
@@ -295,7 +300,10 @@ def to_json(m: Manifest) -> dict:
         "robust_key": m.robust_key,
         "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
         "metadata": m.metadata,
-        "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
+        "nodes": [
+            {"key": list(k), "batch_size": list(b), **({"rows": m.node_rows[k]} if k in m.node_rows else {})}
+            for k, b in m.nodes.items()
+        ],
         "leaves": leaves,
         "objects": [{"key": list(o.key), "placement": o.placement, "values": o.values} for o in m.objects.values()],
     }
@@ -328,11 +336,17 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
     p.check(isinstance(metadata, dict), "has non-object 'metadata'")
 
     nodes: dict[Key, tuple[int, ...]] = {}
+    node_rows: dict[Key, list[int]] = {}
     for n in p.list_of(obj, "nodes"):
         p.check(isinstance(n, dict), "has a node that is not an object")
         key = p.key(n.get("key"), allow_empty=True)
         p.check(key not in nodes, f"lists node {key!r} twice")
         nodes[key] = p.shape(n.get("batch_size"), f"node {key!r} batch_size")
+        if "rows" in n:
+            rows = n["rows"]
+            ok = isinstance(rows, list) and len(rows) == world and all(type(r) is int and r >= 0 for r in rows)
+            p.check(ok and nodes[key] != () and sum(rows) == nodes[key][0], f"has invalid rows {rows!r} for node {key!r}")
+            node_rows[key] = rows
 
     leaves: dict[Key, Leaf] = {}
     for e in p.list_of(obj, "leaves"):
@@ -355,10 +369,16 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
         if placement == "shard":
             p.check(all(isinstance(v, list) for v in values), f"has non-tensor stack {key!r} with non-list values")
         objects[key] = ObjectLeaf(key, placement, values)
+    if not robust:
+        for key in [*nodes, *leaves, *objects]:
+            for part in key:
+                why = fmt.verbatim_key_problem(part)
+                p.check(why is None, f"has key {list(key)}, unusable as a file name with robust_key=false: {why}")
     return Manifest(
         world_size=world,
         nodes=nodes,
         leaves=leaves,
+        node_rows=node_rows,
         objects=objects,
         metadata=metadata,
         robust_key=robust,
@@ -409,6 +429,8 @@ def _parse_leaf(p: "_Parser", e: dict, world: int) -> Leaf:
     p.check(len({c.rank for c in chunks}) == len(chunks), f"leaf {key!r} lists a rank twice")
     problems = tiling_problems(shape, [c.box for c in chunks])
     p.check(not problems, f"leaf {key!r} chunks do not tile shape {list(shape)}: {'; '.join(problems)}")
+    if isinstance(placement, Shard):
+        p.check([c.rank for c in chunks] == list(range(world)), f"leaf {key!r} must list one chunk per rank, in rank order")
     return Leaf(key, dtype, shape, placement, chunks)
 
 
@@ -447,7 +469,7 @@ class _Parser:
 
     def shape(self, v, what: str) -> tuple[int, ...]:
         self.check(
-            isinstance(v, list) and len(v) <= 64 and all(type(s) is int and s >= 0 for s in v),
+            isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < _MAX_ELEMENTS for s in v),
             f"has invalid {what} {v!r}",
         )
         self.check(math.prod(v) < _MAX_ELEMENTS, f"has absurd {what} {v!r}")

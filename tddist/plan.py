@@ -70,9 +70,13 @@ def node_rows(manifest: Manifest, node_key, global_rows: int, shard, rank: int, 
     if shard is None:
         return global_rows
     if shard == "saved":
+        rows = manifest.node_rows.get(tuple(node_key))
+        if rows is not None:
+            return rows[rank]
         for leaf in manifest.leaves.values():
             if leaf.key[: len(node_key)] == node_key and leaf.placement == Shard(0):
                 return leaf.chunks[rank].box[1][0]
+        shard = "even"
     start, stop = row_range(global_rows, shard, rank, size, f"node {list(node_key)}")
     return stop - start
 

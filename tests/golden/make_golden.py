@@ -1,0 +1,162 @@
+"""Build the golden checkpoints of tddist's on-disk format, version 1.
+
+    python tests/golden/make_golden.py            # writes tests/golden/v1/<name>/
+    python tests/golden/make_golden.py OUT_DIR    # writes OUT_DIR/<name>/ instead
+
+The values come from fixed formulas (no random numbers), so the recipe
+functions below also give the expected values to tests/test_golden.py. An
+existing golden checkpoint is never overwritten: see README.md beside this file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # allow running the script from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import tddist  # noqa: E402
+
+VERSION_DIR = Path(__file__).resolve().parent / "v1"
+
+#: checkpoint (a): one rank, nested, many dtypes, keys that need escaping
+SINGLE = "single_rank"
+SINGLE_METADATA = {"recipe": "single_rank", "step": 100, "lr": 0.25, "tags": ["golden", "v1"], "none": None}
+
+#: checkpoint (b): three ranks with uneven rows (rank 1 has none) and uneven columns
+MULTI = "three_ranks"
+WORLD = 3
+ROWS = (3, 0, 2)  # rows of "data" per rank
+COLS = (1, 3, 2)  # columns of ("shared", "cols") per rank, sharded along dim 1
+MULTI_METADATA = {"recipe": "three_ranks", "world": WORLD, "rows": list(ROWS), "cols": list(COLS), "note": "ünï ✓"}
+MULTI_PLACEMENTS = {("shared", "cols"): tddist.Shard(1)}
+
+
+def _ramp(shape, dtype, scale=1.0, offset=0.0) -> torch.Tensor:
+    n = 1
+    for s in shape:
+        n *= s
+    return (torch.arange(n, dtype=torch.float64) * scale + offset).reshape(shape).to(dtype)
+
+
+def single_rank_td() -> TensorDict:
+    """The data of checkpoint (a)."""
+    n = 4
+    obs = _ramp((n, 3), torch.float32, 0.5, -2.0)
+    obs[0, 1] = float("nan")
+    obs[1, 2] = float("-inf")
+    obs[2, 0] = -0.0
+    obs[3, 2] = 1e-45  # float32 subnormal
+    batch = TensorDict(
+        {
+            "obs": obs,
+            "a/b": torch.tensor([-(2**62), -1, 0, 2**62 + 5], dtype=torch.int64),
+            "..": TensorDict(
+                {"x y": _ramp((n, 2), torch.float16, 0.125, -0.5), "%": torch.tensor([True, False, False, True])},
+                [n],
+            ),
+            "": _ramp((n,), torch.bfloat16, 3.0, -4.0),
+            "tab\there": (_ramp((n, 2), torch.float64, 37.0) % 256).to(torch.uint8),
+            ".": _ramp((n,), torch.int16, -1000.0, 500.0),
+            "i32": _ramp((n,), torch.int32, 2**20, -(2**30)),
+            "f64": _ramp((n,), torch.float64, 1 / 3, 0.1),
+            "grid": TensorDict(
+                {
+                    "c": _ramp((n, 2), torch.int8, -17.0, 60.0),
+                    "z": torch.complex(_ramp((n, 2), torch.float32, 0.5), _ramp((n, 2), torch.float32, -1.5, 1.0)),
+                },
+                [n, 2],
+            ),
+            "empty": torch.zeros(n, 0),
+        },
+        [n],
+    )
+    return TensorDict({"batch": batch, "step": torch.tensor(123456789, dtype=torch.int64), "table": _ramp((3,), torch.float64, 0.75, 1.0)}, [])
+
+
+def multi_rank_global() -> TensorDict:
+    """The global values of checkpoint (b): what loading it whole must give."""
+    rows, cols = sum(ROWS), sum(COLS)
+    data = TensorDict(
+        {
+            "x": _ramp((rows, 4), torch.float32, 0.25, -1.0),
+            "y": _ramp((rows,), torch.int32, 7.0, -3.0),
+            "sub": TensorDict({"z": _ramp((rows, 2, 2), torch.float64, 1.5, 0.5)}, [rows, 2]),
+        },
+        [rows],
+    )
+    shared = TensorDict(
+        {"w": _ramp((6,), torch.float32, -0.5, 2.0), "cols": _ramp((3, cols), torch.int16, 11.0, -40.0)}, []
+    )
+    return TensorDict({"data": data, "shared": shared, "step": torch.tensor(42, dtype=torch.int64)}, [])
+
+
+def _span(counts, rank):
+    start = sum(counts[:rank])
+    return start, start + counts[rank]
+
+
+def multi_rank_shard(rank: int) -> TensorDict:
+    """What rank ``rank`` passes to save for checkpoint (b): its rows, its columns, the replicas."""
+    g = multi_rank_global()
+    r0, r1 = _span(ROWS, rank)
+    c0, c1 = _span(COLS, rank)
+    shard = TensorDict(
+        {
+            "data": g["data"][r0:r1].clone(),
+            "shared": TensorDict({"w": g["shared", "w"].clone(), "cols": g["shared", "cols"][:, c0:c1].clone()}, []),
+            "step": g["step"].clone(),
+        },
+        [],
+    )
+    return shard
+
+
+def write_single(path) -> None:
+    """Save checkpoint (a) at ``path``."""
+    tddist.save(single_rank_td(), path, metadata=SINGLE_METADATA, comm=tddist.LocalComm())
+
+
+def write_multi(path) -> None:
+    """Save checkpoint (b) at ``path`` from three thread ranks."""
+
+    def rank_main(comm):
+        tddist.save(
+            multi_rank_shard(comm.rank),
+            path,
+            comm=comm,
+            placements=MULTI_PLACEMENTS,
+            metadata=MULTI_METADATA,
+            check_replicas=True,
+        )
+        return "ok"
+
+    results = tddist.run_threads(WORLD, rank_main)
+    errors = [r for r in results if r != "ok"]
+    if errors:
+        raise errors[0]
+
+
+BUILDERS = {SINGLE: write_single, MULTI: write_multi}
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0]) if argv else VERSION_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    for name, write in BUILDERS.items():
+        target = out / name
+        if os.path.lexists(target):
+            print(f"{target} exists; golden checkpoints are never regenerated (see README.md)", file=sys.stderr)
+            continue
+        write(target)
+        print(f"wrote {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
