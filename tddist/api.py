@@ -22,6 +22,7 @@ from .commit import recover as _recover
 from .commit import two_phase_commit
 from .errors import InvalidArgumentError, InvalidDataError
 from .manifest import Manifest, merge_fragments, to_json
+from .archive import ArchiveWriter, resolve_compression
 from .reader import mapped_file, read_leaves
 from .reader import read_manifest as _read_manifest
 from .plan import LoadReport, check_shard, leaf_box, node_rows, object_value
@@ -49,7 +50,7 @@ def save(
     check_replicas: bool = False,
     wait_for_pending: bool = True,
     timeout: float | None = None,
-    archive: bool = False,
+    archive: bool | None = None,
     compression: Any = None,
 ) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint directory ``prefix``.
@@ -63,33 +64,44 @@ def save(
     ``return_early=True`` returns a ``concurrent.futures.Future`` of it as
     soon as the data is snapshotted. See docs/parameters.md for every option.
     """
-    _check_save_args(prefix, num_threads, metadata, archive, compression)
+    _check_save_args(prefix, num_threads, metadata)
     target = os.path.abspath(os.fspath(prefix))
+    if archive is None:
+        archive = target.endswith(fmt.ARCHIVE_SUFFIX)
+    if archive:
+        resolve_compression(compression)
+        if not atomic:
+            raise InvalidArgumentError(
+                "atomic=False is not supported for archives: an archive is always written whole to a staging "
+                "file and renamed; drop atomic=False or save a directory"
+            )
+    elif compression is not None:
+        raise InvalidArgumentError(
+            f"compression={compression!r} needs an archive: pass archive=True or a prefix ending in .tdz"
+        )
     c = resolve(comm, timeout)
     ch = background.channel(c)
     ch.wait_idle(wait_for_pending, target)
     options = dict(
         placements=placements, robust_key=robust_key, allow_pickle=allow_pickle, copy_existing=copy_existing
     )
+    job = _SaveJob(target, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle,
+                   compression if archive else False)
     if not return_early:
         local = _prepare_local(data, c.rank, None, **options)
-        return _commit_and_open(c, target, local, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle)
+        return _commit_and_open(c, job, local)
     bg = ch.background_comm()
     local = _prepare_local(data, c.rank, ch.buffers, **options)
-    threads = max(num_threads, 1)
-    return ch.submit(
-        lambda: _commit_and_open(bg, target, local, metadata, robust_key, threads, check_replicas, atomic, share_non_tensor, allow_pickle)
-    )
+    job.num_threads = max(num_threads, 1)
+    return ch.submit(lambda: _commit_and_open(bg, job, local))
 
 
-def _check_save_args(prefix, num_threads, metadata, archive, compression) -> None:
+def _check_save_args(prefix, num_threads, metadata) -> None:
     if prefix is None:
         raise InvalidArgumentError(
             "save(prefix=None) is not supported: tensordict would write into the TensorDict's own memmap "
             "directory or anonymous memory, which no other rank can see; pass the checkpoint path"
         )
-    if archive or compression is not None:
-        raise InvalidArgumentError("archive=/compression= are not supported by this version of tddist")
     _check_int("num_threads", num_threads)
     if metadata is not None:
         try:
@@ -169,23 +181,42 @@ def _check_not_mapped(leaves, rank: int) -> None:
             )
 
 
-def _commit_and_open(c, target, local: _Local, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle) -> TensorDict:
+@dataclass
+class _SaveJob:
+    """The options of one save that the commit needs (``compression`` False: a directory)."""
+
+    target: str
+    metadata: Mapping | None
+    robust_key: bool
+    num_threads: int
+    check_replicas: bool
+    atomic: bool
+    share_non_tensor: bool
+    allow_pickle: bool
+    compression: Any
+
+
+def _commit_and_open(c, job: _SaveJob, local: _Local) -> TensorDict:
     """Run the two-phase commit with this rank's prepared shard, then map what it saved."""
+    archive = None
+    if job.compression is not False:
+        archive = ArchiveWriter(c.rank, local, job.robust_key, job.compression, job.num_threads, job.check_replicas)
 
     def write_fragment(root: str) -> dict:
         if local.error is not None:
             raise local.error
-        return write_shard(root, c.rank, local.nodes, local.items, local.objects, robust_key, num_threads, check_replicas)
+        return write_shard(root, c.rank, local.nodes, local.items, local.objects, job.robust_key, job.num_threads, job.check_replicas)
 
     def build_manifest(fragments: list[dict]) -> bytes:
-        m = merge_fragments(fragments, metadata=dict(metadata or {}), robust_key=robust_key, version=__version__)
+        m = merge_fragments(fragments, metadata=dict(job.metadata or {}), robust_key=job.robust_key,
+                            version=__version__, layout="directory" if archive is None else "archive")
         return fmt.dumps(to_json(m))
 
-    two_phase_commit(c, target, write_fragment, build_manifest, atomic=atomic)
-    logger.info("rank %d: committed %s", c.rank, target)
-    manifest = _read_manifest(target)
+    two_phase_commit(c, job.target, write_fragment, build_manifest, atomic=job.atomic, archive=archive)
+    logger.info("rank %d: committed %s", c.rank, job.target)
+    manifest = _read_manifest(job.target)
     own = {k: where[0] for k, _t, _p, _w, where in local.items if where is not None}
-    return _load_from(manifest, target, c, "saved", None, None, False, 0, allow_pickle, share_non_tensor, own)
+    return _load_from(manifest, job.target, c, "saved", None, None, False, 0, job.allow_pickle, job.share_non_tensor, own)
 
 
 def load(

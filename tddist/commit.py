@@ -34,11 +34,12 @@ from __future__ import annotations
 import logging
 import os
 import re
-from typing import Callable
+from typing import Callable, Protocol
 
 from . import format as fmt
 from ._faults import fault_point
 from ._fs import exchange, fsync_path, remove_tree, rename_noreplace, write_durable
+from .archive import check_archive_target, is_tddist_archive
 from .comm import Communicator, collective_error, describe
 from .errors import TargetError
 
@@ -51,6 +52,13 @@ def is_tddist_dir(path: str) -> bool:
     """True if ``path`` holds only what tddist writes (a checkpoint, torn or not)."""
     names = os.listdir(path)
     return all(n == fmt.MANIFEST_NAME or _RANK_DIR_RE.match(n) for n in names)
+
+
+def is_committed(path: str) -> bool:
+    """True if ``path`` is a committed checkpoint: a directory with a manifest, or a tddist archive."""
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, fmt.MANIFEST_NAME))
+    return os.path.isfile(path) and is_tddist_archive(path)
 
 
 def check_target(target: str) -> bool:
@@ -74,9 +82,27 @@ def check_target(target: str) -> bool:
     return True
 
 
-def _prepare(target: str, atomic: bool) -> str:
+class ArchiveHooks(Protocol):
+    """What an archive save adds to the protocol (see ``archive.py``)."""
+
+    def region_size(self) -> int:
+        """(all ranks) Prepare this rank's entries; the bytes its region needs (a multiple of 64)."""
+
+    def write(self, staging: str, start: int) -> dict:
+        """(all ranks) Write this rank's region at ``start``; fsync; return the fragment."""
+
+    def finalize(self, staging: str, end: int, manifest: bytes, fragments: list[dict]) -> None:
+        """(rank 0) Write the manifest entry at ``end`` and the central directory; fsync."""
+
+
+def _prepare(target: str, atomic: bool, archive: bool) -> str:
     parent = os.path.dirname(os.path.abspath(target))
     os.makedirs(parent, exist_ok=True)
+    if archive:
+        check_archive_target(target)
+        staging = fmt.staging_path(target)
+        os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        return staging
     exists = check_target(target)
     if not atomic:
         if exists:
@@ -122,25 +148,32 @@ def two_phase_commit(
     write_fragment: Callable[[str], dict],
     build_manifest: Callable[[list[dict]], bytes],
     atomic: bool = True,
+    archive: ArchiveHooks | None = None,
 ) -> None:
     """Run the protocol above. Returns on every rank only once the checkpoint is committed.
 
     ``write_fragment(root)`` writes this rank's shard under ``root`` and returns
     its fragment; ``build_manifest(fragments)`` (rank 0) validates them and
-    returns the manifest bytes.
+    returns the manifest bytes. With ``archive``, the staging area is one file
+    and step 2 starts with a reservation round: every rank reports the size
+    of its region, rank 0 assigns offsets and pre-sizes the file.
     """
     rank = comm.rank
     # 1. prepare (rank 0) -> broadcast the staging path or the error
     staging, error = None, None
     if rank == 0:
         try:
-            staging = _prepare(target, atomic)
+            staging = _prepare(target, atomic, archive is not None)
             fault_point("prepare", 0)
         except Exception as e:
             error = describe(e)
     staging, error = comm.broadcast((staging, error), 0)
     if error is not None:
         raise collective_error(f"save to {target!r}", {0: error})
+    end = None
+    if archive is not None:
+        start, end = _reserve(comm, target, staging, archive)
+        write_fragment = lambda root: archive.write(root, start)  # noqa: E731
 
     # 2. write (all ranks): the vote is the fragment or the error
     try:
@@ -157,7 +190,8 @@ def two_phase_commit(
     # 4. decide (rank 0)
     decision = None
     if rank == 0:
-        decision = _decide(target, staging, votes, build_manifest, atomic)
+        write_manifest = _manifest_writer(archive, end)
+        decision = _decide(target, staging, votes, build_manifest, write_manifest, atomic)
 
     # 5. announce (rank 0 -> all)
     decision = comm.broadcast(decision, 0)
@@ -166,15 +200,65 @@ def two_phase_commit(
         raise collective_error(f"save to {target!r}", decision)
 
 
-def _decide(target: str, staging: str, votes: list, build_manifest, atomic: bool):
+def _reserve(comm: Communicator, target: str, staging: str, archive: ArchiveHooks) -> tuple[int, int]:
+    """Archive step 2a: gather region sizes, assign offsets, pre-size the staging file.
+
+    Returns this rank's start and the end of all regions (where rank 0 puts the manifest).
+    """
+    try:
+        status = ("ok", archive.region_size())
+    except Exception as e:
+        logger.debug("rank %d failed to prepare its archive entries", comm.rank, exc_info=True)
+        status = ("error", describe(e))
+    statuses = comm.gather(status, 0)
+    decision = None
+    if comm.rank == 0:
+        failures = {r: s[1] for r, s in enumerate(statuses) if s[0] != "ok"}
+        if not failures:
+            starts, pos = [], 0
+            for _ok, size in statuses:
+                starts.append(pos)
+                pos += size
+            try:
+                if pos:
+                    fd = os.open(staging, os.O_WRONLY)
+                    try:
+                        os.posix_fallocate(fd, 0, pos)
+                    finally:
+                        os.close(fd)
+                decision = ("ok", starts, pos)
+            except OSError as e:
+                failures = {0: describe(e)}
+        if failures:
+            remove_tree(staging)
+            decision = ("error", failures)
+    decision = comm.broadcast(decision, 0)
+    if decision[0] != "ok":
+        raise collective_error(f"save to {target!r}", decision[1])
+    return decision[1][comm.rank], decision[2]
+
+
+def _manifest_writer(archive: ArchiveHooks | None, end: int | None):
+    """How rank 0 puts the manifest into the staging area (a file, or an archive entry)."""
+    if archive is None:
+        def write(staging, manifest, fragments):
+            write_durable(os.path.join(staging, fmt.MANIFEST_NAME), manifest)
+            fsync_path(staging)
+    else:
+        def write(staging, manifest, fragments):
+            archive.finalize(staging, end, manifest, fragments)
+    return write
+
+
+def _decide(target: str, staging: str, votes: list, build_manifest, write_manifest, atomic: bool):
     """Rank 0's half of step 4: abort with all failures, or validate, write the manifest, publish."""
     failures = {r: v[1] for r, v in enumerate(votes) if v[0] != "ok"}
     if not failures:
         try:
-            manifest = build_manifest([v[1] for v in votes])
+            fragments = [v[1] for v in votes]
+            manifest = build_manifest(fragments)
             fault_point("validate", 0)
-            write_durable(os.path.join(staging, fmt.MANIFEST_NAME), manifest)
-            fsync_path(staging)
+            write_manifest(staging, manifest, fragments)
             fault_point("manifest", 0)
             if atomic:
                 publish(staging, target)
@@ -200,9 +284,9 @@ def recover(target: str) -> list[str]:
     it only when no save to ``target`` is running.
     """
     done = []
-    target_ok = os.path.isfile(os.path.join(target, fmt.MANIFEST_NAME))
+    target_ok = is_committed(target)
     for kind, path in fmt.side_entries(target):
-        if kind == "backup" and not target_ok and os.path.isfile(os.path.join(path, fmt.MANIFEST_NAME)):
+        if kind == "backup" and not target_ok and is_committed(path):
             if os.path.isdir(target) and is_tddist_dir(target):
                 remove_tree(target)
             if not os.path.exists(target):

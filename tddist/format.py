@@ -20,6 +20,7 @@ from .errors import InvalidArgumentError, InvalidDataError, ManifestError
 FORMAT_NAME = "tddist"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "tddist.json"
+ARCHIVE_SUFFIX = ".tdz"
 TD_META_NAME = "meta.json"
 LEAF_SUFFIX = ".memmap"
 

@@ -66,6 +66,7 @@ class Manifest:
     created: str = ""
     tddist_version: str = ""
     version: int = fmt.FORMAT_VERSION
+    layout: str = "directory"
     node_rows: dict[Key, list[int]] = field(default_factory=dict)  # batched node -> its dim-0 rows per rank
 
 
@@ -104,7 +105,7 @@ def leaf_entry(
 
 
 def merge_fragments(
-    fragments: list[dict], *, metadata: dict | None, robust_key: bool, version: str
+    fragments: list[dict], *, metadata: dict | None, robust_key: bool, version: str, layout: str = "directory"
 ) -> Manifest:
     """Validate the ranks' fragments against each other and build the manifest (rank 0).
 
@@ -145,6 +146,7 @@ def merge_fragments(
         robust_key=robust_key,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tddist_version=version,
+        layout=layout,
     )
 
 
@@ -296,7 +298,7 @@ def to_json(m: Manifest) -> dict:
         "tddist_version": m.tddist_version,
         "created": m.created,
         "world_size": m.world_size,
-        "layout": "directory",
+        "layout": m.layout,
         "robust_key": m.robust_key,
         "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
         "metadata": m.metadata,
@@ -324,7 +326,7 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
     p.check(version >= 1, f"has invalid version {version}")
     world = obj.get("world_size")
     p.check(type(world) is int and world >= 1, f"has invalid world_size {world!r}")
-    p.check(obj.get("layout") == "directory", f"has unknown layout {obj.get('layout')!r}")
+    p.check(obj.get("layout") in ("directory", "archive"), f"has unknown layout {obj.get('layout')!r}")
     cs = obj.get("checksum")
     p.check(
         cs == {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
@@ -385,6 +387,7 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
         created=str(obj.get("created", "")),
         tddist_version=str(obj.get("tddist_version", "")),
         version=version,
+        layout=obj["layout"],
     )
 
 

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import weakref
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -25,6 +26,7 @@ from ._fs import is_inside
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from .manifest import Chunk, Leaf, Manifest, parse_manifest
 from .sharding import Box, plan_reads
+from .archive import ArchiveFiles
 from .writer import combine_digests
 
 logger = logging.getLogger(__name__)
@@ -46,45 +48,82 @@ def mapped_file(t: torch.Tensor) -> str | None:
 
 
 def read_manifest(path: str) -> Manifest:
-    """Read and validate the manifest of the committed checkpoint at ``path``."""
+    """Read and validate the manifest of the committed checkpoint (directory or archive) at ``path``."""
     path = os.fspath(path)
-    mpath = os.path.join(path, fmt.MANIFEST_NAME)
     if os.path.isfile(path):
-        raise CheckpointNotFoundError(
-            f"{path!r} is a file, not a tddist checkpoint directory; pass the checkpoint directory"
-        )
-    try:
-        with open(mpath, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        side = fmt.side_entries(path)
-        hint = (
-            f"; leftovers of an interrupted save exist beside it ({len(side)}), run tddist.recover({path!r})"
-            if side
-            else ""
-        )
-        what = "does not exist" if not os.path.exists(path) else "has no manifest (it is not a committed tddist checkpoint)"
-        raise CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}") from None
+        if not zipfile.is_zipfile(path):
+            raise CheckpointNotFoundError(
+                f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
+            )
+        raw = ArchiveFiles(path).read_manifest()
+        where = f"manifest of archive {path!r}"
+        if not raw:
+            raise CheckpointNotFoundError(f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint")
+    else:
+        where = f"manifest {os.path.join(path, fmt.MANIFEST_NAME)!r}"
+        try:
+            with open(os.path.join(path, fmt.MANIFEST_NAME), "rb") as f:
+                raw = f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            side = fmt.side_entries(path)
+            hint = (
+                f"; leftovers of an interrupted save exist beside it ({len(side)}), run tddist.recover({path!r})"
+                if side
+                else ""
+            )
+            what = "does not exist" if not os.path.exists(path) else "has no manifest (it is not a committed tddist checkpoint)"
+            raise CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}") from None
     try:
         obj = fmt.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"manifest {mpath!r} is not valid JSON ({e}); the checkpoint is damaged") from None
-    return parse_manifest(obj, where=f"manifest {mpath!r}")
+        raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+    m = parse_manifest(obj, where=where)
+    expected = "archive" if os.path.isfile(path) else "directory"
+    if m.layout != expected:
+        raise ManifestError(f"{where} declares layout {m.layout!r}, but the checkpoint is a {expected}; it was tampered with")
+    return m
+
+
+class DirectoryFiles:
+    """The files of a directory checkpoint, each mapped copy-on-write."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def array(self, rel: str, nbytes: int) -> np.ndarray:
+        path = os.path.join(self.root, rel)
+        if not is_inside(self.root, path):
+            raise CorruptCheckpointError(f"file {path!r} resolves outside the checkpoint; refusing it")
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"file {path!r} is missing; the checkpoint is damaged") from None
+        if size != nbytes:
+            raise CorruptCheckpointError(
+                f"file {path!r} has {size} bytes, the manifest says {nbytes}; the checkpoint is damaged or truncated"
+            )
+        return np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
+
+
+def open_files(path: str):
+    """The reader of a checkpoint's files: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``."""
+    return ArchiveFiles(path) if os.path.isfile(path) else DirectoryFiles(path)
 
 
 class ChunkSource:
-    """Opens (and caches) the memory maps of one directory checkpoint's chunks."""
+    """Opens (and caches) the chunks of one checkpoint as tensors."""
 
     def __init__(self, root: str, manifest: Manifest):
         self.root = root
         self.manifest = manifest
+        self.files = open_files(root)
         self._maps: dict[tuple, torch.Tensor] = {}
 
-    def path(self, leaf: Leaf, chunk: Chunk) -> str:
-        return os.path.join(self.root, fmt.leaf_relpath(chunk.rank, leaf.key, self.manifest.robust_key))
+    def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
+        return fmt.leaf_relpath(chunk.rank, leaf.key, self.manifest.robust_key)
 
     def tensor(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
-        """The chunk as a tensor of its box's shape, mapped copy-on-write."""
+        """The chunk as a tensor of its box's shape (a copy-on-write map where possible)."""
         cache_key = (leaf.key, chunk.rank)
         t = self._maps.get(cache_key)
         if t is not None:
@@ -93,30 +132,19 @@ class ChunkSource:
         if chunk.nbytes == 0:
             t = torch.empty(sizes, dtype=leaf.dtype)
         else:
-            arr = self._map(leaf, chunk)
-            t = torch.from_numpy(arr).view(leaf.dtype).view(sizes)
+            t = torch.from_numpy(self._array(leaf, chunk)).view(leaf.dtype).view(sizes)
         self._maps[cache_key] = t
         return t
 
-    def _map(self, leaf: Leaf, chunk: Chunk) -> np.ndarray:
-        path = self.path(leaf, chunk)
-        if not is_inside(self.root, path):
-            raise CorruptCheckpointError(f"file {path!r} of leaf {leaf.key!r} resolves outside the checkpoint; refusing it")
+    def _array(self, leaf: Leaf, chunk: Chunk) -> np.ndarray:
         try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"file {path!r} of leaf {leaf.key!r} (written by rank {chunk.rank}) is missing; the checkpoint is damaged"
-            ) from None
-        if size != chunk.nbytes:
-            raise CorruptCheckpointError(
-                f"file {path!r} of leaf {leaf.key!r} has {size} bytes, the manifest says {chunk.nbytes}; "
-                f"the checkpoint is damaged or truncated"
-            )
-        arr = np.memmap(path, dtype=np.uint8, mode="c", shape=(chunk.nbytes,))
-        addr = arr.ctypes.data
-        _MAPPED[addr] = path
-        weakref.finalize(arr, _MAPPED.pop, addr, None)
+            arr = self.files.array(self.relpath(leaf, chunk), chunk.nbytes)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {chunk.rank}): {e}") from None
+        if isinstance(arr, np.memmap) or isinstance(arr.base, np.memmap):
+            addr = arr.ctypes.data
+            _MAPPED[addr] = os.path.join(self.root, self.relpath(leaf, chunk))
+            weakref.finalize(arr, _MAPPED.pop, addr, None)
         return arr
 
     def verify(self, leaf: Leaf, chunk: Chunk, pool: ThreadPoolExecutor | None) -> None:
@@ -124,14 +152,15 @@ class ChunkSource:
         if chunk.nbytes == 0:
             actual = combine_digests([])
         else:
-            mv = memoryview(self._map(leaf, chunk))
+            mv = memoryview(self._array(leaf, chunk))
             blocks = [mv[i : i + fmt.CHECKSUM_BLOCK] for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
             digests = list(pool.map(xxhash.xxh3_64_intdigest, blocks)) if pool else [xxhash.xxh3_64_intdigest(b) for b in blocks]
             actual = combine_digests(digests)
         if actual != chunk.checksum:
             raise CorruptCheckpointError(
-                f"checksum mismatch in {self.path(leaf, chunk)!r} (leaf {leaf.key!r}, rank {chunk.rank}): "
-                f"expected {chunk.checksum}, found {actual}; the data is corrupted, restore it from another checkpoint"
+                f"checksum mismatch in {self.relpath(leaf, chunk)!r} of {self.root!r} (leaf {leaf.key!r}, rank "
+                f"{chunk.rank}): expected {chunk.checksum}, found {actual}; the data is corrupted, restore it from "
+                f"another checkpoint"
             )
 
 

@@ -1,0 +1,362 @@
+"""Checkpoints of a training job: numbered step directories, retention, resume, preemption.
+
+``CheckpointManager`` keeps ``<root>/step-000001000``-style checkpoints (one
+per saved step, the step also stored in the manifest's metadata), resumes
+from the newest committed one and deletes old ones once a newer one is
+committed. Rank 0 alone scans, cleans and deletes; it broadcasts what it
+found, so every rank agrees on the checkpoint to resume from.
+
+Preemption: the signal handler only sets a flag. At the next ``step()`` the
+ranks exchange their flags (one small allgather), so a signal delivered to
+any rank makes every rank save at the same step, wait for the save, and then
+``should_stop`` is True. The training script exits with ``EXIT_PREEMPTED``.
+See docs/jobs.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+from concurrent.futures import Future
+from typing import Any, Callable, Iterable
+
+from . import format as fmt
+from ._fs import fsync_path, remove_tree
+from .api import load, read_manifest, recover, save
+from .comm import collective_error, describe, resolve
+from .commit import is_committed, is_tddist_dir
+from .errors import InvalidArgumentError, TddistError
+from .state import get_state, set_state
+
+logger = logging.getLogger(__name__)
+
+#: Exit status of a training process that stopped because it was preempted
+#: (``EX_TEMPFAIL``: "try again later"). Job scripts requeue on it.
+EXIT_PREEMPTED = 75
+
+_STEP_RE = re.compile(r"^step-(\d{9,})(\.tdz)?$")
+_RESERVED = frozenset({"return_early", "comm", "prefix", "data"})
+
+
+def step_name(step: int, archive: bool = False) -> str:
+    """The name of the checkpoint of ``step`` (zero-padded so names sort by step)."""
+    return f"step-{step:09d}" + (fmt.ARCHIVE_SUFFIX if archive else "")
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint name, or None if ``name`` is not one."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _step_entries(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every step entry under ``root``, newest first (committed or not)."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    found = [(parse_step(n), os.path.join(root, n)) for n in names]
+    return sorted(((s, p) for s, p in found if s is not None), reverse=True)
+
+
+def newest_checkpoint(root: str) -> tuple[str, int] | None:
+    """(path, step) of the newest checkpoint under ``root`` with a valid manifest, or None.
+
+    Staging leftovers, torn directories and unreadable manifests are skipped.
+    The step is the one stored in the metadata (the name's, if absent).
+    """
+    for step, path in _step_entries(root):
+        try:
+            manifest = read_manifest(path)
+        except TddistError as e:
+            logger.warning("skipping %s: %s", path, e)
+            continue
+        return path, int(manifest.metadata.get("step", step))
+    return None
+
+
+def _delete(path: str) -> None:
+    """Remove a checkpoint: first renamed away in one step (``recover`` removes a half-deleted one)."""
+    trash = fmt.trash_path(path)
+    os.rename(path, trash)
+    fsync_path(os.path.dirname(trash))
+    remove_tree(trash)
+    logger.info("deleted checkpoint %s", path)
+
+
+def clean_root(root: str) -> list[str]:
+    """Remove leftovers of crashed saves and deletions under ``root``; returns what was done.
+
+    ``recover`` runs on every step name (staging, trash and backup entries);
+    then a step directory without a valid manifest that holds only what tddist
+    writes is removed. Anything else is left alone.
+    """
+    os.makedirs(root, exist_ok=True)
+    names = set()
+    for name in os.listdir(root):
+        side = fmt._SIDE_RE.match(name)
+        base = side.group("base") if side else name
+        if parse_step(base) is not None:
+            names.add(base)
+    done = []
+    for name in sorted(names):
+        path = os.path.join(root, name)
+        done += recover(path)
+        if os.path.isdir(path) and not _readable(path):
+            if is_tddist_dir(path):
+                _delete(path)
+                done.append(f"removed torn checkpoint {path}")
+            else:
+                logger.warning("%s is not a committed checkpoint and holds foreign files; left alone", path)
+    return done
+
+
+def _readable(path: str) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except TddistError:
+        return False
+
+
+def parse_signals(spec) -> list[signal.Signals]:
+    """Signals from a signal, a name ("USR1", "SIGTERM"), a comma-separated string, a list of these, or None."""
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        spec = [s for s in spec.split(",") if s.strip()]
+    items = [spec] if isinstance(spec, int) else list(spec)
+    try:
+        return [_signal(s) for s in items]
+    except (AttributeError, TypeError, ValueError):
+        raise InvalidArgumentError(f"preempt_signal={spec!r}: expected a signal, several, or None") from None
+
+
+def _signal(item) -> signal.Signals:
+    if isinstance(item, str):
+        name = item.strip().upper()
+        return getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name)
+    return signal.Signals(item)
+
+
+def _check_count(name: str, value, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if type(value) is not int or value < 1:
+        raise InvalidArgumentError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def _model_pair(state) -> tuple | None:
+    """(model, optimizer or None) if ``state`` is a module or a (module, optimizer) pair, else None."""
+    import torch
+
+    if isinstance(state, torch.nn.Module):
+        return state, None
+    if isinstance(state, (tuple, list)) and len(state) == 2 and isinstance(state[0], torch.nn.Module):
+        return state[0], state[1]
+    return None
+
+
+class CheckpointManager:
+    """Step checkpoints under ``root`` for a training loop, on every rank of ``comm``.
+
+    Creating it is collective: rank 0 removes leftovers of crashed saves. Then::
+
+        mgr = CheckpointManager("ckpt/run", every=100)
+        for s in range(mgr.restore(state), total):
+            train(s)
+            mgr.step(s + 1, state)
+            if mgr.should_stop:
+                sys.exit(EXIT_PREEMPTED)
+
+    ``state`` is a TensorDict or nested dict (filled in place on restore), or a
+    ``(model, optimizer)`` pair (through ``get_state``/``set_state``).
+    ``keep_last`` committed checkpoints are kept (None: all). ``every``: save
+    when ``step % every == 0`` (None: only on preemption or ``save()``).
+    ``async_save`` saves with ``return_early=True``; the next save, ``wait()``
+    and preemption wait for it. ``preempt_signal``: one signal, several, or
+    None. ``save_kwargs`` go to ``tddist.save`` (``metadata`` is merged with
+    the step).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        keep_last: int | None = 3,
+        every: int | None = None,
+        async_save: bool = False,
+        comm: Any = None,
+        preempt_signal: Any = signal.SIGUSR1,
+        save_kwargs: dict | None = None,
+    ):
+        _check_count("keep_last", keep_last, allow_none=True)
+        _check_count("every", every, allow_none=True)
+        self.save_kwargs = dict(save_kwargs or {})
+        bad = _RESERVED & set(self.save_kwargs)
+        if bad:
+            raise InvalidArgumentError(f"save_kwargs may not set {sorted(bad)}: the manager sets them")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep_last, self.every, self.async_save = keep_last, every, bool(async_save)
+        self.comm = resolve(comm, self.save_kwargs.get("timeout"))
+        self.should_stop = False
+        self._requested = False
+        self._pending: tuple[int, Future] | None = None
+        self._handlers = self._install(parse_signals(preempt_signal))
+        done = self._on_rank0("clean-up of " + self.root, lambda: clean_root(self.root))
+        if done and self.comm.rank == 0:
+            logger.info("cleaned %s: %s", self.root, "; ".join(done))
+
+    # --- where checkpoints are -----------------------------------------------------
+
+    def path(self, step: int) -> str:
+        """Where the checkpoint of ``step`` is (or would be) saved."""
+        archive = bool(self.save_kwargs.get("archive") or self.save_kwargs.get("compression"))
+        return os.path.join(self.root, step_name(step, archive))
+
+    def latest(self) -> str | None:
+        """The newest committed checkpoint, the same on every rank (collective), or None."""
+        found = self._latest()
+        return found[0] if found else None
+
+    def _latest(self) -> tuple[str, int] | None:
+        return self._on_rank0("finding the latest checkpoint in " + self.root, lambda: newest_checkpoint(self.root))
+
+    # --- training loop -----------------------------------------------------------------
+
+    def restore(self, state, **load_kwargs) -> int:
+        """Load the newest checkpoint into ``state``; return its step (0 if there is none). Collective."""
+        found = self._latest()
+        if found is None:
+            logger.info("no checkpoint in %s: starting from step 0", self.root)
+            return 0
+        path, step = found
+        pair = _model_pair(state)
+        if pair is None:
+            load(path, comm=self.comm, into=state, **load_kwargs)
+        else:
+            full = get_state(*pair)
+            load(path, comm=self.comm, into=full, **load_kwargs)
+            set_state(pair[0], pair[1], full)
+        logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, step)
+        return step
+
+    def step(self, step: int, state) -> bool:
+        """Call after each training step (collective): save if due or preempted; True if it saved.
+
+        After a preemption request on any rank, every rank saves this step and
+        waits for it, and ``should_stop`` becomes True.
+        """
+        _check_step(step)
+        self._retire_finished()
+        preempt = any(self.comm.allgather(self._requested))
+        due = preempt or (self.every is not None and step % self.every == 0)
+        if due:
+            self.save(step, state)
+        if preempt:
+            self._requested = False
+            self.wait()
+            self.should_stop = True
+            logger.warning("rank %d: preemption requested; saved step %d, stopping", self.comm.rank, step)
+        return due
+
+    def save(self, step: int, state) -> None:
+        """Save ``state`` as the checkpoint of ``step`` now (collective), after any save in flight."""
+        _check_step(step)
+        self.wait()
+        pair = _model_pair(state)
+        data = get_state(*pair) if pair is not None else state
+        kwargs = dict(self.save_kwargs)
+        metadata = {**(kwargs.pop("metadata", None) or {}), "step": step}
+        path = self.path(step)
+        if self.async_save:
+            fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
+            self._pending = (step, fut)
+            return
+        save(data, path, comm=self.comm, metadata=metadata, **kwargs)
+        self._retain(step)
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error (the same on every rank); apply retention."""
+        if self._pending is None:
+            return
+        step, fut = self._pending
+        self._pending = None
+        fut.result()
+        self._retain(step)
+
+    def request_preemption(self) -> None:
+        """Ask the ranks to save and stop at the next ``step()``, as the preemption signal does."""
+        self._requested = True
+
+    def close(self) -> None:
+        """Wait for the save in flight and restore the previous signal handlers."""
+        try:
+            self.wait()
+        finally:
+            self._uninstall()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # an in-flight save still completes: the interpreter waits for it at exit
+            self._uninstall()
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _retire_finished(self) -> None:
+        """Apply retention for a background save that already succeeded (errors wait for ``wait()``)."""
+        if self._pending is not None and self._pending[1].done() and self._pending[1].exception() is None:
+            self.wait()
+
+    def _retain(self, newest: int) -> None:
+        """Rank 0: delete committed checkpoints beyond the ``keep_last`` newest (never ``newest``)."""
+        if self.keep_last is None or self.comm.rank != 0:
+            return
+        committed = [(s, p) for s, p in _step_entries(self.root) if is_committed(p)]
+        for s, p in committed[self.keep_last:]:
+            if s != newest:
+                try:
+                    _delete(p)
+                except OSError as e:
+                    logger.warning("could not delete old checkpoint %s: %s", p, e)
+
+    def _on_rank0(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on rank 0 and broadcast its result, or raise its error on every rank."""
+        value, error = None, None
+        if self.comm.rank == 0:
+            try:
+                value = fn()
+            except Exception as e:
+                error = describe(e)
+        value, error = self.comm.broadcast((value, error), 0)
+        if error is not None:
+            raise collective_error(what, {0: error})
+        return value
+
+    def _on_signal(self, signum, frame) -> None:
+        self._requested = True  # only a flag: the ranks agree at the next step()
+
+    def _install(self, signals: Iterable[signal.Signals]) -> dict:
+        previous = {}
+        for sig in signals:
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread
+                logger.warning("cannot handle %s outside the main thread; use request_preemption()", sig.name)
+        return previous
+
+    def _uninstall(self) -> None:
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
+        self._handlers = {}
+
+
+def _check_step(step) -> None:
+    if type(step) is not int or step < 0:
+        raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
