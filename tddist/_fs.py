@@ -23,21 +23,22 @@ RENAME_EXCHANGE = 2
 _libc = None
 
 
-def _renameat2_fn():
+def _load_libc():
+    """The C library through ctypes, or None where it cannot be loaded."""
     global _libc
     if _libc is None:
         try:
             _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.renameat2.argtypes = [
-                ctypes.c_int,
-                ctypes.c_char_p,
-                ctypes.c_int,
-                ctypes.c_char_p,
-                ctypes.c_uint,
-            ]
-        except (OSError, AttributeError):
+        except OSError:
             _libc = False
-    return getattr(_libc, "renameat2", None) if _libc else None
+    return _libc or None
+
+
+def _renameat2_fn():
+    fn = getattr(_load_libc(), "renameat2", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
 
 
 def renameat2(src: str, dst: str, flags: int) -> bool:
@@ -79,21 +80,40 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def syncfs(path: str) -> bool:
+    """Flush the whole file system holding ``path`` (one call instead of one fsync per file).
+
+    Returns False where ``syncfs`` is not available, so the caller fsyncs file by file.
+    """
+    fn = getattr(_load_libc(), "syncfs", None)
+    if fn is None:
+        return False
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if fn(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        return True
+    finally:
+        os.close(fd)
+
+
 def fsync_tree_dirs(root: str) -> None:
     """fsync every directory under ``root`` (files are fsynced by their writer)."""
     for dirpath, _dirs, _files in os.walk(root, topdown=False):
         fsync_path(dirpath)
 
 
-def write_durable(path: str, data: bytes) -> None:
-    """Write ``data`` to a new file and fsync it."""
+def write_durable(path: str, data: bytes, sync: bool = True) -> None:
+    """Write ``data`` to a new file and fsync it (unless ``sync`` is False: the caller syncs later)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
         while view:
             n = os.write(fd, view)
             view = view[n:]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -23,12 +23,12 @@ from .commit import two_phase_commit
 from .errors import InvalidArgumentError, InvalidDataError
 from .manifest import Manifest, merge_fragments, to_json
 from .archive import ArchiveWriter, resolve_compression
-from .reader import mapped_file, read_leaves
+from .reader import file_mappings, mapped_file, read_leaves
 from .reader import read_manifest as _read_manifest
 from .plan import LoadReport, check_shard, leaf_box, node_rows, object_value
 from .restore import fill
 from .sharding import Boxes, Shard
-from .tree import build, dtensor_box, flatten, local_bytes, resolve_placements, select
+from .tree import build, dtensor_box, flatten, is_dtensor, local_bytes, resolve_placements, select
 from .writer import write_shard
 
 logger = logging.getLogger(__name__)
@@ -172,8 +172,9 @@ def _prepare_local(data, rank: int, buffers, *, placements, robust_key, allow_pi
 
 
 def _check_not_mapped(leaves, rank: int) -> None:
+    mappings = file_mappings()
     for k, t in leaves.items():
-        path = mapped_file(t)
+        path = mapped_file(t.to_local() if is_dtensor(t) else t, mappings)
         if path is not None:
             raise InvalidDataError(
                 f"rank {rank}: leaf {list(k)} is memory-mapped from {path!r} (for example, loaded from a "

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 import xxhash
 
 from . import format as fmt
@@ -296,7 +297,8 @@ class ArchiveFiles:
         except (zipfile.BadZipFile, OSError, ValueError) as e:
             raise CorruptCheckpointError(f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged") from None
         size = os.path.getsize(path)
-        self.map = np.memmap(path, dtype=np.uint8, mode="c", shape=(size,)) if size else np.zeros(0, np.uint8)
+        self.tensor = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self.map = self.tensor.numpy()
         self.entries: dict[str, tuple[int, zipfile.ZipInfo]] = {}
         spans = []
         with zf:
@@ -327,8 +329,8 @@ class ArchiveFiles:
         if stat.S_ISLNK(zi.external_attr >> 16):
             raise CorruptCheckpointError(f"archive {self.path!r} has a symbolic-link entry {name!r}; refusing it")
 
-    def array(self, name: str, nbytes: int) -> np.ndarray:
-        """The uncompressed bytes of ``name``: a view of the map when stored, else decompressed (bounded)."""
+    def array(self, name: str, nbytes: int) -> torch.Tensor:
+        """The uncompressed bytes of ``name`` as uint8: a view of the map when stored, else decompressed (bounded)."""
         found = self.entries.get(name)
         if found is None:
             raise CorruptCheckpointError(f"archive {self.path!r} has no entry {name!r}; the checkpoint is damaged")
@@ -341,15 +343,15 @@ class ArchiveFiles:
         if zi.compress_type == zipfile.ZIP_STORED:
             if zi.compress_size != nbytes:
                 raise CorruptCheckpointError(f"archive {self.path!r}: stored entry {name!r} has inconsistent sizes")
-            return raw
+            return self.tensor[start : start + nbytes]
         out = bytearray(_decompress(zi.compress_type, memoryview(raw), nbytes, f"{self.path!r}: {name!r}"))
-        return np.frombuffer(out, np.uint8)
+        return torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
 
     def read_manifest(self) -> bytes:
         found = self.entries.get(fmt.MANIFEST_NAME)
         if found is None:
             return b""
-        return bytes(self.array(fmt.MANIFEST_NAME, found[1].file_size))
+        return bytes(self.array(fmt.MANIFEST_NAME, found[1].file_size).numpy())
 
 
 def _decompress(method: int, data: memoryview, size: int, where: str) -> bytes:

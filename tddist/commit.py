@@ -37,7 +37,7 @@ import re
 from typing import Callable, Protocol
 
 from . import format as fmt
-from ._faults import fault_point
+from ._faults import archive_base_offset, fault_point
 from ._fs import exchange, fsync_path, remove_tree, rename_noreplace, write_durable
 from .archive import check_archive_target, is_tddist_archive
 from .comm import Communicator, collective_error, describe
@@ -215,15 +215,16 @@ def _reserve(comm: Communicator, target: str, staging: str, archive: ArchiveHook
     if comm.rank == 0:
         failures = {r: s[1] for r, s in enumerate(statuses) if s[0] != "ok"}
         if not failures:
-            starts, pos = [], 0
+            base = archive_base_offset()
+            starts, pos = [], base
             for _ok, size in statuses:
                 starts.append(pos)
                 pos += size
             try:
-                if pos:
+                if pos > base:
                     fd = os.open(staging, os.O_WRONLY)
                     try:
-                        os.posix_fallocate(fd, 0, pos)
+                        os.posix_fallocate(fd, base, pos - base)
                     finally:
                         os.close(fd)
                 decision = ("ok", starts, pos)

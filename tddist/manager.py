@@ -90,8 +90,9 @@ def clean_root(root: str) -> list[str]:
     """Remove leftovers of crashed saves and deletions under ``root``; returns what was done.
 
     ``recover`` runs on every step name (staging, trash and backup entries);
-    then a step directory without a valid manifest that holds only what tddist
-    writes is removed. Anything else is left alone.
+    then a step directory without a manifest that holds only what tddist
+    writes (a save cut off before its commit) is removed. A damaged manifest
+    or foreign files are left alone (``newest_checkpoint`` skips them).
     """
     os.makedirs(root, exist_ok=True)
     names = set()
@@ -104,21 +105,13 @@ def clean_root(root: str) -> list[str]:
     for name in sorted(names):
         path = os.path.join(root, name)
         done += recover(path)
-        if os.path.isdir(path) and not _readable(path):
+        if os.path.isdir(path) and not is_committed(path):
             if is_tddist_dir(path):
                 _delete(path)
                 done.append(f"removed torn checkpoint {path}")
             else:
                 logger.warning("%s is not a committed checkpoint and holds foreign files; left alone", path)
     return done
-
-
-def _readable(path: str) -> bool:
-    try:
-        read_manifest(path)
-        return True
-    except TddistError:
-        return False
 
 
 def parse_signals(spec) -> list[signal.Signals]:

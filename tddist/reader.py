@@ -8,11 +8,12 @@ overlaps are opened, so loading some keys or some rows touches nothing else.
 
 from __future__ import annotations
 
+import bisect
 import errno
 import logging
 import math
+import stat
 import os
-import weakref
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
@@ -22,7 +23,6 @@ import torch
 import xxhash
 
 from . import format as fmt
-from ._fs import is_inside
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from .manifest import Chunk, Leaf, Manifest, parse_manifest
 from .sharding import Box, plan_reads
@@ -31,20 +31,43 @@ from .writer import combine_digests
 
 logger = logging.getLogger(__name__)
 
-# Start address of each live chunk mapping -> its file, so ``save`` can tell
-# that a tensor is backed by a checkpoint file (``copy_existing``).
-_MAPPED: dict[int, str] = {}
+def file_mappings() -> list[tuple[int, int, str]]:
+    """(start, end, path) of this process's memory maps of regular files, sorted (Linux).
+
+    This is how ``save`` tells that a tensor is backed by a file (``copy_existing``),
+    whoever mapped it: a tddist load, a tensordict ``MemoryMappedTensor``, ``torch.from_file``.
+    """
+    out = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or not parts[5].startswith("/") or parts[5].startswith(("/dev/", "/memfd:")):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, parts[5].rstrip("\n")))
+    except OSError:
+        return []
+    out.sort()
+    return out
 
 
-def mapped_file(t: torch.Tensor) -> str | None:
-    """The file ``t`` is memory-mapped from (a tddist load or a tensordict MemoryMappedTensor), or None."""
+def mapped_file(t: torch.Tensor, mappings: list[tuple[int, int, str]] | None = None) -> str | None:
+    """The file ``t``'s memory is mapped from, or None."""
     name = getattr(t, "filename", None)
     if name:
         return str(name)
     try:
-        return _MAPPED.get(t.untyped_storage().data_ptr())
+        ptr = t.untyped_storage().data_ptr()
     except RuntimeError:
         return None
+    if not ptr:
+        return None
+    mappings = file_mappings() if mappings is None else mappings
+    i = bisect.bisect_right(mappings, (ptr, float("inf"), "")) - 1
+    if i >= 0 and mappings[i][0] <= ptr < mappings[i][1]:
+        return mappings[i][2]
+    return None
 
 
 def read_manifest(path: str) -> Manifest:
@@ -85,24 +108,38 @@ def read_manifest(path: str) -> Manifest:
 
 
 class DirectoryFiles:
-    """The files of a directory checkpoint, each mapped copy-on-write."""
+    """The files of a directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``)."""
 
     def __init__(self, root: str):
         self.root = root
+        self.real_root = os.path.realpath(root)
+        self._inside: dict[str, bool] = {}
 
-    def array(self, rel: str, nbytes: int) -> np.ndarray:
+    def _dir_inside(self, d: str) -> bool:
+        ok = self._inside.get(d)
+        if ok is None:
+            real = os.path.realpath(d)
+            ok = self._inside[d] = real == self.real_root or real.startswith(self.real_root + os.sep)
+        return ok
+
+    def array(self, rel: str, nbytes: int) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""
         path = os.path.join(self.root, rel)
-        if not is_inside(self.root, path):
+        if not self._dir_inside(os.path.dirname(path)):
             raise CorruptCheckpointError(f"file {path!r} resolves outside the checkpoint; refusing it")
         try:
-            size = os.stat(path).st_size
+            st = os.lstat(path)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"file {path!r} is missing; the checkpoint is damaged") from None
-        if size != nbytes:
+        if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(
-                f"file {path!r} has {size} bytes, the manifest says {nbytes}; the checkpoint is damaged or truncated"
+                f"{path!r} is not a regular file (a symbolic link could point outside the checkpoint); refusing it"
             )
-        return np.memmap(path, dtype=np.uint8, mode="c", shape=(nbytes,))
+        if st.st_size != nbytes:
+            raise CorruptCheckpointError(
+                f"file {path!r} has {st.st_size} bytes, the manifest says {nbytes}; the checkpoint is damaged or truncated"
+            )
+        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
 
 
 def open_files(path: str):
@@ -132,27 +169,22 @@ class ChunkSource:
         if chunk.nbytes == 0:
             t = torch.empty(sizes, dtype=leaf.dtype)
         else:
-            t = torch.from_numpy(self._array(leaf, chunk)).view(leaf.dtype).view(sizes)
+            t = self._array(leaf, chunk).view(leaf.dtype).view(sizes)
         self._maps[cache_key] = t
         return t
 
-    def _array(self, leaf: Leaf, chunk: Chunk) -> np.ndarray:
+    def _array(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         try:
-            arr = self.files.array(self.relpath(leaf, chunk), chunk.nbytes)
+            return self.files.array(self.relpath(leaf, chunk), chunk.nbytes)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {chunk.rank}): {e}") from None
-        if isinstance(arr, np.memmap) or isinstance(arr.base, np.memmap):
-            addr = arr.ctypes.data
-            _MAPPED[addr] = os.path.join(self.root, self.relpath(leaf, chunk))
-            weakref.finalize(arr, _MAPPED.pop, addr, None)
-        return arr
 
     def verify(self, leaf: Leaf, chunk: Chunk, pool: ThreadPoolExecutor | None) -> None:
         """Recompute the chunk's checksum and compare it with the manifest's."""
         if chunk.nbytes == 0:
             actual = combine_digests([])
         else:
-            mv = memoryview(self._array(leaf, chunk))
+            mv = memoryview(self._array(leaf, chunk).numpy())
             blocks = [mv[i : i + fmt.CHECKSUM_BLOCK] for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
             digests = list(pool.map(xxhash.xxh3_64_intdigest, blocks)) if pool else [xxhash.xxh3_64_intdigest(b) for b in blocks]
             actual = combine_digests(digests)

@@ -89,6 +89,8 @@ def tiling_problems(shape: Sequence[int], boxes: Sequence[Box], limit: int = 5) 
     the usual layouts (split along one or two dims) cost O(n log n).
     """
     shape = tuple(shape)
+    if len(boxes) == 1 and tuple(boxes[0][1]) == shape and not any(boxes[0][0]) and len(boxes[0][0]) == len(shape):
+        return []  # one chunk holding the whole tensor: the common case, checked in O(1)
     problems: list[str] = []
     nonempty: list[tuple[int, Box]] = []
     for i, (offs, sizes) in enumerate(boxes):

@@ -23,13 +23,14 @@ import torch
 import xxhash
 
 from . import format as fmt
-from ._fs import fsync_tree_dirs, write_durable
+from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_durable
 from .manifest import leaf_entry
 from .sharding import consistent_batch
 
 logger = logging.getLogger(__name__)
 
 _WRITE_STEP = 8 * 1024 * 1024
+_MANY_FILES = 64
 
 
 @dataclass
@@ -65,8 +66,9 @@ def checksum_bytes(data) -> str:
 class _FileJob:
     """One output file: its descriptor, the blocks still to write, their digests."""
 
-    def __init__(self, path: str, data: np.ndarray):
+    def __init__(self, path: str, data: np.ndarray, sync: bool = True):
         self.path = path
+        self.sync = sync
         self.data = memoryview(data)
         self.nblocks = (len(self.data) + fmt.CHECKSUM_BLOCK - 1) // fmt.CHECKSUM_BLOCK
         self.digests: list[int] = [0] * self.nblocks
@@ -93,7 +95,8 @@ class _FileJob:
             self.finish()
 
     def finish(self) -> None:
-        os.fsync(self.fd)
+        if self.sync:
+            os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
 
@@ -103,8 +106,8 @@ class _FileJob:
             self.fd = -1
 
 
-def write_leaves(root: str, rank: int, leaves: list[LeafToWrite], robust_key: bool, num_threads: int) -> dict[tuple, tuple[int, str]]:
-    """Write each leaf's bytes to ``root/<rank dir>/<key>.memmap``; fsync each file.
+def write_leaves(root: str, rank: int, leaves: list[LeafToWrite], robust_key: bool, num_threads: int, sync_each: bool = True) -> dict[tuple, tuple[int, str]]:
+    """Write each leaf's bytes to ``root/<rank dir>/<key>.memmap``; fsync each file if ``sync_each``.
 
     Returns ``{key: (nbytes, checksum)}``. Tensors with no elements get no file,
     as in tensordict. Directories are created but not fsynced (``write_shard`` does).
@@ -119,7 +122,7 @@ def write_leaves(root: str, rank: int, leaves: list[LeafToWrite], robust_key: bo
                 continue
             path = os.path.join(root, fmt.leaf_relpath(rank, leaf.key, robust_key))
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            jobs.append(_FileJob(path, data))
+            jobs.append(_FileJob(path, data, sync_each))
         tasks: list[Callable[[], None]] = [
             (lambda j=j, i=i: j.write_block(i)) for j in jobs for i in range(j.nblocks)
         ]
@@ -186,12 +189,18 @@ def node_meta_files(
     return files
 
 
-def write_files(root: str, files: dict[str, bytes]) -> None:
-    """Write small files (the meta.json) durably under ``root``."""
+def write_files(root: str, files: dict[str, bytes], sync_each: bool = True) -> None:
+    """Write small files (the meta.json) under ``root``, each fsynced if ``sync_each``."""
     for rel, data in files.items():
         path = os.path.join(root, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_durable(path, data)
+        write_durable(path, data, sync=sync_each)
+
+
+def _fsync_files(top: str) -> None:
+    for dirpath, _dirs, files in os.walk(top):
+        for name in files:
+            fsync_path(os.path.join(dirpath, name))
 
 
 def sync_dirs(root: str, rank: int) -> None:
@@ -219,9 +228,15 @@ def write_shard(
     """
     os.makedirs(os.path.join(root, fmt.rank_dir(rank)), exist_ok=True)
     written = {key: t for key, t, _p, write, _b in leaves if write}
-    results = write_leaves(root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads)
-    write_files(root, node_meta_files(rank, nodes, written, objects, robust_key))
-    sync_dirs(root, rank)
+    metas = node_meta_files(rank, nodes, written, objects, robust_key)
+    # Many small files: one syncfs costs far less than one fsync each.
+    sync_each = len(written) + len(metas) <= _MANY_FILES
+    results = write_leaves(root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads, sync_each)
+    write_files(root, metas, sync_each)
+    if sync_each or not syncfs(root):
+        if not sync_each:
+            _fsync_files(os.path.join(root, fmt.rank_dir(rank)))
+        sync_dirs(root, rank)
     return fragment(rank, nodes, leaves, objects, results, check_replicas)
 
 
