@@ -343,7 +343,8 @@ class ArchiveFiles:
         if zi.compress_type == zipfile.ZIP_STORED:
             if zi.compress_size != nbytes:
                 raise CorruptCheckpointError(f"archive {self.path!r}: stored entry {name!r} has inconsistent sizes")
-            return self.tensor[start : start + nbytes]
+            view = self.tensor[start : start + nbytes]
+            return view if start % ALIGN == 0 else view.clone()  # rewritten by another zip tool: unaligned
         out = bytearray(_decompress(zi.compress_type, memoryview(raw), nbytes, f"{self.path!r}: {name!r}"))
         return torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
 

@@ -98,7 +98,8 @@ class ThreadComm:
         except threading.BrokenBarrierError:
             raise CommTimeoutError(
                 f"rank {self.rank}: {op} did not complete within {self._g.timeout:.0f}s (another thread-rank "
-                f"failed or hung); nothing was committed"
+                f"failed or hung); during a save, the target holds the previous checkpoint or, if rank 0 "
+                f"committed before the failure, the new one"
             ) from None
 
     def _exchange(self, obj, op: str) -> list:
@@ -265,6 +266,7 @@ def wrap_transport_error(rank: int, op: str, exc: BaseException, elapsed: float,
     why = f"did not complete within {timeout:.0f}s" if timed_out else "failed"
     return cls(
         f"rank {rank}: {op} {why} after {elapsed:.1f}s ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
-        f"a peer rank probably died or hung, see the other ranks' logs. Nothing new was committed by this rank; "
-        f"the previous checkpoint is intact (run tddist.recover on the target to remove leftovers)"
+        f"a peer rank probably died or hung, see the other ranks' logs. During a save, the target now holds "
+        f"either the previous checkpoint or, if rank 0 committed before the failure, the new one, never a "
+        f"partial one (tddist.read_manifest tells which; run tddist.recover on the target to remove leftovers)"
     )

@@ -88,4 +88,9 @@ def _new_gloo_group(ranks: tuple, timeout: float):
     """A new gloo group over ``ranks`` (collective over them)."""
     td = datetime.timedelta(seconds=timeout)
     local = len(ranks) != dist.get_world_size()
-    return dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=local)
+    start = time.monotonic()
+    try:
+        return dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=local)
+    except Exception as e:  # a peer died or hung while the group was being created
+        op = "creating the tddist gloo group"
+        raise wrap_transport_error(dist.get_rank(), op, e, time.monotonic() - start, timeout) from e

@@ -41,7 +41,7 @@ from ._faults import archive_base_offset, fault_point
 from ._fs import exchange, fsync_path, remove_tree, rename_noreplace, write_durable
 from .archive import check_archive_target, is_tddist_archive
 from .comm import Communicator, collective_error, describe
-from .errors import TargetError
+from .errors import CommError, TargetError
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,11 @@ def two_phase_commit(
             staging = _prepare(target, atomic, archive is not None)
             fault_point("prepare", 0)
         except Exception as e:
+            if isinstance(e, OSError):
+                e = TargetError(f"cannot prepare a save to {target!r}: {e} (the target was left untouched)")
             error = describe(e)
+            if atomic and staging is not None:
+                _discard(staging)
     staging, error = comm.broadcast((staging, error), 0)
     if error is not None:
         raise collective_error(f"save to {target!r}", {0: error})
@@ -185,16 +189,32 @@ def two_phase_commit(
 
     # 3. vote (all -> rank 0)
     votes = comm.gather(vote, 0)
-    fault_point("vote", rank)
+    if rank != 0:
+        fault_point("vote", rank)
 
-    # 4. decide (rank 0)
+    # 4. decide (rank 0): whatever fails here becomes the decision, so every rank hears one
     decision = None
     if rank == 0:
-        write_manifest = _manifest_writer(archive, end)
-        decision = _decide(target, staging, votes, build_manifest, write_manifest, atomic)
+        try:
+            fault_point("vote", 0)
+            write_manifest = _manifest_writer(archive, end)
+            decision = _decide(target, staging, votes, build_manifest, write_manifest, atomic)
+        except Exception as e:
+            logger.debug("rank 0 failed to decide", exc_info=True)
+            if atomic:
+                _discard(staging)
+            decision = {0: describe(e)}
 
     # 5. announce (rank 0 -> all)
-    decision = comm.broadcast(decision, 0)
+    try:
+        decision = comm.broadcast(decision, 0)
+    except CommError as e:
+        if decision == "committed":  # rank 0 knows better than the generic advice
+            raise type(e)(
+                f"{e}\nrank 0 had already committed {target!r}: it holds the new checkpoint, but not every "
+                f"rank could be told"
+            ) from e
+        raise
     fault_point("announce", rank)
     if decision != "committed":
         raise collective_error(f"save to {target!r}", decision)
@@ -271,8 +291,16 @@ def _decide(target: str, staging: str, votes: list, build_manifest, write_manife
             logger.debug("rank 0 failed to commit", exc_info=True)
             failures = {0: describe(e)}
     if atomic:
-        remove_tree(staging)
+        _discard(staging)
     return failures
+
+
+def _discard(staging: str) -> None:
+    """Remove an aborted save's staging area; a failure to do so must not stop the announce."""
+    try:
+        remove_tree(staging)
+    except OSError as e:
+        logger.warning("could not remove %s (%s); tddist.recover will", staging, e)
 
 
 def recover(target: str) -> list[str]:

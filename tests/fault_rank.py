@@ -1,0 +1,265 @@
+"""Rank program of the fault-injection tests (``tests/test_faults.py``).
+
+Started by ``launch_util.run_job("spawn", ...)``: one independent process per
+rank with torchrun's environment variables, so a killed rank does not take the
+others down and every rank's exit code is seen.
+
+``python tests/fault_rank.py MODE CONFIG_JSON``, modes:
+
+``batch``
+    ``{"units": [...]}``. Importing torch and tddist costs seconds per
+    process, and a SIGKILL case ends its processes, so each unit runs in a
+    *forked* child of this (already imported) rank process: the two ranks'
+    children of a unit form a fresh 2-rank gloo job of their own (rendezvous
+    through a file store in the report directory), are really killed, and
+    their exit statuses are collected with ``waitpid``. A unit is
+
+    * ``{"kind": "save", "name", "target", "old", "fault", "timeout", "deadline"}``:
+      with ``old``, commit the "old" data to the target collectively first;
+      otherwise warm the communicator up with one collective, so the fault
+      strikes a save whose private gloo group exists. Then set
+      ``TDDIST_FAULT=fault`` (as a user would) and save the "new" data once
+      with ``timeout`` through the communicator tddist detects.
+    * ``{"kind": "matrix", "name", "cases": [{"name", "point", "rank", "target", "old", "timeout"}], "deadline"}``:
+      many "raise" cases in one child, injected with ``tddist._faults.inject``;
+      each outcome also lists the leftovers beside the target once every rank is done.
+      Each case runs on a fresh private gloo group: an exception between two
+      collectives can leave one rank a collective behind the other on the
+      group it used, and that must not leak into the next case.
+
+    The parent is the watchdog of its child: it SIGKILLs the child when the
+    peer's child has reported and ``GRACE`` seconds passed (a hung rank), or
+    at the unit's ``deadline``, and records that it did.
+
+``die_before_save``
+    ``{"target", "timeout"}``: both ranks initialise torch.distributed from
+    the environment (rank 0 hosts the TCP store), then rank 0 SIGKILLs itself
+    while rank 1 calls ``save`` (its first: tddist creates its private gloo
+    group inside it).
+
+The data helpers ``shard`` and ``expected`` are shared with the test module.
+A rank or child exits 0 when it ran its program to the end (what the save
+did, returned or raised, is in its report) and 3 when the program itself broke.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script: make ``tests.launch_util`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+from tensordict import TensorDict
+
+#: Rows each rank saves, per version. The versions differ in shape and in
+#: values, so a mix of both (a partial checkpoint) can never pass for either.
+ROWS = {"old": (2, 2), "new": (3, 2)}
+BASE = {"old": 1000, "new": 5000}
+GRACE = 3.0  # seconds a child may outlive its peer's report before it counts as hung
+
+
+def shard(version: str, rank: int) -> TensorDict:
+    """What ``rank`` saves for ``version``: its rows of ``data`` (sharded) and ``step`` (replicated)."""
+    rows = ROWS[version]
+    start, n = sum(rows[:rank]), rows[rank]
+    base = BASE[version]
+    ids = torch.arange(start, start + n)
+    data = TensorDict(x=(base + ids[:, None] * 10 + torch.arange(3)[None, :]).float(), y=ids + base, batch_size=[n])
+    return TensorDict(data=data, step=torch.tensor(base), batch_size=[])
+
+
+def expected(version: str) -> TensorDict:
+    """The global TensorDict that a complete checkpoint of ``version`` holds."""
+    parts = [shard(version, r) for r in range(len(ROWS[version]))]
+    return TensorDict(data=torch.cat([p["data"] for p in parts], 0), step=parts[0]["step"], batch_size=[])
+
+
+def outcome_of(fn) -> dict:
+    """Run ``fn``; describe whether it returned or what it raised, and how long it took."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - every outcome is data for the test
+        return {
+            "result": "raised",
+            "cls": type(e).__name__,
+            "mro": [c.__name__ for c in type(e).__mro__],
+            "msg": str(e),
+            "failures": sorted(getattr(e, "failures", None) or {}),
+            "elapsed": time.monotonic() - t0,
+            "traceback": traceback.format_exc()[-4000:],
+        }
+    return {"result": "ok", "elapsed": time.monotonic() - t0}
+
+
+def leftovers(target) -> list[str]:
+    """The entries tddist keeps beside ``target`` while saving (staging, backup, trash)."""
+    target = Path(target)
+    prefix = f".{target.name}.tddist-"
+    return sorted(n for n in os.listdir(target.parent) if n.startswith(prefix))
+
+
+def save_version(version: str, target: str, rank: int, **kw) -> None:
+    """Save ``version``'s shard of this rank and check what ``save`` returns."""
+    import tddist
+
+    out = tddist.save(shard(version, rank), target, metadata={"version": version}, **kw)
+    assert (out == shard(version, rank)).all(), f"rank {rank}: save returned other data than it saved"
+
+
+# --- what a forked child runs ------------------------------------------------------------
+
+
+def unit_save(rank: int, unit: dict) -> dict:
+    import tddist.comm
+
+    timeout = float(unit["timeout"])
+    if unit["old"]:
+        save_version("old", unit["target"], rank, timeout=timeout)
+    else:
+        tddist.comm.resolve(None, timeout).barrier()  # creates the group that save(timeout=) reuses
+    os.environ["TDDIST_FAULT"] = unit["fault"]
+    return outcome_of(lambda: save_version("new", unit["target"], rank, timeout=timeout))
+
+
+def unit_matrix(rank: int, unit: dict) -> dict:
+    import torch.distributed as dist
+
+    from tddist._faults import inject
+    from tddist.comm_torch import TorchComm
+
+    keep = []  # past cases' groups stay alive: a peer may still be blocked on one
+    results = {}
+    for case in unit["cases"]:
+        dist.barrier()  # on the default group, which tddist never uses here
+        timeout = float(case["timeout"])
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        keep.append(group)
+        comm = TorchComm(group, timeout)
+        if case["old"]:
+            save_version("old", case["target"], rank, comm=comm)
+        with inject(case["point"], case["rank"], "raise"):
+            out = outcome_of(lambda: save_version("new", case["target"], rank, comm=comm))
+        dist.barrier()  # every rank is done with this save
+        out["leftovers"] = leftovers(case["target"])
+        results[case["name"]] = out
+    return results
+
+
+UNITS = {"save": unit_save, "matrix": unit_matrix}
+
+
+def _child(rank: int, unit: dict, report_dir: Path) -> int:
+    import torch.distributed as dist
+
+    own = report_dir / f"{unit['name']}.rank{rank}.json"
+    try:
+        store = report_dir / f"{unit['name']}.store"
+        timeout = datetime.timedelta(seconds=float(unit.get("timeout", 120)))
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timeout)
+        outcome = UNITS[unit["kind"]](rank, unit)
+        code, report = 0, {"status": "ok", "outcome": outcome}
+    except BaseException:  # noqa: BLE001
+        code, report = 3, {"status": "error", "error": traceback.format_exc()}
+    tmp = own.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, default=str))
+    tmp.replace(own)
+    return code
+
+
+def run_unit(rank: int, unit: dict, report_dir: Path) -> dict:
+    """Run ``unit`` in a forked child and watch it; what the child reported and how it ended."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            code = _child(rank, unit, report_dir)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    t0 = time.monotonic()
+    own = report_dir / f"{unit['name']}.rank{rank}.json"
+    peer = report_dir / f"{unit['name']}.rank{1 - rank}.json"
+    peer_seen, watchdog = None, None
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        now = time.monotonic()
+        if peer_seen is None and peer.exists():
+            peer_seen = now
+        if peer_seen is not None and now - peer_seen > GRACE:
+            watchdog = f"still running {GRACE:.0f}s after the peer reported"
+        elif now - t0 > float(unit["deadline"]):
+            watchdog = f"still running after the unit's {unit['deadline']}s deadline"
+        if watchdog:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    report = json.loads(own.read_text()) if own.exists() else None
+    return {
+        "exit": os.waitstatus_to_exitcode(status),
+        "watchdog": watchdog,
+        "seconds": time.monotonic() - t0,
+        "report": report,
+    }
+
+
+# --- modes ---------------------------------------------------------------------------------------
+
+
+def run_batch(rank: int, cfg: dict, report_dir: Path) -> dict:
+    import tddist  # noqa: F401 - imported once here, inherited by every forked child
+    import tddist._faults  # noqa: F401
+    import tddist.comm_torch  # noqa: F401
+
+    return {unit["name"]: run_unit(rank, unit, report_dir) for unit in cfg["units"]}
+
+
+def run_die_before_save(rank: int, cfg: dict, report_dir: Path) -> dict:
+    import torch.distributed as dist
+
+    timeout = float(cfg["timeout"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+    dist.barrier()
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return outcome_of(lambda: save_version("new", cfg["target"], rank, timeout=timeout))
+
+
+MODES = {"batch": run_batch, "die_before_save": run_die_before_save}
+
+
+def main() -> int:
+    from tests.launch_util import write_report
+
+    rank = int(os.environ["RANK"])
+    report_dir = Path(os.environ["TDDIST_REPORT_DIR"])
+    try:
+        mode, cfg = sys.argv[1], json.loads(sys.argv[2])
+        write_report(rank, "ok", outcome=MODES[mode](rank, cfg, report_dir))
+    except BaseException:  # noqa: BLE001
+        write_report(rank, "error", error=traceback.format_exc())
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: destroying gloo groups whose peer died or
+    # hangs can block, and the outcome is already reported.
+    os._exit(code)

@@ -1,0 +1,553 @@
+"""Fault injection into the two-phase commit, with real gloo ranks, real SIGKILLs and real files.
+
+Every named point of the commit (see ``tddist/commit.py``) is struck on each
+rank that runs it, with an exception and with SIGKILL, once over a committed
+"old" checkpoint and once where no checkpoint existed. After each fault:
+
+* the target holds exactly the old checkpoint (or nothing), or, when the
+  fault struck after rank 0 committed, exactly the new one; it loads with
+  ``verify=True`` and its values are compared, so a partial checkpoint fails;
+* no rank hung, and every rank that did not return raised a ``TddistError``
+  within its timeout;
+* ``tddist.recover`` removes every leftover beside the target, which still loads.
+
+Starting a rank process (importing torch and tensordict) is the expensive
+part, so every process case runs in one 2-rank "spawn" job whose two rank
+processes fork a fresh child pair per unit (``fault_rank.py batch``): one pair
+runs all "raise" cases (each on a fresh gloo group), one pair per SIGKILL case
+and one for the hang. Each child pair is a real 2-rank gloo job; the children
+are really killed and their exit statuses are checked. The same "raise" matrix
+also runs on thread ranks. Disk-full and read-only-file-system tests follow.
+
+The ``*_contract`` tests check what the ranks must be told: an aborted save
+raises the same error, naming the failing rank, on every rank and cleans up
+after itself, and no rank claims that nothing was committed when the new
+checkpoint is in place. A case the library is known to get wrong would be
+marked ``xfail(strict=True)`` and raise ``KnownBug`` (none today).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist._faults import inject
+from tests import fault_rank
+from tests.fault_rank import expected, leftovers, outcome_of, save_version, shard
+from tests.launch_util import Job, run_job
+
+SCRIPT = Path(fault_rank.__file__)
+SAVE_TIMEOUT = 20  # the save timeout where no rank should wait it out (survivors of a SIGKILL included)
+SHORT_TIMEOUT = 3  # the save timeout where a rank is expected to wait it out
+HANG_TIMEOUT = 8  # the save timeout of the rank left alone with a hung peer
+MARGIN = 10  # slack on top of a timeout for a loaded machine
+MATRIX_DEADLINE = 180  # the watchdog's limit for the whole "raise" matrix
+JOB_TIMEOUT = 90  # one small job, interpreter start-up included
+BATCH_JOB_TIMEOUT = 300  # the job of every process case (its units have their own deadlines)
+
+#: What survivors must never say when the new checkpoint was committed.
+FALSE_CLAIMS = ("nothing was committed", "nothing new was committed", "previous checkpoint is intact")
+
+
+class KnownBug(AssertionError):
+    """A contract check failed the way a known library bug makes it fail."""
+
+
+# --- the cases -----------------------------------------------------------------------
+
+#: (point, rank) for every fault-injection point and every rank that runs it.
+POINT_RANKS = [
+    ("prepare", 0),
+    ("write", 0),
+    ("write", 1),
+    ("vote", 0),
+    ("vote", 1),
+    ("validate", 0),
+    ("manifest", 0),
+    ("publish", 0),
+    ("replace", 0),
+    ("announce", 0),
+    ("announce", 1),
+]
+
+
+@dataclass(frozen=True)
+class Case:
+    point: str
+    rank: int
+    old: bool  # a committed checkpoint is at the target before the faulty save
+
+    @property
+    def id(self) -> str:
+        return f"{self.point}-rank{self.rank}-{'old' if self.old else 'noold'}"
+
+    @property
+    def fires(self) -> bool:
+        """``replace`` only runs when an old checkpoint is replaced."""
+        return not (self.point == "replace" and not self.old)
+
+    @property
+    def commits(self) -> bool:
+        """Whether the new checkpoint is committed despite the fault.
+
+        ``publish``, ``replace`` and ``announce`` strike at or after the commit
+        point (the rename). ``vote`` on rank 1 strikes after that rank's "yes"
+        vote has reached rank 0, which then commits: a participant that fails
+        after voting cannot veto a two-phase commit.
+        """
+        return self.point in ("publish", "replace", "announce") or (self.point == "vote" and self.rank != 0)
+
+    @property
+    def state(self) -> str | None:
+        """What the target must hold after the faulty save: "new", "old" or None (absent)."""
+        if self.commits:
+            return "new"
+        return "old" if self.old else None
+
+
+CASES = [Case(p, r, old) for old in (True, False) for p, r in POINT_RANKS]
+#: Without an old checkpoint ``replace`` never runs: a SIGKILL job would only re-test a plain save.
+KILL_CASES = [c for c in CASES if c.fires]
+
+
+def ids(cases):
+    return [c.id for c in cases]
+
+
+# --- checking a target -----------------------------------------------------------------
+
+
+def _leaf_keys(td) -> list[tuple]:
+    return sorted(k if isinstance(k, tuple) else (k,) for k in td.keys(True, True))
+
+
+def assert_same(got, want) -> None:
+    keys = _leaf_keys(want)
+    assert _leaf_keys(got) == keys
+    assert got.batch_size == want.batch_size and got["data"].batch_size == want["data"].batch_size
+    for k in keys:
+        a, b = got[k], want[k]
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"leaf {k}: {a} != {b}"
+
+
+def assert_target(target: Path, state: str | None) -> None:
+    """``target`` is exactly the complete ``state`` checkpoint (checksums verified), or absent."""
+    if state is None:
+        assert not target.exists(), f"{target} should not exist; it holds {sorted(os.listdir(target))}"
+        with pytest.raises(tddist.CheckpointNotFoundError):
+            tddist.load(target, shard=None)
+        return
+    got = tddist.load(target, shard=None, verify=True)
+    assert tddist.read_manifest(target).metadata == {"version": state}
+    assert_same(got, expected(state))
+    del got
+    gc.collect()  # drop the memory maps (a tmpfs must be unmountable afterwards)
+
+
+def check_target_and_recover(target: Path, state: str | None) -> list[str]:
+    """The target is right as left by the fault, and after ``recover``; returns what recover found."""
+    before = leftovers(target)
+    assert_target(target, state)
+    tddist.recover(target)
+    assert leftovers(target) == [], f"recover left {leftovers(target)} (there were {before})"
+    assert_target(target, state)
+    return before
+
+
+# --- checking what the ranks did -------------------------------------------------------
+
+
+def raised(o: dict, cls: str | None = None) -> bool:
+    return o["result"] == "raised" and (cls is None or cls in o["mro"])
+
+
+def show(outcomes: dict) -> str:
+    return json.dumps({r: {k: v for k, v in o.items() if k != "traceback"} for r, o in outcomes.items()}, indent=1)
+
+
+def check_raise_outcomes(case: Case, outcomes: dict[int, dict], timeout: float) -> None:
+    """What must hold after an injected exception, whatever the communicator."""
+    for r, o in outcomes.items():
+        assert o["elapsed"] <= timeout + MARGIN, f"rank {r} took {o['elapsed']:.1f}s\n{o.get('traceback', '')}"
+        if raised(o):
+            assert "TddistError" in o["mro"], f"rank {r} raised a non-tddist error:\n{o['traceback']}"
+    if not case.fires:
+        assert all(o["result"] == "ok" for o in outcomes.values()), show(outcomes)
+        return
+    mine = outcomes[case.rank]
+    assert raised(mine, "InjectedFault"), f"the failing rank {case.rank} did not raise the fault:\n{show(outcomes)}"
+    assert f"rank {case.rank}" in mine["msg"] and repr(case.point) in mine["msg"], mine["msg"]
+    if not case.commits:
+        assert all(raised(o) for o in outcomes.values()), f"a rank returned from an aborted save:\n{show(outcomes)}"
+
+
+def check_raise_contract(case: Case, outcomes: dict[int, dict]) -> None:
+    """What the ranks must be told; raises ``KnownBug`` listing every violation."""
+    problems = []
+    if case.fires and (case.point == "announce" or (case.point == "vote" and case.rank != 0)):
+        # The failing rank had already voted "yes" (or heard "committed"): the others commit.
+        for r, o in outcomes.items():
+            if r != case.rank and not (o["result"] == "ok" or raised(o, "CommError")):
+                problems.append(f"rank {r}: expected to return (or to see the peer vanish), got {o['cls']}: {o['msg']}")
+    elif case.fires:
+        for r, o in outcomes.items():
+            if not raised(o, "InjectedFault"):
+                what = f"{o['cls']} after {o['elapsed']:.1f}s: {o['msg']}" if raised(o) else "returned"
+                problems.append(f"rank {r}: expected the agreed InjectedFault of rank {case.rank}, {what}")
+            elif o["failures"] != [case.rank] or f"failed on rank {case.rank}" not in o["msg"]:
+                problems.append(f"rank {r}: the error does not name rank {case.rank} as the failing rank: {o['msg']}")
+    if case.commits:
+        problems += false_claims(outcomes)
+    left = outcomes[0]["leftovers"]
+    if left:
+        problems.append(f"a save that ended in an exception (no crash) left {left} beside the target")
+    if problems:
+        raise KnownBug("\n".join(problems))
+
+
+def false_claims(outcomes: dict[int, dict]) -> list[str]:
+    out = []
+    for r, o in outcomes.items():
+        text = o.get("msg", "").lower()
+        for claim in FALSE_CLAIMS:
+            if claim in text:
+                out.append(f"rank {r} says {claim!r} although the new checkpoint was committed: {o['msg']}")
+    return out
+
+
+def assert_exits(job: Job, codes: list[int]) -> None:
+    """Exit codes are exactly ``codes``; a rank that exited 0 reported, a killed one did not."""
+    assert job.returncodes == codes, f"exit codes {job.returncodes}, expected {codes}\n{job.output[-6000:]}"
+    for r, rc in enumerate(codes):
+        if rc == 0:
+            assert job.reports.get(r, {}).get("status") == "ok", f"rank {r}: {job.reports.get(r)}\n{job.output[-4000:]}"
+        else:
+            assert r not in job.reports, f"the killed rank {r} reported {job.reports[r]}"
+
+
+# --- the process jobs ------------------------------------------------------------------------
+#
+# One 2-rank "spawn" job runs every process case: each unit in a forked child
+# pair of the two (already imported) rank processes, see ``fault_rank.py``.
+
+MATRIX = "raise-matrix"
+HANG = "hang-write-rank1"
+_batch: dict = {}
+
+
+def raise_timeout(case: Case) -> float:
+    """The save timeout of a "raise" case. At ``vote`` a peer that failed after voting
+    waits for an announce that may never come, so those cases get a short one."""
+    return SHORT_TIMEOUT if case.point == "vote" else SAVE_TIMEOUT
+
+
+def batch_job(tmp_path_factory) -> tuple[Job, Path]:
+    if not _batch:
+        base = tmp_path_factory.mktemp("faults")
+        try:
+            _batch["job"] = (_run_batch(base), base)
+        except BaseException as e:  # a broken job fails every test that needs it, without rerunning it
+            _batch["job"] = e
+    if isinstance(_batch["job"], BaseException):
+        raise _batch["job"]
+    job, base = _batch["job"]
+    assert_exits(job, [0, 0])
+    return job, base
+
+
+def _run_batch(base: Path) -> Job:
+    def target(name: str) -> str:
+        (base / name).mkdir()
+        return str(base / name / "ckpt")
+
+    cases = [
+        dict(name=c.id, point=c.point, rank=c.rank, old=c.old, timeout=raise_timeout(c), target=target(c.id))
+        for c in CASES
+    ]
+    units = [{"kind": "matrix", "name": MATRIX, "cases": cases, "deadline": MATRIX_DEADLINE}]
+    for c in KILL_CASES:
+        name = f"kill-{c.id}"
+        units.append({"kind": "save", "name": name, "target": target(name), "old": c.old,
+                      "fault": f"{c.point}:{c.rank}:kill", "timeout": SAVE_TIMEOUT, "deadline": SAVE_TIMEOUT + MARGIN})
+    units.append({"kind": "save", "name": HANG, "target": target(HANG), "old": True, "fault": "write:1:hang",
+                  "timeout": HANG_TIMEOUT, "deadline": HANG_TIMEOUT + MARGIN})
+    args = ["batch", json.dumps({"units": units})]
+    return run_job("spawn", 2, SCRIPT, args, base / "reports", timeout=BATCH_JOB_TIMEOUT)
+
+
+def unit_result(name: str, tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    """Per rank: the child's exit code, whether the watchdog killed it, its report; and the job's directory."""
+    job, base = batch_job(tmp_path_factory)
+    return {r: job.reports[r]["outcome"][name] for r in (0, 1)}, base
+
+
+def child_outcome(res: dict, rank: int) -> dict:
+    """The outcome a child that ran to the end reported."""
+    assert res["exit"] == 0 and res["watchdog"] is None, f"rank {rank}'s child: {res}"
+    assert res["report"]["status"] == "ok", res["report"]
+    return res["report"]["outcome"]
+
+
+# --- 1. exceptions: every case in one child pair, on real gloo ranks ------------------------
+
+
+def matrix_outcomes(case: Case, tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    res, base = unit_result(MATRIX, tmp_path_factory)
+    return {r: child_outcome(res[r], r)[case.id] for r in (0, 1)}, base / case.id / "ckpt"
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", CASES, ids=ids(CASES))
+def test_raise_gloo(case, tmp_path_factory):
+    outcomes, target = matrix_outcomes(case, tmp_path_factory)
+    check_raise_outcomes(case, outcomes, raise_timeout(case))
+    left = check_target_and_recover(target, case.state)
+    print(f"{case.id}: {summary(outcomes)}; target {case.state or 'absent'}; leftovers {len(left)}")
+
+
+def _contract_params(cases, bugs: dict[str, str]) -> list:
+    """One param per case; the cases whose id starts with a key of ``bugs`` are known failures."""
+    params = []
+    for c in cases:
+        reason = next((why for key, why in bugs.items() if c.id.startswith(key)), None)
+        marks = [pytest.mark.xfail(strict=True, raises=KnownBug, reason=reason)] if reason else []
+        params.append(pytest.param(c, id=c.id, marks=marks))
+    return params
+
+
+CONTRACT_BUGS: dict[str, str] = {}  # none known today; add "point-rankN": reason for a known failure
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", _contract_params(CASES, CONTRACT_BUGS))
+def test_raise_gloo_contract(case, tmp_path_factory):
+    outcomes, _ = matrix_outcomes(case, tmp_path_factory)
+    check_raise_contract(case, outcomes)
+
+
+# --- 5. exceptions on thread ranks --------------------------------------------------------
+
+_threads: dict = {}
+
+
+def thread_case(case: Case, tmp_path_factory) -> tuple[dict[int, dict], Path]:
+    if case not in _threads:
+        target = tmp_path_factory.mktemp(f"thr-{case.id}") / "ckpt"
+        if case.old:
+            save_old(target)
+        def save_new(c):
+            return outcome_of(lambda: save_version("new", str(target), c.rank, comm=c))
+
+        with inject(case.point, case.rank, "raise"):
+            out = tddist.run_threads(2, save_new, timeout=raise_timeout(case))
+        for o in out:
+            o["leftovers"] = leftovers(target)
+        _threads[case] = (dict(enumerate(out)), target)
+    return _threads[case]
+
+
+@pytest.mark.parametrize("case", CASES, ids=ids(CASES))
+def test_raise_threads(case, tmp_path_factory):
+    outcomes, target = thread_case(case, tmp_path_factory)
+    check_raise_outcomes(case, outcomes, raise_timeout(case))
+    left = check_target_and_recover(target, case.state)
+    print(f"{case.id}: {summary(outcomes)}; target {case.state or 'absent'}; leftovers {len(left)}")
+
+
+@pytest.mark.parametrize("case", _contract_params(CASES, CONTRACT_BUGS))
+def test_raise_threads_contract(case, tmp_path_factory):
+    outcomes, _ = thread_case(case, tmp_path_factory)
+    check_raise_contract(case, outcomes)
+
+
+def summary(outcomes: dict[int, dict]) -> str:
+    return ", ".join(
+        f"rank {r} " + ("returned" if o["result"] == "ok" else f"{o['cls']} ({o['elapsed']:.1f}s)")
+        for r, o in sorted(outcomes.items())
+    )
+
+
+# --- 1. SIGKILL: one child pair per case ----------------------------------------------------
+
+
+def kill_outcome(case: Case, tmp_path_factory) -> tuple[dict, Path]:
+    """The survivor's outcome, after checking that the faulty rank, and only it, was SIGKILLed."""
+    res, base = unit_result(f"kill-{case.id}", tmp_path_factory)
+    target = base / f"kill-{case.id}" / "ckpt"
+    killed, survivor = res[case.rank], res[1 - case.rank]
+    assert killed["exit"] == -signal.SIGKILL and killed["watchdog"] is None and killed["report"] is None, killed
+    return child_outcome(survivor, 1 - case.rank), target
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", KILL_CASES, ids=ids(KILL_CASES))
+def test_kill(case, tmp_path_factory):
+    o, target = kill_outcome(case, tmp_path_factory)
+    survivor = 1 - case.rank
+    assert o["elapsed"] < SAVE_TIMEOUT, f"rank {survivor} took {o['elapsed']:.1f}s"
+    if case.point == "announce":
+        # The decision was delivered before the kill: the survivor committed.
+        assert o["result"] == "ok", f"rank {survivor}:\n{o.get('traceback')}"
+    elif not raised(o, "CommError"):
+        # Rank 1 killed after its vote reached rank 0: rank 0 commits, and may not notice the death.
+        assert case.point == "vote" and case.rank == 1 and o["result"] == "ok", (
+            f"rank {survivor} should raise CommError/CommTimeoutError, got:\n{o.get('traceback', o)}"
+        )
+    if raised(o):
+        assert f"rank {survivor}" in o["msg"] and "peer" in o["msg"], o["msg"]
+    left = check_target_and_recover(target, case.state)
+    what = "returned" if o["result"] == "ok" else f"{o['cls']} ({o['elapsed']:.1f}s): {o['msg'][:90]}"
+    print(f"{case.id}: rank {survivor} {what}; target {case.state or 'absent'}; leftovers {len(left)}")
+
+
+#: Where the survivor deterministically raises although rank 0 committed. (With rank 1 killed at
+#: ``vote`` rank 0 itself committed; whether its announce fails depends on timing.)
+HONESTY_CASES = [c for c in KILL_CASES if c.point in ("publish", "replace")]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", HONESTY_CASES, ids=ids(HONESTY_CASES))
+def test_kill_contract(case, tmp_path_factory):
+    o, _ = kill_outcome(case, tmp_path_factory)
+    assert raised(o, "CommError"), o
+    problems = false_claims({1 - case.rank: o})
+    if problems:
+        raise KnownBug("\n".join(problems))
+
+
+@pytest.mark.multirank
+def test_peer_dies_before_first_save(tmp_path):
+    """Its own job: rank 0 hosts the TCP store of torchrun's environment, and dies with it."""
+    target = tmp_path / "fs" / "ckpt"
+    target.parent.mkdir()
+    cfg = {"target": str(target), "timeout": SAVE_TIMEOUT}
+    job = run_job("spawn", 2, SCRIPT, ["die_before_save", json.dumps(cfg)], tmp_path / "reports", timeout=JOB_TIMEOUT)
+    assert_exits(job, [-signal.SIGKILL, 0])
+    o = job.reports[1]["outcome"]
+    assert raised(o) and o["elapsed"] < SAVE_TIMEOUT, o
+    assert_target(target, None)
+    assert leftovers(target) == []
+    if not raised(o, "CommError"):
+        raise KnownBug(f"rank 1 raised {o['cls']} ({' < '.join(o['mro'])}): {o['msg']}")
+
+
+# --- 2. a hung rank -------------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+def test_hang(tmp_path_factory):
+    """Rank 1 hangs after writing its shard: rank 0 times out; then rank 1, still hanging, is killed."""
+    res, base = unit_result(HANG, tmp_path_factory)
+    target = base / HANG / "ckpt"
+    hung = res[1]
+    assert hung["exit"] == -signal.SIGKILL and hung["report"] is None, hung
+    assert hung["watchdog"] and "after the peer reported" in hung["watchdog"], hung
+    o = child_outcome(res[0], 0)
+    assert raised(o, "CommTimeoutError"), o
+    assert HANG_TIMEOUT * 0.5 <= o["elapsed"] <= HANG_TIMEOUT + MARGIN, o["elapsed"]
+    assert "rank 0" in o["msg"] and f"within {HANG_TIMEOUT}s" in o["msg"], o["msg"]
+    left = check_target_and_recover(target, "old")
+    print(f"{HANG}: rank 0 {o['cls']} ({o['elapsed']:.1f}s): {o['msg'][:90]}; target old; leftovers {len(left)}")
+
+
+# --- 3./4. disk full and read-only file system (tmpfs, thread ranks) --------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs, unmounted afterwards (skips where mounting is not allowed)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    try:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.skip("no mount command here")
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        gc.collect()  # memory maps of loaded checkpoints would keep the mount busy
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def remount(mnt: Path, mode: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{mode}", str(mnt)], check=True, capture_output=True)
+
+
+def thread_save(target: Path, make, timeout: float = 30) -> dict[int, dict]:
+    out = tddist.run_threads(
+        2,
+        lambda c: outcome_of(lambda: tddist.save(make(c.rank), target, comm=c, metadata={"version": "new"})),
+        timeout=timeout,
+    )
+    return dict(enumerate(out))
+
+
+def save_old(target: Path) -> None:
+    done = tddist.run_threads(2, lambda c: save_version("old", str(target), c.rank, comm=c), timeout=30)
+    assert not any(isinstance(x, BaseException) for x in done), done
+
+
+def big_shard(rank: int):
+    """3 MiB per rank: two ranks need more than the 4 MiB tmpfs holds."""
+    rows = 3 * 2**20 // 32
+    data = TensorDict(x=torch.full((rows, 8), float(rank)), batch_size=[rows])
+    return TensorDict(data=data, step=torch.tensor(rank), batch_size=[])
+
+
+def test_disk_full(small_tmpfs):
+    target = small_tmpfs / "ckpt"
+    save_old(target)
+    free_before = os.statvfs(small_tmpfs).f_bfree
+    outcomes = thread_save(target, big_shard)
+    for r, o in outcomes.items():
+        assert raised(o, "TddistError"), f"rank {r}: {o}"
+        assert "No space left on device" in o["msg"], o["msg"]
+    assert_target(target, "old")
+    tddist.recover(target)
+    assert leftovers(target) == []
+    assert_target(target, "old")
+    assert os.statvfs(small_tmpfs).f_bfree == free_before, "the aborted save's data was not removed"
+    print(f"disk full: {summary(outcomes)}: {outcomes[0]['msg']!r}")
+
+
+def read_only_save(mnt: Path) -> tuple[dict[int, dict], Path]:
+    target = mnt / "ckpt"
+    save_old(target)
+    remount(mnt, "ro")
+    outcomes = thread_save(target, lambda r: shard("new", r))
+    assert_target(target, "old")
+    remount(mnt, "rw")
+    tddist.recover(target)
+    assert leftovers(target) == []
+    assert_target(target, "old")
+    return outcomes, target
+
+
+def test_read_only(small_tmpfs):
+    outcomes, target = read_only_save(small_tmpfs)
+    for r, o in outcomes.items():
+        assert raised(o, "TddistError"), f"rank {r}: {o}"
+        assert str(target) in o["msg"] and "Read-only file system" in o["msg"], o["msg"]
+    print(f"read-only: {summary(outcomes)}: {outcomes[0]['msg']!r}")
+
+
+def test_read_only_contract(small_tmpfs):
+    outcomes, _ = read_only_save(small_tmpfs)
+    classes = {r: o.get("cls") for r, o in outcomes.items()}
+    if any(c != "TargetError" for c in classes.values()):
+        raise KnownBug(f"classes raised: {classes}")
