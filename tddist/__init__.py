@@ -7,6 +7,7 @@ target all at once, complete and verified, or not at all.
 __version__ = "0.1.0"
 
 from .api import load, read_manifest, recover, save  # noqa: E402
+from .convert import pack, unpack  # noqa: E402
 from .comm import Communicator, LocalComm, ThreadComm, run_threads  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointNotFoundError,
@@ -32,6 +33,8 @@ __all__ = [
     "load",
     "read_manifest",
     "recover",
+    "pack",
+    "unpack",
     "get_state",
     "set_state",
     "LoadReport",

@@ -1,0 +1,124 @@
+"""Pack a committed directory checkpoint into one archive, or unpack an archive into a directory.
+
+Both run in one process, verify every checksum on the way (corrupt data is
+never copied into a new checkpoint), and publish the result with the same
+staging-and-rename commit as ``save``, so the destination appears complete or
+not at all. The source is never modified.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import format as fmt
+from ._fs import fsync_tree_dirs, remove_tree, write_durable
+from .archive import check_archive_target, entry_table, finalize, layout, prepare_entries, resolve_compression, write_region
+from .commit import check_target, publish
+from .errors import CorruptCheckpointError
+from .manifest import to_json
+from .reader import open_files, read_manifest
+from .writer import combine_digests, hash_blocks
+
+logger = logging.getLogger(__name__)
+
+
+def _files(manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[int, str]]]:
+    """meta.json files of every rank directory (bytes), and each leaf file's (size, checksum) by name."""
+    leaves = {}
+    for leaf in manifest.leaves.values():
+        for c in leaf.chunks:
+            if c.nbytes:
+                leaves[fmt.leaf_relpath(c.rank, leaf.key, manifest.robust_key)] = (c.nbytes, c.checksum)
+    metas = {}
+    files = open_files(src)
+    for name in _meta_names(manifest, files):
+        metas[name] = bytes(files.array(name, _size(files, name)).numpy())
+    return metas, leaves
+
+
+def _meta_names(manifest, files) -> list[str]:
+    if hasattr(files, "entries"):
+        return [n for n in files.entries if n.endswith(fmt.TD_META_NAME) and n != fmt.MANIFEST_NAME]
+    out = []
+    for rank in range(manifest.world_size):
+        top = os.path.join(files.root, fmt.rank_dir(rank))
+        for dirpath, _dirs, names in os.walk(top):
+            if fmt.TD_META_NAME in names:
+                out.append(os.path.relpath(os.path.join(dirpath, fmt.TD_META_NAME), files.root))
+    return sorted(out)
+
+
+def _size(files, name: str) -> int:
+    if hasattr(files, "entries"):
+        return files.entries[name][1].file_size
+    return os.path.getsize(os.path.join(files.root, name))
+
+
+def _check(name: str, digests: list[int], checksum: str, src: str) -> None:
+    if combine_digests(digests) != checksum:
+        raise CorruptCheckpointError(f"{name!r} in {src!r} fails its checksum; nothing was written (restore the source first)")
+
+
+def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression=None, num_threads: int = 0) -> str:
+    """Write the committed directory checkpoint ``src`` as the archive ``dst``; returns ``dst``."""
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    manifest = read_manifest(src)
+    method, level = resolve_compression(compression)
+    metas, leaves = _files(manifest, src)
+    files = open_files(src)
+    tensors = {name: files.array(name, size) for name, (size, _c) in leaves.items()}
+    entries = prepare_entries(metas, tensors, method, level, num_threads)
+    for e in entries:
+        if e.name in leaves:
+            _check(e.name, e.digests, leaves[e.name][1], src)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    check_archive_target(dst)
+    staging = fmt.staging_path(dst)
+    try:
+        os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        end = layout(entries, 0)
+        write_region(staging, entries, num_threads)
+        manifest.layout = "archive"
+        finalize(staging, end, fmt.dumps(to_json(manifest)), [entry_table(entries)])
+        publish(staging, dst)
+    except BaseException:
+        remove_tree(staging)
+        raise
+    logger.info("packed %s into %s", src, dst)
+    return dst
+
+
+def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int = 0) -> str:
+    """Write the committed archive ``src`` as the directory checkpoint ``dst``; returns ``dst``."""
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    manifest = read_manifest(src)
+    metas, leaves = _files(manifest, src)
+    files = open_files(src)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    check_target(dst)
+    staging = fmt.staging_path(dst)
+    try:
+        os.mkdir(staging)
+        for name, data in metas.items():
+            _write(staging, name, data)
+        for name, (size, checksum) in leaves.items():
+            data = files.array(name, size).numpy()
+            _check(name, hash_blocks(data), checksum, src)
+            _write(staging, name, memoryview(data))
+        manifest.layout = "directory"
+        write_durable(os.path.join(staging, fmt.MANIFEST_NAME), fmt.dumps(to_json(manifest)))
+        fsync_tree_dirs(staging)
+        publish(staging, dst)
+    except BaseException:
+        remove_tree(staging)
+        raise
+    logger.info("unpacked %s into %s", src, dst)
+    return dst
+
+
+def _write(root: str, name: str, data) -> None:
+    path = os.path.join(root, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_durable(path, data)
+

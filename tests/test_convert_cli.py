@@ -1,0 +1,82 @@
+"""pack/unpack between directory and archive checkpoints, and the ``tddist`` command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist import format as fmt
+
+
+def _three_ranks(path):
+    def rank_fn(c):
+        td = TensorDict(x=torch.arange(12.0).view(4, 3) + c.rank, batch_size=[4])
+        td.set_non_tensor("who", f"r{c.rank}")
+        return tddist.save(td, path, comm=c)
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(3, rank_fn, timeout=60))
+
+
+@pytest.mark.parametrize("compression", [None, "deflate", "zstd"])
+def test_pack_then_unpack_round_trips(tmp_path, compression):
+    _three_ranks(tmp_path / "d")
+    tddist.pack(tmp_path / "d", tmp_path / "a.tdz", compression=compression)
+    tddist.unpack(tmp_path / "a.tdz", tmp_path / "d2")
+    original = tddist.load(tmp_path / "d", shard=None)
+    for path in (tmp_path / "a.tdz", tmp_path / "d2"):
+        back = tddist.load(path, shard=None, verify=True)
+        assert torch.equal(back["x"], original["x"]) and back["who"] == ["r0", "r1", "r2"]
+    assert tddist.read_manifest(tmp_path / "a.tdz").layout == "archive"
+    assert tddist.read_manifest(tmp_path / "d2").layout == "directory"
+    if compression in (None, "deflate"):
+        assert zipfile.ZipFile(tmp_path / "a.tdz").testzip() is None
+    assert not [n for n in os.listdir(tmp_path) if ".tddist-" in n]
+
+
+def test_pack_refuses_corrupt_source_and_foreign_destination(tmp_path):
+    _three_ranks(tmp_path / "d")
+    leaf = tmp_path / "d" / fmt.rank_dir(1) / "x.memmap"
+    raw = bytearray(leaf.read_bytes())
+    raw[0] ^= 0xFF
+    leaf.write_bytes(bytes(raw))
+    with pytest.raises(tddist.CorruptCheckpointError, match="checksum"):
+        tddist.pack(tmp_path / "d", tmp_path / "a.tdz")
+    assert not (tmp_path / "a.tdz").exists() and not [n for n in os.listdir(tmp_path) if ".tddist-" in n]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("mine")
+    _three_ranks(tmp_path / "good")
+    tddist.pack(tmp_path / "good", tmp_path / "g.tdz")
+    with pytest.raises(tddist.TargetError):
+        tddist.unpack(tmp_path / "g.tdz", tmp_path / "other")
+    assert (tmp_path / "other" / "keep.txt").read_text() == "mine"
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "tddist.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def test_command_line(tmp_path):
+    _three_ranks(tmp_path / "d")
+    r = _cli("info", tmp_path / "d", "--leaves")
+    assert r.returncode == 0 and "world size 3" in r.stdout and "x: float32 [12, 3]" in r.stdout
+    assert _cli("pack", tmp_path / "d", tmp_path / "a.tdz", "--compression", "deflate").returncode == 0
+    assert _cli("unpack", tmp_path / "a.tdz", tmp_path / "d2").returncode == 0
+    assert _cli("verify", tmp_path / "d2").returncode == 0
+    os.mkdir(tmp_path / f".d.tddist-staging-{'0' * 32}")
+    r = _cli("recover", tmp_path / "d")
+    assert r.returncode == 0 and "removed" in r.stdout
+    leaf = tmp_path / "d2" / fmt.rank_dir(0) / "x.memmap"
+    raw = bytearray(leaf.read_bytes())
+    raw[-1] ^= 1
+    leaf.write_bytes(bytes(raw))
+    r = _cli("verify", tmp_path / "d2")
+    assert r.returncode == 1 and "checksum mismatch" in r.stderr
+    r = _cli("info", tmp_path / "missing")
+    assert r.returncode == 1 and "does not exist" in r.stderr
