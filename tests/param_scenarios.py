@@ -138,6 +138,25 @@ def scenario_prefix_none_and_threads(comm, work: Path, rank: int, size: int) -> 
     assert [c.checksum for c in ma.leaves[("x",)].chunks] == [c.checksum for c in mb.leaves[("x",)].chunks]
 
 
+def scenario_archive_matches_directory(comm, work: Path, rank: int, size: int) -> None:
+    """One archive written by all ranks holds exactly what the directory holds, on any world size."""
+    td = _td(rank)
+    td.set_non_tensor("mine", f"rank-{rank}")
+    tddist.save(td, work / "dir", comm=comm)
+    out = tddist.save(td, work / "all.tdz", comm=comm, num_threads=2)
+    assert torch.equal(out["x"], td["x"]) and out["mine"] == f"rank-{rank}"
+    tddist.save(td, work / "packed.tdz", comm=comm, compression="deflate", num_threads=2)
+    md, ma = tddist.read_manifest(work / "dir"), tddist.read_manifest(work / "all.tdz")
+    assert ma.layout == "archive"
+    assert [[c.checksum for c in leaf.chunks] for leaf in md.leaves.values()] == [
+        [c.checksum for c in leaf.chunks] for leaf in ma.leaves.values()
+    ]
+    full = tddist.load(work / "dir", shard=None)
+    for path in ("all.tdz", "packed.tdz"):
+        assert torch.equal(tddist.load(work / path, shard=None, verify=True)["x"], full["x"])
+        assert torch.equal(tddist.load(work / path, comm=comm)["x"], tddist.load(work / "dir", comm=comm)["x"])
+
+
 SCENARIOS = [
     scenario_copy_existing,
     scenario_non_tensor,
@@ -146,4 +165,5 @@ SCENARIOS = [
     scenario_robust_key,
     scenario_not_atomic,
     scenario_prefix_none_and_threads,
+    scenario_archive_matches_directory,
 ]

@@ -95,6 +95,7 @@ def role_save(work: Path, rank: int, world: int) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     tddist.save(batch_td(rank, 0), work / "batch")
+    tddist.save(batch_td(rank, 0), work / "batch.tdz", num_threads=2)
     mesh = init_device_mesh("cpu", (world,))
     mesh2 = init_device_mesh("cpu", (2, 2))
     dts = {
@@ -118,6 +119,7 @@ def role_save(work: Path, rank: int, world: int) -> None:
 
 def role_mpisave(work: Path, rank: int, world: int) -> None:
     tddist.save(batch_td(rank, 1000), work / "mpi3")
+    tddist.save(batch_td(rank, 1000), work / "mpi3.tdz", compression="deflate")
 
 
 def _full(t) -> torch.Tensor:
@@ -152,6 +154,10 @@ def role_load(work: Path, rank: int, world: int) -> None:
         by_counts = tddist.load(work / name, shard=counts)
         start = sum(counts[:rank])
         assert (by_counts == expected[start : start + counts[rank]]).all(), f"{name}: shard=counts differs"
+        from_archive = tddist.load(work / f"{name}.tdz", verify=True)
+        assert (from_archive == mine).all(), f"{name}.tdz differs from the directory checkpoint on {world} ranks"
+    if world == 1:  # an archive written by a single torchrun rank, read back by the test on other world sizes
+        tddist.save(global_batch(4, 0), work / "w1.tdz")
 
     # DTensors onto a 1-D mesh of this world size, other placements than saved
     mesh = init_device_mesh("cpu", (world,))

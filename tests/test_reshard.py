@@ -7,8 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
+import tddist
 from tests.launch_util import run_job
+from tests.reshard_rank import global_batch
 
 SCRIPT = Path(__file__).with_name("reshard_rank.py")
 pytestmark = pytest.mark.multirank
@@ -25,3 +28,7 @@ def saved(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_load_on_other_world_size(saved: Path, world: int) -> None:
     run_job("torchrun", world, SCRIPT, [str(saved), "load"], saved / f"reports-load{world}", timeout=240).assert_ok(world)
+    if world == 1:
+        expected = global_batch(4, 0)
+        parts = tddist.run_threads(3, lambda c: tddist.load(saved / "w1.tdz", comm=c, verify=True), timeout=60)
+        assert (torch.cat(parts) == expected).all()
