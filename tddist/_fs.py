@@ -80,13 +80,21 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        parts = os.uname().release.split(".")
+        return (int(parts[0]), int(parts[1].split("-")[0])) >= (major, minor)
+    except (ValueError, IndexError):
+        return False
+
+
 def syncfs(path: str) -> bool:
     """Flush the whole file system holding ``path`` (one call instead of one fsync per file).
 
     Returns False where ``syncfs`` is not available, so the caller fsyncs file by file.
     """
     fn = getattr(_load_libc(), "syncfs", None)
-    if fn is None:
+    if fn is None or not _kernel_at_least(5, 8):  # older kernels do not report writeback errors from syncfs
         return False
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -96,6 +104,22 @@ def syncfs(path: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """``os.makedirs``, fsyncing the parent of every directory it creates, so a
+    checkpoint committed inside them survives a power loss."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        fsync_path(os.path.dirname(d))
 
 
 def fsync_tree_dirs(root: str) -> None:

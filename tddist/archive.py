@@ -398,6 +398,8 @@ def is_tddist_archive(path: str) -> bool:
 
 def check_archive_target(target: str) -> bool:
     """Refuse archive targets tddist must not replace; return whether one exists."""
+    if os.path.islink(target):
+        raise TargetError(f"archive target {target!r} is a symbolic link; pass the real path or another target")
     if os.path.isdir(target):
         raise TargetError(f"archive target {target!r} is a directory; choose a file path (ending in .tdz)")
     if not os.path.exists(target):

@@ -33,25 +33,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from typing import Callable, Protocol
 
 from . import format as fmt
 from ._faults import archive_base_offset, fault_point
-from ._fs import exchange, fsync_path, remove_tree, rename_noreplace, write_durable
+from ._fs import exchange, fsync_path, makedirs_durable, remove_tree, rename_noreplace, write_durable
 from .archive import check_archive_target, is_tddist_archive
 from .comm import Communicator, collective_error, describe
 from .errors import CommError, TargetError
 
 logger = logging.getLogger(__name__)
 
-_RANK_DIR_RE = re.compile(r"^rank-\d{5,}$")
-
-
 def is_tddist_dir(path: str) -> bool:
     """True if ``path`` holds only what tddist writes (a checkpoint, torn or not)."""
     names = os.listdir(path)
-    return all(n == fmt.MANIFEST_NAME or _RANK_DIR_RE.match(n) for n in names)
+    return all(n == fmt.MANIFEST_NAME or fmt.is_rank_dir_name(n) for n in names)
 
 
 def is_committed(path: str) -> bool:
@@ -97,7 +93,7 @@ class ArchiveHooks(Protocol):
 
 def _prepare(target: str, atomic: bool, archive: bool) -> str:
     parent = os.path.dirname(os.path.abspath(target))
-    os.makedirs(parent, exist_ok=True)
+    makedirs_durable(parent)
     if archive:
         check_archive_target(target)
         staging = fmt.staging_path(target)
@@ -131,7 +127,7 @@ def publish(staging: str, target: str) -> None:
     if exchange(staging, target):
         fsync_path(parent)
         fault_point("replace", 0)
-        remove_tree(staging)  # now holds the old checkpoint
+        _discard(staging)  # now holds the old checkpoint; the new one is committed either way
         return
     logger.info("RENAME_EXCHANGE unsupported here; replacing %s through a backup name", target)
     backup = fmt.backup_path(target)
@@ -139,7 +135,7 @@ def publish(staging: str, target: str) -> None:
     fsync_path(parent)
     os.rename(staging, target)
     fsync_path(parent)
-    remove_tree(backup)
+    _discard(backup)
 
 
 def two_phase_commit(
@@ -296,7 +292,7 @@ def _decide(target: str, staging: str, votes: list, build_manifest, write_manife
 
 
 def _discard(staging: str) -> None:
-    """Remove an aborted save's staging area; a failure to do so must not stop the announce."""
+    """Remove a staging area or an old checkpoint; failing to must not stop the commit or the announce."""
     try:
         remove_tree(staging)
     except OSError as e:

@@ -110,6 +110,14 @@ def rank_dir(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
+_RANK_DIR_RE = re.compile(r"^rank-\d{5,}$")
+
+
+def is_rank_dir_name(name: str) -> bool:
+    """True if ``name`` is a rank directory's name."""
+    return _RANK_DIR_RE.match(name) is not None
+
+
 def node_relpath(rank: int, key: tuple[str, ...], robust: bool = True) -> str:
     """Relative path of the directory of the (sub-)TensorDict at ``key``."""
     return os.path.join(rank_dir(rank), *(encode_key(k, robust) for k in key))
@@ -237,6 +245,12 @@ def trash_path(target: str) -> str:
 def backup_path(target: str) -> str:
     """A fresh name for the old checkpoint while it is replaced without RENAME_EXCHANGE."""
     return _side_name(target, _BACKUP_TAG)
+
+
+def side_entry_kind(name: str) -> tuple[str, str] | None:
+    """(base name, kind) if ``name`` is a staging/trash/backup entry of some target, else None."""
+    m = _SIDE_RE.match(name)
+    return (m.group("base"), m.group("kind")) if m else None
 
 
 def side_entries(target: str) -> list[tuple[str, str]]:

@@ -236,9 +236,10 @@ def _merge_objects(fragments: list[dict]) -> dict[Key, ObjectLeaf]:
             )
     for i, (key, kind) in enumerate(keys):
         values = [f["objects"][i]["value"] for f in fragments]
+        encoded = [fmt.dumps(v) for v in values]  # 1, 1.0 and True are ==, but not the same value
         if kind == "stack":
             out[key] = ObjectLeaf(key, "shard", values)
-        elif all(v == values[0] for v in values):
+        elif all(e == encoded[0] for e in encoded):
             out[key] = ObjectLeaf(key, "replicate", values[:1])
         else:
             out[key] = ObjectLeaf(key, "per_rank", values)
@@ -343,6 +344,7 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
         p.check(isinstance(n, dict), "has a node that is not an object")
         key = p.key(n.get("key"), allow_empty=True)
         p.check(key not in nodes, f"lists node {key!r} twice")
+        p.check(not key or key[:-1] in nodes, f"has node {key!r} whose parent node is not listed (before it)")
         nodes[key] = p.shape(n.get("batch_size"), f"node {key!r} batch_size")
         if "rows" in n:
             rows = n["rows"]
@@ -350,6 +352,7 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
             p.check(ok and nodes[key] != () and sum(rows) == nodes[key][0], f"has invalid rows {rows!r} for node {key!r}")
             node_rows[key] = rows
 
+    p.check(() in nodes, "has no root node (key [])")
     leaves: dict[Key, Leaf] = {}
     for e in p.list_of(obj, "leaves"):
         p.check(isinstance(e, dict), "has a leaf that is not an object")
