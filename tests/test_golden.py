@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -176,6 +177,9 @@ def test_recipe_still_writes_the_golden_files(tmp_path):
         golden, fresh = V1 / name, tmp_path / name
 
         def files(root):
+            if root.is_file():  # an archive: its entries
+                with zipfile.ZipFile(root) as zf:
+                    return {zi.filename: zf.read(zi) for zi in zf.infolist()}
             out = {}
             for dirpath, _dirs, names in os.walk(root):
                 for n in names:
@@ -216,3 +220,36 @@ def test_loading_never_modifies_golden_files(tmp_path):
     tddist.save(recipe.multi_rank_shard(0), copy)
     assert tddist.read_manifest(copy).world_size == 1
     assert_identical(tddist.load(copy, shard=None), recipe.multi_rank_shard(0))
+
+
+# --- (c) non-tensor values, node rows, verbatim keys; (c') the same as an archive; (d) a DTensor ---
+
+EXTENDED = V1 / recipe.EXTENDED
+EXTENDED_ARCHIVE = V1 / recipe.EXTENDED_ARCHIVE
+DTENSOR = V1 / recipe.DTENSOR
+
+
+@pytest.mark.parametrize("path", [EXTENDED, EXTENDED_ARCHIVE], ids=["directory", "archive"])
+def test_extended_golden_loads(path):
+    shards = [recipe.extended_shard(r) for r in range(len(recipe.EXTENDED_ROWS))]
+    full = tddist.load(path, shard=None, verify=True)
+    assert torch.equal(full["v"], torch.cat([s["v"] for s in shards]))
+    assert full["config"] == {"lr": 0.5, "betas": [0.9, 0.99], "name": "golden"}
+    assert full["host"] == ["node-0", "node-1"]
+    assert full.get("labels").tolist() == [f"row-{i}" for i in range(sum(recipe.EXTENDED_ROWS))]
+    m = tddist.read_manifest(path)
+    assert not m.robust_key and m.layout == ("archive" if path.suffix == ".tdz" else "directory")
+    assert m.node_rows[("meta",)] == list(recipe.EXTENDED_ROWS)
+
+    saved = _ok(tddist.run_threads(2, lambda c: tddist.load(path, comm=c, shard="saved"), timeout=60))
+    for rank, got in enumerate(saved):
+        assert torch.equal(got["v"], shards[rank]["v"]) and got["host"] == f"node-{rank}"
+        assert got["meta"].batch_size == torch.Size([recipe.EXTENDED_ROWS[rank]])
+
+
+def test_dtensor_golden_loads_whole_and_into_plain_tensors():
+    assert tddist.read_manifest(DTENSOR).leaves[("w",)].placement == tddist.sharding.Boxes()
+    assert torch.equal(tddist.load(DTENSOR, shard=None, verify=True)["w"], recipe.dtensor_global())
+    target = {"w": torch.zeros(5, 3)}
+    assert tddist.load(DTENSOR, into=target).ok
+    assert torch.equal(target["w"], recipe.dtensor_global())

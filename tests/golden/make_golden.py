@@ -142,7 +142,67 @@ def write_multi(path) -> None:
         raise errors[0]
 
 
-BUILDERS = {SINGLE: write_single, MULTI: write_multi}
+#: checkpoint (c): two ranks with non-tensor values (replicated, per rank, a stack), a
+#: batched sub-TensorDict without tensors (its rows are recorded per rank), verbatim keys
+EXTENDED = "extended"
+EXTENDED_ROWS = (2, 1)
+#: the same data as one deflate-compressed archive
+EXTENDED_ARCHIVE = "extended.tdz"
+#: checkpoint (d): a DTensor saved from a one-rank mesh (a "boxes" leaf)
+DTENSOR = "dtensor"
+
+
+def extended_shard(rank: int) -> TensorDict:
+    """What rank ``rank`` saves for checkpoints (c) and (c'), with ``robust_key=False``."""
+    n = EXTENDED_ROWS[rank]
+    start = sum(EXTENDED_ROWS[:rank])
+    td = TensorDict({"v": _ramp((n, 2), torch.float32, 0.5, 10.0 * start), "meta": TensorDict({}, [n])}, [n])
+    td.set_non_tensor("config", {"lr": 0.5, "betas": [0.9, 0.99], "name": "golden"})
+    td.set_non_tensor("host", f"node-{rank}")
+    from tensordict import NonTensorStack
+
+    td["labels"] = NonTensorStack.from_list([f"row-{start + i}" for i in range(n)])
+    return td
+
+
+def write_extended(path, archive: bool = False) -> None:
+    def rank_main(comm):
+        kwargs = {"compression": "deflate"} if archive else {}
+        tddist.save(extended_shard(comm.rank), path, comm=comm, robust_key=False, metadata={"recipe": EXTENDED}, **kwargs)
+        return "ok"
+
+    errors = [r for r in tddist.run_threads(len(EXTENDED_ROWS), rank_main) if r != "ok"]
+    if errors:
+        raise errors[0]
+
+
+def dtensor_global() -> torch.Tensor:
+    return _ramp((5, 3), torch.float32, 1.0, -7.0)
+
+
+def write_dtensor(path) -> None:
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
+        try:
+            mesh = init_device_mesh("cpu", (1,))
+            tddist.save({"w": distribute_tensor(dtensor_global(), mesh, [Shard(0)])}, path)
+        finally:
+            dist.destroy_process_group()
+
+
+BUILDERS = {
+    SINGLE: write_single,
+    MULTI: write_multi,
+    EXTENDED: write_extended,
+    EXTENDED_ARCHIVE: lambda path: write_extended(path, archive=True),
+    DTENSOR: write_dtensor,
+}
 
 
 def main(argv: list[str]) -> int:
