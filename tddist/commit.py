@@ -2,31 +2,38 @@
 
 Steps (the names in brackets are the fault-injection points of ``_faults``):
 
-1. (rank 0) Check the target: a file or a foreign non-empty directory is
-   refused, never deleted. Create a staging directory beside it, on the same
-   file system, named ``.<target>.tddist-staging-<uuid>``. Broadcast its path,
-   or the error, so no rank waits forever.                         [prepare]
-2. (all ranks) Write the local shard into the staging directory; every file
-   and directory is fsynced. The fragment (or the error) is the vote. [write]
-3. (all ranks -> rank 0) Gather the votes.                          [vote]
-4. (rank 0) Any failure: remove the staging directory and decide ABORT with
-   every failing rank's error. Otherwise merge and validate the fragments
-   (they must tile every global tensor) [validate], write and fsync the
-   manifest and fsync the staging directory [manifest], then publish: a
-   ``rename`` onto an absent target, or a ``renameat2(RENAME_EXCHANGE)`` with
-   an existing one, then fsync the parent directory. The rename is the commit
-   point [publish]. The old checkpoint, now at the staging name, is removed
-   [replace].
+1. (rank 0) Check the target: a file, a symbolic link or a foreign non-empty
+   directory is refused, never deleted. Create missing parent directories
+   durably, and a staging directory beside the target, on the same file
+   system, named ``.<target>.tddist-staging-<uuid>`` (a staging *file* for an
+   archive). Broadcast its path, or the error, so no rank waits forever.
+                                                                    [prepare]
+2. (all ranks) Write the local shard into the staging area; every file and
+   directory is fsynced (one ``syncfs`` instead when a rank writes many small
+   files). The fragment (or the error) is the vote.                  [write]
+   For an archive, a reservation round comes first: every rank prepares its
+   entries and reports its region's size, rank 0 assigns offsets and
+   pre-sizes the file, then each rank writes its region in place.
+3. (all ranks -> rank 0) Gather the votes.                            [vote]
+4. (rank 0) Any failure: remove the staging area and decide ABORT with every
+   failing rank's error. Otherwise merge and validate the fragments (they
+   must tile every global tensor) [validate], write and fsync the manifest
+   (for an archive: the manifest entry and the central directory) and fsync
+   the staging directory [manifest], then publish: a ``rename`` onto an absent
+   target, or a ``renameat2(RENAME_EXCHANGE)`` with an existing one, then
+   fsync the parent directory. The rename is the commit point [publish]. The
+   old checkpoint, now at the staging name, is removed [replace]; failing to
+   remove it only warns (``recover`` removes it later).
 5. (rank 0 -> all) Broadcast the decision. Every rank returns only after
-   COMMITTED, so a save that returned is durable.                   [announce]
+   COMMITTED, so a save that returned is durable.                  [announce]
 
 Without RENAME_EXCHANGE the old checkpoint is first renamed to
 ``.<target>.tddist-backup-<uuid>``; ``recover`` puts it back if a crash struck
 before the new one was in place.
 
-With ``atomic=False`` the ranks write into the target itself and the manifest
-is still written last, so an interrupted save leaves a directory that readers
-refuse instead of misread.
+With ``atomic=False`` (directories only) the ranks write into the target
+itself and the manifest is still written last, so an interrupted save leaves
+a directory that readers refuse instead of misread.
 """
 
 from __future__ import annotations
