@@ -73,10 +73,13 @@ def node_rows(manifest: Manifest, node_key, global_rows: int, shard, rank: int, 
         rows = manifest.node_rows.get(tuple(node_key))
         if rows is not None:
             return rows[rank]
-        for leaf in manifest.leaves.values():
+        for leaf in manifest.leaves.values():  # manifests written before the rows were recorded
             if leaf.key[: len(node_key)] == node_key and leaf.placement == Shard(0):
                 return leaf.chunks[rank].box[1][0]
-        shard = "even"
+        raise InvalidArgumentError(
+            f"rank {rank}: the checkpoint does not record how many rows of node {list(node_key)} each rank saved; "
+            f"load it with shard='even', a row range or per-rank row counts"
+        )
     start, stop = row_range(global_rows, shard, rank, size, f"node {list(node_key)}")
     return stop - start
 
