@@ -254,7 +254,7 @@ def _reserve(comm: Communicator, target: str, staging: str, archive: ArchiveHook
             except OSError as e:
                 failures = {0: describe(e)}
         if failures:
-            remove_tree(staging)
+            _discard(staging)  # a failure to remove it must not stop the broadcast either
             decision = ("error", failures)
     decision = comm.broadcast(decision, 0)
     if decision[0] != "ok":

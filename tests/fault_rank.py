@@ -4,15 +4,21 @@ Started by ``launch_util.run_job("spawn", ...)``: one independent process per
 rank with torchrun's environment variables, so a killed rank does not take the
 others down and every rank's exit code is seen.
 
+Whether a save writes a checkpoint directory or one archive file follows
+from its target's name (``ckpt`` or ``ckpt.tdz``), as in ``tddist.save``, so
+every unit serves both layouts unchanged.
+
 ``python tests/fault_rank.py MODE CONFIG_JSON``, modes:
 
 ``batch``
-    ``{"units": [...]}``. Importing torch and tddist costs seconds per
-    process, and a SIGKILL case ends its processes, so each unit runs in a
-    *forked* child of this (already imported) rank process: the two ranks'
-    children of a unit form a fresh 2-rank gloo job of their own (rendezvous
-    through a file store in the report directory), are really killed, and
-    their exit statuses are collected with ``waitpid``. A unit is
+    ``{"waves": [[unit, ...], ...]}``. Importing torch and tddist costs
+    seconds per process, and a SIGKILL case ends its processes, so each unit
+    runs in a *forked* child of this (already imported) rank process: the two
+    ranks' children of a unit form a fresh 2-rank gloo job of their own
+    (rendezvous through a file store in the report directory), are really
+    killed, and their exit statuses are collected with ``waitpid``. The units
+    of a wave run at the same time (a case that mostly waits, such as a hang,
+    shares a wave with busy ones), the waves one after the other. A unit is
 
     * ``{"kind": "save", "name", "target", "old", "fault", "timeout", "deadline"}``:
       with ``old``, commit the "old" data to the target collectively first;
@@ -27,9 +33,12 @@ others down and every rank's exit code is seen.
       collectives can leave one rank a collective behind the other on the
       group it used, and that must not leak into the next case.
 
-    The parent is the watchdog of its child: it SIGKILLs the child when the
-    peer's child has reported and ``GRACE`` seconds passed (a hung rank), or
-    at the unit's ``deadline``, and records that it did.
+    The parent is the watchdog of its children: it SIGKILLs a unit's child
+    when the peer's child of that unit has reported and ``GRACE`` seconds
+    passed (a hung rank), or at the unit's ``deadline`` (counted from the
+    start of its wave), and records that it did.
+
+    Every child also has the fault point ``reserve`` (see ``reserve_point``).
 
 ``die_before_save``
     ``{"target", "timeout"}``: both ranks initialise torch.distributed from
@@ -44,6 +53,7 @@ did, returned or raised, is in its report) and 3 when the program itself broke.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -115,6 +125,40 @@ def save_version(version: str, target: str, rank: int, **kw) -> None:
     assert (out == shard(version, rank)).all(), f"rank {rank}: save returned other data than it saved"
 
 
+#: The reservation round of an archive save (``commit._reserve``) has no fault point of the
+#: library's own: ``reserve_point`` adds this one, from the test side.
+RESERVE = "reserve"
+
+
+@contextlib.contextmanager
+def reserve_point(then=None):
+    """While active, every rank passes the fault point ``RESERVE`` in the reservation round.
+
+    ``ArchiveWriter.region_size`` is the rank's part of that round, run just
+    before its reservation is gathered; the wrapper calls the library's own
+    ``fault_point`` once the size is known, so ``TDDIST_FAULT`` and ``inject``
+    reach it like any other point. ``then(rank)``, if given, runs right after
+    (a test that changes the world at that moment, e.g. the file system).
+    """
+    from tddist._faults import fault_point
+    from tddist.archive import ArchiveWriter
+
+    region_size = ArchiveWriter.region_size
+
+    def with_point(self):
+        size = region_size(self)
+        fault_point(RESERVE, self.rank)
+        if then is not None:
+            then(self.rank)
+        return size
+
+    ArchiveWriter.region_size = with_point
+    try:
+        yield
+    finally:
+        ArchiveWriter.region_size = region_size
+
+
 # --- what a forked child runs ------------------------------------------------------------
 
 
@@ -175,8 +219,8 @@ def _child(rank: int, unit: dict, report_dir: Path) -> int:
     return code
 
 
-def run_unit(rank: int, unit: dict, report_dir: Path) -> dict:
-    """Run ``unit`` in a forked child and watch it; what the child reported and how it ended."""
+def start_unit(rank: int, unit: dict, report_dir: Path) -> int:
+    """Fork the child that runs ``unit``; its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -188,33 +232,50 @@ def run_unit(rank: int, unit: dict, report_dir: Path) -> dict:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
+    return pid
+
+
+def overdue(unit: dict, since: float, peer_seen: float | None, now: float) -> str | None:
+    """Why the watchdog kills the child of ``unit`` now (started at ``since``), or None."""
+    if peer_seen is not None and now - peer_seen > GRACE:
+        return f"still running {GRACE:.0f}s after the peer reported"
+    if now - since > float(unit["deadline"]):
+        return f"still running after the unit's {unit['deadline']}s deadline"
+    return None
+
+
+def run_wave(rank: int, units: list[dict], report_dir: Path) -> dict:
+    """Run ``units`` at once, each in a forked child, and watch them all until every one ended.
+
+    Per unit: what the child reported, how it ended, whether the watchdog killed it.
+    """
     t0 = time.monotonic()
-    own = report_dir / f"{unit['name']}.rank{rank}.json"
-    peer = report_dir / f"{unit['name']}.rank{1 - rank}.json"
-    peer_seen, watchdog = None, None
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
+    running = {u["name"]: (u, start_unit(rank, u, report_dir)) for u in units}
+    peer_seen: dict[str, float] = {}
+    ended = {}
+    while running:
         now = time.monotonic()
-        if peer_seen is None and peer.exists():
-            peer_seen = now
-        if peer_seen is not None and now - peer_seen > GRACE:
-            watchdog = f"still running {GRACE:.0f}s after the peer reported"
-        elif now - t0 > float(unit["deadline"]):
-            watchdog = f"still running after the unit's {unit['deadline']}s deadline"
-        if watchdog:
-            os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-            break
+        for name, (unit, pid) in list(running.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            watchdog = None
+            if not done:
+                if name not in peer_seen and (report_dir / f"{name}.rank{1 - rank}.json").exists():
+                    peer_seen[name] = now
+                watchdog = overdue(unit, t0, peer_seen.get(name), now)
+                if watchdog is None:
+                    continue
+                os.kill(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
+            own = report_dir / f"{name}.rank{rank}.json"
+            ended[name] = {
+                "exit": os.waitstatus_to_exitcode(status),
+                "watchdog": watchdog,
+                "seconds": time.monotonic() - t0,
+                "report": json.loads(own.read_text()) if own.exists() else None,
+            }
+            del running[name]
         time.sleep(0.02)
-    report = json.loads(own.read_text()) if own.exists() else None
-    return {
-        "exit": os.waitstatus_to_exitcode(status),
-        "watchdog": watchdog,
-        "seconds": time.monotonic() - t0,
-        "report": report,
-    }
+    return ended
 
 
 # --- modes ---------------------------------------------------------------------------------------
@@ -225,7 +286,11 @@ def run_batch(rank: int, cfg: dict, report_dir: Path) -> dict:
     import tddist._faults  # noqa: F401
     import tddist.comm_torch  # noqa: F401
 
-    return {unit["name"]: run_unit(rank, unit, report_dir) for unit in cfg["units"]}
+    results = {}
+    with reserve_point():
+        for wave in cfg["waves"]:
+            results.update(run_wave(rank, wave, report_dir))
+    return results
 
 
 def run_die_before_save(rank: int, cfg: dict, report_dir: Path) -> dict:
