@@ -268,7 +268,7 @@ TAMPERINGS = {
     "version zero": (_set(["version"], 0), "invalid version"),
     "world_size zero": (_set(["world_size"], 0), "world_size"),
     "world_size string": (_set(["world_size"], "3"), "world_size"),
-    "unknown layout": (_set(["layout"], "archive"), "layout"),
+    "unknown layout": (_set(["layout"], "tarball"), "layout"),
     "other checksum algorithm": (_set(["checksum"], {"algorithm": "md5", "block_size": fmt.CHECKSUM_BLOCK}), "checksum settings"),
     "other checksum block": (_set(["checksum"], {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": 4096}), "checksum settings"),
     "metadata not object": (_set(["metadata"], [1, 2]), "metadata"),
