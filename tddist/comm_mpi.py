@@ -34,7 +34,8 @@ class MPIComm:
         self.timeout = timeout
 
     def _poll(self, op: str, ready, start: float) -> None:
-        """Spin briefly, then sleep with backoff, until ``ready()`` or the deadline."""
+        """Yield the CPU for the first few milliseconds (a commit's messages arrive within
+        them), then sleep with backoff up to 1 ms, until ``ready()`` or the deadline."""
         delay = 0.0
         while not ready():
             elapsed = time.monotonic() - start
@@ -43,9 +44,9 @@ class MPIComm:
                     f"rank {self.rank}: {op} on the tddist MPI communicator did not complete within "
                     f"{self.timeout:.0f}s; a peer rank probably died or hung, see the other ranks' logs"
                 )
-            if delay:
-                time.sleep(delay)
-            delay = min(0.002, delay * 2 if delay else 0.00005)
+            time.sleep(delay)
+            if elapsed > 0.005:
+                delay = min(0.001, delay * 2 if delay else 0.00005)
 
     def _send(self, obj, dest: int, op: str, start: float) -> None:
         req = self.comm.isend(obj, dest=dest, tag=_TAG)

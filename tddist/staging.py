@@ -11,11 +11,18 @@ written while the previous save still reads it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .sharding import even_split
+
 logger = logging.getLogger(__name__)
+
+_PARALLEL_COPY_BYTES = 64 * 1024 * 1024
+_COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 class SnapshotBuffers:
@@ -25,6 +32,7 @@ class SnapshotBuffers:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.allocations = 0  # how many buffers were ever allocated (tests and benchmarks read it)
+        self._copier: ThreadPoolExecutor | None = None
 
     def snapshot(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``t`` (a DTensor's local shard) in this key's reusable buffer."""
@@ -42,8 +50,18 @@ class SnapshotBuffers:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
                 self._buffers[key] = buf
                 self.allocations += 1
-        buf.copy_(t, non_blocking=buf.is_pinned())
+        if buf.is_pinned() or t.numel() * t.element_size() < _PARALLEL_COPY_BYTES or not t.is_contiguous():
+            buf.copy_(t, non_blocking=buf.is_pinned())
+        else:  # one large host copy: split over threads (copy_ releases the GIL)
+            src, dst = t.reshape(-1), buf.view(-1)
+            bounds = even_split(src.numel(), _COPY_THREADS)
+            list(self._pool().map(lambda b: dst[b[0] : b[1]].copy_(src[b[0] : b[1]]), bounds))
         return buf
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="tddist-snapshot")
+        return self._copier
 
     def synchronize(self) -> None:
         """Wait for device-to-host copies issued with ``non_blocking``."""
