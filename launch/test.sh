@@ -3,4 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh test
+# A real single-node SLURM for tests/test_slurm.py (Debian packages; the tests start and stop the daemons).
+if ! command -v slurmctld >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge || true
+fi
 exec .venv/bin/python -m pytest -q -ra "$@" tests

@@ -28,6 +28,7 @@ from .manifest import Manifest  # noqa: E402
 from .plan import LoadReport  # noqa: E402
 from .sharding import Replicate, Shard  # noqa: E402
 from .state import get_state, set_state  # noqa: E402
+from .manager import EXIT_PREEMPTED, CheckpointManager  # noqa: E402
 
 __all__ = [
     "save",
@@ -38,6 +39,8 @@ __all__ = [
     "unpack",
     "get_state",
     "set_state",
+    "CheckpointManager",
+    "EXIT_PREEMPTED",
     "LoadReport",
     "Shard",
     "Replicate",

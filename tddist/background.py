@@ -78,14 +78,13 @@ def wait_all() -> None:
     """Wait for every in-flight save of this process; log the ones that failed."""
     for ch in list(_channels.values()):
         fut = ch.pending
-        if fut is None:
+        if fut is None or fut.done():  # a finished save's outcome is its caller's to see
             continue
-        if not fut.done():
-            logger.warning("rank %d: waiting for an in-flight tddist save before exiting", ch.comm.rank)
+        logger.warning("rank %d: waiting for an in-flight tddist save before exiting", ch.comm.rank)
         try:
             fut.result()
         except Exception as e:
-            logger.error("rank %d: an asynchronous tddist save failed: %s", ch.comm.rank, e)
+            logger.error("rank %d: an asynchronous tddist save failed while exiting: %s", ch.comm.rank, e)
 
 
 # At exit, in-flight saves must finish before concurrent.futures stops

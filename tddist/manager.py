@@ -19,8 +19,11 @@ import logging
 import os
 import re
 import signal
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable
+
+import torch
 
 from . import format as fmt
 from ._fs import fsync_path, remove_tree
@@ -143,8 +146,6 @@ def _check_count(name: str, value, allow_none: bool) -> None:
 
 def _model_pair(state) -> tuple | None:
     """(model, optimizer or None) if ``state`` is a module or a (module, optimizer) pair, else None."""
-    import torch
-
     if isinstance(state, torch.nn.Module):
         return state, None
     if isinstance(state, (tuple, list)) and len(state) == 2 and isinstance(state[0], torch.nn.Module):
@@ -196,9 +197,13 @@ class CheckpointManager:
         self.comm = resolve(comm, self.save_kwargs.get("timeout"))
         self.should_stop = False
         self._requested = False
-        self._pending: tuple[int, Future] | None = None
+        self._pending: tuple[int, Future, float] | None = None
         self._handlers = self._install(parse_signals(preempt_signal))
-        done = self._on_rank0("clean-up of " + self.root, lambda: clean_root(self.root))
+        try:
+            done = self._on_rank0("clean-up of " + self.root, lambda: clean_root(self.root))
+        except BaseException:
+            self._uninstall()
+            raise
         if done and self.comm.rank == 0:
             logger.info("cleaned %s: %s", self.root, "; ".join(done))
 
@@ -263,21 +268,23 @@ class CheckpointManager:
         data = get_state(*pair) if pair is not None else state
         kwargs = dict(self.save_kwargs)
         metadata = {**(kwargs.pop("metadata", None) or {}), "step": step}
-        path = self.path(step)
+        path, start = self.path(step), time.monotonic()
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
-            self._pending = (step, fut)
+            self._pending = (step, fut, start)
             return
         save(data, path, comm=self.comm, metadata=metadata, **kwargs)
+        logger.info("rank %d: saved step %d in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain(step)
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise its error (the same on every rank); apply retention."""
         if self._pending is None:
             return
-        step, fut = self._pending
+        step, fut, start = self._pending
         self._pending = None
         fut.result()
+        logger.info("rank %d: saved step %d %.2fs after it started", self.comm.rank, step, time.monotonic() - start)
         self._retain(step)
 
     def request_preemption(self) -> None:
@@ -333,7 +340,7 @@ class CheckpointManager:
         return value
 
     def _on_signal(self, signum, frame) -> None:
-        self._requested = True  # only a flag: the ranks agree at the next step()
+        self.request_preemption()  # only a flag: the ranks agree at the next step()
 
     def _install(self, signals: Iterable[signal.Signals]) -> dict:
         previous = {}
