@@ -100,8 +100,8 @@ def clean_root(root: str) -> list[str]:
     os.makedirs(root, exist_ok=True)
     names = set()
     for name in os.listdir(root):
-        side = fmt._SIDE_RE.match(name)
-        base = side.group("base") if side else name
+        side = fmt.side_entry_kind(name)
+        base = side[0] if side else name
         if parse_step(base) is not None:
             names.add(base)
     done = []
