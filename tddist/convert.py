@@ -8,11 +8,12 @@ not at all. The source is never modified.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
 from . import format as fmt
-from ._fs import fsync_tree_dirs, remove_tree, write_durable
+from ._fs import fsync_tree_dirs, makedirs_durable, remove_tree, write_durable
 from .archive import check_archive_target, entry_table, finalize, layout, prepare_entries, resolve_compression, write_region
 from .commit import check_target, publish
 from .errors import CorruptCheckpointError
@@ -72,19 +73,14 @@ def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression=None, nu
     for e in entries:
         if e.name in leaves:
             _check(e.name, e.digests, leaves[e.name][1], src)
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    makedirs_durable(os.path.dirname(dst))
     check_archive_target(dst)
-    staging = fmt.staging_path(dst)
-    try:
+    with _staged(dst) as staging:
         os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         end = layout(entries, 0)
         write_region(staging, entries, num_threads)
         manifest.layout = "archive"
         finalize(staging, end, fmt.dumps(to_json(manifest)), [entry_table(entries)])
-        publish(staging, dst)
-    except BaseException:
-        remove_tree(staging)
-        raise
     logger.info("packed %s into %s", src, dst)
     return dst
 
@@ -95,10 +91,9 @@ def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int =
     manifest = read_manifest(src)
     metas, leaves = _files(manifest, src)
     files = open_files(src)
-    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    makedirs_durable(os.path.dirname(dst))
     check_target(dst)
-    staging = fmt.staging_path(dst)
-    try:
+    with _staged(dst) as staging:
         os.mkdir(staging)
         for name, data in metas.items():
             _write(staging, name, data)
@@ -109,12 +104,20 @@ def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int =
         manifest.layout = "directory"
         write_durable(os.path.join(staging, fmt.MANIFEST_NAME), fmt.dumps(to_json(manifest)))
         fsync_tree_dirs(staging)
+    logger.info("unpacked %s into %s", src, dst)
+    return dst
+
+
+@contextlib.contextmanager
+def _staged(dst: str):
+    """A fresh staging name beside ``dst``: published onto ``dst`` if the block succeeds, removed if not."""
+    staging = fmt.staging_path(dst)
+    try:
+        yield staging
         publish(staging, dst)
     except BaseException:
         remove_tree(staging)
         raise
-    logger.info("unpacked %s into %s", src, dst)
-    return dst
 
 
 def _write(root: str, name: str, data) -> None:
