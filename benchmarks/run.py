@@ -1,0 +1,428 @@
+#!/usr/bin/env python
+"""tddist against its peers, in one run, on the same data and the same file system.
+
+    .venv/bin/python benchmarks/run.py [--size-mib 1024] [--worlds 1,2,4] [--repeats 3]
+                                       [--out results.json] [--dir DIR] [--quick]
+
+For each world size (largest first, so that its checkpoints can be resharded
+by the smaller ones) one torchrun job (gloo, CPU) runs every scenario, the
+implementations interleaved A B C A B C ... once per repeat. Then mpiexec jobs
+measure the commit overhead over MPI, and a single process models rank 0's
+manifest work at 1,024 and 4,096 ranks (``scale_manifest.py``). The table
+gives the median, min-max and, for every peer, ``peer time / tddist time``
+from this run (above 1: tddist is faster). See benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _common as C
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+WORKER = HERE / "worker.py"
+SCALE = HERE / "scale_manifest.py"
+SCENARIOS = ["save", "async", "load", "reshard", "small", "commit", "manifest"]
+LEAVES, COLS = 4, 1024  # the payload: 4 float32 leaves of 4 KiB rows, sharded by rows
+
+QUICK = dict(size_mib=4, worlds="1,2", repeats=1, mpi_worlds="2", small_tensors=200, commit_reps=2,
+             manifest_ranks="64,256", manifest_leaves=100)
+FULL = dict(size_mib=1024, worlds="1,2,4", repeats=3, mpi_worlds="2,4", small_tensors=10000, commit_reps=30,
+            manifest_ranks="1024,4096", manifest_leaves=1000)
+
+DISPLAY_METRIC = {
+    ("load", "time"): "open+touch",
+    ("small load", "time"): "open+touch",
+    ("async save", "time"): "complete",
+    ("async first", "time"): "complete",
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mib", type=int, help="total payload over all ranks (default 1024; --quick: 4)")
+    ap.add_argument("--worlds", help="torchrun world sizes (default 1,2,4; --quick: 1,2)")
+    ap.add_argument("--repeats", type=int, help="interleaved repeats per scenario (default 3; --quick: 1)")
+    ap.add_argument("--out", default=str(HERE / "results.json"), help="JSON output (default benchmarks/results.json)")
+    ap.add_argument("--dir", help="where checkpoints are written: the file system under test (default: the temp dir)")
+    ap.add_argument("--quick", action="store_true", help="a few MB, 1 repeat, worlds 1 and 2, every scenario once")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"subset of {','.join(SCENARIOS)}")
+    ap.add_argument("--mpi-worlds", help="mpiexec world sizes for the commit overhead (default 2,4; --quick: 2)")
+    ap.add_argument("--small-tensors", type=int, help="tensors in the metadata-heavy checkpoint (default 10000)")
+    ap.add_argument("--commit-reps", type=int, help="tiny checkpoints per repeat in the commit scenario (default 30)")
+    ap.add_argument("--manifest-ranks", help="rank counts of the manifest scale model (default 1024,4096)")
+    ap.add_argument("--manifest-leaves", type=int, help="leaves per rank in the manifest scale model (default 1000)")
+    ap.add_argument("--job-timeout", type=float, default=3600, help="seconds before a job is killed")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: removed)")
+    ap.add_argument("--archive", action="store_true",
+                    help="also benchmark tddist's archive layout (archive=True) where this tddist supports it")
+    args = ap.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.worlds = sorted({int(w) for w in str(args.worlds).split(",") if w.strip()})
+    args.mpi_worlds = sorted({int(w) for w in str(args.mpi_worlds).split(",") if w.strip()})
+    args.manifest_ranks = [int(w) for w in str(args.manifest_ranks).split(",") if w.strip()]
+    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        ap.error(f"unknown scenarios {sorted(unknown)}; choose from {SCENARIOS}")
+    if not args.worlds or min(args.worlds) < 1:
+        ap.error("--worlds needs positive world sizes")
+    return args
+
+
+# --- jobs ------------------------------------------------------------------------------------
+
+
+_LIB: Path | None = None  # the snapshot of the tddist package every job of this run imports
+
+
+def snapshot_tddist(work: Path) -> dict:
+    """Copy the tddist package under test into the work directory, so every job of one run
+    measures the same code even if the source tree changes meanwhile; return its identity."""
+    global _LIB
+    import hashlib
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("tddist")
+    if spec is None or not spec.submodule_search_locations:
+        return {"version": None, "sha256": None}
+    src = Path(list(spec.submodule_search_locations)[0])
+    _LIB = work / "lib"
+    shutil.copytree(src, _LIB / "tddist", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    h = hashlib.sha256()
+    for f in sorted((_LIB / "tddist").rglob("*.py")):
+        h.update(f.relative_to(_LIB).as_posix().encode() + b"\0" + f.read_bytes())
+    version = None
+    for line in (_LIB / "tddist" / "__init__.py").read_text().splitlines():
+        if line.startswith("__version__"):
+            version = line.split("=", 1)[1].strip().strip("\"'")
+    return {"version": version, "sha256": h.hexdigest()[:16]}
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    paths = ([str(_LIB)] if _LIB else []) + [str(REPO), str(HERE), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+def run_job(cmd: list[str], timeout: float, what: str) -> dict:
+    print(f"\n=== {what}: {' '.join(Path(c).name if os.sep in c else c for c in cmd)}", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    # The jobs' own output (progress, launcher messages) goes to stderr; stdout carries only the final table.
+    proc = subprocess.Popen(cmd, env=_env(), cwd=str(REPO), start_new_session=True, stdout=sys.stderr)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = "timeout"
+    secs = time.perf_counter() - t0
+    if rc != 0:
+        print(f"=== {what} FAILED ({rc}) after {secs:.0f} s", file=sys.stderr, flush=True)
+    return {"job": what, "rc": rc, "seconds": round(secs, 1)}
+
+
+def read_records(path: Path) -> tuple[list, list]:
+    try:
+        data = json.loads(path.read_text())
+        return data.get("records", []), data.get("notes", [])
+    except (OSError, ValueError):
+        return [], []
+
+
+# --- aggregation ---------------------------------------------------------------------------------
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """One row per (scenario, launcher, world, impl, metric), with ratios against the group's ref impl."""
+    groups: dict[tuple, dict] = {}
+    for r in records:
+        if "metrics" not in r:
+            continue
+        g = groups.setdefault((r["scenario"], r["launcher"], r["world"]), {"ref": r["ref"], "impls": {}})
+        impl = g["impls"].setdefault(r["impl"], {"records": []})
+        impl["records"].append(r)
+    rows = []
+    for (scenario, launcher, world), g in groups.items():
+        ref_recs = g["impls"].get(g["ref"], {"records": []})["records"]
+        for impl, d in g["impls"].items():
+            recs = d["records"]
+            metrics = list(dict.fromkeys(m for r in recs for m in r["metrics"]))
+            for metric in metrics:
+                samples = [r["metrics"][metric] for r in recs if metric in r["metrics"]]
+                s = C.summarize(samples)
+                row = {
+                    "scenario": scenario, "launcher": launcher, "world": world, "impl": impl, "metric": metric,
+                    "display_metric": DISPLAY_METRIC.get((scenario, metric), DISPLAY_METRIC.get((scenario.split()[0], metric), metric)),
+                    **s,
+                    "bytes": recs[0].get("bytes"),
+                    "rss_added_mib": C.summarize([r.get("rss_added_mib", 0.0) for r in recs])["median"],
+                    "rss_peak_mib": max(max(r.get("rss_peak_mib_ranks") or [0]) for r in recs),
+                    "is_ref": impl == g["ref"],
+                    "ref": g["ref"],
+                }
+                if row["bytes"] and metric == "time":
+                    row["gib_per_s"] = row["bytes"] / C.GIB / s["median"]
+                ref_samples = {(r["repeat"], r.get("sample")): r["metrics"].get(metric) for r in ref_recs}
+                ref_vals = [v for v in ref_samples.values() if v is not None]
+                if ref_vals and impl != g["ref"]:
+                    ref_med = C.summarize(ref_vals)["median"]
+                    row["x_vs_tddist"] = s["median"] / ref_med if ref_med > 0 else None
+                    paired = [r["metrics"][metric] / ref_samples[(r["repeat"], r.get("sample"))]
+                              for r in recs if ref_samples.get((r["repeat"], r.get("sample")))]
+                    if paired:
+                        row["x_vs_tddist_paired"] = C.summarize(paired)
+                rows.append(row)
+    return rows
+
+
+PRIMARY = ("time", "open", "blocking")  # metrics of the main table; the rest (stage breakdowns) go below it
+NO_RATIO = ("barrier only",)  # measurement floors, not peers
+
+
+def order(rows: list[dict]) -> list[dict]:
+    """Scenario order of the run, then world size, then the order the implementations ran in."""
+    scen_rank = {}
+    for r in rows:
+        base = r["scenario"].split(" ")[0]
+        scen_rank.setdefault(r["scenario"], (["save", "async", "load", "reshard", "small", "commit", "manifest"].index(base)
+                                             if base in ("save", "async", "load", "reshard", "small", "commit", "manifest") else 99,
+                                             len(scen_rank)))
+    idx = {id(r): i for i, r in enumerate(rows)}
+    return sorted(rows, key=lambda r: (scen_rank[r["scenario"]][0], r["launcher"] == "mpiexec", r["world"],
+                                       scen_rank[r["scenario"]][1], idx[id(r)]))
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["scenario", "N", "impl", "metric", "median", "min-max", "GiB/s", "RSS+ MiB", "peer/tddist"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in order([r for r in rows if r["metric"] in PRIMARY]):
+        n = f"{r['world']}" + (" mpi" if r["launcher"] == "mpiexec" else "")
+        if r["launcher"] == "model":
+            n = f"{r['world']} ranks"
+        x = "ref" if r["is_ref"] else (f"{r['x_vs_tddist']:.2f}x" if r.get("x_vs_tddist") and r["impl"] not in NO_RATIO else "-")
+        gib = f"{r['gib_per_s']:.2f}" if r.get("gib_per_s") else "-"
+        lines.append("| " + " | ".join([
+            r["scenario"], n, r["impl"], r["display_metric"], C.fmt_seconds(r["median"]),
+            f"{C.fmt_seconds(r['min'])} - {C.fmt_seconds(r['max'])}", gib, f"{r['rss_added_mib']:.0f}", x,
+        ]) + " |")
+    return "\n".join(lines)
+
+
+def format_stages(rows: list[dict]) -> str:
+    """The manifest model's stage breakdown (medians)."""
+    stages = [r for r in rows if r["launcher"] == "model" and r["metric"] not in PRIMARY]
+    if not stages:
+        return ""
+    by = {}
+    for r in stages:
+        by.setdefault((r["scenario"], r["world"]), []).append(f"{r['metric']} {C.fmt_seconds(r['median'])}")
+    return "\n".join(f"- {scen}, {n} ranks: " + ", ".join(parts) for (scen, n), parts in by.items())
+
+
+# --- targets ---------------------------------------------------------------------------------------
+
+
+def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
+    def med(scenario, world, impl, metric="time", launcher="torchrun"):
+        for r in rows:
+            if (r["scenario"], r["world"], r["impl"], r["metric"], r["launcher"]) == (scenario, world, impl, metric, launcher):
+                return r["median"]
+        return None
+
+    out = []
+
+    def check(name, ok, detail):
+        out.append({"target": name, "status": "not measured" if ok is None else ("met" if ok else "MISSED"), "detail": detail})
+
+    for n in (2, 4):
+        t, d, raw = med("save", n, "tddist"), med("save", n, "dcp"), med("save", n, "raw pwrite+fsync")
+        check(f"durable save N={n}: >= 1.25x DCP throughput", None if None in (t, d) else d / t >= 1.25,
+              None if None in (t, d) else f"{d / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(d)})")
+        check(f"durable save N={n}: >= 0.9x raw threaded pwrite+fsync", None if None in (t, raw) else raw / t >= 0.9,
+              None if None in (t, raw) else f"{raw / t:.2f}x (tddist {C.fmt_seconds(t)}, raw {C.fmt_seconds(raw)})")
+    worlds = sorted({r["world"] for r in rows if r["scenario"] == "async save"})
+    for n in worlds:
+        b, db = med("async save", n, "tddist return_early", "blocking"), med("async save", n, "dcp.async_save", "blocking")
+        check(f"return_early N={n}: blocking <= 0.5x dcp.async_save", None if None in (b, db) else b <= 0.5 * db,
+              None if None in (b, db) else f"{b / db:.2f}x (tddist {C.fmt_seconds(b)}, dcp {C.fmt_seconds(db)})")
+        c, s = med("async save", n, "tddist return_early"), med("async save", n, "tddist (synchronous)")
+        check(f"return_early N={n}: completion no slower than a synchronous save", None if None in (c, s) else c <= s,
+              None if None in (c, s) else f"{c / s:.2f}x of synchronous (return_early {C.fmt_seconds(c)}, sync {C.fmt_seconds(s)})")
+        alloc = [r for r in records if r.get("kind") == "allocations" and r["world"] == n]
+        rss = [r["rss_added_mib"] for r in records if r.get("scenario") == "async save" and r["world"] == n
+               and r.get("impl") == "tddist return_early"]
+        if alloc:
+            new = alloc[0]["new_allocations_after_first_save_per_rank"]
+            check(f"return_early N={n}: no new allocation after the first save", all(v == 0 for v in new),
+                  f"new snapshot buffers per rank after the first save: {new}; peak RSS added per save "
+                  f"(max rank, median): {sorted(rss)[len(rss) // 2]:.0f} MiB" if rss else f"{new}")
+    for r in rows:
+        if r["scenario"].startswith("reshard 1->") and r["impl"].startswith("tddist") and r["metric"] == "time" and r["is_ref"]:
+            n = r["world"]
+            same = med(r["scenario"], n, f"tddist {n}->{n} (same layout)")
+            dcp = med(r["scenario"], n, f"dcp.load 1->{n}")
+            t = r["median"]
+            check(f"reshard 1->{n}: within 1.1x of a same-layout load", None if same is None else t <= 1.1 * same,
+                  None if same is None else f"{t / same:.2f}x (1->{n} {C.fmt_seconds(t)}, {n}->{n} {C.fmt_seconds(same)})")
+            check(f"reshard 1->{n}: >= 1.5x faster than dcp.load", None if dcp is None else dcp / t >= 1.5,
+                  None if dcp is None else f"{dcp / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(dcp)})")
+    for n in sorted({r["world"] for r in rows if r["scenario"] == "small save"}):
+        for scen, peer in (("small save", "dcp"), ("small load", "dcp.load")):
+            t, d = med(scen, n, "tddist"), med(scen, n, peer)
+            check(f"{scen} (many small tensors) N={n}: >= 3x faster than DCP", None if None in (t, d) else d / t >= 3,
+                  None if None in (t, d) else f"{d / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(d)})")
+    for launcher, limit in (("torchrun", 0.030), ("mpiexec", 0.005)):
+        t = med("commit", 4, "tddist", launcher=launcher)
+        check(f"commit overhead at 4 {'gloo' if launcher == 'torchrun' else 'MPI'} ranks < {limit * 1e3:.0f} ms",
+              None if t is None else t < limit, None if t is None else C.fmt_seconds(t))
+    w, p = med("manifest write", 4096, "tddist", launcher="model"), med("manifest parse", 4096, "tddist", launcher="model")
+    check("manifest of 4,096 ranks x 1,000 leaves: write < 2 s", None if w is None else w < 2.0,
+          None if w is None else C.fmt_seconds(w))
+    check("manifest of 4,096 ranks x 1,000 leaves: parse < 1 s", None if p is None else p < 1.0,
+          None if p is None else C.fmt_seconds(p))
+    return out
+
+
+# --- main ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    base = args.dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tddist-bench-", dir=base))
+    machine = C.machine_info(str(work))
+    lib = snapshot_tddist(work)
+    worlds = args.worlds
+    lcm = math.lcm(*worlds)
+    rows = max(lcm, (args.size_mib * C.MIB // (LEAVES * COLS * 4)) // lcm * lcm)
+    small_elems = max(lcm, math.ceil(256 / lcm) * lcm)
+    cfg_common = {
+        "dir": str(work), "repeats": args.repeats, "rows": rows, "leaves": LEAVES, "cols": COLS,
+        "small_tensors": args.small_tensors, "small_elems": small_elems, "commit_reps": args.commit_reps,
+        "scenarios": [s for s in args.scenarios if s != "manifest"], "mpi_scenarios": ["commit"], "archive": args.archive,
+    }
+    payload_mib = rows * LEAVES * COLS * 4 / C.MIB
+    print(f"tddist {lib['version']} (source sha256 {lib['sha256']}), snapshotted for this run", file=sys.stderr)
+    print(f"tddist benchmarks: payload {payload_mib:.0f} MiB over {worlds} ranks, {args.repeats} repeat(s), "
+          f"checkpoints in a {machine['filesystem']} file system ({machine['cpus']} CPUs, {machine['memory_gib']} GiB)",
+          file=sys.stderr, flush=True)
+    records, notes, jobs = [], [], []
+    biggest = max(worlds)
+    keep = lambda w: {"tddist": str(work / f"keep-w{w}" / "tddist"), "dcp": str(work / f"keep-w{w}" / "dcp")}  # noqa: E731
+    torch_scen = cfg_common["scenarios"]
+    t_start = time.perf_counter()
+    if torch_scen:
+        for w in sorted(worlds, reverse=True):
+            cfg = dict(cfg_common)
+            if "reshard" in torch_scen:
+                if w < biggest:
+                    cfg["reshard_from"] = {str(biggest): keep(biggest)}
+                elif biggest > 1:
+                    cfg["make_world1_source"] = True
+                    cfg["world1_source"] = {"tddist": str(work / "src-w1" / "tddist"), "dcp": str(work / "src-w1" / "dcp")}
+            cfg_path, res_path = work / f"config-w{w}.json", work / f"result-w{w}.json"
+            cfg_path.write_text(json.dumps(cfg))
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={w}",
+                   str(WORKER), "--config", str(cfg_path), "--result", str(res_path)]
+            jobs.append(run_job(cmd, args.job_timeout, f"torchrun N={w}"))
+            got, n = read_records(res_path)
+            records += got
+            notes += [x for x in n if x not in notes]
+            if w != biggest and not args.keep:
+                C.remove(str(work / f"keep-w{w}"))
+    if "commit" in args.scenarios:
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        for w in args.mpi_worlds:
+            if not mpiexec.exists():
+                notes.append(f"mpiexec not found beside {Path(sys.executable).name}: MPI commit overhead not measured")
+                break
+            cfg_path, res_path = work / f"config-mpi{w}.json", work / f"result-mpi{w}.json"
+            cfg_path.write_text(json.dumps(cfg_common))
+            cmd = [str(mpiexec), "-n", str(w), sys.executable, str(WORKER), "--launcher", "mpi",
+                   "--config", str(cfg_path), "--result", str(res_path)]
+            jobs.append(run_job(cmd, args.job_timeout, f"mpiexec N={w}"))
+            got, n = read_records(res_path)
+            records += got
+            notes += [x for x in n if x not in notes]
+    if "manifest" in args.scenarios:
+        res_path = work / "result-manifest.json"
+        cmd = [sys.executable, str(SCALE), "--ranks", ",".join(map(str, args.manifest_ranks)),
+               "--leaves", str(args.manifest_leaves), "--repeats", str(args.repeats), "--dir", str(work / "manifest"),
+               "--json", str(res_path)]
+        jobs.append(run_job(cmd, args.job_timeout, "manifest scale model"))
+        got, n = read_records(res_path)
+        records += got
+    total = time.perf_counter() - t_start
+    if not args.keep:
+        C.remove(str(work))
+
+    table_rows = aggregate(records)
+    targets = evaluate_targets(table_rows, records)
+    if args.quick:  # a few MB say nothing about the targets, which are defined at 1 GiB and thousands of ranks
+        for t in targets:
+            t["status"] = "not judged (--quick)" if t["status"] != "not measured" else t["status"]
+    print()
+    print(f"## tddist {lib['version']} (source sha256 {lib['sha256']}) vs peers: {payload_mib:.0f} MiB payload, "
+          f"{args.repeats} repeat(s), {machine['cpus']} CPUs, {machine['memory_gib']} GiB, {machine['filesystem']} "
+          f"({machine['filesystem_device']}), kernel {machine['kernel']}, load average at start "
+          f"{machine['load_average_at_start'][0]:.1f}")
+    print("peer/tddist = peer median time / tddist median time in this run (above 1: tddist is faster).")
+    print()
+    print(format_table(table_rows))
+    stages = format_stages(table_rows)
+    if stages:
+        print("\nManifest model, stages (median):")
+        print(stages)
+    alloc = [r for r in records if r.get("kind") == "allocations"]
+    for a in alloc:
+        print(f"\nreturn_early N={a['world']}: snapshot buffers allocated by the first save per rank "
+              f"{a['buffers_after_first_save']}, new ones afterwards per rank {a['new_allocations_after_first_save_per_rank']}")
+    print("\n## Targets")
+    for t in targets:
+        print(f"- [{t['status']}] {t['target']}: {t['detail'] or '-'}")
+    for n in notes:
+        print(f"NOTE: {n}")
+    failed = [j for j in jobs if j["rc"] != 0]
+    for j in failed:
+        print(f"FAILED: {j['job']} (exit {j['rc']})")
+    print(f"\nwall time of the run: {total:.0f} s")
+    result = {
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "dir")} | {"rows": rows, "leaves": LEAVES, "cols": COLS,
+                                                             "payload_mib": payload_mib, "small_elems": small_elems},
+        "machine": machine,
+        "tddist": lib,
+        "jobs": jobs,
+        "notes": notes,
+        "targets": targets,
+        "summary": table_rows,
+        "records": records,
+        "seconds": round(total, 1),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"results written to {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
