@@ -125,6 +125,7 @@ def _env() -> dict:
 def run_job(cmd: list[str], timeout: float, what: str) -> dict:
     print(f"\n=== {what}: {' '.join(Path(c).name if os.sep in c else c for c in cmd)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]  # other jobs on the machine add noise: recorded
     # The jobs' own output (progress, launcher messages) goes to stderr; stdout carries only the final table.
     proc = subprocess.Popen(cmd, env=_env(), cwd=str(REPO), start_new_session=True, stdout=sys.stderr)
     try:
@@ -136,7 +137,8 @@ def run_job(cmd: list[str], timeout: float, what: str) -> dict:
     secs = time.perf_counter() - t0
     if rc != 0:
         print(f"=== {what} FAILED ({rc}) after {secs:.0f} s", file=sys.stderr, flush=True)
-    return {"job": what, "rc": rc, "seconds": round(secs, 1)}
+    return {"job": what, "rc": rc, "seconds": round(secs, 1), "load_average_at_start": load_start,
+            "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
 
 
 def read_records(path: Path) -> tuple[list, list]:
