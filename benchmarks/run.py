@@ -35,10 +35,26 @@ SCALE = HERE / "scale_manifest.py"
 SCENARIOS = ["save", "async", "load", "reshard", "small", "commit", "manifest"]
 LEAVES, COLS = 4, 1024  # the payload: 4 float32 leaves of 4 KiB rows, sharded by rows
 
-QUICK = dict(size_mib=4, worlds="1,2", repeats=1, mpi_worlds="2", small_tensors=200, commit_reps=2,
-             manifest_ranks="64,256", manifest_leaves=100)
-FULL = dict(size_mib=1024, worlds="1,2,4", repeats=3, mpi_worlds="2,4", small_tensors=10000, commit_reps=30,
-            manifest_ranks="1024,4096", manifest_leaves=1000)
+QUICK = dict(
+    size_mib=4,
+    worlds="1,2",
+    repeats=1,
+    mpi_worlds="2",
+    small_tensors=200,
+    commit_reps=2,
+    manifest_ranks="64,256",
+    manifest_leaves=100,
+)
+FULL = dict(
+    size_mib=1024,
+    worlds="1,2,4",
+    repeats=3,
+    mpi_worlds="2,4",
+    small_tensors=10000,
+    commit_reps=30,
+    manifest_ranks="1024,4096",
+    manifest_leaves=1000,
+)
 
 DISPLAY_METRIC = {
     ("load", "time"): "open+touch",
@@ -64,8 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--manifest-leaves", type=int, help="leaves per rank in the manifest scale model (default 1000)")
     ap.add_argument("--job-timeout", type=float, default=3600, help="seconds before a job is killed")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: removed)")
-    ap.add_argument("--archive", action="store_true",
-                    help="also benchmark tddist's archive layout (archive=True) where this tddist supports it")
+    ap.add_argument(
+        "--archive",
+        action="store_true",
+        help="also benchmark tddist's archive layout (archive=True) where this tddist supports it",
+    )
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for k, v in defaults.items():
@@ -137,8 +156,13 @@ def run_job(cmd: list[str], timeout: float, what: str) -> dict:
     secs = time.perf_counter() - t0
     if rc != 0:
         print(f"=== {what} FAILED ({rc}) after {secs:.0f} s", file=sys.stderr, flush=True)
-    return {"job": what, "rc": rc, "seconds": round(secs, 1), "load_average_at_start": load_start,
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "job": what,
+        "rc": rc,
+        "seconds": round(secs, 1),
+        "load_average_at_start": load_start,
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def read_records(path: Path) -> tuple[list, list]:
@@ -171,8 +195,14 @@ def aggregate(records: list[dict]) -> list[dict]:
                 samples = [r["metrics"][metric] for r in recs if metric in r["metrics"]]
                 s = C.summarize(samples)
                 row = {
-                    "scenario": scenario, "launcher": launcher, "world": world, "impl": impl, "metric": metric,
-                    "display_metric": DISPLAY_METRIC.get((scenario, metric), DISPLAY_METRIC.get((scenario.split()[0], metric), metric)),
+                    "scenario": scenario,
+                    "launcher": launcher,
+                    "world": world,
+                    "impl": impl,
+                    "metric": metric,
+                    "display_metric": DISPLAY_METRIC.get(
+                        (scenario, metric), DISPLAY_METRIC.get((scenario.split()[0], metric), metric)
+                    ),
                     **s,
                     "bytes": recs[0].get("bytes"),
                     "rss_added_mib": C.summarize([r.get("rss_added_mib", 0.0) for r in recs])["median"],
@@ -187,8 +217,11 @@ def aggregate(records: list[dict]) -> list[dict]:
                 if ref_vals and impl != g["ref"]:
                     ref_med = C.summarize(ref_vals)["median"]
                     row["x_vs_tddist"] = s["median"] / ref_med if ref_med > 0 else None
-                    paired = [r["metrics"][metric] / ref_samples[(r["repeat"], r.get("sample"))]
-                              for r in recs if ref_samples.get((r["repeat"], r.get("sample")))]
+                    paired = [
+                        r["metrics"][metric] / ref_samples[(r["repeat"], r.get("sample"))]
+                        for r in recs
+                        if ref_samples.get((r["repeat"], r.get("sample")))
+                    ]
                     if paired:
                         row["x_vs_tddist_paired"] = C.summarize(paired)
                 rows.append(row)
@@ -204,12 +237,26 @@ def order(rows: list[dict]) -> list[dict]:
     scen_rank = {}
     for r in rows:
         base = r["scenario"].split(" ")[0]
-        scen_rank.setdefault(r["scenario"], (["save", "async", "load", "reshard", "small", "commit", "manifest"].index(base)
-                                             if base in ("save", "async", "load", "reshard", "small", "commit", "manifest") else 99,
-                                             len(scen_rank)))
+        scen_rank.setdefault(
+            r["scenario"],
+            (
+                ["save", "async", "load", "reshard", "small", "commit", "manifest"].index(base)
+                if base in ("save", "async", "load", "reshard", "small", "commit", "manifest")
+                else 99,
+                len(scen_rank),
+            ),
+        )
     idx = {id(r): i for i, r in enumerate(rows)}
-    return sorted(rows, key=lambda r: (scen_rank[r["scenario"]][0], r["launcher"] == "mpiexec", r["world"],
-                                       scen_rank[r["scenario"]][1], idx[id(r)]))
+    return sorted(
+        rows,
+        key=lambda r: (
+            scen_rank[r["scenario"]][0],
+            r["launcher"] == "mpiexec",
+            r["world"],
+            scen_rank[r["scenario"]][1],
+            idx[id(r)],
+        ),
+    )
 
 
 def format_table(rows: list[dict]) -> str:
@@ -219,12 +266,29 @@ def format_table(rows: list[dict]) -> str:
         n = f"{r['world']}" + (" mpi" if r["launcher"] == "mpiexec" else "")
         if r["launcher"] == "model":
             n = f"{r['world']} ranks"
-        x = "ref" if r["is_ref"] else (f"{r['x_vs_tddist']:.2f}x" if r.get("x_vs_tddist") and r["impl"] not in NO_RATIO else "-")
+        x = (
+            "ref"
+            if r["is_ref"]
+            else (f"{r['x_vs_tddist']:.2f}x" if r.get("x_vs_tddist") and r["impl"] not in NO_RATIO else "-")
+        )
         gib = f"{r['gib_per_s']:.2f}" if r.get("gib_per_s") else "-"
-        lines.append("| " + " | ".join([
-            r["scenario"], n, r["impl"], r["display_metric"], C.fmt_seconds(r["median"]),
-            f"{C.fmt_seconds(r['min'])} - {C.fmt_seconds(r['max'])}", gib, f"{r['rss_added_mib']:.0f}", x,
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["scenario"],
+                    n,
+                    r["impl"],
+                    r["display_metric"],
+                    C.fmt_seconds(r["median"]),
+                    f"{C.fmt_seconds(r['min'])} - {C.fmt_seconds(r['max'])}",
+                    gib,
+                    f"{r['rss_added_mib']:.0f}",
+                    x,
+                ]
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -245,61 +309,122 @@ def format_stages(rows: list[dict]) -> str:
 def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
     def med(scenario, world, impl, metric="time", launcher="torchrun"):
         for r in rows:
-            if (r["scenario"], r["world"], r["impl"], r["metric"], r["launcher"]) == (scenario, world, impl, metric, launcher):
+            if (r["scenario"], r["world"], r["impl"], r["metric"], r["launcher"]) == (
+                scenario,
+                world,
+                impl,
+                metric,
+                launcher,
+            ):
                 return r["median"]
         return None
 
     out = []
 
     def check(name, ok, detail):
-        out.append({"target": name, "status": "not measured" if ok is None else ("met" if ok else "MISSED"), "detail": detail})
+        out.append(
+            {"target": name, "status": "not measured" if ok is None else ("met" if ok else "MISSED"), "detail": detail}
+        )
 
     for n in (2, 4):
         t, d, raw = med("save", n, "tddist"), med("save", n, "dcp"), med("save", n, "raw pwrite+fsync")
-        check(f"durable save N={n}: >= 1.25x DCP throughput", None if None in (t, d) else d / t >= 1.25,
-              None if None in (t, d) else f"{d / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(d)})")
-        check(f"durable save N={n}: >= 0.9x raw threaded pwrite+fsync", None if None in (t, raw) else raw / t >= 0.9,
-              None if None in (t, raw) else f"{raw / t:.2f}x (tddist {C.fmt_seconds(t)}, raw {C.fmt_seconds(raw)})")
+        check(
+            f"durable save N={n}: >= 1.25x DCP throughput",
+            None if None in (t, d) else d / t >= 1.25,
+            None if None in (t, d) else f"{d / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(d)})",
+        )
+        check(
+            f"durable save N={n}: >= 0.9x raw threaded pwrite+fsync",
+            None if None in (t, raw) else raw / t >= 0.9,
+            None if None in (t, raw) else f"{raw / t:.2f}x (tddist {C.fmt_seconds(t)}, raw {C.fmt_seconds(raw)})",
+        )
     worlds = sorted({r["world"] for r in rows if r["scenario"] == "async save"})
     for n in worlds:
-        b, db = med("async save", n, "tddist return_early", "blocking"), med("async save", n, "dcp.async_save", "blocking")
-        check(f"return_early N={n}: blocking <= 0.5x dcp.async_save", None if None in (b, db) else b <= 0.5 * db,
-              None if None in (b, db) else f"{b / db:.2f}x (tddist {C.fmt_seconds(b)}, dcp {C.fmt_seconds(db)})")
+        b, db = (
+            med("async save", n, "tddist return_early", "blocking"),
+            med("async save", n, "dcp.async_save", "blocking"),
+        )
+        check(
+            f"return_early N={n}: blocking <= 0.5x dcp.async_save",
+            None if None in (b, db) else b <= 0.5 * db,
+            None if None in (b, db) else f"{b / db:.2f}x (tddist {C.fmt_seconds(b)}, dcp {C.fmt_seconds(db)})",
+        )
         c, s = med("async save", n, "tddist return_early"), med("async save", n, "tddist (synchronous)")
-        check(f"return_early N={n}: completion no slower than a synchronous save", None if None in (c, s) else c <= s,
-              None if None in (c, s) else f"{c / s:.2f}x of synchronous (return_early {C.fmt_seconds(c)}, sync {C.fmt_seconds(s)})")
+        check(
+            f"return_early N={n}: completion no slower than a synchronous save",
+            None if None in (c, s) else c <= s,
+            None
+            if None in (c, s)
+            else f"{c / s:.2f}x of synchronous (return_early {C.fmt_seconds(c)}, sync {C.fmt_seconds(s)})",
+        )
         alloc = [r for r in records if r.get("kind") == "allocations" and r["world"] == n]
-        rss = [r["rss_added_mib"] for r in records if r.get("scenario") == "async save" and r["world"] == n
-               and r.get("impl") == "tddist return_early"]
+        rss = [
+            r["rss_added_mib"]
+            for r in records
+            if r.get("scenario") == "async save" and r["world"] == n and r.get("impl") == "tddist return_early"
+        ]
         if alloc:
             new = alloc[0]["new_allocations_after_first_save_per_rank"]
-            check(f"return_early N={n}: no new allocation after the first save", all(v == 0 for v in new),
-                  f"new snapshot buffers per rank after the first save: {new}; peak RSS added per save "
-                  f"(max rank, median): {sorted(rss)[len(rss) // 2]:.0f} MiB" if rss else f"{new}")
+            check(
+                f"return_early N={n}: no new allocation after the first save",
+                all(v == 0 for v in new),
+                f"new snapshot buffers per rank after the first save: {new}; peak RSS added per save "
+                f"(max rank, median): {sorted(rss)[len(rss) // 2]:.0f} MiB"
+                if rss
+                else f"{new}",
+            )
     for r in rows:
-        if r["scenario"].startswith("reshard 1->") and r["impl"].startswith("tddist") and r["metric"] == "time" and r["is_ref"]:
+        if (
+            r["scenario"].startswith("reshard 1->")
+            and r["impl"].startswith("tddist")
+            and r["metric"] == "time"
+            and r["is_ref"]
+        ):
             n = r["world"]
             same = med(r["scenario"], n, f"tddist {n}->{n} (same layout)")
             dcp = med(r["scenario"], n, f"dcp.load 1->{n}")
             t = r["median"]
-            check(f"reshard 1->{n}: within 1.1x of a same-layout load", None if same is None else t <= 1.1 * same,
-                  None if same is None else f"{t / same:.2f}x (1->{n} {C.fmt_seconds(t)}, {n}->{n} {C.fmt_seconds(same)})")
-            check(f"reshard 1->{n}: >= 1.5x faster than dcp.load", None if dcp is None else dcp / t >= 1.5,
-                  None if dcp is None else f"{dcp / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(dcp)})")
+            check(
+                f"reshard 1->{n}: within 1.1x of a same-layout load",
+                None if same is None else t <= 1.1 * same,
+                None
+                if same is None
+                else f"{t / same:.2f}x (1->{n} {C.fmt_seconds(t)}, {n}->{n} {C.fmt_seconds(same)})",
+            )
+            check(
+                f"reshard 1->{n}: >= 1.5x faster than dcp.load",
+                None if dcp is None else dcp / t >= 1.5,
+                None if dcp is None else f"{dcp / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(dcp)})",
+            )
     for n in sorted({r["world"] for r in rows if r["scenario"] == "small save"}):
         for scen, peer in (("small save", "dcp"), ("small load", "dcp.load")):
             t, d = med(scen, n, "tddist"), med(scen, n, peer)
-            check(f"{scen} (many small tensors) N={n}: >= 3x faster than DCP", None if None in (t, d) else d / t >= 3,
-                  None if None in (t, d) else f"{d / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(d)})")
+            check(
+                f"{scen} (many small tensors) N={n}: >= 3x faster than DCP",
+                None if None in (t, d) else d / t >= 3,
+                None if None in (t, d) else f"{d / t:.2f}x (tddist {C.fmt_seconds(t)}, dcp {C.fmt_seconds(d)})",
+            )
     for launcher, limit in (("torchrun", 0.030), ("mpiexec", 0.005)):
         t = med("commit", 4, "tddist", launcher=launcher)
-        check(f"commit overhead at 4 {'gloo' if launcher == 'torchrun' else 'MPI'} ranks < {limit * 1e3:.0f} ms",
-              None if t is None else t < limit, None if t is None else C.fmt_seconds(t))
-    w, p = med("manifest write", 4096, "tddist", launcher="model"), med("manifest parse", 4096, "tddist", launcher="model")
-    check("manifest of 4,096 ranks x 1,000 leaves: write < 2 s", None if w is None else w < 2.0,
-          None if w is None else C.fmt_seconds(w))
-    check("manifest of 4,096 ranks x 1,000 leaves: parse < 1 s", None if p is None else p < 1.0,
-          None if p is None else C.fmt_seconds(p))
+        check(
+            f"commit overhead at 4 {'gloo' if launcher == 'torchrun' else 'MPI'} ranks < {limit * 1e3:.0f} ms",
+            None if t is None else t < limit,
+            None if t is None else C.fmt_seconds(t),
+        )
+    w, p = (
+        med("manifest write", 4096, "tddist", launcher="model"),
+        med("manifest parse", 4096, "tddist", launcher="model"),
+    )
+    check(
+        "manifest of 4,096 ranks x 1,000 leaves: write < 2 s",
+        None if w is None else w < 2.0,
+        None if w is None else C.fmt_seconds(w),
+    )
+    check(
+        "manifest of 4,096 ranks x 1,000 leaves: parse < 1 s",
+        None if p is None else p < 1.0,
+        None if p is None else C.fmt_seconds(p),
+    )
     return out
 
 
@@ -318,18 +443,29 @@ def main(argv=None) -> int:
     rows = max(lcm, (args.size_mib * C.MIB // (LEAVES * COLS * 4)) // lcm * lcm)
     small_elems = max(lcm, math.ceil(256 / lcm) * lcm)
     cfg_common = {
-        "dir": str(work), "repeats": args.repeats, "rows": rows, "leaves": LEAVES, "cols": COLS,
-        "small_tensors": args.small_tensors, "small_elems": small_elems, "commit_reps": args.commit_reps,
-        "scenarios": [s for s in args.scenarios if s != "manifest"], "mpi_scenarios": ["commit"], "archive": args.archive,
+        "dir": str(work),
+        "repeats": args.repeats,
+        "rows": rows,
+        "leaves": LEAVES,
+        "cols": COLS,
+        "small_tensors": args.small_tensors,
+        "small_elems": small_elems,
+        "commit_reps": args.commit_reps,
+        "scenarios": [s for s in args.scenarios if s != "manifest"],
+        "mpi_scenarios": ["commit"],
+        "archive": args.archive,
     }
     payload_mib = rows * LEAVES * COLS * 4 / C.MIB
     print(f"tddist {lib['version']} (source sha256 {lib['sha256']}), snapshotted for this run", file=sys.stderr)
-    print(f"tddist benchmarks: payload {payload_mib:.0f} MiB over {worlds} ranks, {args.repeats} repeat(s), "
-          f"checkpoints in a {machine['filesystem']} file system ({machine['cpus']} CPUs, {machine['memory_gib']} GiB)",
-          file=sys.stderr, flush=True)
+    print(
+        f"tddist benchmarks: payload {payload_mib:.0f} MiB over {worlds} ranks, {args.repeats} repeat(s), "
+        f"checkpoints in a {machine['filesystem']} file system ({machine['cpus']} CPUs, {machine['memory_gib']} GiB)",
+        file=sys.stderr,
+        flush=True,
+    )
     records, notes, jobs = [], [], []
     biggest = max(worlds)
-    keep = lambda w: {"tddist": str(work / f"keep-w{w}" / "tddist"), "dcp": str(work / f"keep-w{w}" / "dcp")}  # noqa: E731
+    keep = lambda w: {"tddist": str(work / f"keep-w{w}" / "tddist"), "dcp": str(work / f"keep-w{w}" / "dcp")}
     torch_scen = cfg_common["scenarios"]
     t_start = time.perf_counter()
     if torch_scen:
@@ -340,11 +476,24 @@ def main(argv=None) -> int:
                     cfg["reshard_from"] = {str(biggest): keep(biggest)}
                 elif biggest > 1:
                     cfg["make_world1_source"] = True
-                    cfg["world1_source"] = {"tddist": str(work / "src-w1" / "tddist"), "dcp": str(work / "src-w1" / "dcp")}
+                    cfg["world1_source"] = {
+                        "tddist": str(work / "src-w1" / "tddist"),
+                        "dcp": str(work / "src-w1" / "dcp"),
+                    }
             cfg_path, res_path = work / f"config-w{w}.json", work / f"result-w{w}.json"
             cfg_path.write_text(json.dumps(cfg))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={w}",
-                   str(WORKER), "--config", str(cfg_path), "--result", str(res_path)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={w}",
+                str(WORKER),
+                "--config",
+                str(cfg_path),
+                "--result",
+                str(res_path),
+            ]
             jobs.append(run_job(cmd, args.job_timeout, f"torchrun N={w}"))
             got, n = read_records(res_path)
             records += got
@@ -359,17 +508,39 @@ def main(argv=None) -> int:
                 break
             cfg_path, res_path = work / f"config-mpi{w}.json", work / f"result-mpi{w}.json"
             cfg_path.write_text(json.dumps(cfg_common))
-            cmd = [str(mpiexec), "-n", str(w), sys.executable, str(WORKER), "--launcher", "mpi",
-                   "--config", str(cfg_path), "--result", str(res_path)]
+            cmd = [
+                str(mpiexec),
+                "-n",
+                str(w),
+                sys.executable,
+                str(WORKER),
+                "--launcher",
+                "mpi",
+                "--config",
+                str(cfg_path),
+                "--result",
+                str(res_path),
+            ]
             jobs.append(run_job(cmd, args.job_timeout, f"mpiexec N={w}"))
             got, n = read_records(res_path)
             records += got
             notes += [x for x in n if x not in notes]
     if "manifest" in args.scenarios:
         res_path = work / "result-manifest.json"
-        cmd = [sys.executable, str(SCALE), "--ranks", ",".join(map(str, args.manifest_ranks)),
-               "--leaves", str(args.manifest_leaves), "--repeats", str(args.repeats), "--dir", str(work / "manifest"),
-               "--json", str(res_path)]
+        cmd = [
+            sys.executable,
+            str(SCALE),
+            "--ranks",
+            ",".join(map(str, args.manifest_ranks)),
+            "--leaves",
+            str(args.manifest_leaves),
+            "--repeats",
+            str(args.repeats),
+            "--dir",
+            str(work / "manifest"),
+            "--json",
+            str(res_path),
+        ]
         jobs.append(run_job(cmd, args.job_timeout, "manifest scale model"))
         got, n = read_records(res_path)
         records += got
@@ -383,10 +554,12 @@ def main(argv=None) -> int:
         for t in targets:
             t["status"] = "not judged (--quick)" if t["status"] != "not measured" else t["status"]
     print()
-    print(f"## tddist {lib['version']} (source sha256 {lib['sha256']}) vs peers: {payload_mib:.0f} MiB payload, "
-          f"{args.repeats} repeat(s), {machine['cpus']} CPUs, {machine['memory_gib']} GiB, {machine['filesystem']} "
-          f"({machine['filesystem_device']}), kernel {machine['kernel']}, load average at start "
-          f"{machine['load_average_at_start'][0]:.1f}")
+    print(
+        f"## tddist {lib['version']} (source sha256 {lib['sha256']}) vs peers: {payload_mib:.0f} MiB payload, "
+        f"{args.repeats} repeat(s), {machine['cpus']} CPUs, {machine['memory_gib']} GiB, {machine['filesystem']} "
+        f"({machine['filesystem_device']}), kernel {machine['kernel']}, load average at start "
+        f"{machine['load_average_at_start'][0]:.1f}"
+    )
     print("peer/tddist = peer median time / tddist median time in this run (above 1: tddist is faster).")
     print()
     print(format_table(table_rows))
@@ -396,8 +569,10 @@ def main(argv=None) -> int:
         print(stages)
     alloc = [r for r in records if r.get("kind") == "allocations"]
     for a in alloc:
-        print(f"\nreturn_early N={a['world']}: snapshot buffers allocated by the first save per rank "
-              f"{a['buffers_after_first_save']}, new ones afterwards per rank {a['new_allocations_after_first_save_per_rank']}")
+        print(
+            f"\nreturn_early N={a['world']}: snapshot buffers allocated by the first save per rank "
+            f"{a['buffers_after_first_save']}, new ones afterwards per rank {a['new_allocations_after_first_save_per_rank']}"
+        )
     print("\n## Targets")
     for t in targets:
         print(f"- [{t['status']}] {t['target']}: {t['detail'] or '-'}")
@@ -408,8 +583,8 @@ def main(argv=None) -> int:
         print(f"FAILED: {j['job']} (exit {j['rc']})")
     print(f"\nwall time of the run: {total:.0f} s")
     result = {
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "dir")} | {"rows": rows, "leaves": LEAVES, "cols": COLS,
-                                                             "payload_mib": payload_mib, "small_elems": small_elems},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "dir")}
+        | {"rows": rows, "leaves": LEAVES, "cols": COLS, "payload_mib": payload_mib, "small_elems": small_elems},
         "machine": machine,
         "tddist": lib,
         "jobs": jobs,

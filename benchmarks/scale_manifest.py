@@ -36,6 +36,7 @@ import torch
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C
+
 import tddist
 from tddist import format as fmt
 from tddist._fs import write_durable
@@ -52,11 +53,19 @@ def build_fragments(ranks: int, leaves: int) -> tuple[list[dict], int]:
     nbytes = ROWS * COLS * 4
     for r in range(ranks):
         entries = [
-            leaf_entry(("params", f"layer{i:04d}.weight"), (ROWS, COLS), torch.float32, Shard(0), nbytes,
-                       f"{(r * leaves + i) * 0x9E3779B97F4A7C15 % (1 << 64):016x}")
+            leaf_entry(
+                ("params", f"layer{i:04d}.weight"),
+                (ROWS, COLS),
+                torch.float32,
+                Shard(0),
+                nbytes,
+                f"{(r * leaves + i) * 0x9E3779B97F4A7C15 % (1 << 64):016x}",
+            )
             for i in range(leaves)
         ]
-        blob = pickle.dumps({"rank": r, "nodes": nodes, "leaves": entries, "objects": []}, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps(
+            {"rank": r, "nodes": nodes, "leaves": entries, "objects": []}, protocol=pickle.HIGHEST_PROTOCOL
+        )
         pickled += len(blob)
         frags.append(pickle.loads(blob))
     return frags, pickled
@@ -77,8 +86,15 @@ def one_run(frags: list[dict], path: str) -> tuple[dict, dict, int]:
     write_durable(path, raw)
     C.fsync_path(os.path.dirname(path))
     t4 = time.perf_counter()
-    write = {"time": t4 - t0, "merge": t1 - t0, "to_json": t2 - t1, "dumps": t3 - t2, "write file": t4 - t3,
-             "rss_added_mib": (C.hwm_kib() - base) / 1024, "rss_peak_mib": C.hwm_kib() / 1024}
+    write = {
+        "time": t4 - t0,
+        "merge": t1 - t0,
+        "to_json": t2 - t1,
+        "dumps": t3 - t2,
+        "write file": t4 - t3,
+        "rss_added_mib": (C.hwm_kib() - base) / 1024,
+        "rss_peak_mib": C.hwm_kib() / 1024,
+    }
     size = len(raw)
     del m, obj, raw
     gc.collect()
@@ -92,8 +108,14 @@ def one_run(frags: list[dict], path: str) -> tuple[dict, dict, int]:
     t2 = time.perf_counter()
     parsed = parse_manifest(obj, where="benchmark manifest")
     t3 = time.perf_counter()
-    parse = {"time": t3 - t0, "read file": t1 - t0, "loads": t2 - t1, "parse_manifest": t3 - t2,
-             "rss_added_mib": (C.hwm_kib() - base) / 1024, "rss_peak_mib": C.hwm_kib() / 1024}
+    parse = {
+        "time": t3 - t0,
+        "read file": t1 - t0,
+        "loads": t2 - t1,
+        "parse_manifest": t3 - t2,
+        "rss_added_mib": (C.hwm_kib() - base) / 1024,
+        "rss_peak_mib": C.hwm_kib() / 1024,
+    }
     assert parsed.world_size == len(frags) and len(parsed.leaves) == len(frags[0]["leaves"])
     del parsed, obj, data
     return write, parse, size
@@ -107,24 +129,45 @@ def run(ranks_list: list[int], leaves: int, repeats: int, directory: str) -> lis
         base = C.rss_kib()
         frags, pickled = build_fragments(ranks, leaves)
         held = (C.rss_kib() - base) / 1024
-        print(f"[manifest {ranks} ranks x {leaves} leaves] fragments built in {time.perf_counter() - t0:.1f} s "
-              f"({pickled / C.MIB:.0f} MiB pickled, {held:.0f} MiB resident)", file=sys.stderr, flush=True)
+        print(
+            f"[manifest {ranks} ranks x {leaves} leaves] fragments built in {time.perf_counter() - t0:.1f} s "
+            f"({pickled / C.MIB:.0f} MiB pickled, {held:.0f} MiB resident)",
+            file=sys.stderr,
+            flush=True,
+        )
         for rep in range(repeats):
             path = os.path.join(directory, f"manifest-{ranks}.json")
             write, parse, size = one_run(frags, path)
             os.unlink(path)
             for scenario, stage in (("manifest write", write), ("manifest parse", parse)):
                 metrics = {k: v for k, v in stage.items() if not k.startswith("rss")}
-                records.append({
-                    "scenario": scenario, "world": ranks, "launcher": "model", "impl": "tddist", "ref": "tddist",
-                    "repeat": rep, "metrics": metrics, "bytes": None,
-                    "rss_added_mib": stage["rss_added_mib"], "rss_peak_mib_ranks": [round(stage["rss_peak_mib"], 1)],
-                    "extra": {"leaves_per_rank": leaves, "manifest_mib": size / C.MIB,
-                              "fragments_pickled_mib": pickled / C.MIB, "fragments_resident_mib": held},
-                })
+                records.append(
+                    {
+                        "scenario": scenario,
+                        "world": ranks,
+                        "launcher": "model",
+                        "impl": "tddist",
+                        "ref": "tddist",
+                        "repeat": rep,
+                        "metrics": metrics,
+                        "bytes": None,
+                        "rss_added_mib": stage["rss_added_mib"],
+                        "rss_peak_mib_ranks": [round(stage["rss_peak_mib"], 1)],
+                        "extra": {
+                            "leaves_per_rank": leaves,
+                            "manifest_mib": size / C.MIB,
+                            "fragments_pickled_mib": pickled / C.MIB,
+                            "fragments_resident_mib": held,
+                        },
+                    }
+                )
                 shown = ", ".join(f"{k} {C.fmt_seconds(v)}" for k, v in metrics.items())
-                print(f"[manifest {ranks} ranks rep {rep}] {scenario}: {shown}; peak RSS added "
-                      f"{stage['rss_added_mib']:.0f} MiB; manifest {size / C.MIB:.1f} MiB", file=sys.stderr, flush=True)
+                print(
+                    f"[manifest {ranks} ranks rep {rep}] {scenario}: {shown}; peak RSS added "
+                    f"{stage['rss_added_mib']:.0f} MiB; manifest {size / C.MIB:.1f} MiB",
+                    file=sys.stderr,
+                    flush=True,
+                )
         del frags
         gc.collect()
     return records
@@ -149,13 +192,15 @@ def main(argv=None) -> int:
             json.dump({"records": records}, f)
     print("| ranks | stage | median | min-max | peak RSS added |")
     print("|---|---|---|---|---|")
-    for ranks in ranks:
+    for world in ranks:
         for scenario in ("manifest write", "manifest parse"):
-            recs = [r for r in records if r["world"] == ranks and r["scenario"] == scenario]
+            recs = [r for r in records if r["world"] == world and r["scenario"] == scenario]
             s = C.summarize([r["metrics"]["time"] for r in recs])
             rss = C.summarize([r["rss_added_mib"] for r in recs])["median"]
-            print(f"| {ranks} | {scenario} | {C.fmt_seconds(s['median'])} | {C.fmt_seconds(s['min'])} - "
-                  f"{C.fmt_seconds(s['max'])} | {rss:.0f} MiB |")
+            print(
+                f"| {world} | {scenario} | {C.fmt_seconds(s['median'])} | {C.fmt_seconds(s['min'])} - "
+                f"{C.fmt_seconds(s['max'])} | {rss:.0f} MiB |"
+            )
     return 0
 
 

@@ -28,10 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 warnings.filterwarnings("ignore")  # DCP and torch.load emit deprecation/experimental warnings on every call
 
+import _common as C  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-import _common as C  # noqa: E402
 import tddist  # noqa: E402
 
 THREADS = 2  # writer threads for every implementation that has a knob (tddist, DCP, tensordict, raw)
@@ -124,8 +124,20 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def measure(rec: Recorder, scenario: str, impl: str, ref: str, fn, *, repeat: int, nbytes: int | None = None,
-            cold: bool = False, sample: int | None = None, quiet: bool = False, extra: dict | None = None) -> float:
+def measure(
+    rec: Recorder,
+    scenario: str,
+    impl: str,
+    ref: str,
+    fn,
+    *,
+    repeat: int,
+    nbytes: int | None = None,
+    cold: bool = False,
+    sample: int | None = None,
+    quiet: bool = False,
+    extra: dict | None = None,
+) -> float:
     """Time ``fn()`` on every rank between barriers; record it (rank 0). Returns the wall time.
 
     ``fn`` may return a dict of named local phase times (``{"open": s}``);
@@ -403,8 +415,15 @@ def save_dd(path: str, nbytes: int, rank: int) -> int:
     os.makedirs(path, exist_ok=True)
     bs, count = _dd_shape(nbytes)
     subprocess.run(
-        ["dd", "if=/dev/zero", f"of={os.path.join(path, f'rank-{rank:05d}.dd')}", f"bs={bs}", f"count={count}",
-         "conv=fsync", "status=none"],
+        [
+            "dd",
+            "if=/dev/zero",
+            f"of={os.path.join(path, f'rank-{rank:05d}.dd')}",
+            f"bs={bs}",
+            f"count={count}",
+            "conv=fsync",
+            "status=none",
+        ],
         check=True,
     )
     return bs * count
@@ -529,8 +548,10 @@ class Job:
         tddist.save(tiny, self.path("warm", "tddist"))
         if self.ctx.launcher == "torchrun":
             m = dcp()
-            m.save(dcp_state(self.ctx, {"x": torch.zeros(2, 4)}, self.world),
-                   storage_writer=m.FileSystemWriter(self.path("warm", "dcp"), sync_files=True))
+            m.save(
+                dcp_state(self.ctx, {"x": torch.zeros(2, 4)}, self.world),
+                storage_writer=m.FileSystemWriter(self.path("warm", "dcp"), sync_files=True),
+            )
         self.clean(self.path("warm"))
 
     # 1. durable save, directory mode
@@ -549,8 +570,14 @@ class Job:
         p = self.payload
         total = self.total_bytes()
         impls = [(label, fn, total, True) for label, fn in self.save_impls(p)]
-        impls.append(("dd (disk limit)", lambda out: discard(save_dd(out, p.nbytes, self.rank)),
-                      self.world * dd_bytes(p.nbytes), False))
+        impls.append(
+            (
+                "dd (disk limit)",
+                lambda out: discard(save_dd(out, p.nbytes, self.rank)),
+                self.world * dd_bytes(p.nbytes),
+                False,
+            )
+        )
         self.mkdirs(self.keep)
         for rep in range(self.repeats):
             for label, fn, nbytes, keep in rotated(impls, rep):
@@ -595,10 +622,20 @@ class Job:
         total = self.total_bytes()
         cached = torch.cuda.is_available()
         if not cached:
-            self.rec.note("dcp.async_save with cache_staged_state_dict=True (DCP's reusable staging buffers) pins "
-                          "its buffers, which needs an accelerator in this torch; only DCP's default staging is measured")
-        cached_writer = m.FileSystemWriter(self.path("async", "dcp-cached-init"), thread_count=THREADS,
-                                           sync_files=True, cache_staged_state_dict=True) if cached else None
+            self.rec.note(
+                "dcp.async_save with cache_staged_state_dict=True (DCP's reusable staging buffers) pins "
+                "its buffers, which needs an accelerator in this torch; only DCP's default staging is measured"
+            )
+        cached_writer = (
+            m.FileSystemWriter(
+                self.path("async", "dcp-cached-init"),
+                thread_count=THREADS,
+                sync_files=True,
+                cache_staged_state_dict=True,
+            )
+            if cached
+            else None
+        )
         channel = None
         state = {}
 
@@ -632,32 +669,46 @@ class Job:
         ]
         if cached:
             impls.append(("dcp.async_save(cached)", lambda out: dcp_async(out, cached_writer)))
-        # First save of each: allocates snapshot buffers / DCP's cached staging copy. Recorded, not in the stats.
+        # Each checkpoint is removed only after the next save of the same implementation, as a
+        # rotation would: tddist keeps the future of its last asynchronous save (and the result it
+        # maps) until the next save, so removing a checkpoint right after writing it would move
+        # freeing its blocks (an ext4 truncate, plus a synchronous discard on a "discard" mount)
+        # into the next timed save.
+        previous: dict[str, str] = {}
+
+        def run(scenario, label, fn, rep):
+            out = self.path("async", label.replace(" ", "_"), f"{scenario.split()[-1]}-{rep}")
+            self.clean(out)
+            before = channel.buffers.allocations if channel is not None else 0
+            measure(self.rec, scenario, label, "tddist return_early", lambda: fn(out), repeat=rep, nbytes=total)
+            if label == "tddist return_early" and channel is not None and self.rank == 0:
+                self.rec.records[-1]["extra"] = {"new_buffer_allocations": channel.buffers.allocations - before}
+            if label in previous:
+                self.clean(previous[label])
+            previous[label] = out
+
+        # First save of each: allocates snapshot buffers / DCP's staging copy. Recorded apart, not in the stats.
         for label, fn in impls:
-            out = self.path("async", label.replace(" ", "_"))
-            self.clean(out)
-            measure(self.rec, "async first", label, "tddist return_early", lambda: fn(out), repeat=0, nbytes=total)
-            self.clean(out)
+            run("async first", label, fn, 0)
             if label == "tddist return_early":
                 channel = background.channel(resolve())
                 state["after_first"] = channel.buffers.allocations
         for rep in range(self.repeats):
             for label, fn in rotated(impls, rep):
-                out = self.path("async", label.replace(" ", "_"))
-                self.clean(out)
-                extra = None
-                before = channel.buffers.allocations
-                measure(self.rec, "async save", label, "tddist return_early", lambda: fn(out), repeat=rep, nbytes=total)
-                if label == "tddist return_early":
-                    extra = {"new_buffer_allocations": channel.buffers.allocations - before}
-                    if self.rank == 0:
-                        self.rec.records[-1]["extra"] = extra
-                self.clean(out)
+                run("async save", label, fn, rep)
+        self.clean(*previous.values())
         news = self.ctx.gather(channel.buffers.allocations - state["after_first"])
         if self.rank == 0:
-            self.rec.records.append({"scenario": "async save", "world": self.world, "launcher": self.ctx.launcher,
-                                     "kind": "allocations", "buffers_after_first_save": state["after_first"],
-                                     "new_allocations_after_first_save_per_rank": news})
+            self.rec.records.append(
+                {
+                    "scenario": "async save",
+                    "world": self.world,
+                    "launcher": self.ctx.launcher,
+                    "kind": "allocations",
+                    "buffers_after_first_save": state["after_first"],
+                    "new_allocations_after_first_save_per_rank": news,
+                }
+            )
 
     # 3. load on the same world size
     def scenario_load(self) -> None:
@@ -667,8 +718,10 @@ class Job:
         self.ensure_kept(labels)
         r = self.rank
         raw_buffers = {k: torch.empty_like(t).fill_(0) for k, t in p.tensors.items()}
-        impls = [(label, (lambda lab=label, o=opts: load_tddist(tddist_path(self.keep_path(lab), o))))
-                 for label, opts in self.modes]
+        impls = [
+            (label, (lambda lab=label, o=opts: load_tddist(tddist_path(self.keep_path(lab), o))))
+            for label, opts in self.modes
+        ]
         impls += [
             ("dcp.load", None),
             ("torch.load(mmap=True)", lambda: load_torch(self.keep_path("torch.save+fsync"), r, True)),
@@ -680,7 +733,7 @@ class Job:
             for label, fn in rotated(impls, rep):
                 if label == "dcp.load":
                     sd = p.empty_sd(self.world)  # pre-sized and touched outside the timing
-                    fn = lambda sd=sd: load_dcp(self.keep_path("dcp"), sd)  # noqa: E731
+                    fn = lambda sd=sd: load_dcp(self.keep_path("dcp"), sd)
                 result = {}
 
                 def run(fn=fn):
@@ -691,7 +744,7 @@ class Job:
                 if rep == 0 and label in ("tddist", "dcp.load"):
                     p.check(leaf_map(result["value"]), self.world)
                 result.clear()
-        del raw_buffers
+        raw_buffers.clear()  # free the buffers before the next scenario
         self.ctx.barrier()
         if self.rank == 0:
             for label in ("torch.save+fsync", "td.memmap+fsync", "raw pwrite+fsync"):
@@ -729,7 +782,7 @@ class Job:
                     label = item[0]
                     if item[1] == "dcp":
                         sd = p.empty_sd(self.world)
-                        fn = lambda sd=sd, path=item[2]: load_dcp(path, sd)  # noqa: E731
+                        fn = lambda sd=sd, path=item[2]: load_dcp(path, sd)
                     else:
                         fn = item[1]
                     result = {}
@@ -752,8 +805,11 @@ class Job:
                 tddist.save(whole.td, paths["tddist"], comm=tddist.LocalComm(), num_threads=THREADS)
             if not os.path.exists(paths["dcp"]):
                 m = dcp()
-                m.save(whole.tensors, storage_writer=m.FileSystemWriter(paths["dcp"], thread_count=THREADS, sync_files=True),
-                       no_dist=True)
+                m.save(
+                    whole.tensors,
+                    storage_writer=m.FileSystemWriter(paths["dcp"], thread_count=THREADS, sync_files=True),
+                    no_dist=True,
+                )
             del whole
         self.ctx.barrier()
 
@@ -769,7 +825,14 @@ class Job:
         r = self.rank
         saves = [("tddist", lambda out: discard(tddist.save(td, out, num_threads=THREADS)))]
         if sd is not None:
-            saves.append(("dcp", lambda out: m.save(sd, storage_writer=m.FileSystemWriter(out, thread_count=THREADS, sync_files=True))))
+            saves.append(
+                (
+                    "dcp",
+                    lambda out: m.save(
+                        sd, storage_writer=m.FileSystemWriter(out, thread_count=THREADS, sync_files=True)
+                    ),
+                )
+            )
         saves.append(("torch.save+fsync", lambda out: save_torch(out, tensors, r)))
 
         def empty_sd():
@@ -781,27 +844,42 @@ class Job:
                 out = self.path("small", label.replace(" ", "_").replace("+", "_"))
                 outs[label] = out
                 self.clean(out)
-                measure(self.rec, "small save", label, "tddist", lambda fn=fn, out=out: fn(out), repeat=rep,
-                        extra={"tensors": n, "bytes": total})
+                measure(
+                    self.rec,
+                    "small save",
+                    label,
+                    "tddist",
+                    lambda fn=fn, out=out: fn(out),
+                    repeat=rep,
+                    extra={"tensors": n, "bytes": total},
+                )
             for label in rotated(list(outs), rep):
                 result = {}
                 if label == "tddist":
-                    fn = lambda: load_tddist(outs["tddist"])  # noqa: E731
+                    fn = lambda: load_tddist(outs["tddist"])
                     name = "tddist"
                 elif label == "dcp":
                     target = empty_sd()
-                    fn = lambda target=target: load_dcp(outs["dcp"], target)  # noqa: E731
+                    fn = lambda target=target: load_dcp(outs["dcp"], target)
                     name = "dcp.load"
                 else:
-                    fn = lambda: load_torch(outs[label], r, False)  # noqa: E731
+                    fn = lambda: load_torch(outs[label], r, False)
                     name = "torch.load"
 
                 def run(fn=fn):
                     phases, result["value"] = fn()
                     return phases
 
-                measure(self.rec, "small load", name, "tddist", run, repeat=rep, cold=True,
-                        extra={"tensors": n, "bytes": total})
+                measure(
+                    self.rec,
+                    "small load",
+                    name,
+                    "tddist",
+                    run,
+                    repeat=rep,
+                    cold=True,
+                    extra={"tensors": n, "bytes": total},
+                )
                 if rep == 0 and name in ("tddist", "dcp.load"):
                     got = leaf_map(result["value"])
                     for i in (0, n - 1):
@@ -847,14 +925,27 @@ class Job:
             for i in range(reps):
                 for label, fn in rotated(impls, i):
                     out = os.path.join(base, f"{label.replace(' ', '_')}-{rep}-{i}")
-                    measure(self.rec, "commit", label, "tddist", lambda fn=fn, out=out: fn(out), repeat=rep, sample=i,
-                            quiet=True)
+                    measure(
+                        self.rec,
+                        "commit",
+                        label,
+                        "tddist",
+                        lambda fn=fn, out=out: fn(out),
+                        repeat=rep,
+                        sample=i,
+                        quiet=True,
+                    )
             if self.rank == 0:
                 for label in [lab for lab, _ in impls]:
-                    got = [x["metrics"]["time"] for x in self.rec.records
-                           if x.get("scenario") == "commit" and x.get("impl") == label and x.get("repeat") == rep]
-                    log(f"[{self.ctx.launcher} N={self.world} rep {rep}] commit         {label:<26} median "
-                        f"{C.fmt_seconds(sorted(got)[len(got) // 2])} over {len(got)}")
+                    got = [
+                        x["metrics"]["time"]
+                        for x in self.rec.records
+                        if x.get("scenario") == "commit" and x.get("impl") == label and x.get("repeat") == rep
+                    ]
+                    log(
+                        f"[{self.ctx.launcher} N={self.world} rep {rep}] commit         {label:<26} median "
+                        f"{C.fmt_seconds(sorted(got)[len(got) // 2])} over {len(got)}"
+                    )
             self.clean(base)
             self.mkdirs(base)
         self.clean(base)

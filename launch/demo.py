@@ -31,7 +31,11 @@ def main() -> None:
     td = TensorDict(
         obs=torch.randn(rows, 256, generator=gen),
         action=torch.randint(0, 18, (rows,), generator=gen),
-        info=TensorDict(done=torch.zeros(rows, dtype=torch.bool), reward=torch.randn(rows, generator=gen).bfloat16(), batch_size=[rows]),
+        info=TensorDict(
+            done=torch.zeros(rows, dtype=torch.bool),
+            reward=torch.randn(rows, generator=gen).bfloat16(),
+            batch_size=[rows],
+        ),
         batch_size=[rows],
     )
     nbytes = sum(t.numel() * t.element_size() for t in td.values(True, True))
@@ -51,11 +55,15 @@ def main() -> None:
         total = sum(s[1] for s in stats)
         slowest = max(s[2] for s in stats)
         m = tddist.read_manifest(args.out)
-        print(f"tddist demo: {world} ranks saved {sum(s[0] for s in stats)} rows ({total / 2**20:.0f} MiB) to {args.out}")
-        for r, (n, b, s, l) in enumerate(stats):
-            print(f"  rank {r}: {n} rows, {b / 2**20:.1f} MiB, save {s:.2f}s, load+verify {l:.2f}s")
-        print(f"  durable save: {total / 2**30 / slowest:.2f} GiB/s aggregate; manifest: {len(m.leaves)} leaves, "
-              f"format v{m.version}; every rank's data verified against its checksums")
+        print(
+            f"tddist demo: {world} ranks saved {sum(s[0] for s in stats)} rows ({total / 2**20:.0f} MiB) to {args.out}"
+        )
+        for r, (n, b, s, lt) in enumerate(stats):
+            print(f"  rank {r}: {n} rows, {b / 2**20:.1f} MiB, save {s:.2f}s, load+verify {lt:.2f}s")
+        print(
+            f"  durable save: {total / 2**30 / slowest:.2f} GiB/s aggregate; manifest: {len(m.leaves)} leaves, "
+            f"format v{m.version}; every rank's data verified against its checksums"
+        )
     dist.destroy_process_group()
 
 

@@ -46,7 +46,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default: %(default)s)")
     p.add_argument("--async-save", action="store_true", help="save in the background (return_early=True)")
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step, to stand in for a real model")
-    p.add_argument("--preempt-signal", default="USR1", help="signal(s) that request a save and stop (default: %(default)s)")
+    p.add_argument(
+        "--preempt-signal", default="USR1", help="signal(s) that request a save and stop (default: %(default)s)"
+    )
     p.add_argument("--log-every", type=int, default=10, help="print the loss every N steps (default: %(default)s)")
     p.add_argument("--verbose", action="store_true", help="log every save and its duration (tddist at INFO level)")
     return p.parse_args()
@@ -77,7 +79,9 @@ def init_distributed():
                 port = s.getsockname()[1]
             where = (os.environ.get("MASTER_ADDR", socket.gethostname()), int(os.environ.get("MASTER_PORT", port)))
         addr, port = world.bcast(where, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=world.Get_rank(), world_size=world.Get_size())
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://{addr}:{port}", rank=world.Get_rank(), world_size=world.Get_size()
+        )
         return world
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         dist.init_process_group("gloo")
@@ -151,10 +155,19 @@ def main() -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     model, optim = build(world)
     state = (model, optim)
-    mgr = CheckpointManager(args.ckpt, every=args.every, keep_last=args.keep, async_save=args.async_save,
-                            comm=comm, preempt_signal=args.preempt_signal)
+    mgr = CheckpointManager(
+        args.ckpt,
+        every=args.every,
+        keep_last=args.keep,
+        async_save=args.async_save,
+        comm=comm,
+        preempt_signal=args.preempt_signal,
+    )
     start = mgr.restore(state)
-    say(f"train: {world} rank(s), {'MPI' if under_mpi() else 'torch'} launch, steps {start}..{args.steps}, checkpoints in {mgr.root}", flush=True)
+    say(
+        f"train: {world} rank(s), {'MPI' if under_mpi() else 'torch'} launch, steps {start}..{args.steps}, checkpoints in {mgr.root}",
+        flush=True,
+    )
     if start:
         say(f"resumed step={start} digest={digest(model, optim)}", flush=True)
     code, at, saved = 0, start, start

@@ -6,10 +6,10 @@ target all at once, complete and verified, or not at all.
 
 __version__ = "0.1.0"
 
-from .api import load, read_manifest, recover, save  # noqa: E402
-from .convert import pack, unpack  # noqa: E402
-from .comm import Communicator, LocalComm, ThreadComm, run_threads  # noqa: E402
-from .errors import (  # noqa: E402
+from .api import load, read_manifest, recover, save
+from .comm import Communicator, LocalComm, ThreadComm, run_threads
+from .convert import pack, unpack
+from .errors import (
     CheckpointNotFoundError,
     CollectiveError,
     CommError,
@@ -24,11 +24,11 @@ from .errors import (  # noqa: E402
     TargetError,
     TddistError,
 )
-from .manifest import Manifest  # noqa: E402
-from .plan import LoadReport  # noqa: E402
-from .sharding import Replicate, Shard  # noqa: E402
-from .state import get_state, set_state  # noqa: E402
-from .manager import EXIT_PREEMPTED, CheckpointManager  # noqa: E402
+from .manager import EXIT_PREEMPTED, CheckpointManager
+from .manifest import Manifest
+from .plan import LoadReport
+from .sharding import Replicate, Shard
+from .state import get_state, set_state
 
 __all__ = [
     "save",

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
 from . import __version__, background
 from . import format as fmt
+from .archive import ArchiveWriter, resolve_compression
 from .comm import LocalComm, resolve, run_step
 from .commit import recover as _recover
 from .commit import two_phase_commit
 from .errors import InvalidArgumentError, InvalidDataError
-from .archive import ArchiveWriter, resolve_compression
 from .manifest import Manifest, merge_fragments, to_json
 from .plan import LoadReport, check_shard, leaf_box, node_rows, object_value
 from .reader import file_mappings, mapped_file, read_leaves
@@ -83,11 +84,18 @@ def save(
     c = resolve(comm, timeout)
     ch = background.channel(c)
     ch.wait_idle(wait_for_pending, target)
-    options = dict(
-        placements=placements, robust_key=robust_key, allow_pickle=allow_pickle, copy_existing=copy_existing
+    options = dict(placements=placements, robust_key=robust_key, allow_pickle=allow_pickle, copy_existing=copy_existing)
+    job = _SaveJob(
+        target,
+        metadata,
+        robust_key,
+        num_threads,
+        check_replicas,
+        atomic,
+        share_non_tensor,
+        allow_pickle,
+        compression if archive else False,
     )
-    job = _SaveJob(target, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle,
-                   compression if archive else False)
     if not return_early:
         local = _prepare_local(data, c.rank, None, **options)
         return _commit_and_open(c, job, local)
@@ -207,18 +215,27 @@ def _commit_and_open(c, job: _SaveJob, local: _Local) -> TensorDict:
     def write_fragment(root: str) -> dict:
         if local.error is not None:
             raise local.error
-        return write_shard(root, c.rank, local.nodes, local.items, local.objects, job.robust_key, job.num_threads, job.check_replicas)
+        return write_shard(
+            root, c.rank, local.nodes, local.items, local.objects, job.robust_key, job.num_threads, job.check_replicas
+        )
 
     def build_manifest(fragments: list[dict]) -> bytes:
-        m = merge_fragments(fragments, metadata=dict(job.metadata or {}), robust_key=job.robust_key,
-                            version=__version__, layout="directory" if archive is None else "archive")
+        m = merge_fragments(
+            fragments,
+            metadata=dict(job.metadata or {}),
+            robust_key=job.robust_key,
+            version=__version__,
+            layout="directory" if archive is None else "archive",
+        )
         return fmt.dumps(to_json(m))
 
     two_phase_commit(c, job.target, write_fragment, build_manifest, atomic=job.atomic, archive=archive)
     logger.info("rank %d: committed %s", c.rank, job.target)
     manifest = _read_manifest(job.target)
     own = {k: where[0] for k, _t, _p, _w, where in local.items if where is not None}
-    return _load_from(manifest, job.target, c, "saved", None, None, False, 0, job.allow_pickle, job.share_non_tensor, own)
+    return _load_from(
+        manifest, job.target, c, "saved", None, None, False, 0, job.allow_pickle, job.share_non_tensor, own
+    )
 
 
 def load(
@@ -260,8 +277,18 @@ def load(
     def run():
         manifest = _read_manifest(target)
         if into is not None:
-            return fill(manifest, target, into, strict=strict, shard=shard, rank=c.rank, size=c.size,
-                        num_threads=num_threads, verify=verify, allow_pickle=allow_pickle)
+            return fill(
+                manifest,
+                target,
+                into,
+                strict=strict,
+                shard=shard,
+                rank=c.rank,
+                size=c.size,
+                num_threads=num_threads,
+                verify=verify,
+                allow_pickle=allow_pickle,
+            )
         return _load_from(manifest, target, c, shard, keys, device, verify, num_threads, allow_pickle)
 
     if c.size == 1 or (shard is None and into is None):
@@ -269,15 +296,30 @@ def load(
     return run_step(c, f"load of {target!r}", run)
 
 
-def _load_from(manifest: Manifest, target: str, c, shard, keys, device, verify: bool, num_threads: int,
-               allow_pickle: bool = False, share_non_tensor: bool = False, own_boxes: dict | None = None) -> TensorDict:
+def _load_from(
+    manifest: Manifest,
+    target: str,
+    c,
+    shard,
+    keys,
+    device,
+    verify: bool,
+    num_threads: int,
+    allow_pickle: bool = False,
+    share_non_tensor: bool = False,
+    own_boxes: dict | None = None,
+) -> TensorDict:
     if shard == "saved" and manifest.world_size != c.size:
         raise InvalidArgumentError(
             f"rank {c.rank}: shard='saved' needs the saving world size ({manifest.world_size} ranks), this job has "
             f"{c.size}; use shard='even' to reshard"
         )
     leaf_keys, node_keys = select(list(manifest.leaves) + list(manifest.objects), manifest.nodes, keys)
-    objects = {k: object_value(manifest.objects[k], shard, c.rank, c.size, allow_pickle) for k in leaf_keys if k in manifest.objects}
+    objects = {
+        k: object_value(manifest.objects[k], shard, c.rank, c.size, allow_pickle)
+        for k in leaf_keys
+        if k in manifest.objects
+    }
     leaf_keys = [k for k in leaf_keys if k in manifest.leaves]
     leaves = [manifest.leaves[k] for k in leaf_keys]
     own_boxes = own_boxes or {}
@@ -332,10 +374,14 @@ def _check_file_names(nodes, leaves, objects, robust_key: bool) -> None:
     entries += [(k, fmt.encode_key(k[-1], robust_key)) for k in objects]
     for key, name in entries:
         if len(os.fsencode(name)) > 255:
-            raise InvalidDataError(f"key {list(key)[:3]}... is stored as a file name of more than 255 bytes; shorten it")
+            raise InvalidDataError(
+                f"key {list(key)[:3]}... is stored as a file name of more than 255 bytes; shorten it"
+            )
         names = taken[key[:-1]]
         if name in names:
             other = names[name]
             clash = "tensordict's meta.json" if other is None else f"the file of key {list(other)}"
-            raise InvalidDataError(f"key {list(key)} would be stored as {name!r}, which clashes with {clash}; rename it")
+            raise InvalidDataError(
+                f"key {list(key)} would be stored as {name!r}, which clashes with {clash}; rename it"
+            )
         names[name] = key

@@ -27,7 +27,6 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import xxhash
 
@@ -72,7 +71,9 @@ def resolve_compression(compression) -> tuple[int, int | None]:
         try:
             import zstandard  # noqa: F401
         except ImportError:
-            raise InvalidArgumentError("compression='zstd' needs the zstandard package: pip install zstandard") from None
+            raise InvalidArgumentError(
+                "compression='zstd' needs the zstandard package: pip install zstandard"
+            ) from None
     return method, level
 
 
@@ -166,7 +167,9 @@ def _hash_and_compress(e: Entry, i: int, level: int | None) -> None:
         e.pieces[i] = _compress_piece(e.method, level, block, i == len(e.blocks) - 1)
 
 
-def prepare_entries(files: dict[str, bytes], leaves: dict[str, object], method: int, level: int | None, num_threads: int) -> list[Entry]:
+def prepare_entries(
+    files: dict[str, bytes], leaves: dict[str, object], method: int, level: int | None, num_threads: int
+) -> list[Entry]:
     """Hash (xxh3 blocks and CRC-32) and compress every entry, with ``num_threads`` threads.
 
     ``files`` are small metadata files, always stored; ``leaves`` maps entry
@@ -295,9 +298,15 @@ class ArchiveFiles:
         try:
             zf = zipfile.ZipFile(path)
         except (zipfile.BadZipFile, OSError, ValueError) as e:
-            raise CorruptCheckpointError(f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged") from None
+            raise CorruptCheckpointError(
+                f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
+            ) from None
         size = os.path.getsize(path)
-        self.tensor = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        self.tensor = (
+            torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+            if size
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self.map = self.tensor.numpy()
         self.entries: dict[str, tuple[int, zipfile.ZipInfo]] = {}
         spans = []
@@ -306,13 +315,17 @@ class ArchiveFiles:
                 name = zi.filename
                 self._check_name(name, zi)
                 if zi.header_offset + _LOCAL_SIZE > size:
-                    raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} has a header past the end of the file")
+                    raise CorruptCheckpointError(
+                        f"archive {path!r}: entry {name!r} has a header past the end of the file"
+                    )
                 sig, *_rest, name_len, extra_len = struct.unpack_from(_LOCAL_FMT, self.map, zi.header_offset)
                 if sig != b"PK\x03\x04":
                     raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} has a bad local header offset")
                 start = zi.header_offset + _LOCAL_SIZE + name_len + extra_len
                 if start + zi.compress_size > size:
-                    raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} extends past the end of the file (truncated?)")
+                    raise CorruptCheckpointError(
+                        f"archive {path!r}: entry {name!r} extends past the end of the file (truncated?)"
+                    )
                 spans.append((zi.header_offset, start + zi.compress_size, name))
                 self.entries[name] = (start, zi)
         spans.sort()
@@ -323,7 +336,9 @@ class ArchiveFiles:
     def _check_name(self, name: str, zi: zipfile.ZipInfo) -> None:
         parts = name.split("/")
         if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or "\0" in name:
-            raise CorruptCheckpointError(f"archive {self.path!r} has an entry named {name!r} that escapes its root; refusing it")
+            raise CorruptCheckpointError(
+                f"archive {self.path!r} has an entry named {name!r} that escapes its root; refusing it"
+            )
         if name in self.entries:
             raise CorruptCheckpointError(f"archive {self.path!r} lists entry {name!r} twice; refusing it")
         if stat.S_ISLNK(zi.external_attr >> 16):
@@ -370,7 +385,13 @@ def _decompress(method: int, data: memoryview, size: int, where: str) -> bytes:
         props_size = struct.unpack_from("<H", data, 2)[0]
         props = bytes(data[4 : 4 + props_size])
         d = props[0]
-        filt = {"id": lzma.FILTER_LZMA1, "lc": d % 9, "lp": (d // 9) % 5, "pb": d // 45, "dict_size": int.from_bytes(props[1:5], "little")}
+        filt = {
+            "id": lzma.FILTER_LZMA1,
+            "lc": d % 9,
+            "lp": (d // 9) % 5,
+            "pb": d // 45,
+            "dict_size": int.from_bytes(props[1:5], "little"),
+        }
         out = lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[filt]).decompress(data[4 + props_size :], limit)
     elif method == ZIP_ZSTD:
         import zstandard
@@ -410,7 +431,6 @@ def check_archive_target(target: str) -> bool:
             f"choose another path or remove it yourself"
         )
     return True
-
 
 
 class ArchiveWriter:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 from .comm import Communicator
 from .errors import InvalidArgumentError, SaveInProgressError

@@ -16,13 +16,17 @@ def _info(args) -> int:
     m = read_manifest(args.path)
     total = sum(c.nbytes for leaf in m.leaves.values() for c in leaf.chunks)
     print(f"{args.path}: tddist format v{m.version} ({m.layout}), written by tddist {m.tddist_version} at {m.created}")
-    print(f"  world size {m.world_size}, {len(m.leaves)} tensor leaves, {len(m.objects)} non-tensor leaves, {total / 2**20:.1f} MiB")
+    print(
+        f"  world size {m.world_size}, {len(m.leaves)} tensor leaves, {len(m.objects)} non-tensor leaves, {total / 2**20:.1f} MiB"
+    )
     if m.metadata:
         print(f"  metadata: {json.dumps(m.metadata)}")
     if args.leaves:
         for leaf in m.leaves.values():
-            print(f"  {'/'.join(leaf.key)}: {str(leaf.dtype).removeprefix('torch.')} {list(leaf.shape)} "
-                  f"{type(leaf.placement).__name__}, {len(leaf.chunks)} chunk(s)")
+            print(
+                f"  {'/'.join(leaf.key)}: {str(leaf.dtype).removeprefix('torch.')} {list(leaf.shape)} "
+                f"{type(leaf.placement).__name__}, {len(leaf.chunks)} chunk(s)"
+            )
     return 0
 
 

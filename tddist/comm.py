@@ -15,7 +15,8 @@ import os
 import pickle
 import threading
 import traceback
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 from .errors import BY_NAME, CollectiveError, CommError, CommTimeoutError, InvalidArgumentError, TddistError
 
@@ -37,7 +38,7 @@ class Communicator(Protocol):
 
     def allgather(self, obj: Any) -> list: ...
 
-    def dup(self) -> "Communicator":
+    def dup(self) -> Communicator:
         """A new communicator over the same ranks whose messages never mix with this one's (collective)."""
         ...
 
@@ -88,7 +89,7 @@ class ThreadComm:
         self._ndups = 0
 
     @staticmethod
-    def create(size: int, timeout: float = DEFAULT_TIMEOUT) -> list["ThreadComm"]:
+    def create(size: int, timeout: float = DEFAULT_TIMEOUT) -> list[ThreadComm]:
         group = _ThreadGroup(size, timeout)
         return [ThreadComm(group, r) for r in range(size)]
 
@@ -122,7 +123,7 @@ class ThreadComm:
     def allgather(self, obj):
         return self._exchange(obj, "allgather")
 
-    def dup(self) -> "ThreadComm":
+    def dup(self) -> ThreadComm:
         with self._g.lock:
             if len(self._g.dups) <= self._ndups:
                 self._g.dups.append(_ThreadGroup(self.size, self._g.timeout))

@@ -63,7 +63,9 @@ class MPIComm:
         except CommTimeoutError:
             raise
         except self._MPI.Exception as e:
-            raise wrap_transport_error(self.rank, f"{op} on the tddist MPI communicator", e, time.monotonic() - start, self.timeout) from e
+            raise wrap_transport_error(
+                self.rank, f"{op} on the tddist MPI communicator", e, time.monotonic() - start, self.timeout
+            ) from e
 
     def barrier(self) -> None:
         self.allgather(None)
@@ -90,7 +92,7 @@ class MPIComm:
     def allgather(self, obj: Any) -> list:
         return self.broadcast(self.gather(obj, 0), 0)
 
-    def dup(self) -> "MPIComm":
+    def dup(self) -> MPIComm:
         return MPIComm(self.comm, self.timeout)
 
 

@@ -20,7 +20,7 @@ from .comm import wrap_transport_error
 
 logger = logging.getLogger(__name__)
 
-_GROUPS: dict[tuple, "TorchComm"] = {}
+_GROUPS: dict[tuple, TorchComm] = {}
 
 
 def init_from_env(timeout: float) -> None:
@@ -44,7 +44,9 @@ class TorchComm:
         try:
             return fn()
         except Exception as e:  # gloo raises RuntimeError (or DistBackendError) on a dead peer or timeout
-            raise wrap_transport_error(self.rank, f"{op} on the tddist gloo group", e, time.monotonic() - start, self.timeout) from e
+            raise wrap_transport_error(
+                self.rank, f"{op} on the tddist gloo group", e, time.monotonic() - start, self.timeout
+            ) from e
 
     def barrier(self) -> None:
         self._run("barrier", lambda: dist.barrier(group=self.group))
@@ -64,7 +66,7 @@ class TorchComm:
         self._run("allgather", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
-    def dup(self) -> "TorchComm":
+    def dup(self) -> TorchComm:
         return TorchComm(_new_gloo_group(tuple(dist.get_process_group_ranks(self.group)), self.timeout), self.timeout)
 
 

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from . import format as fmt
 from ._faults import archive_base_offset, fault_point
@@ -50,6 +51,7 @@ from .comm import Communicator, collective_error, describe
 from .errors import CommError, TargetError
 
 logger = logging.getLogger(__name__)
+
 
 def is_tddist_dir(path: str) -> bool:
     """True if ``path`` holds only what tddist writes (a checkpoint, torn or not)."""
@@ -180,7 +182,7 @@ def two_phase_commit(
     end = None
     if archive is not None:
         start, end = _reserve(comm, target, staging, archive)
-        write_fragment = lambda root: archive.write(root, start)  # noqa: E731
+        write_fragment = lambda root: archive.write(root, start)
 
     # 2. write (all ranks): the vote is the fragment or the error
     try:
@@ -265,12 +267,15 @@ def _reserve(comm: Communicator, target: str, staging: str, archive: ArchiveHook
 def _manifest_writer(archive: ArchiveHooks | None, end: int | None):
     """How rank 0 puts the manifest into the staging area (a file, or an archive entry)."""
     if archive is None:
+
         def write(staging, manifest, fragments):
             write_durable(os.path.join(staging, fmt.MANIFEST_NAME), manifest)
             fsync_path(staging)
     else:
+
         def write(staging, manifest, fragments):
             archive.finalize(staging, end, manifest, fragments)
+
     return write
 
 
@@ -337,4 +342,3 @@ def recover(target: str) -> list[str]:
         done.append(f"removed {path}")
         logger.info("recover: removed %s", path)
     return done
-

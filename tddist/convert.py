@@ -14,7 +14,15 @@ import os
 
 from . import format as fmt
 from ._fs import fsync_tree_dirs, makedirs_durable, remove_tree, write_durable
-from .archive import check_archive_target, entry_table, finalize, layout, prepare_entries, resolve_compression, write_region
+from .archive import (
+    check_archive_target,
+    entry_table,
+    finalize,
+    layout,
+    prepare_entries,
+    resolve_compression,
+    write_region,
+)
 from .commit import check_target, publish
 from .errors import CorruptCheckpointError
 from .manifest import to_json
@@ -58,7 +66,9 @@ def _size(files, name: str) -> int:
 
 def _check(name: str, digests: list[int], checksum: str, src: str) -> None:
     if combine_digests(digests) != checksum:
-        raise CorruptCheckpointError(f"{name!r} in {src!r} fails its checksum; nothing was written (restore the source first)")
+        raise CorruptCheckpointError(
+            f"{name!r} in {src!r} fails its checksum; nothing was written (restore the source first)"
+        )
 
 
 def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression=None, num_threads: int = 0) -> str:
@@ -124,4 +134,3 @@ def _write(root: str, name: str, data) -> None:
     path = os.path.join(root, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_durable(path, data)
-

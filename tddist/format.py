@@ -211,7 +211,12 @@ def td_object_meta(kind: str, enc) -> dict | None:
         }
     if "json" not in enc:
         return None
-    return {"_type": "<class 'tensordict.tensorclass.NonTensorData'>", "data": enc["json"], "_metadata": None, "_is_non_tensor": True}
+    return {
+        "_type": "<class 'tensordict.tensorclass.NonTensorData'>",
+        "data": enc["json"],
+        "_metadata": None,
+        "_is_non_tensor": True,
+    }
 
 
 def dumps(obj) -> bytes:

@@ -20,8 +20,9 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -298,7 +299,7 @@ class CheckpointManager:
         finally:
             self._uninstall()
 
-    def __enter__(self) -> "CheckpointManager":
+    def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -319,7 +320,7 @@ class CheckpointManager:
         if self.keep_last is None or self.comm.rank != 0:
             return
         committed = [(s, p) for s, p in _step_entries(self.root) if is_committed(p)]
-        for s, p in committed[self.keep_last:]:
+        for s, p in committed[self.keep_last :]:
             if s != newest:
                 try:
                     _delete(p)

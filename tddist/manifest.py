@@ -169,7 +169,9 @@ def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
                 f"make them equal, or shard it with placements={{{_show(key)}: tddist.Shard(0)}}"
             )
         writers = [r for r, e in enumerate(entries) if e["checksum"] is not None]
-        differing = [r for r, e in enumerate(entries) if e.get("replica") not in (None, entries[writers[0]]["checksum"])]
+        differing = [
+            r for r, e in enumerate(entries) if e.get("replica") not in (None, entries[writers[0]]["checksum"])
+        ]
         if differing:
             raise ShardingError(
                 f"replicated leaf {_show(key)} differs between ranks: rank(s) {differing[:16]} hold other values "
@@ -349,7 +351,9 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
         if "rows" in n:
             rows = n["rows"]
             ok = isinstance(rows, list) and len(rows) == world and all(type(r) is int and r >= 0 for r in rows)
-            p.check(ok and nodes[key] != () and sum(rows) == nodes[key][0], f"has invalid rows {rows!r} for node {key!r}")
+            p.check(
+                ok and nodes[key] != () and sum(rows) == nodes[key][0], f"has invalid rows {rows!r} for node {key!r}"
+            )
             node_rows[key] = rows
 
     p.check(() in nodes, "has no root node (key [])")
@@ -368,9 +372,14 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
         p.check(key not in objects and key not in leaves and key not in nodes, f"lists {key!r} twice")
         p.check(key[:-1] in nodes, f"has non-tensor entry {key!r} whose parent node is not listed")
         placement, values = o.get("placement"), o.get("values")
-        p.check(placement in ("replicate", "per_rank", "shard"), f"has non-tensor entry {key!r} with unknown placement {placement!r}")
-        p.check(isinstance(values, list) and len(values) == (1 if placement == "replicate" else world),
-                f"has non-tensor entry {key!r} with the wrong number of values")
+        p.check(
+            placement in ("replicate", "per_rank", "shard"),
+            f"has non-tensor entry {key!r} with unknown placement {placement!r}",
+        )
+        p.check(
+            isinstance(values, list) and len(values) == (1 if placement == "replicate" else world),
+            f"has non-tensor entry {key!r} with the wrong number of values",
+        )
         if placement == "shard":
             p.check(all(isinstance(v, list) for v in values), f"has non-tensor stack {key!r} with non-list values")
         objects[key] = ObjectLeaf(key, placement, values)
@@ -394,7 +403,7 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
     )
 
 
-def _parse_leaf(p: "_Parser", e: dict, world: int) -> Leaf:
+def _parse_leaf(p: _Parser, e: dict, world: int) -> Leaf:
     key = p.key(e.get("key"), allow_empty=False)
     try:
         dtype = fmt.dtype_from_name(e.get("dtype"))
@@ -415,13 +424,18 @@ def _parse_leaf(p: "_Parser", e: dict, world: int) -> Leaf:
             rank, start, length, nbytes, checksum = c
             p.check(all(type(v) is int for v in (start, length)), f"leaf {key!r} has a malformed chunk {c!r}")
             p.check(start >= 0 and length >= 0, f"leaf {key!r} has a negative chunk offset or size {c!r}")
-            chunks.append(_chunk(p, key, rank, shard_box(shape, dim, start, start + length), nbytes, checksum, world, itemsize))
+            chunks.append(
+                _chunk(p, key, rank, shard_box(shape, dim, start, start + length), nbytes, checksum, world, itemsize)
+            )
     elif pl.get("type") == "boxes":
         placement = Boxes()
         for c in raw_chunks:
             p.check(isinstance(c, list) and len(c) == 5, f"leaf {key!r} has a malformed chunk {c!r}")
             rank, offs, sizes, nbytes, checksum = c
-            ok = all(isinstance(v, list) and len(v) == len(shape) and all(type(x) is int and x >= 0 for x in v) for v in (offs, sizes))
+            ok = all(
+                isinstance(v, list) and len(v) == len(shape) and all(type(x) is int and x >= 0 for x in v)
+                for v in (offs, sizes)
+            )
             p.check(ok, f"leaf {key!r} has a malformed chunk box {c!r}")
             chunks.append(_chunk(p, key, rank, (tuple(offs), tuple(sizes)), nbytes, checksum, world, itemsize))
     elif pl.get("type") == "replicate":
@@ -436,15 +450,23 @@ def _parse_leaf(p: "_Parser", e: dict, world: int) -> Leaf:
     problems = tiling_problems(shape, [c.box for c in chunks])
     p.check(not problems, f"leaf {key!r} chunks do not tile shape {list(shape)}: {'; '.join(problems)}")
     if isinstance(placement, Shard):
-        p.check([c.rank for c in chunks] == list(range(world)), f"leaf {key!r} must list one chunk per rank, in rank order")
+        p.check(
+            [c.rank for c in chunks] == list(range(world)), f"leaf {key!r} must list one chunk per rank, in rank order"
+        )
     return Leaf(key, dtype, shape, placement, chunks)
 
 
-def _chunk(p: "_Parser", key, rank, box: Box, nbytes, checksum, world: int, itemsize: int) -> Chunk:
+def _chunk(p: _Parser, key, rank, box: Box, nbytes, checksum, world: int, itemsize: int) -> Chunk:
     p.check(type(rank) is int and 0 <= rank < world, f"leaf {key!r} has a chunk of invalid rank {rank!r}")
     expected = math.prod(box[1]) * itemsize
-    p.check(type(nbytes) is int and nbytes == expected, f"leaf {key!r} rank {rank} declares {nbytes!r} bytes, its shape needs {expected}")
-    p.check(isinstance(checksum, str) and _HEX16.match(checksum) is not None, f"leaf {key!r} rank {rank} has a malformed checksum")
+    p.check(
+        type(nbytes) is int and nbytes == expected,
+        f"leaf {key!r} rank {rank} declares {nbytes!r} bytes, its shape needs {expected}",
+    )
+    p.check(
+        isinstance(checksum, str) and _HEX16.match(checksum) is not None,
+        f"leaf {key!r} rank {rank} has a malformed checksum",
+    )
     return Chunk(rank, box, nbytes, checksum)
 
 

@@ -29,7 +29,9 @@ def check_shard(shard, size: int) -> None:
         return
     if isinstance(shard, tuple) and len(shard) == 2 and all(type(v) is int for v in shard):
         if not 0 <= shard[0] <= shard[1]:
-            raise InvalidArgumentError(f"shard={shard!r} is not a valid row range (start, stop) with 0 <= start <= stop")
+            raise InvalidArgumentError(
+                f"shard={shard!r} is not a valid row range (start, stop) with 0 <= start <= stop"
+            )
         return
     if isinstance(shard, list) and all(type(v) is int and v >= 0 for v in shard):
         if len(shard) != size:
@@ -144,7 +146,9 @@ def compare(manifest: Manifest, tensors: dict, objects: dict, global_shape) -> L
         leaf = manifest.leaves.get(key)
         if leaf is None:
             if key in manifest.objects:
-                report.mismatched[key] = f"{list(key)} is a tensor in the target but a non-tensor value in the checkpoint"
+                report.mismatched[key] = (
+                    f"{list(key)} is a tensor in the target but a non-tensor value in the checkpoint"
+                )
             continue
         if t.dtype != leaf.dtype:
             report.mismatched[key] = f"{list(key)} has dtype {t.dtype} in the target, {leaf.dtype} in the checkpoint"
@@ -164,4 +168,3 @@ def _fits_part(t, leaf: Leaf) -> bool:
         return False
     d = leaf.placement.dim
     return all(a == b for i, (a, b) in enumerate(zip(t.shape, leaf.shape)) if i != d) and t.shape[d] <= leaf.shape[d]
-

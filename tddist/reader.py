@@ -12,24 +12,24 @@ import bisect
 import errno
 import logging
 import math
-import stat
 import os
+import stat
 import zipfile
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
-import numpy as np
 import torch
 import xxhash
 
 from . import format as fmt
+from .archive import ArchiveFiles
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from .manifest import Chunk, Leaf, Manifest, parse_manifest
 from .sharding import Box, plan_reads
-from .archive import ArchiveFiles
 from .writer import combine_digests
 
 logger = logging.getLogger(__name__)
+
 
 def file_mappings() -> list[tuple[int, int, str]]:
     """(start, end, path) of this process's memory maps of regular files, sorted (Linux).
@@ -81,7 +81,9 @@ def read_manifest(path: str) -> Manifest:
         raw = ArchiveFiles(path).read_manifest()
         where = f"manifest of archive {path!r}"
         if not raw:
-            raise CheckpointNotFoundError(f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint")
+            raise CheckpointNotFoundError(
+                f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
+            )
     else:
         where = f"manifest {os.path.join(path, fmt.MANIFEST_NAME)!r}"
         try:
@@ -94,7 +96,11 @@ def read_manifest(path: str) -> Manifest:
                 if side
                 else ""
             )
-            what = "does not exist" if not os.path.exists(path) else "has no manifest (it is not a committed tddist checkpoint)"
+            what = (
+                "does not exist"
+                if not os.path.exists(path)
+                else "has no manifest (it is not a committed tddist checkpoint)"
+            )
             raise CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}") from None
     try:
         obj = fmt.loads(raw)
@@ -102,7 +108,9 @@ def read_manifest(path: str) -> Manifest:
         raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
     m = parse_manifest(obj, where=where)
     if os.path.isfile(path) and m.layout != "archive":
-        raise ManifestError(f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with")
+        raise ManifestError(
+            f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
+        )
     return m  # a directory may hold an extracted archive: the tree is the same
 
 
@@ -188,7 +196,11 @@ class ChunkSource:
         else:
             mv = memoryview(self._array(leaf, chunk).numpy())
             blocks = [mv[i : i + fmt.CHECKSUM_BLOCK] for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
-            digests = list(pool.map(xxhash.xxh3_64_intdigest, blocks)) if pool else [xxhash.xxh3_64_intdigest(b) for b in blocks]
+            digests = (
+                list(pool.map(xxhash.xxh3_64_intdigest, blocks))
+                if pool
+                else [xxhash.xxh3_64_intdigest(b) for b in blocks]
+            )
             actual = combine_digests(digests)
         if actual != chunk.checksum:
             raise CorruptCheckpointError(
@@ -223,7 +235,9 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
     return out
 
 
-def read_leaves(root: str, manifest: Manifest, requests: Iterable[tuple[Leaf, Box]], num_threads: int, verify: bool) -> list[torch.Tensor]:
+def read_leaves(
+    root: str, manifest: Manifest, requests: Iterable[tuple[Leaf, Box]], num_threads: int, verify: bool
+) -> list[torch.Tensor]:
     """Read every (leaf, box) request, sharing one pool and one set of maps."""
     source = ChunkSource(root, manifest)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None

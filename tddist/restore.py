@@ -9,7 +9,8 @@ of one. Nothing in the target is touched before every key has been checked.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from tensordict import NonTensorStack, TensorDictBase

@@ -7,8 +7,8 @@ here touches files or communicators, so all of it is tested in one process.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -75,9 +75,7 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 
 def contains(outer: Box, inner: Box) -> bool:
-    return all(
-        oo <= io and io + isz <= oo + osz for oo, osz, io, isz in zip(outer[0], outer[1], inner[0], inner[1])
-    )
+    return all(oo <= io and io + isz <= oo + osz for oo, osz, io, isz in zip(outer[0], outer[1], inner[0], inner[1]))
 
 
 def tiling_problems(shape: Sequence[int], boxes: Sequence[Box], limit: int = 5) -> list[str]:

@@ -77,7 +77,9 @@ def _restore_tuples(saved: list, current: list) -> list:
     out = []
     for i, group in enumerate(saved):
         like = current[i] if i < len(current) else {}
-        out.append({k: tuple(v) if isinstance(like.get(k), tuple) and isinstance(v, list) else v for k, v in group.items()})
+        out.append(
+            {k: tuple(v) if isinstance(like.get(k), tuple) and isinstance(v, list) else v for k, v in group.items()}
+        )
     return out
 
 

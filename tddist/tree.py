@@ -6,7 +6,8 @@ A nested ``dict`` is a node with no batch dims.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
@@ -131,7 +132,9 @@ def resolve_placements(
     for k, p in (overrides or {}).items():
         key = (k,) if isinstance(k, str) else tuple(k)
         if key not in leaves and key not in nodes:
-            raise InvalidArgumentError(f"placements names key {k!r}, which is not in the data; known keys: {_some(leaves)}")
+            raise InvalidArgumentError(
+                f"placements names key {k!r}, which is not in the data; known keys: {_some(leaves)}"
+            )
         norm[key] = _placement(p, k)
     out: dict[Key, Placement] = {}
     for key, t in leaves.items():

@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -106,7 +106,9 @@ class _FileJob:
             self.fd = -1
 
 
-def write_leaves(root: str, rank: int, leaves: list[LeafToWrite], robust_key: bool, num_threads: int, sync_each: bool = True) -> dict[tuple, tuple[int, str]]:
+def write_leaves(
+    root: str, rank: int, leaves: list[LeafToWrite], robust_key: bool, num_threads: int, sync_each: bool = True
+) -> dict[tuple, tuple[int, str]]:
     """Write each leaf's bytes to ``root/<rank dir>/<key>.memmap``; fsync each file if ``sync_each``.
 
     Returns ``{key: (nbytes, checksum)}``. Tensors with no elements get no file,
@@ -123,9 +125,7 @@ def write_leaves(root: str, rank: int, leaves: list[LeafToWrite], robust_key: bo
             path = os.path.join(root, fmt.leaf_relpath(rank, leaf.key, robust_key))
             os.makedirs(os.path.dirname(path), exist_ok=True)
             jobs.append(_FileJob(path, data, sync_each))
-        tasks: list[Callable[[], None]] = [
-            (lambda j=j, i=i: j.write_block(i)) for j in jobs for i in range(j.nblocks)
-        ]
+        tasks: list[Callable[[], None]] = [(lambda j=j, i=i: j.write_block(i)) for j in jobs for i in range(j.nblocks)]
         _run_all(tasks, num_threads)
     finally:
         for j in jobs:
@@ -231,7 +231,9 @@ def write_shard(
     metas = node_meta_files(rank, nodes, written, objects, robust_key)
     # Many small files: one syncfs costs far less than one fsync each.
     sync_each = len(written) + len(metas) <= _MANY_FILES
-    results = write_leaves(root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads, sync_each)
+    results = write_leaves(
+        root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads, sync_each
+    )
     write_files(root, metas, sync_each)
     if sync_each or not syncfs(root):
         if not sync_each:

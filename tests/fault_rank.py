@@ -97,7 +97,7 @@ def outcome_of(fn) -> dict:
     t0 = time.monotonic()
     try:
         fn()
-    except BaseException as e:  # noqa: BLE001 - every outcome is data for the test
+    except BaseException as e:
         return {
             "result": "raised",
             "cls": type(e).__name__,
@@ -211,7 +211,7 @@ def _child(rank: int, unit: dict, report_dir: Path) -> int:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timeout)
         outcome = UNITS[unit["kind"]](rank, unit)
         code, report = 0, {"status": "ok", "outcome": outcome}
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         code, report = 3, {"status": "error", "error": traceback.format_exc()}
     tmp = own.with_suffix(".tmp")
     tmp.write_text(json.dumps(report, default=str))
@@ -282,8 +282,8 @@ def run_wave(rank: int, units: list[dict], report_dir: Path) -> dict:
 
 
 def run_batch(rank: int, cfg: dict, report_dir: Path) -> dict:
-    import tddist  # noqa: F401 - imported once here, inherited by every forked child
-    import tddist._faults  # noqa: F401
+    import tddist
+    import tddist._faults
     import tddist.comm_torch  # noqa: F401
 
     results = {}
@@ -315,7 +315,7 @@ def main() -> int:
     try:
         mode, cfg = sys.argv[1], json.loads(sys.argv[2])
         write_report(rank, "ok", outcome=MODES[mode](rank, cfg, report_dir))
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         write_report(rank, "error", error=traceback.format_exc())
         return 3
     return 0

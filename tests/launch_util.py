@@ -79,7 +79,16 @@ def _reports(report_dir: Path) -> dict[int, dict]:
     return out
 
 
-def run_job(launcher: str, nproc: int, script: str | Path, args: list[str], report_dir: Path, *, timeout: float = 180, env: dict | None = None) -> Job:
+def run_job(
+    launcher: str,
+    nproc: int,
+    script: str | Path,
+    args: list[str],
+    report_dir: Path,
+    *,
+    timeout: float = 180,
+    env: dict | None = None,
+) -> Job:
     """Run ``script args`` on ``nproc`` ranks with ``launcher`` ("torchrun", "mpiexec" or "spawn").
 
     "spawn" starts the ranks as independent processes with torchrun's
@@ -100,8 +109,15 @@ def run_job(launcher: str, nproc: int, script: str | Path, args: list[str], repo
         port = free_port()
         procs = []
         for r in range(nproc):
-            renv = dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            renv = dict(
+                env,
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
             procs.append(subprocess.Popen(cmd_py, env=renv, **popen))
     else:
         raise ValueError(launcher)

@@ -15,7 +15,8 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 import tddist
-from tddist import _faults, format as fmt
+from tddist import _faults
+from tddist import format as fmt
 
 
 def _rows(rank: int) -> int:
@@ -107,7 +108,9 @@ def scenario_robust_key(comm, work: Path, rank: int, size: int) -> None:
     tddist.save(plain, work / "verbatim", comm=comm, robust_key=False)
     assert (work / "verbatim" / fmt.rank_dir(rank) / "plain_key.memmap").exists()
     unsafe = TensorDict({"a/b": torch.ones(2), "..": torch.zeros(2)}, [2])
-    _expect_error(tddist.InvalidDataError, lambda: tddist.save(unsafe, work / "unsafe", comm=comm, robust_key=False), "robust_key")
+    _expect_error(
+        tddist.InvalidDataError, lambda: tddist.save(unsafe, work / "unsafe", comm=comm, robust_key=False), "robust_key"
+    )
     assert not (work / "unsafe").exists()
     tddist.save(unsafe, work / "unsafe", comm=comm)
     back = tddist.load(work / "unsafe", comm=comm, shard="saved")

@@ -22,8 +22,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 if __name__ == "__main__":  # run as a script: make ``tests.launch_util`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -196,7 +197,9 @@ def roundtrip(
         mine = tree_leaves(local)
         assert_leaves_equal(returned, mine, f"rank {rank}: save() return value")
         assert_leaves_equal(saved, mine, f"rank {rank}: load(shard='saved')")
-        assert_leaves_equal(even, {k: even_part(g, dims[k], rank, size) for k, g in glob.items()}, f"rank {rank}: load(shard='even')")
+        assert_leaves_equal(
+            even, {k: even_part(g, dims[k], rank, size) for k, g in glob.items()}, f"rank {rank}: load(shard='even')"
+        )
         assert_leaves_equal(full, glob, f"rank {rank}: load(shard=None)")
         if check_batch:
             nodes = tree_nodes(local)
@@ -215,7 +218,9 @@ def roundtrip(
         # loaded tensors are mapped copy-on-write: writing into them leaves the checkpoint as it was
         for t in tree_leaves(saved).values():
             t.copy_(torch.ones_like(t).logical_not().to(t.dtype))
-        assert_leaves_equal(tddist.load(target, shard=None, verify=True), glob, f"rank {rank}: reload after writing into a loaded shard")
+        assert_leaves_equal(
+            tddist.load(target, shard=None, verify=True), glob, f"rank {rank}: reload after writing into a loaded shard"
+        )
 
     checked_together(comm, rank, check)
     return local, returned, saved, even, out["full"]
@@ -287,7 +292,12 @@ def dtypes(comm, workdir: Path, rank: int, size: int) -> None:
             "b": base % 3 == 0,
         }
         rep = torch.arange(4)
-        rep = {"bf16": rep.to(torch.bfloat16) / 3, "i8": rep.to(torch.int8) - 3, "b": rep > 1, "u8": rep.to(torch.uint8) + 250}
+        rep = {
+            "bf16": rep.to(torch.bfloat16) / 3,
+            "i8": rep.to(torch.int8) - 3,
+            "b": rep > 1,
+            "u8": rep.to(torch.uint8) + 250,
+        }
         return TensorDict(rows=TensorDict(cols, batch_size=[n]), rep=TensorDict(rep, batch_size=[]), batch_size=[])
 
     roundtrip(comm, workdir / "dtypes" / "ckpt", make, rank, size)
@@ -350,7 +360,7 @@ def empty_tensordict_with_rows(comm, workdir: Path, rank: int, size: int) -> Non
     roundtrip(comm, workdir / "empty_tensordict_with_rows" / "ckpt", make, rank, size)
 
 
-ESCAPED = ["a/b", "..", ".", "sp ace", "ünï", "nul\x00x", "%2E", "pct%", "<>:|?*\\\"", "tab\tnl\n"]
+ESCAPED = ["a/b", "..", ".", "sp ace", "ünï", "nul\x00x", "%2E", "pct%", '<>:|?*\\"', "tab\tnl\n"]
 
 
 def escaped_keys(comm, workdir: Path, rank: int, size: int) -> None:
@@ -361,7 +371,9 @@ def escaped_keys(comm, workdir: Path, rank: int, size: int) -> None:
         leaves = {k: torch.full((n, 2), i + 10 * r, dtype=torch.int16) for i, k in enumerate(ESCAPED) if k != ".."}
 
         def sub(j):
-            return TensorDict({k: torch.full((n,), -i - r - j, dtype=torch.float32) for i, k in enumerate(ESCAPED)}, batch_size=[n])
+            return TensorDict(
+                {k: torch.full((n,), -i - r - j, dtype=torch.float32) for i, k in enumerate(ESCAPED)}, batch_size=[n]
+            )
 
         # ".." is a sub-TensorDict (a directory), "a/b " another one
         return TensorDict({**leaves, "..": sub(100), "a/b ": sub(200)}, batch_size=[n])
@@ -422,7 +434,16 @@ def placements_override(comm, workdir: Path, rank: int, size: int) -> None:
         )
 
     placements = {"w": tddist.Shard(1), "rep": tddist.Replicate()}
-    roundtrip(comm, workdir / "placements_override" / "ckpt", make, rank, size, placements=placements, check_batch=False, check_replicas=True)
+    roundtrip(
+        comm,
+        workdir / "placements_override" / "ckpt",
+        make,
+        rank,
+        size,
+        placements=placements,
+        check_batch=False,
+        check_replicas=True,
+    )
 
 
 def node_sharded_on_other_dim(comm, workdir: Path, rank: int, size: int) -> None:
@@ -436,7 +457,15 @@ def node_sharded_on_other_dim(comm, workdir: Path, rank: int, size: int) -> None
             batch_size=[n],
         )
 
-    roundtrip(comm, workdir / "node_sharded_on_other_dim" / "ckpt", make, rank, size, placements={("sub", "v"): tddist.Shard(2)}, check_batch=False)
+    roundtrip(
+        comm,
+        workdir / "node_sharded_on_other_dim" / "ckpt",
+        make,
+        rank,
+        size,
+        placements={("sub", "v"): tddist.Shard(2)},
+        check_batch=False,
+    )
 
 
 def structure_mismatch_fails(comm, workdir: Path, rank: int, size: int) -> None:
@@ -469,7 +498,11 @@ def overwrite_twice(comm, workdir: Path, rank: int, size: int) -> None:
         return TensorDict(x=torch.full((2, 5), 2.0 + r), batch_size=[2])
 
     def v3(r, s):
-        return TensorDict(y=torch.arange(3 * r, 4 * r + 1), z=TensorDict(q=torch.ones(r + 1, 1, dtype=torch.bool), batch_size=[r + 1]), batch_size=[r + 1])
+        return TensorDict(
+            y=torch.arange(3 * r, 4 * r + 1),
+            z=TensorDict(q=torch.ones(r + 1, 1, dtype=torch.bool), batch_size=[r + 1]),
+            batch_size=[r + 1],
+        )
 
     # each roundtrip checks, before any rank goes on, that nothing but the target is left in its parent
     _, first, *_ = roundtrip(comm, target, v1, rank, size)
@@ -539,7 +572,9 @@ SCENARIOS: list[Callable] = [
 
 def _explicit(comm_obj, workdir: Path, name: str, rank: int, size: int) -> None:
     def make(r, s):
-        return TensorDict(rows=TensorDict(x=_arange(r + 2, 3, start=r), batch_size=[r + 2]), rep=torch.arange(4), batch_size=[])
+        return TensorDict(
+            rows=TensorDict(x=_arange(r + 2, 3, start=r), batch_size=[r + 2]), rep=torch.arange(4), batch_size=[]
+        )
 
     roundtrip(comm_obj, workdir / name / "ckpt", make, rank, size, check_replicas=True)
 
@@ -579,7 +614,10 @@ def _launch_rank_size() -> tuple[int, int]:
 def _backends() -> dict[str, bool]:
     import torch.distributed as dist
 
-    return {"torch_initialised": dist.is_available() and dist.is_initialized(), "mpi_imported": "mpi4py.MPI" in sys.modules}
+    return {
+        "torch_initialised": dist.is_available() and dist.is_initialized(),
+        "mpi_imported": "mpi4py.MPI" in sys.modules,
+    }
 
 
 def main(workdir: Path) -> int:

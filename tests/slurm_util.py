@@ -60,16 +60,22 @@ class Cluster:
     env: dict
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def run(self, *cmd: str, timeout: float = 60, check: bool = True, cwd: Path | None = None, env: dict | None = None) -> str:
+    def run(
+        self, *cmd: str, timeout: float = 60, check: bool = True, cwd: Path | None = None, env: dict | None = None
+    ) -> str:
         """Run a SLURM client command against this cluster; its output."""
-        p = subprocess.run(cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        p = subprocess.run(
+            cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout, cwd=cwd
+        )
         if check and p.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stdout}{p.stderr}\n{self.logs()}")
         return p.stdout
 
     def sbatch(self, script: Path, args: list[str], options: list[str], cwd: Path, env: dict | None = None) -> int:
         """Submit ``script args`` with sbatch ``options`` (the submitting environment is exported)."""
-        return int(self.run("sbatch", "--parsable", *options, str(script), *args, cwd=cwd, env=env).strip().split(";")[0])
+        return int(
+            self.run("sbatch", "--parsable", *options, str(script), *args, cwd=cwd, env=env).strip().split(";")[0]
+        )
 
     def job(self, jobid: int) -> dict[str, str]:
         """``scontrol show job`` as a dict (JobState, Restarts, ExitCode, NumTasks, ...); empty if unknown."""
@@ -159,7 +165,9 @@ def write_conf(d: Path, host: str) -> Path:
 
 def _daemon(cluster: Cluster, name: str, cmd: list[str]) -> None:
     log = open(cluster.dir / f"{name}.out", "w")
-    cluster.procs[name] = subprocess.Popen(cmd, env=cluster.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cluster.procs[name] = subprocess.Popen(
+        cmd, env=cluster.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     log.close()
 
 
@@ -168,7 +176,9 @@ def _wait(cluster: Cluster, what: str, ready, timeout: float = 60) -> None:
     while not ready():
         dead = {n: p.returncode for n, p in cluster.procs.items() if p.poll() is not None}
         if dead or time.monotonic() > deadline:
-            outs = "\n".join(f"--- {f.name} ---\n{f.read_text(errors='replace')[-2000:]}" for f in cluster.dir.glob("*.out"))
+            outs = "\n".join(
+                f"--- {f.name} ---\n{f.read_text(errors='replace')[-2000:]}" for f in cluster.dir.glob("*.out")
+            )
             cluster.stop()
             raise RuntimeError(f"SLURM did not start ({what}; exited: {dead})\n{outs}\n{cluster.logs()}")
         time.sleep(0.3)
@@ -188,14 +198,28 @@ def start(d: Path) -> Cluster:
     host = socket.gethostname().split(".")[0]
     conf = write_conf(d, host)
     cluster = Cluster(d, dict(os.environ, SLURM_CONF=str(conf)))
-    _daemon(cluster, "munged", ["munged", "--foreground", "--force", f"--socket={d / 'munge.sock'}", f"--key-file={key}",
-                                f"--pid-file={d / 'munged.pid'}", f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munged.seed'}"])
+    _daemon(
+        cluster,
+        "munged",
+        [
+            "munged",
+            "--foreground",
+            "--force",
+            f"--socket={d / 'munge.sock'}",
+            f"--key-file={key}",
+            f"--pid-file={d / 'munged.pid'}",
+            f"--log-file={d / 'munged.log'}",
+            f"--seed-file={d / 'munged.seed'}",
+        ],
+    )
     _wait(cluster, "munge socket", lambda: (d / "munge.sock").exists())
     _daemon(cluster, "slurmctld", ["slurmctld", "-D", "-c", "-f", str(conf)])
     _daemon(cluster, "slurmd", ["slurmd", "-D", "-f", str(conf)])
 
     def idle() -> bool:
-        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=cluster.env, capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], env=cluster.env, capture_output=True, text=True, timeout=30
+        ).stdout
         return out.strip() == "idle"
 
     _wait(cluster, "node idle", idle)

@@ -90,7 +90,9 @@ def test_stored_payloads_are_aligned_and_loaded_without_copy(pair):
     assert mapped_file(part["x"]) == str(a), "a stored leaf should be a view of the mapped archive"
 
 
-@pytest.mark.parametrize("compression", ["deflate", "bzip2", "lzma", "zstd", ("deflate", 1), zipfile.ZIP_DEFLATED, "zstd:7"])
+@pytest.mark.parametrize(
+    "compression", ["deflate", "bzip2", "lzma", "zstd", ("deflate", 1), zipfile.ZIP_DEFLATED, "zstd:7"]
+)
 def test_each_compression_round_trips(tmp_path, compression):
     path = tmp_path / "c.tdz"
     save_on_threads(path, compression=compression, num_threads=2)

@@ -23,8 +23,9 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     cmd = [sys.executable, str(RUN), "--quick", "--out", str(out), "--dir", str(tmp_path / "work")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -41,8 +42,17 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
         assert key in result, key
     seen = {(r["scenario"], r["launcher"]) for r in result["records"] if "metrics" in r}
     scenarios = {s for s, _ in seen}
-    expected = {"save", "async first", "async save", "load", "small save", "small load", "commit",
-                "manifest write", "manifest parse"}
+    expected = {
+        "save",
+        "async first",
+        "async save",
+        "load",
+        "small save",
+        "small load",
+        "commit",
+        "manifest write",
+        "manifest parse",
+    }
     assert expected <= scenarios, f"missing scenarios: {sorted(expected - scenarios)}"
     assert {"reshard 2->1", "reshard 1->2"} <= scenarios, sorted(scenarios)
     assert ("commit", "torchrun") in seen and ("commit", "mpiexec") in seen

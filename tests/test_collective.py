@@ -86,7 +86,7 @@ def assert_job_ok(j, nproc: int) -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("launcher,nproc", JOBS, ids=[f"{l}-{n}" for l, n in JOBS])
+@pytest.mark.parametrize("launcher,nproc", JOBS, ids=[f"{launcher}-{n}" for launcher, n in JOBS])
 def test_job(launcher, nproc, tmp_path_factory):
     """Every rank exits 0 and reports every scenario passed, over the detected communicator."""
     j = job(launcher, nproc, tmp_path_factory)

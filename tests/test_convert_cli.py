@@ -59,7 +59,9 @@ def test_pack_refuses_corrupt_source_and_foreign_destination(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tddist.cli", *map(str, args)], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tddist.cli", *map(str, args)], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_command_line(tmp_path):

@@ -341,8 +341,15 @@ def _run_batch(base: Path) -> Job:
         return str(base / name / TARGET_NAMES[mode])
 
     def save_unit(name: str, mode: str, old: bool, fault: str, timeout: float) -> dict:
-        return {"kind": "save", "name": name, "target": target(name, mode), "old": old, "fault": fault,
-                "timeout": timeout, "deadline": timeout + MARGIN}
+        return {
+            "kind": "save",
+            "name": name,
+            "target": target(name, mode),
+            "old": old,
+            "fault": fault,
+            "timeout": timeout,
+            "deadline": timeout + MARGIN,
+        }
 
     cases = [
         dict(name=c.id, point=c.point, rank=c.rank, old=c.old, timeout=raise_timeout(c), target=target(c.id, c.mode))
@@ -417,6 +424,7 @@ def thread_case(case: Case, tmp_path_factory) -> tuple[dict[int, dict], Path]:
         target = tmp_path_factory.mktemp(f"thr-{case.id}") / case.target_name
         if case.old:
             save_old(target)
+
         def save_new(c):
             return outcome_of(lambda: save_version("new", str(target), c.rank, comm=c))
 

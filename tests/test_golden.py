@@ -118,7 +118,9 @@ def test_single_rank_golden_even_on_thread_ranks(world):
     expected = recipe.single_rank_td()
     for rank, got in enumerate(results):
         a, b = even_split(4, world)[rank]
-        assert_identical(got, TensorDict({"batch": expected["batch"][a:b], "step": expected["step"], "table": expected["table"]}, []))
+        assert_identical(
+            got, TensorDict({"batch": expected["batch"][a:b], "step": expected["step"], "table": expected["table"]}, [])
+        )
 
 
 def test_multi_rank_golden_loads_whole():
@@ -196,7 +198,9 @@ def test_recipe_still_writes_the_golden_files(tmp_path):
         mg, mf = json.loads(g["tddist.json"]), json.loads(f["tddist.json"])
         for field in set(mg) - {"created", "tddist_version"}:
             if field == "nodes":  # a writer may add fields to a node entry; these two must stay
-                assert [(n["key"], n["batch_size"]) for n in mg[field]] == [(n["key"], n["batch_size"]) for n in mf[field]]
+                assert [(n["key"], n["batch_size"]) for n in mg[field]] == [
+                    (n["key"], n["batch_size"]) for n in mf[field]
+                ]
             else:
                 assert mg[field] == mf[field], field
 

@@ -33,8 +33,14 @@ def test_into_fills_in_place_and_reports(ckpt):
     [
         ({"w": torch.zeros(3, 5), "b": torch.zeros(4), "opt": {"step": torch.tensor(0)}}, "shape [3, 5]"),
         ({"w": torch.zeros(3, 4), "opt": {"step": torch.tensor(0)}}, "not in the target: ['b']"),
-        ({"w": torch.zeros(3, 4, dtype=torch.float64), "b": torch.zeros(4), "opt": {"step": torch.tensor(0)}}, "dtype torch.float64"),
-        ({"w": torch.zeros(3, 4), "b": torch.zeros(4), "opt": {"step": torch.tensor(0)}, "new": torch.zeros(1)}, "missing from the checkpoint: ['new']"),
+        (
+            {"w": torch.zeros(3, 4, dtype=torch.float64), "b": torch.zeros(4), "opt": {"step": torch.tensor(0)}},
+            "dtype torch.float64",
+        ),
+        (
+            {"w": torch.zeros(3, 4), "b": torch.zeros(4), "opt": {"step": torch.tensor(0)}, "new": torch.zeros(1)},
+            "missing from the checkpoint: ['new']",
+        ),
     ],
     ids=["shape", "unexpected", "dtype", "missing"],
 )

@@ -277,8 +277,6 @@ def test_scalar_replicated_leaf_round_trips(tmp_path):
         assert_same(back, td)
 
 
-
-
 @pytest.mark.parametrize(
     "batch",
     [[], [5], [2, 3]],

@@ -303,7 +303,9 @@ def test_recover_removes_leftovers_only(ckpt, tmp_path):
         if name != "notes.txt":
             (tmp_path / name / "keep").write_text("keep")
     before_target = snapshot(ckpt)
-    before_unrelated = {n: snapshot(tmp_path / n) if (tmp_path / n).is_dir() else (tmp_path / n).read_text() for n in unrelated}
+    before_unrelated = {
+        n: snapshot(tmp_path / n) if (tmp_path / n).is_dir() else (tmp_path / n).read_text() for n in unrelated
+    }
 
     done = tddist.recover(ckpt)
     assert len(done) == len(leftovers)
@@ -396,8 +398,6 @@ def test_symlinked_leaf_file_is_refused(ckpt, tmp_path):
         tddist.load(ckpt, shard=None)
 
 
-
-
 @pytest.mark.parametrize(
     "key, nodes",
     [
@@ -488,7 +488,15 @@ def test_metadata_round_trips(tmp_path):
 
 @pytest.mark.parametrize(
     "md",
-    [{"t": torch.ones(1)}, {"nan": float("nan")}, {"inf": float("inf")}, {"o": object()}, {"s": {1, 2}}, "not a dict", 5],
+    [
+        {"t": torch.ones(1)},
+        {"nan": float("nan")},
+        {"inf": float("inf")},
+        {"o": object()},
+        {"s": {1, 2}},
+        "not a dict",
+        5,
+    ],
     ids=["tensor", "nan", "inf", "object", "set", "string", "int"],
 )
 def test_non_json_metadata_is_refused(tmp_path, md):

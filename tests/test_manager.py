@@ -192,7 +192,13 @@ def test_model_optimizer_pair_and_archives(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(keep_last=0), dict(every=-1), dict(every=1.5), dict(save_kwargs={"return_early": True}), dict(preempt_signal="NOPE")],
+    [
+        dict(keep_last=0),
+        dict(every=-1),
+        dict(every=1.5),
+        dict(save_kwargs={"return_early": True}),
+        dict(preempt_signal="NOPE"),
+    ],
 )
 def test_invalid_arguments(tmp_path: Path, kwargs: dict) -> None:
     with pytest.raises(tddist.InvalidArgumentError):
@@ -217,8 +223,19 @@ def spawn(nproc: int, args: list[str], report_dir: Path) -> list[subprocess.Pope
     return [
         subprocess.Popen(
             [sys.executable, str(SCRIPT), *args],
-            env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=str(REPO),
+            env=dict(
+                env,
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+                WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            cwd=str(REPO),
         )
         for r in range(nproc)
     ]
@@ -228,13 +245,19 @@ def spawn(nproc: int, args: list[str], report_dir: Path) -> list[subprocess.Pope
 def test_crashes_retention_and_resume_on_other_world_sizes(tmp_path: Path) -> None:
     """2 ranks crash in the middle of a save, 3 ranks resume and crash after a commit, 1 rank finishes."""
     root = tmp_path / "ckpt"
-    job = run_job("spawn", 2, SCRIPT, [str(tmp_path), "crash-write"], tmp_path / "r1", timeout=120, env={"TDDIST_TIMEOUT": "60"})
+    job = run_job(
+        "spawn", 2, SCRIPT, [str(tmp_path), "crash-write"], tmp_path / "r1", timeout=120, env={"TDDIST_TIMEOUT": "60"}
+    )
     assert job.returncodes[1] == -signal.SIGKILL, job.output[-3000:]
-    assert job.returncodes[0] == 1 and job.reports[0]["error_class"] in ("CommError", "CommTimeoutError"), job.output[-3000:]
+    assert job.returncodes[0] == 1 and job.reports[0]["error_class"] in ("CommError", "CommTimeoutError"), job.output[
+        -3000:
+    ]
     assert steps_in(root) == [4, 5]
     assert [kind for kind, _ in fmt.side_entries(str(root / step_name(6)))] == ["staging"], leftovers(root)
 
-    job = run_job("spawn", 3, SCRIPT, [str(tmp_path), "crash-publish"], tmp_path / "r2", timeout=120, env={"TDDIST_TIMEOUT": "60"})
+    job = run_job(
+        "spawn", 3, SCRIPT, [str(tmp_path), "crash-publish"], tmp_path / "r2", timeout=120, env={"TDDIST_TIMEOUT": "60"}
+    )
     assert job.returncodes[0] == -signal.SIGKILL, job.output[-3000:]
     assert job.returncodes[1:] == [1, 1], job.output[-3000:]
     assert steps_in(root) == [5, 6, 7], "step 7 was published before the crash; retention had not run yet"
@@ -280,8 +303,12 @@ def test_signal_during_async_save(tmp_path: Path) -> None:
 def launch(script: str, args: list[str], env: dict) -> subprocess.Popen:
     """Start ``launch/<script> args`` in its own session (``_communicate`` kills it on timeout)."""
     return subprocess.Popen(
-        ["bash", str(REPO / "launch" / script), *args], env=_env({"PYTHON": sys.executable, **env}),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ["bash", str(REPO / "launch" / script), *args],
+        env=_env({"PYTHON": sys.executable, **env}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
 
 
@@ -306,13 +333,17 @@ def test_launchers_multinode_then_other_world_sizes(tmp_path: Path) -> None:
     saved = digests(out, "saved")
     assert sorted(saved) == [4, 8, 12] and steps_in(tmp_path / "ckpt") == [4, 8, 12]
 
-    rcs, out = _communicate([launch("torchrun.sh", ["--ckpt", ckpt, "--steps", "20", "--every", "4"], {"NPROC": "3"})], 240)
+    rcs, out = _communicate(
+        [launch("torchrun.sh", ["--ckpt", ckpt, "--steps", "20", "--every", "4"], {"NPROC": "3"})], 240
+    )
     assert rcs == [0], out[-6000:]
     finished(out, 3, 20)
     assert digests(out, "resumed") == {12: saved[12]}, out[-4000:]
     saved = digests(out, "saved")
 
-    rcs, out = _communicate([launch("mpiexec.sh", ["--ckpt", ckpt, "--steps", "24", "--every", "4", "--async-save"], {"NPROC": "2"})], 240)
+    rcs, out = _communicate(
+        [launch("mpiexec.sh", ["--ckpt", ckpt, "--steps", "24", "--every", "4", "--async-save"], {"NPROC": "2"})], 240
+    )
     assert rcs == [0], out[-6000:]
     finished(out, 2, 24)
     assert "MPI launch" in out and digests(out, "resumed") == {20: saved[20]}, out[-4000:]

@@ -269,8 +269,14 @@ TAMPERINGS = {
     "world_size zero": (_set(["world_size"], 0), "world_size"),
     "world_size string": (_set(["world_size"], "3"), "world_size"),
     "unknown layout": (_set(["layout"], "tarball"), "layout"),
-    "other checksum algorithm": (_set(["checksum"], {"algorithm": "md5", "block_size": fmt.CHECKSUM_BLOCK}), "checksum settings"),
-    "other checksum block": (_set(["checksum"], {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": 4096}), "checksum settings"),
+    "other checksum algorithm": (
+        _set(["checksum"], {"algorithm": "md5", "block_size": fmt.CHECKSUM_BLOCK}),
+        "checksum settings",
+    ),
+    "other checksum block": (
+        _set(["checksum"], {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": 4096}),
+        "checksum settings",
+    ),
     "metadata not object": (_set(["metadata"], [1, 2]), "metadata"),
     "robust_key not bool": (_set(["robust_key"], "yes"), "robust_key"),
     "nodes not a list": (_set(["nodes"], {}), "'nodes'"),
@@ -317,7 +323,10 @@ TAMPERINGS = {
     "leaf key not strings": (_leaf_set(("w",), "key", [1]), "invalid key"),
     "leaf listed twice": (lambda obj: obj["leaves"].append(copy.deepcopy(obj["leaves"][0])), "twice"),
     "node listed twice": (lambda obj: obj["nodes"].append(copy.deepcopy(obj["nodes"][0])), "twice"),
-    "leaf also a node": (lambda obj: obj["nodes"].append({"key": ["w"], "batch_size": []}), "both as a node and as a leaf"),
+    "leaf also a node": (
+        lambda obj: obj["nodes"].append({"key": ["w"], "batch_size": []}),
+        "both as a node and as a leaf",
+    ),
 }
 
 

@@ -27,7 +27,9 @@ def saved(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_load_on_other_world_size(saved: Path, world: int) -> None:
-    run_job("torchrun", world, SCRIPT, [str(saved), "load"], saved / f"reports-load{world}", timeout=240).assert_ok(world)
+    run_job("torchrun", world, SCRIPT, [str(saved), "load"], saved / f"reports-load{world}", timeout=240).assert_ok(
+        world
+    )
     if world == 1:
         expected = global_batch(4, 0)
         parts = tddist.run_threads(3, lambda c: tddist.load(saved / "w1.tdz", comm=c, verify=True), timeout=60)

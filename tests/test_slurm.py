@@ -106,8 +106,13 @@ def runs(cluster, tmp_path_factory) -> dict[str, Run]:
     out = {}
     for name, case in CASES.items():
         output, ckpt = work / f"{name}.out", work / f"ckpt-{name}"
-        jobid = cluster.sbatch(REPO / "slurm" / case.script, ["--ckpt", str(ckpt), *TRAIN_ARGS],
-                               [*case.options, f"--output={output}", f"--job-name=test-{name}"], cwd=REPO, env=env)
+        jobid = cluster.sbatch(
+            REPO / "slurm" / case.script,
+            ["--ckpt", str(ckpt), *TRAIN_ARGS],
+            [*case.options, f"--output={output}", f"--job-name=test-{name}"],
+            cwd=REPO,
+            env=env,
+        )
         out[name] = Run(jobid, output, ckpt, [])
     _drive(cluster, out, timeout=300)
     return out
@@ -139,7 +144,9 @@ def test_template_saves_requeues_and_resumes(runs: dict[str, Run], cluster, name
     for r in range(case.first_world):
         assert f"rank {r}/{case.first_world}: exit 75 at step={stop}" in text, f"rank {r} of the first run\n{context}"
     for r in range(case.resumed_world):
-        assert f"rank {r}/{case.resumed_world}: exit 0 at step={STEPS}" in text, f"rank {r} of the resumed run\n{context}"
+        assert f"rank {r}/{case.resumed_world}: exit 0 at step={STEPS}" in text, (
+            f"rank {r} of the resumed run\n{context}"
+        )
     assert f"train: {case.resumed_world} rank(s)" in text, context
 
     final = run.ckpt / f"step-{STEPS:09d}"
