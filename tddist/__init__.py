@@ -2,13 +2,18 @@
 
 Every rank calls ``save`` with its shard; the checkpoint appears at the
 target all at once, complete and verified, or not at all.
+
+The public names are imported on first use (PEP 562), so that ``import
+tddist`` and the ``tddist`` command's light subcommands do not pay for
+importing torch until a name that needs it is used.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from .api import load, read_manifest, recover, save
-from .comm import Communicator, LocalComm, ThreadComm, run_threads
-from .convert import pack, unpack
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
 from .errors import (
     CheckpointNotFoundError,
     CollectiveError,
@@ -24,13 +29,55 @@ from .errors import (
     TargetError,
     TddistError,
 )
-from .manager import EXIT_PREEMPTED, CheckpointManager
-from .manifest import Manifest
-from .plan import LoadReport
-from .sharding import Replicate, Shard
-from .state import get_state, set_state
+
+if TYPE_CHECKING:
+    from .api import load, read_manifest, recover, save
+    from .comm import Communicator, LocalComm, ThreadComm, run_threads
+    from .convert import pack, unpack
+    from .manager import EXIT_PREEMPTED, CheckpointManager
+    from .manifest import Manifest
+    from .plan import LoadReport
+    from .sharding import Replicate, Shard
+    from .state import get_state, set_state
+
+#: Public name -> the module that defines it.
+_LAZY = {
+    "save": "api",
+    "load": "api",
+    "read_manifest": "api",
+    "recover": "api",
+    "pack": "convert",
+    "unpack": "convert",
+    "get_state": "state",
+    "set_state": "state",
+    "CheckpointManager": "manager",
+    "EXIT_PREEMPTED": "manager",
+    "LoadReport": "plan",
+    "Shard": "sharding",
+    "Replicate": "sharding",
+    "Manifest": "manifest",
+    "Communicator": "comm",
+    "LocalComm": "comm",
+    "ThreadComm": "comm",
+    "run_threads": "comm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tddist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
+    "__version__",
     "save",
     "load",
     "read_manifest",

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from . import __version__, background
+from . import background
 from . import format as fmt
+from ._version import __version__
 from .archive import ArchiveWriter, resolve_compression
 from .comm import LocalComm, resolve, run_step
 from .commit import recover as _recover

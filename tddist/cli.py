@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from . import __version__
+from ._version import __version__
 from .api import load, read_manifest, recover
 from .convert import pack, unpack
 from .errors import TddistError
