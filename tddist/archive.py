@@ -32,6 +32,7 @@ import xxhash
 
 from . import format as fmt
 from .errors import CorruptCheckpointError, InvalidArgumentError, TargetError
+from .recovery import is_tddist_archive
 from .writer import combine_digests, fragment, node_meta_files, tensor_bytes
 
 ALIGN = 64
@@ -406,15 +407,6 @@ def _decompress(method: int, data: memoryview, size: int, where: str) -> bytes:
             f"{size}; refusing it (corrupted or a zip bomb)"
         )
     return out
-
-
-def is_tddist_archive(path: str) -> bool:
-    """True if ``path`` is a zip file holding a tddist manifest."""
-    try:
-        with zipfile.ZipFile(path) as zf:
-            return fmt.MANIFEST_NAME in zf.NameToInfo
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return False
 
 
 def check_archive_target(target: str) -> bool:

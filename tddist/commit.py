@@ -46,24 +46,12 @@ from typing import Protocol
 from . import format as fmt
 from ._faults import archive_base_offset, fault_point
 from ._fs import exchange, fsync_path, makedirs_durable, remove_tree, rename_noreplace, write_durable
-from .archive import check_archive_target, is_tddist_archive
+from .archive import check_archive_target
 from .comm import Communicator, collective_error, describe
 from .errors import CommError, TargetError
+from .recovery import is_tddist_dir
 
 logger = logging.getLogger(__name__)
-
-
-def is_tddist_dir(path: str) -> bool:
-    """True if ``path`` holds only what tddist writes (a checkpoint, torn or not)."""
-    names = os.listdir(path)
-    return all(n == fmt.MANIFEST_NAME or fmt.is_rank_dir_name(n) for n in names)
-
-
-def is_committed(path: str) -> bool:
-    """True if ``path`` is a committed checkpoint: a directory with a manifest, or a tddist archive."""
-    if os.path.isdir(path):
-        return os.path.isfile(os.path.join(path, fmt.MANIFEST_NAME))
-    return os.path.isfile(path) and is_tddist_archive(path)
 
 
 def check_target(target: str) -> bool:
@@ -309,36 +297,3 @@ def _discard(staging: str) -> None:
         remove_tree(staging)
     except OSError as e:
         logger.warning("could not remove %s (%s); tddist.recover will", staging, e)
-
-
-def recover(target: str) -> list[str]:
-    """Remove leftovers of interrupted saves beside ``target``; returns what was done.
-
-    Staging and trash directories are removed. A backup of a replaced
-    checkpoint is moved back to the target if the target lost its manifest
-    (a crash in the middle of a replace without RENAME_EXCHANGE), otherwise
-    removed. Committed checkpoints and foreign files are never touched. Call
-    it only when no save to ``target`` is running.
-    """
-    done = []
-    target_ok = is_committed(target)
-    for kind, path in fmt.side_entries(target):
-        if kind == "backup" and not target_ok and is_committed(path):
-            if os.path.isdir(target) and is_tddist_dir(target):
-                remove_tree(target)
-            if not os.path.exists(target):
-                os.rename(path, target)
-                fsync_path(os.path.dirname(os.path.abspath(target)))
-                target_ok = True
-                done.append(f"restored {path} to {target}")
-                continue
-            done.append(
-                f"kept {path}: it holds the only committed checkpoint, but {target} is occupied by something "
-                f"that is not a checkpoint; move that away and run recover again"
-            )
-            logger.warning("recover: %s", done[-1])
-            continue
-        remove_tree(path)
-        done.append(f"removed {path}")
-        logger.info("recover: removed %s", path)
-    return done

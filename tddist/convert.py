@@ -26,7 +26,8 @@ from .archive import (
 from .commit import check_target, publish
 from .errors import CorruptCheckpointError
 from .manifest import to_json
-from .reader import open_files, read_manifest
+from .manifest_io import read_manifest
+from .reader import open_files
 from .writer import combine_digests, hash_blocks
 
 logger = logging.getLogger(__name__)

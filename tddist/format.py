@@ -12,10 +12,12 @@ import os
 import pickle
 import re
 import uuid
-
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import InvalidArgumentError, InvalidDataError, ManifestError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_NAME = "tddist"
 FORMAT_VERSION = 1
@@ -46,41 +48,55 @@ _UNSAFE = set('/<>:"|?*\\ \0%') | {chr(i) for i in range(32)} | {chr(127)}
 _ENCODE_TABLE = str.maketrans({c: f"%{ord(c):02X}" for c in _UNSAFE})
 _SAFE_VERBATIM_RE = re.compile(r'^[^/<>:"|?*\\\x00-\x1f\x7f%]+$')
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-    )
+#: The dtypes a checkpoint may hold: manifest name -> bytes per element. Kept as
+#: names (not torch objects) so that reading and validating a manifest needs no torch.
+_DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
 }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """The manifest's name of a torch dtype (``torch.float32`` -> ``float32``)."""
+    """The manifest's name of a torch dtype (``torch.float32`` -> ``float32``); KeyError if not supported."""
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in _DTYPE_SIZES:
         raise KeyError(name)
     return name
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of ``dtype_name``; raises KeyError for anything not whitelisted."""
-    return _DTYPES[name]
+def is_dtype_name(name: object) -> bool:
+    """True if ``name`` is a dtype name a manifest may use."""
+    return isinstance(name, str) and name in _DTYPE_SIZES
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the dtype called ``name`` (KeyError if not supported)."""
+    return _DTYPE_SIZES[name]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name``; raises KeyError for anything not whitelisted (imports torch)."""
+    import torch
+
+    if name not in _DTYPE_SIZES:
+        raise KeyError(name)
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
 
 
 def encode_key(key: str, robust: bool = True) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Iterable
@@ -26,96 +25,19 @@ from typing import Any
 
 import torch
 
-from . import format as fmt
-from ._fs import fsync_path, remove_tree
-from .api import load, read_manifest, recover, save
+from .api import load, save
 from .comm import collective_error, describe, resolve
-from .commit import is_committed, is_tddist_dir
-from .errors import InvalidArgumentError, TddistError
+from .errors import InvalidArgumentError
+from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_name
 from .state import get_state, set_state
 
 logger = logging.getLogger(__name__)
 
+_RESERVED = frozenset({"return_early", "comm", "prefix", "data"})
+
 #: Exit status of a training process that stopped because it was preempted
 #: (``EX_TEMPFAIL``: "try again later"). Job scripts requeue on it.
 EXIT_PREEMPTED = 75
-
-_STEP_RE = re.compile(r"^step-(\d{9,})(\.tdz)?$")
-_RESERVED = frozenset({"return_early", "comm", "prefix", "data"})
-
-
-def step_name(step: int, archive: bool = False) -> str:
-    """The name of the checkpoint of ``step`` (zero-padded so names sort by step)."""
-    return f"step-{step:09d}" + (fmt.ARCHIVE_SUFFIX if archive else "")
-
-
-def parse_step(name: str) -> int | None:
-    """The step of a checkpoint name, or None if ``name`` is not one."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
-
-
-def _step_entries(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every step entry under ``root``, newest first (committed or not)."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    found = [(parse_step(n), os.path.join(root, n)) for n in names]
-    return sorted(((s, p) for s, p in found if s is not None), reverse=True)
-
-
-def newest_checkpoint(root: str) -> tuple[str, int] | None:
-    """(path, step) of the newest checkpoint under ``root`` with a valid manifest, or None.
-
-    Staging leftovers, torn directories and unreadable manifests are skipped.
-    The step is the one stored in the metadata (the name's, if absent).
-    """
-    for step, path in _step_entries(root):
-        try:
-            manifest = read_manifest(path)
-        except TddistError as e:
-            logger.warning("skipping %s: %s", path, e)
-            continue
-        return path, int(manifest.metadata.get("step", step))
-    return None
-
-
-def _delete(path: str) -> None:
-    """Remove a checkpoint: first renamed away in one step (``recover`` removes a half-deleted one)."""
-    trash = fmt.trash_path(path)
-    os.rename(path, trash)
-    fsync_path(os.path.dirname(trash))
-    remove_tree(trash)
-    logger.info("deleted checkpoint %s", path)
-
-
-def clean_root(root: str) -> list[str]:
-    """Remove leftovers of crashed saves and deletions under ``root``; returns what was done.
-
-    ``recover`` runs on every step name (staging, trash and backup entries);
-    then a step directory without a manifest that holds only what tddist
-    writes (a save cut off before its commit) is removed. A damaged manifest
-    or foreign files are left alone (``newest_checkpoint`` skips them).
-    """
-    os.makedirs(root, exist_ok=True)
-    names = set()
-    for name in os.listdir(root):
-        side = fmt.side_entry_kind(name)
-        base = side[0] if side else name
-        if parse_step(base) is not None:
-            names.add(base)
-    done = []
-    for name in sorted(names):
-        path = os.path.join(root, name)
-        done += recover(path)
-        if os.path.isdir(path) and not is_committed(path):
-            if is_tddist_dir(path):
-                _delete(path)
-                done.append(f"removed torn checkpoint {path}")
-            else:
-                logger.warning("%s is not a committed checkpoint and holds foreign files; left alone", path)
-    return done
 
 
 def parse_signals(spec) -> list[signal.Signals]:
@@ -319,13 +241,11 @@ class CheckpointManager:
         """Rank 0: delete committed checkpoints beyond the ``keep_last`` newest (never ``newest``)."""
         if self.keep_last is None or self.comm.rank != 0:
             return
-        committed = [(s, p) for s, p in _step_entries(self.root) if is_committed(p)]
-        for s, p in committed[self.keep_last :]:
-            if s != newest:
-                try:
-                    _delete(p)
-                except OSError as e:
-                    logger.warning("could not delete old checkpoint %s: %s", p, e)
+        for _step, p in retired(self.root, self.keep_last, newest):
+            try:
+                delete_checkpoint(p)
+            except OSError as e:
+                logger.warning("could not delete old checkpoint %s: %s", p, e)
 
     def _on_rank0(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 and broadcast its result, or raise its error on every rank."""

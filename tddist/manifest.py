@@ -13,13 +13,14 @@ import datetime
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
 from .errors import ManifestError, ShardingError
 from .sharding import Box, Boxes, Placement, Replicate, Shard, full_box, shard_box, tiling_problems
+
+if TYPE_CHECKING:
+    import torch
 
 Key = tuple[str, ...]
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
@@ -36,13 +37,20 @@ class Chunk:
     checksum: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class Leaf:
+    """One tensor leaf of the checkpoint: its global shape, placement and stored chunks."""
+
     key: Key
-    dtype: torch.dtype
+    dtype_name: str  # see format.dtype_name; kept as a name so reading a manifest needs no torch
     shape: tuple[int, ...]
     placement: Placement
     chunks: list[Chunk]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The leaf's torch dtype (imports torch)."""
+        return fmt.torch_dtype(self.dtype_name)
 
 
 @dataclass
@@ -160,7 +168,7 @@ def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
                 f"leaf {_show(key)} has a different {name} on different ranks: "
                 f"{_by_rank([e[name] for e in entries])}; every rank must save the same {name}"
             )
-    dtype = fmt.dtype_from_name(e0["dtype"])
+    dtype = e0["dtype"]
     shapes = [tuple(e["shape"]) for e in entries]
     if e0["placement"][0] == "replicate":
         if any(s != shapes[0] for s in shapes):
@@ -221,7 +229,7 @@ def _merge_boxes(key: Key, entries: list[dict]) -> Leaf:
             f"the ranks' shards of DTensor leaf {_show(key)} do not tile its global shape {list(gshape)}: "
             f"{'; '.join(problems)}"
         )
-    return Leaf(key, fmt.dtype_from_name(entries[0]["dtype"]), gshape, Boxes(), chunks)
+    return Leaf(key, entries[0]["dtype"], gshape, Boxes(), chunks)
 
 
 def _merge_objects(fragments: list[dict]) -> dict[Key, ObjectLeaf]:
@@ -289,7 +297,7 @@ def to_json(m: Manifest) -> dict:
         leaves.append(
             {
                 "key": list(leaf.key),
-                "dtype": fmt.dtype_name(leaf.dtype),
+                "dtype": leaf.dtype_name,
                 "shape": list(leaf.shape),
                 "placement": placement,
                 "chunks": chunks,
@@ -405,12 +413,10 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
 
 def _parse_leaf(p: _Parser, e: dict, world: int) -> Leaf:
     key = p.key(e.get("key"), allow_empty=False)
-    try:
-        dtype = fmt.dtype_from_name(e.get("dtype"))
-    except (KeyError, TypeError):
-        p.fail(f"leaf {key!r} has unknown dtype {e.get('dtype')!r}")
+    dtype = e.get("dtype")
+    p.check(fmt.is_dtype_name(dtype), f"leaf {key!r} has unknown dtype {dtype!r}")
     shape = p.shape(e.get("shape"), f"leaf {key!r} shape")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = fmt.dtype_itemsize(dtype)
     pl = e.get("placement")
     p.check(isinstance(pl, dict), f"leaf {key!r} has no placement object")
     raw_chunks = p.list_of(e, "chunks")

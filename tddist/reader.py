@@ -8,13 +8,11 @@ overlaps are opened, so loading some keys or some rows touches nothing else.
 
 from __future__ import annotations
 
-import bisect
 import errno
 import logging
 import math
 import os
 import stat
-import zipfile
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,95 +21,12 @@ import xxhash
 
 from . import format as fmt
 from .archive import ArchiveFiles
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
-from .manifest import Chunk, Leaf, Manifest, parse_manifest
+from .errors import CorruptCheckpointError
+from .manifest import Chunk, Leaf, Manifest
 from .sharding import Box, plan_reads
 from .writer import combine_digests
 
 logger = logging.getLogger(__name__)
-
-
-def file_mappings() -> list[tuple[int, int, str]]:
-    """(start, end, path) of this process's memory maps of regular files, sorted (Linux).
-
-    This is how ``save`` tells that a tensor is backed by a file (``copy_existing``),
-    whoever mapped it: a tddist load, a tensordict ``MemoryMappedTensor``, ``torch.from_file``.
-    """
-    out = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or not parts[5].startswith("/") or parts[5].startswith(("/dev/", "/memfd:")):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append((lo, hi, parts[5].rstrip("\n")))
-    except OSError:
-        return []
-    out.sort()
-    return out
-
-
-def mapped_file(t: torch.Tensor, mappings: list[tuple[int, int, str]] | None = None) -> str | None:
-    """The file ``t``'s memory is mapped from, or None."""
-    name = getattr(t, "filename", None)
-    if name:
-        return str(name)
-    try:
-        ptr = t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
-    if not ptr:
-        return None
-    mappings = file_mappings() if mappings is None else mappings
-    i = bisect.bisect_right(mappings, (ptr, float("inf"), "")) - 1
-    if i >= 0 and mappings[i][0] <= ptr < mappings[i][1]:
-        return mappings[i][2]
-    return None
-
-
-def read_manifest(path: str) -> Manifest:
-    """Read and validate the manifest of the committed checkpoint (directory or archive) at ``path``."""
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        if not zipfile.is_zipfile(path):
-            raise CheckpointNotFoundError(
-                f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
-            )
-        raw = ArchiveFiles(path).read_manifest()
-        where = f"manifest of archive {path!r}"
-        if not raw:
-            raise CheckpointNotFoundError(
-                f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
-            )
-    else:
-        where = f"manifest {os.path.join(path, fmt.MANIFEST_NAME)!r}"
-        try:
-            with open(os.path.join(path, fmt.MANIFEST_NAME), "rb") as f:
-                raw = f.read()
-        except (FileNotFoundError, NotADirectoryError):
-            side = fmt.side_entries(path)
-            hint = (
-                f"; leftovers of an interrupted save exist beside it ({len(side)}), run tddist.recover({path!r})"
-                if side
-                else ""
-            )
-            what = (
-                "does not exist"
-                if not os.path.exists(path)
-                else "has no manifest (it is not a committed tddist checkpoint)"
-            )
-            raise CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}") from None
-    try:
-        obj = fmt.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
-    m = parse_manifest(obj, where=where)
-    if os.path.isfile(path) and m.layout != "archive":
-        raise ManifestError(
-            f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
-        )
-    return m  # a directory may hold an extracted archive: the tree is the same
 
 
 class DirectoryFiles:

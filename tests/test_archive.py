@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import format as fmt
-from tddist.reader import mapped_file
+from tddist._memmaps import mapped_file
 
 
 def shard(rank: int) -> TensorDict:

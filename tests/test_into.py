@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist.reader import mapped_file
+from tddist._memmaps import mapped_file
 
 
 @pytest.fixture()

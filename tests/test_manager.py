@@ -24,7 +24,8 @@ import torch
 import tddist
 from tddist import _faults
 from tddist import format as fmt
-from tddist.manager import CheckpointManager, newest_checkpoint, parse_signals, parse_step, step_name
+from tddist.manager import CheckpointManager, parse_signals
+from tddist.retention import newest_checkpoint, parse_step, step_name
 from tests.launch_util import REPO, Job, _communicate, _env, _reports, free_port, run_job
 from tests.manager_rank import expected, local_state
 

@@ -1,0 +1,85 @@
+"""Finding and reading the manifest of a checkpoint, a directory or an archive, without torch.
+
+Reading a manifest needs only the standard library (``json``, ``zipfile``), so
+the ``tddist`` command can list and describe checkpoints without importing
+torch. The bytes are untrusted: ``manifest.parse_manifest`` validates them.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+from . import format as fmt
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from .manifest import Manifest, parse_manifest
+
+
+def read_manifest(path: str) -> Manifest:
+    """Read and validate the manifest of the committed checkpoint (directory or archive) at ``path``.
+
+    Args:
+        path: a checkpoint directory or a ``.tdz`` archive.
+
+    Returns:
+        The validated manifest; no tensor data is read.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``path``.
+        ManifestError: the manifest is not valid JSON or fails validation.
+        CorruptCheckpointError: an archive that is not a readable zip file.
+    """
+    path = os.fspath(path)
+    archive = os.path.isfile(path)
+    raw, where = _archive_manifest(path) if archive else _directory_manifest(path)
+    try:
+        obj = fmt.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+    m = parse_manifest(obj, where=where)
+    if archive and m.layout != "archive":
+        raise ManifestError(
+            f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
+        )
+    return m  # a directory may hold an extracted archive: the tree is the same
+
+
+def _directory_manifest(path: str) -> tuple[bytes, str]:
+    manifest = os.path.join(path, fmt.MANIFEST_NAME)
+    try:
+        with open(manifest, "rb") as f:
+            return f.read(), f"manifest {manifest!r}"
+    except (FileNotFoundError, NotADirectoryError):
+        side = fmt.side_entries(path)
+        hint = (
+            f"; leftovers of an interrupted save exist beside it ({len(side)}), run tddist.recover({path!r})"
+            if side
+            else ""
+        )
+        what = (
+            "does not exist"
+            if not os.path.exists(path)
+            else "has no manifest (it is not a committed tddist checkpoint)"
+        )
+        raise CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}") from None
+
+
+def _archive_manifest(path: str) -> tuple[bytes, str]:
+    if not zipfile.is_zipfile(path):
+        raise CheckpointNotFoundError(
+            f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
+        )
+    try:
+        with zipfile.ZipFile(path) as zf:
+            info = zf.NameToInfo.get(fmt.MANIFEST_NAME)
+            if info is None:
+                raise CheckpointNotFoundError(
+                    f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
+                )
+            with zf.open(info) as f:
+                raw = f.read()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        raise CorruptCheckpointError(
+            f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
+        ) from None
+    return raw, f"manifest of archive {path!r}"
