@@ -15,6 +15,7 @@ from tensordict import TensorDict
 
 import tddist
 from tddist.sharding import even_split
+from tests.helpers import assert_td_equal
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
@@ -30,25 +31,6 @@ recipe = _load_recipe()
 V1 = GOLDEN / "v1"
 SINGLE = V1 / recipe.SINGLE
 MULTI = V1 / recipe.MULTI
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return (t.reshape(1) if t.dim() == 0 else t).view(torch.uint8)
-
-
-def assert_identical(got: TensorDict, expected: TensorDict) -> None:
-    """Same structure, batch sizes, dtypes, shapes and bits (NaN and -0.0 included)."""
-    assert got.batch_size == expected.batch_size
-    keys = sorted(expected.keys(include_nested=True, leaves_only=True), key=repr)
-    assert sorted(got.keys(include_nested=True, leaves_only=True), key=repr) == keys
-    for k in keys:
-        a, b = got.get(k), expected.get(k)
-        assert a.dtype == b.dtype and a.shape == b.shape, k
-        assert torch.equal(_bits(a), _bits(b)), k
-    for k in expected.keys(include_nested=True):
-        if isinstance(expected.get(k), TensorDict):
-            assert got.get(k).batch_size == expected.get(k).batch_size, k
 
 
 def expected_multi_even(world: int, rank: int) -> TensorDict:
@@ -85,7 +67,7 @@ def test_golden_files_are_present_and_small():
 
 def test_single_rank_golden_loads_whole():
     """Checkpoint (a) loads whole, verified, equal to the recipe's values."""
-    assert_identical(tddist.load(SINGLE, shard=None, verify=True), recipe.single_rank_td())
+    assert_td_equal(tddist.load(SINGLE, shard=None, verify=True), recipe.single_rank_td())
 
 
 def test_single_rank_golden_manifest():
@@ -118,14 +100,14 @@ def test_single_rank_golden_even_on_thread_ranks(world):
     expected = recipe.single_rank_td()
     for rank, got in enumerate(results):
         a, b = even_split(4, world)[rank]
-        assert_identical(
+        assert_td_equal(
             got, TensorDict({"batch": expected["batch"][a:b], "step": expected["step"], "table": expected["table"]}, [])
         )
 
 
 def test_multi_rank_golden_loads_whole():
     """Checkpoint (b) loads whole in one process, verified, equal to the recipe's global values."""
-    assert_identical(tddist.load(MULTI, shard=None, verify=True), recipe.multi_rank_global())
+    assert_td_equal(tddist.load(MULTI, shard=None, verify=True), recipe.multi_rank_global())
 
 
 def test_multi_rank_golden_manifest():
@@ -148,7 +130,7 @@ def test_multi_rank_golden_even_on_thread_ranks(world):
     """(b), saved by 3 ranks, loads with shard='even' on 1, 2 and 4 thread ranks, verified."""
     results = _ok(tddist.run_threads(world, lambda c: tddist.load(MULTI, comm=c, shard="even", verify=True)))
     for rank, got in enumerate(results):
-        assert_identical(got, expected_multi_even(world, rank))
+        assert_td_equal(got, expected_multi_even(world, rank))
 
 
 def test_multi_rank_golden_saved_shards():
@@ -156,7 +138,7 @@ def test_multi_rank_golden_saved_shards():
     the zero-row rank included."""
     results = _ok(tddist.run_threads(recipe.WORLD, lambda c: tddist.load(MULTI, comm=c, shard="saved", verify=True)))
     for rank, got in enumerate(results):
-        assert_identical(got, recipe.multi_rank_shard(rank))
+        assert_td_equal(got, recipe.multi_rank_shard(rank))
     assert results[1]["data"].batch_size == torch.Size([0])
 
 
@@ -168,7 +150,7 @@ def test_multi_rank_golden_rank_dirs_open_with_tensordict():
         if rank != 0:  # only rank 0 writes the replicated leaves
             del mine["step"]
             del mine["shared", "w"]
-        assert_identical(td, mine)
+        assert_td_equal(td, mine)
 
 
 def test_recipe_still_writes_the_golden_files(tmp_path):
@@ -216,14 +198,14 @@ def test_loading_never_modifies_golden_files(tmp_path):
     single["batch", "obs"].fill_(7)
     single["step"].fill_(0)
     assert {p: p.read_bytes() for root in (SINGLE, MULTI) for p in root.rglob("*") if p.is_file()} == before
-    assert_identical(tddist.load(MULTI, shard=None, verify=True), recipe.multi_rank_global())
+    assert_td_equal(tddist.load(MULTI, shard=None, verify=True), recipe.multi_rank_global())
 
     copy = tmp_path / "copy"
     shutil.copytree(MULTI, copy)
-    assert_identical(tddist.load(copy, shard=None, verify=True), recipe.multi_rank_global())
+    assert_td_equal(tddist.load(copy, shard=None, verify=True), recipe.multi_rank_global())
     tddist.save(recipe.multi_rank_shard(0), copy)
     assert tddist.read_manifest(copy).world_size == 1
-    assert_identical(tddist.load(copy, shard=None), recipe.multi_rank_shard(0))
+    assert_td_equal(tddist.load(copy, shard=None), recipe.multi_rank_shard(0))
 
 
 # --- (c) non-tensor values, node rows, verbatim keys; (c') the same as an archive; (d) a DTensor ---

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 import tddist
 from tddist import InvalidDataError
 from tddist import format as fmt
+from tests.helpers import assert_td_equal
 
 WEIRD_KEYS = [
     "a/b",
@@ -36,27 +37,6 @@ WEIRD_KEYS = [
     "rank-00000",
     "tddist.json",
 ]
-
-
-def _leaf_keys(td):
-    return sorted(td.keys(include_nested=True, leaves_only=True), key=repr)
-
-
-def assert_same(a: TensorDict, b: TensorDict) -> None:
-    """Same nested keys, batch sizes, dtypes, shapes and bits."""
-    assert a.batch_size == b.batch_size
-    assert _leaf_keys(a) == _leaf_keys(b)
-    for k in _leaf_keys(a):
-        x, y = a.get(k), b.get(k)
-        assert x.dtype == y.dtype and x.shape == y.shape, k
-        assert torch.equal(_bits(x), _bits(y)), k
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return t.view(torch.uint8)
 
 
 def weird_td() -> TensorDict:
@@ -100,8 +80,8 @@ def test_weird_keys_round_trip_and_stay_inside(tmp_path):
         assert not os.path.islink(p), p
         real = os.path.realpath(p)
         assert real.startswith(real_root + os.sep), p
-    assert_same(tddist.load(target, shard=None), td)
-    assert_same(tddist.load(target), td)
+    assert_td_equal(tddist.load(target, shard=None), td)
+    assert_td_equal(tddist.load(target), td)
 
 
 def test_weird_keys_file_names_are_escaped(tmp_path):
@@ -128,7 +108,7 @@ def test_rank_directory_opens_with_tensordict(tmp_path):
     rank_dirs = sorted(n for n in os.listdir(target) if n.startswith("rank-"))
     assert rank_dirs == ["rank-00000"]
     loaded = TensorDict.load_memmap(target / rank_dirs[0])
-    assert_same(loaded, td)
+    assert_td_equal(loaded, td)
 
 
 def test_robust_key_false_refuses_unsafe_keys(tmp_path):
@@ -154,8 +134,8 @@ def test_robust_key_false_accepts_plain_keys(tmp_path):
     files = os.listdir(target / "rank-00000")
     assert "obs.memmap" in files and "sub-td" in files
     assert os.path.isfile(target / "rank-00000" / "sub-td" / "a.b_c-1.memmap")
-    assert_same(tddist.load(target, shard=None), td)
-    assert_same(TensorDict.load_memmap(target / "rank-00000"), td)
+    assert_td_equal(tddist.load(target, shard=None), td)
+    assert_td_equal(TensorDict.load_memmap(target / "rank-00000"), td)
 
 
 @pytest.mark.parametrize("name", sorted(fmt.TD_META_RESERVED))
@@ -223,12 +203,12 @@ def test_dtypes_round_trip_bit_exactly(tmp_path, dtype):
     td = TensorDict({"v": random_bits((5, 3), dtype), "s": {"w": random_bits((4,), dtype, 1)}}, [])
     target = tmp_path / "ckpt"
     returned = tddist.save(td, target)
-    assert_same(returned, td)
-    assert_same(tddist.load(target, shard=None), td)
+    assert_td_equal(returned, td)
+    assert_td_equal(tddist.load(target, shard=None), td)
     assert tddist.read_manifest(target).leaves[("v",)].dtype == dtype
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return  # tensordict's memmap loader has no name for float8 dtypes
-    assert_same(TensorDict.load_memmap(target / "rank-00000"), td)
+    assert_td_equal(TensorDict.load_memmap(target / "rank-00000"), td)
 
 
 def test_non_contiguous_inputs_round_trip(tmp_path):
@@ -274,7 +254,7 @@ def test_scalar_replicated_leaf_round_trips(tmp_path):
         back = tddist.load(target, shard=shard)
         assert back["step"].shape == () and back["step"].item() == 12345
         assert back["lr"].item() == 0.125
-        assert_same(back, td)
+        assert_td_equal(back, td)
 
 
 @pytest.mark.parametrize(
@@ -299,5 +279,5 @@ def test_zero_element_leaves_round_trip(tmp_path):
     target = tmp_path / "ckpt"
     tddist.save(td, target)
     assert not any(p.endswith(".memmap") for p in _all_paths(str(target)))
-    assert_same(tddist.load(target, shard=None), td)
-    assert_same(TensorDict.load_memmap(target / "rank-00000"), td)
+    assert_td_equal(tddist.load(target, shard=None), td)
+    assert_td_equal(TensorDict.load_memmap(target / "rank-00000"), td)

@@ -19,6 +19,7 @@ from tddist import (
     ManifestError,
     TargetError,
 )
+from tests.helpers import assert_td_equal
 
 
 def sample_td() -> TensorDict:
@@ -32,16 +33,6 @@ def sample_td() -> TensorDict:
         [6],
     )
     return TensorDict({"data": data, "step": torch.tensor(7), "table": torch.arange(10, dtype=torch.int16)}, [])
-
-
-def assert_td_equal(a: TensorDict, b: TensorDict) -> None:
-    assert a.batch_size == b.batch_size
-    ka = sorted(a.keys(include_nested=True, leaves_only=True), key=str)
-    kb = sorted(b.keys(include_nested=True, leaves_only=True), key=str)
-    assert ka == kb
-    for k in ka:
-        assert a.get(k).dtype == b.get(k).dtype, k
-        assert torch.equal(a.get(k), b.get(k)), k
 
 
 def leaf_file(target, *key) -> str:

@@ -1,0 +1,130 @@
+"""Assertions shared by the test modules and the rank programs.
+
+One definition each, importable both by pytest (``tests/conftest.py``
+re-exports them) and by the rank programs that torchrun, mpiexec or the
+"spawn" launcher start (``tests/launch_util.py`` puts the repository on their
+``PYTHONPATH``, so ``from tests.helpers import ...`` works there too).
+
+- ``assert_td_equal(actual, expected, what)``: two TensorDicts are the same:
+  structure, batch sizes, dtypes, shapes, bits, non-tensor values.
+- ``leftovers(target)``: what saves, replaces or removals left beside a
+  checkpoint target.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+
+import torch
+from tensordict import TensorDictBase, is_non_tensor
+
+from tddist import format as fmt
+
+__all__ = ["assert_td_equal", "leftovers"]
+
+# --- TensorDict equality -------------------------------------------------------------
+
+
+def _walk(td: TensorDictBase, prefix: tuple = ()):
+    """Yield (key, kind, value) for every entry below ``td``: kind is "node", "tensor" or "object"."""
+    for name in td.keys():
+        value = td.get(name)
+        key = prefix + (name,)
+        if is_non_tensor(value):
+            yield key, "object", value
+        elif isinstance(value, TensorDictBase):
+            yield key, "node", value
+            yield from _walk(value, key)
+        else:
+            yield key, "tensor", value
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (NaN payloads, -0.0, conj and neg bits resolved)."""
+    if hasattr(t, "full_tensor"):  # a DTensor: compare the global value
+        t = t.full_tensor()
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return t.view(torch.uint8)
+
+
+def _show(t: torch.Tensor) -> str:
+    text = str(t.detach().cpu())
+    return text if len(text) < 1500 else text[:1500] + " ..."
+
+
+def assert_td_equal(actual, expected, what: str = "") -> None:
+    """``actual`` is the same TensorDict as ``expected``.
+
+    Same keys and nesting (sub-TensorDicts, empty ones included), the same
+    batch size at the root and at every sub-TensorDict, and for every tensor
+    leaf the same dtype, shape and bytes (so NaN equals the same NaN, and -0.0
+    differs from 0.0); non-tensor values (``NonTensorData``/``NonTensorStack``)
+    compare equal as ``tolist()`` (so a stack of equal values and one value
+    over the same batch are the same). ``what`` prefixes every message.
+    """
+    where = f"{what}: " if what else ""
+    assert isinstance(actual, TensorDictBase), f"{where}got a {type(actual).__name__}, expected a TensorDict"
+    assert isinstance(expected, TensorDictBase), f"{where}expected value is a {type(expected).__name__}"
+    assert actual.batch_size == expected.batch_size, (
+        f"{where}batch size {tuple(actual.batch_size)} != expected {tuple(expected.batch_size)}"
+    )
+    got = {k: (kind, v) for k, kind, v in _walk(actual)}
+    want = {k: (kind, v) for k, kind, v in _walk(expected)}
+    missing, extra = sorted(set(want) - set(got), key=repr), sorted(set(got) - set(want), key=repr)
+    assert not missing and not extra, f"{where}keys missing {missing}, unexpected {extra}"
+    for key, (kind, exp) in want.items():
+        got_kind, act = got[key]
+        assert got_kind == kind, f"{where}{key}: a {got_kind}, expected a {kind}"
+        if kind == "node":
+            assert act.batch_size == exp.batch_size, (
+                f"{where}{key}: batch size {tuple(act.batch_size)} != expected {tuple(exp.batch_size)}"
+            )
+        elif kind == "object":
+            a, b = act.tolist(), exp.tolist()
+            assert type(a) is type(b) and a == b, f"{where}{key}: non-tensor value {a!r} != expected {b!r}"
+        else:
+            assert act.dtype == exp.dtype, f"{where}{key}: dtype {act.dtype} != expected {exp.dtype}"
+            assert act.shape == exp.shape, f"{where}{key}: shape {tuple(act.shape)} != expected {tuple(exp.shape)}"
+            assert torch.equal(_bits(act), _bits(exp)), (
+                f"{where}{key}: values differ (compared bit for bit)\n{_show(act)}\n!=\n{_show(exp)}"
+            )
+
+
+# --- entries left beside a target ----------------------------------------------------
+
+
+def leftovers(target, *, strict: bool = False) -> list[str]:
+    """Sorted names of the entries beside ``target`` that a save, replace or removal left behind.
+
+    ``target`` is a checkpoint path; its last component may be an ``fnmatch``
+    pattern (``root / "step-*"``, ``root / "*"``) standing for every checkpoint
+    of that name in the directory. Found:
+
+    - the staging, trash and backup entries of the target, as
+      ``tddist.format.side_entries`` finds them (and ``side_entry_kind`` for a
+      pattern), and
+    - every other hidden ``.<name>.tddist-*`` entry, even one whose name the
+      library would not recognise (a malformed id, an unknown kind).
+
+    With ``strict=True``, also every other entry of the directory that is not
+    the target itself (not matching the pattern): for a directory that should
+    hold the target(s) and nothing else.
+    """
+    target = Path(target)
+    parent, name = target.parent, target.name
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return []
+    found = {os.path.basename(p) for _kind, p in fmt.side_entries(str(target))}
+    for n in names:
+        side = fmt.side_entry_kind(n)
+        if side is not None and fnmatch.fnmatchcase(side[0], name):
+            found.add(n)
+        elif fnmatch.fnmatchcase(n, f".{name}.tddist-*"):
+            found.add(n)
+        elif strict and not fnmatch.fnmatchcase(n, name):
+            found.add(n)
+    return sorted(found)
