@@ -28,12 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 
 from . import format as fmt
+from .checksum import EMPTY, block_digest, combine_digests, tensor_bytes
 from .errors import CorruptCheckpointError, InvalidArgumentError, TargetError
 from .recovery import is_tddist_archive
-from .writer import combine_digests, fragment, node_meta_files, tensor_bytes
+from .writer import fragment, node_meta_files
 
 ALIGN = 64
 _PAD_EXTRA_ID = 0x7464  # extra-field id of the alignment padding block
@@ -163,7 +163,7 @@ def _hash_and_compress(e: Entry, i: int, level: int | None) -> None:
     e.crcs[i] = zlib.crc32(block)
     cb = fmt.CHECKSUM_BLOCK
     for j in range(lo // cb, -(-hi // cb)):
-        e.digests[j] = xxhash.xxh3_64_intdigest(e.data[j * cb : (j + 1) * cb])
+        e.digests[j] = block_digest(e.data[j * cb : (j + 1) * cb])
     if e.method != zipfile.ZIP_STORED:
         e.pieces[i] = _compress_piece(e.method, level, block, i == len(e.blocks) - 1)
 
@@ -460,7 +460,7 @@ class ArchiveWriter:
         for key, t, _p, write, _w in self.local.items:
             if write:
                 e = by_name.get(self.names.get(key))
-                results[key] = (len(e.data), combine_digests(e.digests)) if e else (0, combine_digests([]))
+                results[key] = (len(e.data), combine_digests(e.digests)) if e else (0, EMPTY)
         frag = fragment(self.rank, self.local.nodes, self.local.items, self.local.objects, results, self.check_replicas)
         frag["entries"] = entry_table(self.entries)
         return frag

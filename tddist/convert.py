@@ -23,12 +23,12 @@ from .archive import (
     resolve_compression,
     write_region,
 )
+from .checksum import combine_digests, hash_blocks
 from .commit import check_target, publish
 from .errors import CorruptCheckpointError
 from .manifest import to_json
 from .manifest_io import read_manifest
 from .reader import open_files
-from .writer import combine_digests, hash_blocks
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,13 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-import xxhash
 
 from . import format as fmt
 from .archive import ArchiveFiles
+from .checksum import EMPTY, combine_digests, hash_blocks
 from .errors import CorruptCheckpointError
 from .manifest import Chunk, Leaf, Manifest
 from .sharding import Box, plan_reads
-from .writer import combine_digests
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +106,10 @@ class ChunkSource:
         if (leaf.key, chunk.rank) in self._verified:
             return
         if chunk.nbytes == 0:
-            actual = combine_digests([])
+            actual = EMPTY
         else:
-            mv = memoryview(self._array(leaf, chunk).numpy())
-            blocks = [mv[i : i + fmt.CHECKSUM_BLOCK] for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
-            digests = (
-                list(pool.map(xxhash.xxh3_64_intdigest, blocks))
-                if pool
-                else [xxhash.xxh3_64_intdigest(b) for b in blocks]
-            )
-            actual = combine_digests(digests)
+            data = self._array(leaf, chunk).numpy()
+            actual = combine_digests(hash_blocks(data, pool.map if pool else map))
         if actual != chunk.checksum:
             raise CorruptCheckpointError(
                 f"checksum mismatch in {self.relpath(leaf, chunk)!r} of {self.root!r} (leaf {leaf.key!r}, rank "

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from . import format as fmt
 from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_durable
+from .checksum import EMPTY, block_digest, checksum_bytes, combine_digests, tensor_bytes
 from .manifest import leaf_entry
 from .sharding import consistent_batch
 
@@ -39,28 +39,6 @@ class LeafToWrite:
 
     key: tuple[str, ...]
     tensor: torch.Tensor
-
-
-def tensor_bytes(t: torch.Tensor) -> np.ndarray:
-    """A flat uint8 view of a contiguous CPU tensor (no copy)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def hash_blocks(data) -> list[int]:
-    """xxh3-64 digests of each CHECKSUM_BLOCK-sized block of ``data``."""
-    mv = memoryview(data)
-    return [xxhash.xxh3_64_intdigest(mv[i : i + fmt.CHECKSUM_BLOCK]) for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
-
-
-def combine_digests(digests: list[int]) -> str:
-    """The file checksum from its block digests (see format.CHECKSUM_ALGORITHM)."""
-    joined = b"".join(d.to_bytes(8, "big") for d in digests)
-    return xxhash.xxh3_64_hexdigest(joined)
-
-
-def checksum_bytes(data) -> str:
-    """The checksum of a whole in-memory buffer."""
-    return combine_digests(hash_blocks(data))
 
 
 class _FileJob:
@@ -84,7 +62,7 @@ class _FileJob:
     def write_block(self, index: int) -> None:
         lo = index * fmt.CHECKSUM_BLOCK
         block = self.data[lo : lo + fmt.CHECKSUM_BLOCK]
-        self.digests[index] = xxhash.xxh3_64_intdigest(block)
+        self.digests[index] = block_digest(block)
         pos = 0
         while pos < len(block):
             pos += os.pwrite(self.fd, block[pos : pos + _WRITE_STEP], lo + pos)
@@ -120,7 +98,7 @@ def write_leaves(
         for leaf in leaves:
             data = tensor_bytes(leaf.tensor)
             if data.size == 0:
-                results[leaf.key] = (0, combine_digests([]))
+                results[leaf.key] = (0, EMPTY)
                 continue
             path = os.path.join(root, fmt.leaf_relpath(rank, leaf.key, robust_key))
             os.makedirs(os.path.dirname(path), exist_ok=True)

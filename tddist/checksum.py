@@ -1,0 +1,60 @@
+"""The checksum of every stored file and chunk: xxh3-64 per block, combined (see ``format.CHECKSUM_ALGORITHM``).
+
+Every writer (directory files, archive entries, pack/unpack) and every
+reader (``verify``) hashes through this module, so there is one definition of
+the checksum. Blocks of ``format.CHECKSUM_BLOCK`` bytes let several threads
+hash one large file in parallel, each block while it is in cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from . import format as fmt
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+#: The checksum of zero bytes (no blocks).
+EMPTY = xxhash.xxh3_64_hexdigest(b"")
+
+
+def block_digest(block: memoryview | bytes) -> int:
+    """xxh3-64 of one block."""
+    return xxhash.xxh3_64_intdigest(block)
+
+
+def blocks(data: memoryview | bytes | np.ndarray) -> list[memoryview]:
+    """``data`` cut into CHECKSUM_BLOCK-sized views (no copy)."""
+    mv = memoryview(data).cast("B")
+    return [mv[i : i + fmt.CHECKSUM_BLOCK] for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
+
+
+def hash_blocks(
+    data: memoryview | bytes | np.ndarray,
+    map_fn: Callable[[Callable[[memoryview], int], Iterable[memoryview]], Iterable[int]] = map,
+) -> list[int]:
+    """The digest of each block of ``data``; ``map_fn`` may be a thread pool's ``map``."""
+    return list(map_fn(block_digest, blocks(data)))
+
+
+def combine_digests(digests: list[int]) -> str:
+    """The checksum of a file from its block digests, in order."""
+    joined = b"".join(d.to_bytes(8, "big") for d in digests)
+    return xxhash.xxh3_64_hexdigest(joined)
+
+
+def checksum_bytes(data: memoryview | bytes | np.ndarray) -> str:
+    """The checksum of a whole in-memory buffer."""
+    return combine_digests(hash_blocks(data))
+
+
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 view of a contiguous CPU tensor (no copy): what is stored and hashed."""
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy()
