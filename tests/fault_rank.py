@@ -69,6 +69,8 @@ if __name__ == "__main__":  # run as a script: make ``tests.launch_util`` import
 import torch
 from tensordict import TensorDict
 
+from tests.helpers import assert_td_equal, leftovers
+
 #: Rows each rank saves, per version. The versions differ in shape and in
 #: values, so a mix of both (a partial checkpoint) can never pass for either.
 ROWS = {"old": (2, 2), "new": (3, 2)}
@@ -110,19 +112,12 @@ def outcome_of(fn) -> dict:
     return {"result": "ok", "elapsed": time.monotonic() - t0}
 
 
-def leftovers(target) -> list[str]:
-    """The entries tddist keeps beside ``target`` while saving (staging, backup, trash)."""
-    target = Path(target)
-    prefix = f".{target.name}.tddist-"
-    return sorted(n for n in os.listdir(target.parent) if n.startswith(prefix))
-
-
 def save_version(version: str, target: str, rank: int, **kw) -> None:
     """Save ``version``'s shard of this rank and check what ``save`` returns."""
     import tddist
 
     out = tddist.save(shard(version, rank), target, metadata={"version": version}, **kw)
-    assert (out == shard(version, rank)).all(), f"rank {rank}: save returned other data than it saved"
+    assert_td_equal(out, shard(version, rank), f"rank {rank}: what save returned")
 
 
 #: The reservation round of an archive save (``commit._reserve``) has no fault point of the

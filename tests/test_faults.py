@@ -59,7 +59,8 @@ from tddist import format as fmt
 from tddist._faults import inject
 from tddist.archive import ArchiveWriter
 from tests import fault_rank
-from tests.fault_rank import RESERVE, expected, leftovers, outcome_of, reserve_point, save_version, shard
+from tests.fault_rank import RESERVE, expected, outcome_of, reserve_point, save_version, shard
+from tests.helpers import assert_td_equal, leftovers
 from tests.launch_util import Job, run_job
 
 SCRIPT = Path(fault_rank.__file__)
@@ -161,19 +162,6 @@ def ids(cases):
 # --- checking a target -----------------------------------------------------------------
 
 
-def _leaf_keys(td) -> list[tuple]:
-    return sorted(k if isinstance(k, tuple) else (k,) for k in td.keys(True, True))
-
-
-def assert_same(got, want) -> None:
-    keys = _leaf_keys(want)
-    assert _leaf_keys(got) == keys
-    assert got.batch_size == want.batch_size and got["data"].batch_size == want["data"].batch_size
-    for k in keys:
-        a, b = got[k], want[k]
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f"leaf {k}: {a} != {b}"
-
-
 def is_archive(target: Path) -> bool:
     return target.name.endswith(fmt.ARCHIVE_SUFFIX)
 
@@ -200,7 +188,7 @@ def assert_target(target: Path, state: str | None) -> None:
     manifest = tddist.read_manifest(target)
     assert manifest.metadata == {"version": state}
     assert manifest.layout == ("archive" if is_archive(target) else "directory")
-    assert_same(got, expected(state))
+    assert_td_equal(got, expected(state), f"{target.name} ({state})")
     del got
     gc.collect()  # drop the memory maps (a tmpfs must be unmountable afterwards)
 
