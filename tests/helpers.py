@@ -54,7 +54,7 @@ def _show(t: torch.Tensor) -> str:
     return text if len(text) < 1500 else text[:1500] + " ..."
 
 
-def assert_td_equal(actual, expected, what: str = "") -> None:
+def assert_td_equal(actual, expected, what: str = "", *, batch_sizes: bool = True) -> None:
     """``actual`` is the same TensorDict as ``expected``.
 
     Same keys and nesting (sub-TensorDicts, empty ones included), the same
@@ -63,11 +63,12 @@ def assert_td_equal(actual, expected, what: str = "") -> None:
     differs from 0.0); non-tensor values (``NonTensorData``/``NonTensorStack``)
     compare equal as ``tolist()`` (so a stack of equal values and one value
     over the same batch are the same). ``what`` prefixes every message.
+    ``batch_sizes=False`` leaves the batch sizes out (everything else is compared).
     """
     where = f"{what}: " if what else ""
     assert isinstance(actual, TensorDictBase), f"{where}got a {type(actual).__name__}, expected a TensorDict"
     assert isinstance(expected, TensorDictBase), f"{where}expected value is a {type(expected).__name__}"
-    assert actual.batch_size == expected.batch_size, (
+    assert not batch_sizes or actual.batch_size == expected.batch_size, (
         f"{where}batch size {tuple(actual.batch_size)} != expected {tuple(expected.batch_size)}"
     )
     got = {k: (kind, v) for k, kind, v in _walk(actual)}
@@ -78,7 +79,7 @@ def assert_td_equal(actual, expected, what: str = "") -> None:
         got_kind, act = got[key]
         assert got_kind == kind, f"{where}{key}: a {got_kind}, expected a {kind}"
         if kind == "node":
-            assert act.batch_size == exp.batch_size, (
+            assert not batch_sizes or act.batch_size == exp.batch_size, (
                 f"{where}{key}: batch size {tuple(act.batch_size)} != expected {tuple(exp.batch_size)}"
             )
         elif kind == "object":

@@ -34,6 +34,7 @@ from tensordict import TensorDict, TensorDictBase
 
 import tddist
 from tddist.comm import LocalComm, ThreadComm, resolve
+from tests.helpers import assert_td_equal, leftovers
 
 Key = tuple
 SKIPPED = "skipped"
@@ -105,20 +106,15 @@ def even_rows(n: int, rank: int, size: int) -> int:
     return torch.tensor_split(torch.arange(n), size)[rank].numel()
 
 
-def assert_leaves_equal(actual, expected: dict[Key, torch.Tensor], what: str) -> None:
-    assert isinstance(actual, TensorDictBase), f"{what}: got a {type(actual).__name__}, expected a TensorDict"
-    got = tree_leaves(actual)
-    assert sorted(got) == sorted(expected), f"{what}: keys {sorted(got)} != expected {sorted(expected)}"
-    for key, exp in expected.items():
-        a = got[key]
-        assert a.dtype == exp.dtype, f"{what}: {key}: dtype {a.dtype} != {exp.dtype}"
-        assert a.shape == exp.shape, f"{what}: {key}: shape {tuple(a.shape)} != {tuple(exp.shape)}"
-        assert torch.equal(a, exp), f"{what}: {key}: values differ\n{a}\n!=\n{exp}"
-
-
-def assert_nodes_equal(actual, expected: dict[Key, tuple[int, ...]], what: str) -> None:
-    got = tree_nodes(actual)
-    assert got == expected, f"{what}: batch sizes {got} != expected {expected}"
+def as_td(leaves: dict[Key, torch.Tensor], nodes: dict[Key, tuple[int, ...]], batch: bool = True) -> TensorDict:
+    """The TensorDict with these (sub-)TensorDicts and leaves; every batch size () unless ``batch``."""
+    out = TensorDict({}, batch_size=nodes[()] if batch else [])
+    for key in sorted(nodes, key=len):  # parents first
+        if key:
+            out.set(key, TensorDict({}, batch_size=nodes[key] if batch else []))
+    for key, t in leaves.items():
+        out.set(key, t)
+    return out
 
 
 _PEERS: dict[int, Any] = {}
@@ -131,11 +127,6 @@ def peers(comm) -> Any:
     if id(comm) not in _PEERS:
         _PEERS[id(comm)] = resolve(comm)
     return _PEERS[id(comm)]
-
-
-def side_entries(target: Path) -> list[str]:
-    """Names beside ``target`` that are not ``target`` itself (staging, trash, backups...)."""
-    return sorted(n for n in os.listdir(target.parent) if n != target.name) if target.parent.exists() else []
 
 
 def assert_only_tddist_files(target: Path, size: int) -> None:
@@ -194,32 +185,33 @@ def roundtrip(
         locals_ = [make(r, size) for r in range(size)]
         dims = leaf_dims(local, placements)
         glob = global_leaves(locals_, dims)
-        mine = tree_leaves(local)
-        assert_leaves_equal(returned, mine, f"rank {rank}: save() return value")
-        assert_leaves_equal(saved, mine, f"rank {rank}: load(shard='saved')")
-        assert_leaves_equal(
-            even, {k: even_part(g, dims[k], rank, size) for k, g in glob.items()}, f"rank {rank}: load(shard='even')"
-        )
-        assert_leaves_equal(full, glob, f"rank {rank}: load(shard=None)")
-        if check_batch:
-            nodes = tree_nodes(local)
-            gnodes = global_nodes(locals_)
-            assert_nodes_equal(saved, nodes, f"rank {rank}: load(shard='saved')")
-            assert_nodes_equal(returned, nodes, f"rank {rank}: save() return value")
-            assert_nodes_equal(full, gnodes, f"rank {rank}: load(shard=None)")
-            enodes = {k: ((even_rows(b[0], rank, size), *b[1:]) if b else ()) for k, b in gnodes.items()}
-            assert_nodes_equal(even, enodes, f"rank {rank}: load(shard='even')")
+        nodes = tree_nodes(local)
+        gnodes = global_nodes(locals_)
+        enodes = {k: ((even_rows(b[0], rank, size), *b[1:]) if b else ()) for k, b in gnodes.items()}
+        mine = as_td(tree_leaves(local), nodes, check_batch)
+        evens = as_td({k: even_part(g, dims[k], rank, size) for k, g in glob.items()}, enodes, check_batch)
+        expect = [
+            (returned, mine, "save() return value"),
+            (saved, mine, "load(shard='saved')"),
+            (even, evens, "load(shard='even')"),
+            (full, as_td(glob, gnodes, check_batch), "load(shard=None)"),
+        ]
+        for got, want, what in expect:
+            assert_td_equal(got, want, f"rank {rank}: {what}", batch_sizes=check_batch)
         assert manifest.world_size == size, manifest.world_size
         for key, dim in dims.items():
             placement = manifest.leaves[key].placement
             assert placement == (tddist.Replicate() if dim is None else tddist.Shard(dim)), (key, placement)
         assert_only_tddist_files(target, size)
-        assert side_entries(target) == [], side_entries(target)
+        assert leftovers(target, strict=True) == [], leftovers(target, strict=True)
         # loaded tensors are mapped copy-on-write: writing into them leaves the checkpoint as it was
         for t in tree_leaves(saved).values():
             t.copy_(torch.ones_like(t).logical_not().to(t.dtype))
-        assert_leaves_equal(
-            tddist.load(target, shard=None, verify=True), glob, f"rank {rank}: reload after writing into a loaded shard"
+        assert_td_equal(
+            tddist.load(target, shard=None, verify=True),
+            as_td(glob, gnodes, check_batch),
+            f"rank {rank}: reload after writing into a loaded shard",
+            batch_sizes=check_batch,
         )
 
     checked_together(comm, rank, check)
@@ -418,7 +410,7 @@ def differing_replicas_fail(comm, workdir: Path, rank: int, size: int) -> None:
     _assert_same_sharding_error(error, everyone, rank, size)
     assert "'w'" in str(error) and f"{bad[:16]}" in str(error), str(error)
     assert not exists, "a failed save created the target"
-    assert side_entries(target) == [], side_entries(target)
+    assert leftovers(target, strict=True) == [], leftovers(target, strict=True)
 
 
 def placements_override(comm, workdir: Path, rank: int, size: int) -> None:
@@ -484,7 +476,7 @@ def structure_mismatch_fails(comm, workdir: Path, rank: int, size: int) -> None:
     msg = str(error)
     assert "rank 0" in msg and f"rank {last}" in msg and "'extra'" in msg, msg
     assert not exists, "a failed save created the target"
-    assert side_entries(target) == [], side_entries(target)
+    assert leftovers(target, strict=True) == [], leftovers(target, strict=True)
 
 
 def overwrite_twice(comm, workdir: Path, rank: int, size: int) -> None:
@@ -510,7 +502,7 @@ def overwrite_twice(comm, workdir: Path, rank: int, size: int) -> None:
     roundtrip(comm, target, v3, rank, size)
     assert sorted(os.listdir(target.parent)) == ["ckpt"]
     # what the first save returned is mapped from files since replaced: it must still hold v1
-    assert_leaves_equal(first, tree_leaves(v1(rank, size)), f"rank {rank}: first save() result after two overwrites")
+    assert_td_equal(first, v1(rank, size), f"rank {rank}: first save() result after two overwrites")
     assert sorted(k for k in tddist.read_manifest(target).leaves) == [("y",), ("z", "q")]
 
 
