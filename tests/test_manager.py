@@ -26,6 +26,7 @@ from tddist import _faults
 from tddist import format as fmt
 from tddist.manager import CheckpointManager, parse_signals
 from tddist.retention import newest_checkpoint, parse_step, step_name
+from tests.helpers import assert_td_equal, leftovers
 from tests.launch_util import REPO, Job, _communicate, _env, _reports, free_port, run_job
 from tests.manager_rank import expected, local_state
 
@@ -36,13 +37,9 @@ def steps_in(root: Path) -> list[int]:
     return sorted(s for s in map(parse_step, os.listdir(root)) if s is not None)
 
 
-def leftovers(root: Path) -> list[str]:
-    return sorted(n for n in os.listdir(root) if n.startswith("."))
-
-
 def assert_checkpoint(root: Path, step: int) -> None:
     full = tddist.load(root / step_name(step), shard=None, verify=True)
-    assert (full == expected(step)).all(), f"checkpoint of step {step} holds other values"
+    assert_td_equal(full, expected(step), f"checkpoint of step {step}")
     assert tddist.read_manifest(root / step_name(step)).metadata["step"] == step
 
 
@@ -70,7 +67,7 @@ def test_latest_ignores_leftovers_and_torn_checkpoints(tmp_path: Path) -> None:
     assert newest_checkpoint(str(root)) == (str(root / step_name(20)), 20)
     mgr = CheckpointManager(root, preempt_signal=None)  # cleans up at start
     assert mgr.latest() == str(root / step_name(20))
-    assert leftovers(root) == [], "staging and trash leftovers were not removed"
+    assert leftovers(root / "*") == [], "staging and trash leftovers were not removed"  # of any checkpoint
     assert steps_in(root) == [10, 20, 50, 60]
     assert (foreign / "notes.txt").read_text() == "mine" and (root / "README").exists()
     state = local_state(0, 1, 0)
@@ -159,12 +156,12 @@ def test_async_retention_keeps_the_previous_checkpoint_until_the_next_commits(tm
         mgr.step(3, state)
         assert steps_in(root) == [2], "the committed checkpoint went away while the next save was in flight"
         mgr.wait()
-    assert steps_in(root) == [3] and leftovers(root) == []
+    assert steps_in(root) == [3] and leftovers(root / "step-*", strict=True) == []
     with _faults.inject("write", 0, "raise"):
         mgr.save(4, local_state(0, 1, 4))  # fails in the background
         with pytest.raises(tddist.errors.InjectedFault):
             mgr.wait()
-    assert steps_in(root) == [3] and leftovers(root) == []
+    assert steps_in(root) == [3] and leftovers(root / "step-*", strict=True) == []
     assert_checkpoint(root, 3)
     mgr.save(4, local_state(0, 1, 4))  # the manager carries on after a failed save
     mgr.close()
@@ -254,7 +251,8 @@ def test_crashes_retention_and_resume_on_other_world_sizes(tmp_path: Path) -> No
         -3000:
     ]
     assert steps_in(root) == [4, 5]
-    assert [kind for kind, _ in fmt.side_entries(str(root / step_name(6)))] == ["staging"], leftovers(root)
+    left = leftovers(root / "*")
+    assert [kind for kind, _ in fmt.side_entries(str(root / step_name(6)))] == ["staging"], left
 
     job = run_job(
         "spawn", 3, SCRIPT, [str(tmp_path), "crash-publish"], tmp_path / "r2", timeout=120, env={"TDDIST_TIMEOUT": "60"}
@@ -268,7 +266,7 @@ def test_crashes_retention_and_resume_on_other_world_sizes(tmp_path: Path) -> No
     job = run_job("spawn", 1, SCRIPT, [str(tmp_path), "finish"], tmp_path / "r3", timeout=120)
     job.assert_ok(1)
     assert job.reports[0]["start"] == 7
-    assert steps_in(root) == [8, 9] and leftovers(root) == []
+    assert steps_in(root) == [8, 9] and leftovers(root / "step-*", strict=True) == []
     assert_checkpoint(root, 9)
 
 
@@ -293,7 +291,7 @@ def test_signal_during_async_save(tmp_path: Path) -> None:
     stop, first = stops[0], int(marker.read_text())
     assert first < stop < first + 20, (first, stop)
     root = tmp_path / "ckpt"
-    assert steps_in(root) == [first, stop] and leftovers(root) == []
+    assert steps_in(root) == [first, stop] and leftovers(root / "step-*", strict=True) == []
     assert_checkpoint(root, first)
     assert_checkpoint(root, stop)
 
