@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import logging
 import os
 import shutil
-
-logger = logging.getLogger(__name__)
 
 _AT_FDCWD = -100
 RENAME_NOREPLACE = 1

@@ -24,12 +24,12 @@ from .archive import ArchiveWriter, resolve_compression
 from .comm import LocalComm, resolve, run_step
 from .commit import two_phase_commit
 from .errors import InvalidArgumentError, InvalidDataError
+from .into import fill
 from .manifest import Manifest, merge_fragments, to_json
 from .manifest_io import read_manifest as _read_manifest
 from .plan import LoadReport, check_shard, leaf_box, node_rows, object_value
 from .reader import read_leaves
 from .recovery import recover as _recover
-from .restore import fill
 from .sharding import Boxes, Shard
 from .tree import build, dtensor_box, flatten, is_dtensor, local_bytes, resolve_placements, select
 from .writer import write_shard

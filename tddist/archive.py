@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import format as fmt
+from ._compat import local_header, write_central_directory
 from .checksum import EMPTY, block_digest, combine_digests, tensor_bytes
 from .errors import CorruptCheckpointError, InvalidArgumentError, TargetError
 from .recovery import is_tddist_archive
@@ -223,10 +224,10 @@ def layout(entries: list[Entry], start: int) -> int:
     pos = start
     for e in entries:
         zi = _zipinfo(e.name, e.method, e.crc, len(e.data), e.csize)
-        base = len(zi.FileHeader())
+        base = len(local_header(zi))
         pad = -(pos + base + 4) % ALIGN
         zi.extra = struct.pack("<HH", _PAD_EXTRA_ID, pad) + b"\0" * pad
-        e.header = zi.FileHeader()
+        e.header = local_header(zi)
         e.offset = pos
         pos += len(e.header) + e.csize
     return pos + (-pos % ALIGN)
@@ -273,17 +274,13 @@ def finalize(path: str, end: int, manifest: bytes, tables: list[list[list]]) -> 
     write_region(path, [m], 0)
     rows = [row for table in tables for row in table] + entry_table([m])
     cd_start = m.offset + len(m.header) + m.csize
+    infos = []
+    for name, offset, method, crc, size, csize in rows:
+        zi = _zipinfo(name, method, crc, size, csize)
+        zi.header_offset = offset
+        infos.append(zi)
     with open(path, "r+b") as f:
-        f.seek(cd_start)
-        f.truncate()
-        zf = zipfile.ZipFile(f, mode="w")
-        for name, offset, method, crc, size, csize in rows:
-            zi = _zipinfo(name, method, crc, size, csize)
-            zi.header_offset = offset
-            zf.filelist.append(zi)
-            zf.NameToInfo[name] = zi
-        zf.start_dir = cd_start
-        zf.close()
+        write_central_directory(f, cd_start, infos)
         f.flush()
         os.fsync(f.fileno())
 
@@ -363,12 +360,6 @@ class ArchiveFiles:
             return view if start % ALIGN == 0 else view.clone()  # rewritten by another zip tool: unaligned
         out = bytearray(_decompress(zi.compress_type, memoryview(raw), nbytes, f"{self.path!r}: {name!r}"))
         return torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
-
-    def read_manifest(self) -> bytes:
-        found = self.entries.get(fmt.MANIFEST_NAME)
-        if found is None:
-            return b""
-        return bytes(self.array(fmt.MANIFEST_NAME, found[1].file_size).numpy())
 
 
 def _decompress(method: int, data: memoryview, size: int, where: str) -> bytes:

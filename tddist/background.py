@@ -18,9 +18,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from ._compat import register_exit_hook
 from .comm import Communicator
 from .errors import InvalidArgumentError, SaveInProgressError
-from .staging import SnapshotBuffers
+from .snapshot import SnapshotBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -88,18 +89,7 @@ def wait_all() -> None:
             logger.error("rank %d: an asynchronous tddist save failed while exiting: %s", ch.comm.rank, e)
 
 
-# At exit, in-flight saves must finish before concurrent.futures stops
-# accepting work (the writer's threads are pools too). threading's exit hooks
-# run in reverse order of registration, before atexit's, and
-# concurrent.futures registered its own when it was imported above, so this
-# hook runs first. ``_register_atexit`` is private; without it, fall back to atexit.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(wait_all)
-else:  # pragma: no cover
-    import atexit
-
-    atexit.register(wait_all)
+register_exit_hook(wait_all)  # in-flight saves finish before thread pools refuse work
 
 
 def channel(comm: Communicator) -> Channel:

@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .errors import BY_NAME, CollectiveError, CommError, CommTimeoutError, InvalidArgumentError, TddistError
+from .errors import BY_NAME, CollectiveError, CommTimeoutError, InvalidArgumentError, TddistError
 
 logger = logging.getLogger(__name__)
 
@@ -257,17 +257,3 @@ def resolve(comm: Any = None, timeout: float | None = None) -> Communicator:
 
 def _is_tddist_comm(comm) -> bool:
     return type(comm).__module__.startswith("tddist.")
-
-
-def wrap_transport_error(rank: int, op: str, exc: BaseException, elapsed: float, timeout: float) -> CommError:
-    """Turn a transport exception into CommError/CommTimeoutError with advice."""
-    text = str(exc)
-    timed_out = elapsed >= 0.9 * timeout or "timed out" in text.lower() or "timeout" in text.lower()
-    cls = CommTimeoutError if timed_out else CommError
-    why = f"did not complete within {timeout:.0f}s" if timed_out else "failed"
-    return cls(
-        f"rank {rank}: {op} {why} after {elapsed:.1f}s ({type(exc).__name__}: {text.splitlines()[0] if text else ''}); "
-        f"a peer rank probably died or hung, see the other ranks' logs. During a save, the target now holds "
-        f"either the previous checkpoint or, if rank 0 committed before the failure, the new one, never a "
-        f"partial one (tddist.read_manifest tells which; run tddist.recover on the target to remove leftovers)"
-    )

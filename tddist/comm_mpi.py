@@ -8,14 +8,10 @@ rank becomes a ``CommTimeoutError`` on the others instead of a hang.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
-from .comm import wrap_transport_error
-from .errors import CommTimeoutError
-
-logger = logging.getLogger(__name__)
+from .errors import CommTimeoutError, wrap_transport_error
 
 _TAG = 7301
 

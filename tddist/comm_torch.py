@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .comm import wrap_transport_error
+from .errors import wrap_transport_error
 
 logger = logging.getLogger(__name__)
 

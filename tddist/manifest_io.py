@@ -71,15 +71,14 @@ def _archive_manifest(path: str) -> tuple[bytes, str]:
         )
     try:
         with zipfile.ZipFile(path) as zf:
-            info = zf.NameToInfo.get(fmt.MANIFEST_NAME)
-            if info is None:
-                raise CheckpointNotFoundError(
-                    f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
-                )
-            with zf.open(info) as f:
-                raw = f.read()
+            found = fmt.MANIFEST_NAME in zf.namelist()
+            raw = zf.read(fmt.MANIFEST_NAME) if found else b""
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise CorruptCheckpointError(
             f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
         ) from None
+    if not found:
+        raise CheckpointNotFoundError(
+            f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
+        )
     return raw, f"manifest of archive {path!r}"

@@ -9,7 +9,6 @@ overlaps are opened, so loading some keys or some rows touches nothing else.
 from __future__ import annotations
 
 import errno
-import logging
 import math
 import os
 import stat
@@ -24,8 +23,6 @@ from .checksum import EMPTY, combine_digests, hash_blocks
 from .errors import CorruptCheckpointError
 from .manifest import Chunk, Leaf, Manifest
 from .sharding import Box, plan_reads
-
-logger = logging.getLogger(__name__)
 
 
 class DirectoryFiles:

@@ -33,7 +33,7 @@ def is_tddist_archive(path: str) -> bool:
     """True if ``path`` is a zip file holding a tddist manifest."""
     try:
         with zipfile.ZipFile(path) as zf:
-            return fmt.MANIFEST_NAME in zf.NameToInfo
+            return fmt.MANIFEST_NAME in zf.namelist()
     except (zipfile.BadZipFile, OSError, ValueError):
         return False
 

@@ -13,6 +13,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
 from . import format as fmt
+from ._compat import dtensor_local_box
 from .errors import InvalidArgumentError, InvalidDataError
 from .sharding import Box, Boxes, Placement, Replicate, Shard, consistent_batch
 
@@ -103,8 +104,7 @@ def dtensor_box(d, key: Key) -> tuple[Box | None, bool]:
     coord = d.device_mesh.get_coordinate()
     if coord is None:
         return None, False
-    (chunk,) = d.__create_chunk_list__()
-    box = (tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes))
+    box = dtensor_local_box(d)
     writes = all(c == 0 for c, k in zip(coord, kinds) if k == "Replicate")
     return box, writes
 

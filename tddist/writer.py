@@ -11,7 +11,6 @@ reserves each file's space first so a full disk fails fast with ENOSPC.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -26,8 +25,6 @@ from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_durable
 from .checksum import EMPTY, block_digest, checksum_bytes, combine_digests, tensor_bytes
 from .manifest import leaf_entry
 from .sharding import consistent_batch
-
-logger = logging.getLogger(__name__)
 
 _WRITE_STEP = 8 * 1024 * 1024
 _MANY_FILES = 64

@@ -8,7 +8,6 @@ of one. Nothing in the target is touched before every key has been checked.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,8 +20,6 @@ from .plan import LoadReport, compare, leaf_box, object_value
 from .reader import read_leaves
 from .sharding import full_box
 from .tree import dtensor_box, flatten, is_dtensor
-
-logger = logging.getLogger(__name__)
 
 
 def _target_box(key, t, leaf, shard, rank: int, size: int):

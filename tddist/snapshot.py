@@ -10,7 +10,6 @@ written while the previous save still reads it.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .sharding import even_split
-
-logger = logging.getLogger(__name__)
 
 _PARALLEL_COPY_BYTES = 64 * 1024 * 1024
 _COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))

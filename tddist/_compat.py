@@ -1,0 +1,63 @@
+"""Every use of a private or undocumented API of Python or torch, in one place.
+
+Each shim has a test in ``tests/test_compat.py`` that fails loudly when an
+upgrade removes or changes what it relies on, instead of letting tddist fail
+in a user's job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import zipfile
+from collections.abc import Callable, Iterable
+from typing import IO, Any
+
+
+def register_exit_hook(fn: Callable[[], None]) -> None:
+    """Run ``fn`` at interpreter exit, before ``concurrent.futures`` stops accepting work.
+
+    threading's exit hooks run in reverse order of registration, before
+    atexit's; concurrent.futures registers its own when it is imported, so a
+    hook registered later runs first and may still use thread pools (the
+    writer's are). ``threading._register_atexit`` is private (CPython >= 3.9);
+    without it, ``atexit`` is the fallback (pools may then be shut already).
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(fn)
+    else:  # pragma: no cover - other interpreters
+        atexit.register(fn)
+
+
+def local_header(info: zipfile.ZipInfo) -> bytes:
+    """The local file header zipfile writes for ``info`` (``ZipInfo.FileHeader``, undocumented)."""
+    header: bytes = info.FileHeader()
+    return header
+
+
+def write_central_directory(f: IO[bytes], start: int, infos: Iterable[zipfile.ZipInfo]) -> None:
+    """Write the central directory (zip64 records when needed) for entries already in ``f``, at ``start``.
+
+    zipfile has no public API to write a central directory for entries that
+    other processes wrote; its ``ZipFile.close`` writes one from ``filelist``,
+    ``NameToInfo`` and ``start_dir`` (internal attributes), so they are filled in here.
+    """
+    f.seek(start)
+    f.truncate()
+    zf = zipfile.ZipFile(f, mode="w")
+    for info in infos:
+        zf.filelist.append(info)
+        zf.NameToInfo[info.filename] = info
+    zf.start_dir = start
+    zf.close()
+
+
+def dtensor_local_box(d: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of this rank's local shard of DTensor ``d`` in its global tensor.
+
+    ``DTensor.__create_chunk_list__`` is the hook torch.distributed.checkpoint
+    uses for the same purpose; it is not a documented API.
+    """
+    (chunk,) = d.__create_chunk_list__()
+    return tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes)

@@ -1,0 +1,83 @@
+"""Each private-API shim of tddist._compat still works with the installed Python and torch.
+
+These fail loudly on an upgrade that removes or changes what a shim relies on.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import threading
+import zipfile
+
+import torch
+
+from tddist import _compat
+
+
+def test_exit_hook_runs_before_thread_pools_refuse_work():
+    """A hook registered after concurrent.futures is imported can still submit work at exit."""
+    assert hasattr(threading, "_register_atexit"), "threading._register_atexit is gone: update _compat"
+    code = (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from tddist._compat import register_exit_hook\n"
+        "pool = ThreadPoolExecutor(1)\n"
+        "register_exit_hook(lambda: print('hook ran', pool.submit(lambda: 41 + 1).result(), flush=True))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "hook ran 42"
+
+
+def test_central_directory_for_entries_written_elsewhere():
+    """zipfile reads back an archive whose central directory the shim wrote after raw local headers."""
+    buf = io.BytesIO()
+    infos = []
+    for name, payload in (("a.txt", b"alpha"), ("dir/b.bin", bytes(range(200)))):
+        zi = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+        zi.compress_type = zipfile.ZIP_STORED
+        zi.CRC = zipfile.crc32(payload)
+        zi.file_size = zi.compress_size = len(payload)
+        zi.header_offset = buf.tell()
+        buf.write(_compat.local_header(zi))
+        buf.write(payload)
+        infos.append(zi)
+    _compat.write_central_directory(buf, buf.tell(), infos)
+    buf.seek(0)
+    with zipfile.ZipFile(buf) as zf:
+        assert zf.testzip() is None
+        assert zf.read("a.txt") == b"alpha"
+        assert zf.read("dir/b.bin") == bytes(range(200))
+
+
+def test_zip64_central_directory():
+    """Offsets beyond 4 GiB get zip64 records (as the archive layout needs for large checkpoints)."""
+    buf = io.BytesIO()
+    zi = zipfile.ZipInfo("big", date_time=(1980, 1, 1, 0, 0, 0))
+    zi.CRC, zi.file_size, zi.compress_size = zipfile.crc32(b""), 0, 0
+    zi.header_offset = 0
+    buf.write(_compat.local_header(zi))
+    zi.header_offset = 5 * 2**30  # past 4 GiB: the central directory needs a zip64 extra field
+    _compat.write_central_directory(buf, buf.tell(), [zi])
+    with zipfile.ZipFile(buf) as zf:  # reading the central directory does not touch the local header
+        assert zf.getinfo("big").header_offset == 5 * 2**30
+
+
+def test_dtensor_local_box(tmp_path):
+    """__create_chunk_list__ of a DTensor on a one-rank gloo mesh gives its local box."""
+    code = f"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard
+from tddist._compat import dtensor_local_box
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+d = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+print(dtensor_local_box(d))
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "((0, 0), (4, 3))"
+    assert torch.__version__  # the torch the shim was checked against
