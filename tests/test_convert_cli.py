@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import format as fmt
+from tests.helpers import assert_td_equal, leftovers
 
 
 def _three_ranks(path):
@@ -32,12 +33,13 @@ def test_pack_then_unpack_round_trips(tmp_path, compression):
     original = tddist.load(tmp_path / "d", shard=None)
     for path in (tmp_path / "a.tdz", tmp_path / "d2"):
         back = tddist.load(path, shard=None, verify=True)
-        assert torch.equal(back["x"], original["x"]) and back["who"] == ["r0", "r1", "r2"]
+        assert_td_equal(back, original, path.name)
+        assert back["who"] == ["r0", "r1", "r2"]
     assert tddist.read_manifest(tmp_path / "a.tdz").layout == "archive"
     assert tddist.read_manifest(tmp_path / "d2").layout == "directory"
     if compression in (None, "deflate"):
         assert zipfile.ZipFile(tmp_path / "a.tdz").testzip() is None
-    assert not [n for n in os.listdir(tmp_path) if ".tddist-" in n]
+    assert leftovers(tmp_path / "*") == []
 
 
 def test_pack_refuses_corrupt_source_and_foreign_destination(tmp_path):
@@ -48,7 +50,7 @@ def test_pack_refuses_corrupt_source_and_foreign_destination(tmp_path):
     leaf.write_bytes(bytes(raw))
     with pytest.raises(tddist.CorruptCheckpointError, match="checksum"):
         tddist.pack(tmp_path / "d", tmp_path / "a.tdz")
-    assert not (tmp_path / "a.tdz").exists() and not [n for n in os.listdir(tmp_path) if ".tddist-" in n]
+    assert not (tmp_path / "a.tdz").exists() and leftovers(tmp_path / "a.tdz", strict=True) == ["d"]
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.txt").write_text("mine")
     _three_ranks(tmp_path / "good")
