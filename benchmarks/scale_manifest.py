@@ -4,8 +4,8 @@
     .venv/bin/python benchmarks/scale_manifest.py [--ranks 1024,4096] [--leaves 1000] [--repeats 3]
 
 Builds the fragments (votes) that ``ranks`` ranks would send, each with
-``leaves`` sharded leaves shaped exactly as ``tddist.writer.write_shard``
-builds them (``tddist.manifest.leaf_entry``), and passes every fragment
+``leaves`` sharded leaves shaped exactly as a layout's ``write`` builds them
+(``tddist.types.Fragment`` of ``FragmentLeaf``), and passes every fragment
 through a pickle round trip, as the gather delivers it. Then, as rank 0 does
 in the commit:
 
@@ -30,8 +30,6 @@ import sys
 import tempfile
 import time
 
-import torch
-
 # tddist as run.py passes it (PYTHONPATH: the snapshot of this run), else the repository's copy.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,38 +38,36 @@ import _common as C
 import tddist
 from tddist import format as fmt
 from tddist._fs import write_durable
-from tddist.manifest import leaf_entry, merge_fragments, parse_manifest, to_json
+from tddist.manifest import merge_fragments, parse_manifest, to_json
 from tddist.sharding import Shard
+from tddist.types import Fragment, FragmentLeaf, StoredBytes
 
 ROWS, COLS = 8, 64  # each rank's shard of each leaf: 8 rows of 64 float32
 
 
-def build_fragments(ranks: int, leaves: int) -> tuple[list[dict], int]:
+def build_fragments(ranks: int, leaves: int) -> tuple[list[Fragment], int]:
     """The fragments as rank 0 receives them, and their total pickled size."""
     frags, pickled = [], 0
-    nodes = [[[], [ROWS]], [["params"], [ROWS]]]
+    nodes = (((), (ROWS,)), (("params",), (ROWS,)))
     nbytes = ROWS * COLS * 4
     for r in range(ranks):
-        entries = [
-            leaf_entry(
+        entries = tuple(
+            FragmentLeaf(
                 ("params", f"layer{i:04d}.weight"),
+                "float32",
                 (ROWS, COLS),
-                torch.float32,
                 Shard(0),
-                nbytes,
-                f"{(r * leaves + i) * 0x9E3779B97F4A7C15 % (1 << 64):016x}",
+                StoredBytes(nbytes, f"{(r * leaves + i) * 0x9E3779B97F4A7C15 % (1 << 64):016x}"),
             )
             for i in range(leaves)
-        ]
-        blob = pickle.dumps(
-            {"rank": r, "nodes": nodes, "leaves": entries, "objects": []}, protocol=pickle.HIGHEST_PROTOCOL
         )
+        blob = pickle.dumps(Fragment(r, nodes, entries), protocol=pickle.HIGHEST_PROTOCOL)
         pickled += len(blob)
         frags.append(pickle.loads(blob))
     return frags, pickled
 
 
-def one_run(frags: list[dict], path: str) -> tuple[dict, dict, int]:
+def one_run(frags: list[Fragment], path: str) -> tuple[dict, dict, int]:
     """(write stage times and peak RSS added, parse stage times and peak RSS added, manifest bytes)."""
     gc.collect()
     base = C.rss_kib()
@@ -116,7 +112,7 @@ def one_run(frags: list[dict], path: str) -> tuple[dict, dict, int]:
         "rss_added_mib": (C.hwm_kib() - base) / 1024,
         "rss_peak_mib": C.hwm_kib() / 1024,
     }
-    assert parsed.world_size == len(frags) and len(parsed.leaves) == len(frags[0]["leaves"])
+    assert parsed.world_size == len(frags) and len(parsed.leaves) == len(frags[0].leaves)
     del parsed, obj, data
     return write, parse, size
 

@@ -55,13 +55,3 @@ def inject(point: str, rank: int, action: str = "raise"):
         yield
     finally:
         _injected.pop((point, rank), None)
-
-
-def archive_base_offset() -> int:
-    """Where the first rank's region starts in an archive (tests only: ``TDDIST_TEST_ARCHIVE_OFFSET``).
-
-    A large value leaves a sparse hole at the start of the file, so a test can
-    check zip64 offsets beyond 4 GiB without writing 4 GiB.
-    """
-    value = int(os.environ.get("TDDIST_TEST_ARCHIVE_OFFSET", "0"))
-    return value - value % 64

@@ -150,8 +150,11 @@ def remove_tree(path: str) -> None:
         pass
 
 
-def is_inside(root: str, path: str) -> bool:
-    """True if ``path`` resolves (symlinks followed) to a location under ``root``."""
-    real_root = os.path.realpath(root)
+def is_inside(real_root: str, path: str) -> bool:
+    """True if ``path`` resolves (symbolic links followed) to ``real_root`` or below it.
+
+    ``real_root`` must already be resolved (``os.path.realpath``): readers
+    resolve the checkpoint once and check every directory they open against it.
+    """
     real = os.path.realpath(path)
     return real == real_root or real.startswith(real_root + os.sep)

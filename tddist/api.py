@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,19 +20,32 @@ from . import background
 from . import format as fmt
 from ._memmaps import file_mappings, mapped_file
 from ._version import __version__
-from .archive import ArchiveWriter, resolve_compression
-from .comm import LocalComm, resolve, run_step
+from .comm import Communicator, LocalComm, resolve, run_step
 from .commit import two_phase_commit
 from .errors import InvalidArgumentError, InvalidDataError
 from .into import fill
+from .layouts.archive import ArchiveWriter
+from .layouts.directory import DirectoryWriter
 from .manifest import Manifest, merge_fragments, to_json
 from .manifest_io import read_manifest as _read_manifest
-from .plan import LoadReport, check_shard, leaf_box, node_rows, object_value
+from .plan import LoadReport, leaf_box, node_rows, object_value, shard_request
 from .reader import read_leaves
 from .recovery import recover as _recover
-from .sharding import Boxes, Shard
-from .tree import build, dtensor_box, flatten, is_dtensor, local_bytes, resolve_placements, select
-from .writer import write_shard
+from .sharding import Box, Boxes, Shard
+from .snapshot import SnapshotBuffers
+from .tree import build, dtensor_box, flatten, is_dtensor, local_bytes, normalize_keys, resolve_placements, select
+from .types import (
+    DTensorBox,
+    EncodedObject,
+    Fragment,
+    Key,
+    LoadOptions,
+    LocalShard,
+    SavedRows,
+    SaveItem,
+    SaveOptions,
+)
+from .zipcodec import resolve_compression
 
 logger = logging.getLogger(__name__)
 
@@ -69,42 +82,59 @@ def save(
     soon as the data is snapshotted. See docs/parameters.md for every option.
     """
     _check_save_args(prefix, num_threads, metadata)
+    options = _save_options(
+        prefix, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle, archive,
+        compression,
+    )  # fmt: skip
+    c = resolve(comm, timeout)
+    ch = background.channel(c)
+    ch.wait_idle(wait_for_pending, options.target)
+    prepare = dict(placements=placements, robust_key=robust_key, allow_pickle=allow_pickle, copy_existing=copy_existing)
+    if not return_early:
+        return _commit_and_open(c, options, _prepare_local(data, c.rank, None, **prepare))
+    bg = ch.background_comm()
+    shard = _prepare_local(data, c.rank, ch.buffers, **prepare)
+    options = replace(options, num_threads=max(num_threads, 1))
+    return ch.submit(lambda: _commit_and_open(bg, options, shard))
+
+
+def _save_options(
+    prefix: str | os.PathLike,
+    metadata: Mapping | None,
+    robust_key: bool,
+    num_threads: int,
+    check_replicas: bool,
+    atomic: bool,
+    share_non_tensor: bool,
+    allow_pickle: bool,
+    archive: bool | None,
+    compression: Any,
+) -> SaveOptions:
+    """The typed options of a save; refuses combinations that cannot work."""
     target = os.path.abspath(os.fspath(prefix))
     if archive is None:
         archive = target.endswith(fmt.ARCHIVE_SUFFIX)
-    if archive:
-        resolve_compression(compression)
-        if not atomic:
-            raise InvalidArgumentError(
-                "atomic=False is not supported for archives: an archive is always written whole to a staging "
-                "file and renamed; drop atomic=False or save a directory"
-            )
-    elif compression is not None:
+    if archive and not atomic:
+        raise InvalidArgumentError(
+            "atomic=False is not supported for archives: an archive is always written whole to a staging "
+            "file and renamed; drop atomic=False or save a directory"
+        )
+    if not archive and compression is not None:
         raise InvalidArgumentError(
             f"compression={compression!r} needs an archive: pass archive=True or a prefix ending in .tdz"
         )
-    c = resolve(comm, timeout)
-    ch = background.channel(c)
-    ch.wait_idle(wait_for_pending, target)
-    options = dict(placements=placements, robust_key=robust_key, allow_pickle=allow_pickle, copy_existing=copy_existing)
-    job = _SaveJob(
-        target,
-        metadata,
-        robust_key,
-        num_threads,
-        check_replicas,
-        atomic,
-        share_non_tensor,
-        allow_pickle,
-        compression if archive else False,
+    return SaveOptions(
+        target=target,
+        layout="archive" if archive else "directory",
+        metadata=dict(metadata or {}),
+        robust_key=robust_key,
+        num_threads=num_threads,
+        check_replicas=check_replicas,
+        atomic=atomic,
+        share_non_tensor=share_non_tensor,
+        allow_pickle=allow_pickle,
+        compression=resolve_compression(compression) if archive else None,
     )
-    if not return_early:
-        local = _prepare_local(data, c.rank, None, **options)
-        return _commit_and_open(c, job, local)
-    bg = ch.background_comm()
-    local = _prepare_local(data, c.rank, ch.buffers, **options)
-    job.num_threads = max(num_threads, 1)
-    return ch.submit(lambda: _commit_and_open(bg, job, local))
 
 
 def _check_save_args(prefix, num_threads, metadata) -> None:
@@ -134,20 +164,19 @@ def _str_keys(value) -> bool:
     return True
 
 
-@dataclass
-class _Local:
-    """This rank's prepared shard, or the error that preparing it raised (it becomes this rank's vote)."""
-
-    nodes: dict = None
-    items: list = None
-    objects: dict = None
-    error: Exception | None = None
-
-
-def _prepare_local(data, rank: int, buffers, *, placements, robust_key, allow_pickle, copy_existing) -> _Local:
+def _prepare_local(
+    data: Any,
+    rank: int,
+    buffers: SnapshotBuffers | None,
+    *,
+    placements: Mapping | None,
+    robust_key: bool,
+    allow_pickle: bool,
+    copy_existing: bool,
+) -> LocalShard | Exception:
     """Flatten and check the data; with ``buffers``, snapshot it (asynchronous save).
 
-    Errors are captured, not raised: every rank must still take part in the
+    Errors are returned, not raised: every rank must still take part in the
     commit so that all of them raise the same error instead of some hanging.
     """
     try:
@@ -162,24 +191,25 @@ def _prepare_local(data, rank: int, buffers, *, placements, robust_key, allow_pi
         for k, (kind, value) in objects.items():
             where = f"rank {rank}: non-tensor leaf {list(k)}"
             if kind == "stack":
-                encoded[k] = (kind, [fmt.encode_object(v, allow_pickle, where) for v in value])
+                encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
             else:
-                encoded[k] = (kind, fmt.encode_object(value, allow_pickle, where))
+                encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where))
         items = []
         for k, t in leaves.items():
+            dtensor = None
             if isinstance(chosen[k], Boxes):
-                box, write = dtensor_box(t, k)
-                where = (box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
+                box, writes = dtensor_box(t, k)
+                dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
             else:
-                write, where = isinstance(chosen[k], Shard) or rank == 0, None
+                writes = isinstance(chosen[k], Shard) or rank == 0
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
-            items.append((k, local, chosen[k], write, where))
+            items.append(SaveItem(k, local, chosen[k], writes, dtensor))
         if buffers is not None:
             buffers.synchronize()
             buffers.retain_only(set(leaves))
-        return _Local(nodes, items, encoded)
+        return LocalShard(nodes, tuple(items), encoded)
     except Exception as e:
-        return _Local(error=e)
+        return e
 
 
 def _check_not_mapped(leaves, rank: int) -> None:
@@ -193,51 +223,28 @@ def _check_not_mapped(leaves, rank: int) -> None:
             )
 
 
-@dataclass
-class _SaveJob:
-    """The options of one save that the commit needs (``compression`` False: a directory)."""
-
-    target: str
-    metadata: Mapping | None
-    robust_key: bool
-    num_threads: int
-    check_replicas: bool
-    atomic: bool
-    share_non_tensor: bool
-    allow_pickle: bool
-    compression: Any
-
-
-def _commit_and_open(c, job: _SaveJob, local: _Local) -> TensorDict:
+def _commit_and_open(c: Communicator, options: SaveOptions, shard: LocalShard | Exception) -> TensorDict:
     """Run the two-phase commit with this rank's prepared shard, then map what it saved."""
-    archive = None
-    if job.compression is not False:
-        archive = ArchiveWriter(c.rank, local, job.robust_key, job.compression, job.num_threads, job.check_replicas)
+    writer_class = ArchiveWriter if options.layout == "archive" else DirectoryWriter
+    writer = writer_class(options, c.rank, shard)
 
-    def write_fragment(root: str) -> dict:
-        if local.error is not None:
-            raise local.error
-        return write_shard(
-            root, c.rank, local.nodes, local.items, local.objects, job.robust_key, job.num_threads, job.check_replicas
-        )
-
-    def build_manifest(fragments: list[dict]) -> bytes:
+    def build_manifest(fragments: list[Fragment]) -> bytes:
         m = merge_fragments(
             fragments,
-            metadata=dict(job.metadata or {}),
-            robust_key=job.robust_key,
+            metadata=dict(options.metadata),
+            robust_key=options.robust_key,
             version=__version__,
-            layout="directory" if archive is None else "archive",
+            layout=options.layout,
         )
         return fmt.dumps(to_json(m))
 
-    two_phase_commit(c, job.target, write_fragment, build_manifest, atomic=job.atomic, archive=archive)
-    logger.info("rank %d: committed %s", c.rank, job.target)
-    manifest = _read_manifest(job.target)
-    own = {k: where[0] for k, _t, _p, _w, where in local.items if where is not None}
-    return _load_from(
-        manifest, job.target, c, "saved", None, None, False, 0, job.allow_pickle, job.share_non_tensor, own
-    )
+    two_phase_commit(c, writer, build_manifest)
+    logger.info("rank %d: committed %s", c.rank, options.target)
+    assert isinstance(shard, LocalShard)  # the commit raised otherwise
+    manifest = _read_manifest(options.target)
+    own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
+    opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
+    return _load_from(manifest, options.target, c, opts, own)
 
 
 def load(
@@ -274,24 +281,20 @@ def load(
     _check_int("num_threads", num_threads)
     target = os.path.abspath(os.fspath(prefix))
     c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)
-    check_shard(shard, c.size)
+    options = LoadOptions(
+        shard=shard_request(shard, c.size),
+        keys=normalize_keys(keys),
+        device=device,
+        verify=verify,
+        num_threads=num_threads,
+        allow_pickle=allow_pickle,
+    )
 
-    def run():
+    def run() -> TensorDict | LoadReport:
         manifest = _read_manifest(target)
         if into is not None:
-            return fill(
-                manifest,
-                target,
-                into,
-                strict=strict,
-                shard=shard,
-                rank=c.rank,
-                size=c.size,
-                num_threads=num_threads,
-                verify=verify,
-                allow_pickle=allow_pickle,
-            )
-        return _load_from(manifest, target, c, shard, keys, device, verify, num_threads, allow_pickle)
+            return fill(manifest, target, into, strict=strict, options=options, rank=c.rank, size=c.size)
+        return _load_from(manifest, target, c, options)
 
     if c.size == 1 or (shard is None and into is None):
         return run()
@@ -299,26 +302,18 @@ def load(
 
 
 def _load_from(
-    manifest: Manifest,
-    target: str,
-    c,
-    shard,
-    keys,
-    device,
-    verify: bool,
-    num_threads: int,
-    allow_pickle: bool = False,
-    share_non_tensor: bool = False,
-    own_boxes: dict | None = None,
+    manifest: Manifest, target: str, c: Communicator, options: LoadOptions, own_boxes: Mapping[Key, Box] | None = None
 ) -> TensorDict:
-    if shard == "saved" and manifest.world_size != c.size:
+    """This rank's part of the checkpoint as a TensorDict (``own_boxes``: DTensor boxes this rank just saved)."""
+    shard = options.shard
+    if isinstance(shard, SavedRows) and manifest.world_size != c.size:
         raise InvalidArgumentError(
             f"rank {c.rank}: shard='saved' needs the saving world size ({manifest.world_size} ranks), this job has "
             f"{c.size}; use shard='even' to reshard"
         )
-    leaf_keys, node_keys = select(list(manifest.leaves) + list(manifest.objects), manifest.nodes, keys)
+    leaf_keys, node_keys = select(list(manifest.leaves) + list(manifest.objects), manifest.nodes, options.keys)
     objects = {
-        k: object_value(manifest.objects[k], shard, c.rank, c.size, allow_pickle)
+        k: object_value(manifest.objects[k], shard, c.rank, c.size, options.allow_pickle)
         for k in leaf_keys
         if k in manifest.objects
     }
@@ -326,15 +321,17 @@ def _load_from(
     leaves = [manifest.leaves[k] for k in leaf_keys]
     own_boxes = own_boxes or {}
     boxes = [own_boxes.get(leaf.key) or leaf_box(leaf, shard, c.rank, c.size) for leaf in leaves]
-    tensors = read_leaves(target, manifest, zip(leaves, boxes), num_threads, verify)
-    if device is not None:
-        tensors = [t.to(device) for t in tensors]
+    tensors = read_leaves(target, manifest, zip(leaves, boxes), options.num_threads, options.verify)
+    if options.device is not None:
+        tensors = [t.to(options.device) for t in tensors]
     loaded = dict(zip(leaf_keys, tensors))
 
-    def rows(key, batch):
+    def rows(key: Key, batch: tuple[int, ...]) -> int:
         return node_rows(manifest, key, batch[0], shard, c.rank, c.size)
 
-    return build({k: manifest.nodes[k] for k in node_keys}, loaded, rows, device, objects, share_non_tensor)
+    return build(
+        {k: manifest.nodes[k] for k in node_keys}, loaded, rows, options.device, objects, options.share_non_tensor
+    )
 
 
 def read_manifest(prefix: str | os.PathLike) -> Manifest:

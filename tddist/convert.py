@@ -11,24 +11,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import replace
 
 from . import format as fmt
 from ._fs import fsync_tree_dirs, makedirs_durable, remove_tree, write_durable
-from .archive import (
-    check_archive_target,
-    entry_table,
-    finalize,
-    layout,
-    prepare_entries,
-    resolve_compression,
-    write_region,
-)
 from .checksum import combine_digests, hash_blocks
-from .commit import check_target, publish
 from .errors import CorruptCheckpointError
+from .layouts.archive import check_archive_target
+from .layouts.directory import check_target
 from .manifest import to_json
 from .manifest_io import read_manifest
+from .publish import publish
 from .reader import open_files
+from .zipcodec import (
+    entry_rows,
+    place_entries,
+    prepare_entries,
+    resolve_compression,
+    write_manifest_and_directory,
+    write_region,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +78,11 @@ def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression=None, nu
     """Write the committed directory checkpoint ``src`` as the archive ``dst``; returns ``dst``."""
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     manifest = read_manifest(src)
-    method, level = resolve_compression(compression)
+    codec = resolve_compression(compression)
     metas, leaves = _files(manifest, src)
     files = open_files(src)
     tensors = {name: files.array(name, size) for name, (size, _c) in leaves.items()}
-    entries = prepare_entries(metas, tensors, method, level, num_threads)
+    entries = prepare_entries(metas, tensors, codec, num_threads)
     for e in entries:
         if e.name in leaves:
             _check(e.name, e.digests, leaves[e.name][1], src)
@@ -88,10 +90,10 @@ def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression=None, nu
     check_archive_target(dst)
     with _staged(dst) as staging:
         os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        end = layout(entries, 0)
+        end = place_entries(entries, 0)
         write_region(staging, entries, num_threads)
-        manifest.layout = "archive"
-        finalize(staging, end, fmt.dumps(to_json(manifest)), [entry_table(entries)])
+        as_archive = fmt.dumps(to_json(replace(manifest, layout="archive")))
+        write_manifest_and_directory(staging, end, as_archive, list(entry_rows(entries)))
     logger.info("packed %s into %s", src, dst)
     return dst
 
@@ -112,8 +114,8 @@ def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int =
             data = files.array(name, size).numpy()
             _check(name, hash_blocks(data), checksum, src)
             _write(staging, name, memoryview(data))
-        manifest.layout = "directory"
-        write_durable(os.path.join(staging, fmt.MANIFEST_NAME), fmt.dumps(to_json(manifest)))
+        as_directory = fmt.dumps(to_json(replace(manifest, layout="directory")))
+        write_durable(os.path.join(staging, fmt.MANIFEST_NAME), as_directory)
         fsync_tree_dirs(staging)
     logger.info("unpacked %s into %s", src, dst)
     return dst

@@ -15,35 +15,26 @@ import torch
 from tensordict import NonTensorStack, TensorDictBase
 
 from .errors import IncompatibleCheckpointError
-from .manifest import Manifest
+from .manifest import Leaf, Manifest
 from .plan import LoadReport, compare, leaf_box, object_value
 from .reader import read_leaves
-from .sharding import full_box
+from .sharding import Box, full_box
 from .tree import dtensor_box, flatten, is_dtensor
+from .types import AllRows, EvenRows, Key, LoadOptions, ShardRequest
 
 
-def _target_box(key, t, leaf, shard, rank: int, size: int):
+def _target_box(key: Key, t: Any, leaf: Leaf, shard: ShardRequest, rank: int, size: int) -> Box | None:
     if is_dtensor(t):
         box, _writes = dtensor_box(t, key)
         return box
     if tuple(t.shape) == tuple(leaf.shape):
         return full_box(leaf.shape)
-    box = leaf_box(leaf, "even" if shard is None else shard, rank, size)
+    box = leaf_box(leaf, _rows_of_plain_targets(shard), rank, size)
     return box if tuple(box[1]) == tuple(t.shape) else None
 
 
 def fill(
-    manifest: Manifest,
-    root: str,
-    target: Any,
-    *,
-    strict: bool,
-    shard,
-    rank: int,
-    size: int,
-    num_threads: int,
-    verify: bool,
-    allow_pickle: bool,
+    manifest: Manifest, root: str, target: Any, *, strict: bool, options: LoadOptions, rank: int, size: int
 ) -> LoadReport:
     """Fill ``target`` (TensorDict or nested dict of tensors/DTensors) from the checkpoint at ``root``."""
     _nodes, tensors, objects = flatten(target)
@@ -53,7 +44,7 @@ def fill(
         leaf = manifest.leaves.get(key)
         if leaf is None or key in report.mismatched:
             continue
-        box = _target_box(key, t, leaf, shard, rank, size)
+        box = _target_box(key, t, leaf, options.shard, rank, size)
         if box is None:
             report.mismatched[key] = (
                 f"{list(key)} has shape {list(t.shape)} in the target, which is neither the whole leaf "
@@ -66,7 +57,9 @@ def fill(
             f"rank {rank}: the checkpoint at {root!r} does not match the target: {report.describe()}; "
             f"fix the target, or pass strict=False to load what matches"
         )
-    values = read_leaves(root, manifest, [(leaf, box) for _k, _t, leaf, box in requests], num_threads, verify)
+    values = read_leaves(
+        root, manifest, [(leaf, box) for _k, _t, leaf, box in requests], options.num_threads, options.verify
+    )
     with torch.no_grad():
         for (key, t, _leaf, _box), value in zip(requests, values):
             local = t.to_local() if is_dtensor(t) else t
@@ -74,10 +67,17 @@ def fill(
             report.loaded.append(key)
     for key in objects:
         if key in manifest.objects and key not in report.mismatched:
-            kind, value = object_value(manifest.objects[key], shard or "even", rank, size, allow_pickle)
+            kind, value = object_value(
+                manifest.objects[key], _rows_of_plain_targets(options.shard), rank, size, options.allow_pickle
+            )
             _set_object(target, key, NonTensorStack.from_list(value) if kind == "stack" else value)
             report.loaded.append(key)
     return report
+
+
+def _rows_of_plain_targets(shard: ShardRequest) -> ShardRequest:
+    """A plain target tensor of a row share gets the even share when the whole checkpoint was asked for."""
+    return EvenRows() if isinstance(shard, AllRows) else shard
 
 
 def _set_object(target, key: tuple, value) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .api import load, save
-from .comm import collective_error, describe, resolve
+from .comm import decide_on_rank0, resolve
 from .errors import InvalidArgumentError
 from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_name
 from .state import get_state, set_state
@@ -249,16 +249,7 @@ class CheckpointManager:
 
     def _on_rank0(self, what: str, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on rank 0 and broadcast its result, or raise its error on every rank."""
-        value, error = None, None
-        if self.comm.rank == 0:
-            try:
-                value = fn()
-            except Exception as e:
-                error = describe(e)
-        value, error = self.comm.broadcast((value, error), 0)
-        if error is not None:
-            raise collective_error(what, {0: error})
-        return value
+        return decide_on_rank0(self.comm, what, lambda _none: fn())
 
     def _on_signal(self, signum, frame) -> None:
         self.request_preemption()  # only a flag: the ranks agree at the next step()

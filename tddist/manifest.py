@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from . import format as fmt
 from .errors import ManifestError, ShardingError
 from .sharding import Box, Boxes, Placement, Replicate, Shard, full_box, shard_box, tiling_problems
+from .types import Fragment, FragmentLeaf, Key, StoredBytes
 
 if TYPE_CHECKING:
     import torch
 
-Key = tuple[str, ...]
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 _MAX_ELEMENTS = 1 << 56
 
@@ -81,39 +81,8 @@ class Manifest:
 # --- fragments -----------------------------------------------------------------
 
 
-def leaf_entry(
-    key: Key,
-    tensor_shape,
-    dtype: torch.dtype,
-    placement,
-    nbytes: int | None,
-    checksum: str | None,
-    box: Box | None = None,
-    global_shape=None,
-) -> dict:
-    """One leaf of a fragment. ``checksum`` is None when this rank did not write the leaf.
-
-    ``Boxes`` leaves (DTensors) also give this rank's ``box`` in the global
-    tensor of ``global_shape``.
-    """
-    if isinstance(placement, Shard):
-        kind = ["shard", placement.dim]
-    elif isinstance(placement, Boxes):
-        kind = ["boxes", list(global_shape), [list(box[0]), list(box[1])]]
-    else:
-        kind = ["replicate"]
-    return {
-        "key": list(key),
-        "dtype": fmt.dtype_name(dtype),
-        "shape": list(tensor_shape),
-        "placement": kind,
-        "nbytes": nbytes,
-        "checksum": checksum,
-    }
-
-
 def merge_fragments(
-    fragments: list[dict], *, metadata: dict | None, robust_key: bool, version: str, layout: str = "directory"
+    fragments: list[Fragment], *, metadata: dict | None, robust_key: bool, version: str, layout: str = "directory"
 ) -> Manifest:
     """Validate the ranks' fragments against each other and build the manifest (rank 0).
 
@@ -121,16 +90,16 @@ def merge_fragments(
     """
     world = len(fragments)
     first = fragments[0]
-    node_keys = [tuple(k) for k, _ in first["nodes"]]
-    leaf_keys = [tuple(e["key"]) for e in first["leaves"]]
+    node_keys = [k for k, _ in first.nodes]
+    leaf_keys = [e.key for e in first.leaves]
     for f in fragments[1:]:
-        if [tuple(k) for k, _ in f["nodes"]] != node_keys or [tuple(e["key"]) for e in f["leaves"]] != leaf_keys:
+        if [k for k, _ in f.nodes] != node_keys or [e.key for e in f.leaves] != leaf_keys:
             _raise_structure_mismatch(first, f)
 
     nodes: dict[Key, tuple[int, ...]] = {}
     node_rows: dict[Key, list[int]] = {}
     for i, key in enumerate(node_keys):
-        sizes = [tuple(f["nodes"][i][1]) for f in fragments]
+        sizes = [f.nodes[i][1] for f in fragments]
         if any(len(s) != len(sizes[0]) or s[1:] != sizes[0][1:] for s in sizes):
             raise ShardingError(
                 f"the TensorDict at {_show(key)} has batch sizes that differ beyond dim 0 across ranks: "
@@ -142,8 +111,7 @@ def merge_fragments(
 
     leaves: dict[Key, Leaf] = {}
     for i, key in enumerate(leaf_keys):
-        entries = [f["leaves"][i] for f in fragments]
-        leaves[key] = _merge_leaf(key, entries)
+        leaves[key] = _merge_leaf(key, [f.leaves[i] for f in fragments])
     return Manifest(
         world_size=world,
         nodes=nodes,
@@ -158,36 +126,44 @@ def merge_fragments(
     )
 
 
-def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
+def _placement_kind(e: FragmentLeaf) -> tuple:
+    """What must be equal across ranks about a leaf's placement."""
+    return (type(e.placement).__name__, getattr(e.placement, "dim", None))
+
+
+def _merge_leaf(key: Key, entries: list[FragmentLeaf]) -> Leaf:
     e0 = entries[0]
-    if e0["placement"][0] == "boxes":
+    if isinstance(e0.placement, Boxes):
         return _merge_boxes(key, entries)
-    for name in ("dtype", "placement"):
-        if any(e[name] != e0[name] for e in entries):
-            raise ShardingError(
-                f"leaf {_show(key)} has a different {name} on different ranks: "
-                f"{_by_rank([e[name] for e in entries])}; every rank must save the same {name}"
-            )
-    dtype = e0["dtype"]
-    shapes = [tuple(e["shape"]) for e in entries]
-    if e0["placement"][0] == "replicate":
+    if any(e.dtype != e0.dtype for e in entries):
+        raise ShardingError(
+            f"leaf {_show(key)} has a different dtype on different ranks: "
+            f"{_by_rank([e.dtype for e in entries])}; every rank must save the same dtype"
+        )
+    if any(_placement_kind(e) != _placement_kind(e0) for e in entries):
+        raise ShardingError(
+            f"leaf {_show(key)} has a different placement on different ranks: "
+            f"{_by_rank([e.placement for e in entries])}; every rank must save the same placement"
+        )
+    shapes = [e.shape for e in entries]
+    if isinstance(e0.placement, Replicate):
         if any(s != shapes[0] for s in shapes):
             raise ShardingError(
                 f"replicated leaf {_show(key)} has different shapes on different ranks: {_by_rank(shapes)}; "
                 f"make them equal, or shard it with placements={{{_show(key)}: tddist.Shard(0)}}"
             )
-        writers = [r for r, e in enumerate(entries) if e["checksum"] is not None]
-        differing = [
-            r for r, e in enumerate(entries) if e.get("replica") not in (None, entries[writers[0]]["checksum"])
-        ]
+        writers = [(r, e.stored) for r, e in enumerate(entries) if e.stored is not None]
+        expected = writers[0][1].checksum
+        differing = [r for r, e in enumerate(entries) if e.replica_checksum not in (None, expected)]
         if differing:
             raise ShardingError(
                 f"replicated leaf {_show(key)} differs between ranks: rank(s) {differing[:16]} hold other values "
-                f"than rank {writers[0]}, whose copy would be written; make the replicas equal, or shard the leaf"
+                f"than rank {writers[0][0]}, whose copy would be written; make the replicas equal, or shard the leaf"
             )
-        chunks = [Chunk(r, full_box(shapes[0]), entries[r]["nbytes"], entries[r]["checksum"]) for r in writers]
-        return Leaf(key, dtype, shapes[0], Replicate(), chunks)
-    dim = e0["placement"][1]
+        chunks = [Chunk(r, full_box(shapes[0]), s.nbytes, s.checksum) for r, s in writers]
+        return Leaf(key, e0.dtype, shapes[0], Replicate(), chunks)
+    assert isinstance(e0.placement, Shard)
+    dim = e0.placement.dim
     ndims = {len(s) for s in shapes}
     if ndims != {len(shapes[0])} or dim >= len(shapes[0]):
         raise ShardingError(
@@ -204,24 +180,35 @@ def _merge_leaf(key: Key, entries: list[dict]) -> Leaf:
     gshape = shapes[0][:dim] + (total,) + shapes[0][dim + 1 :]
     chunks, start = [], 0
     for r, (e, s) in enumerate(zip(entries, shapes)):
-        chunks.append(Chunk(r, shard_box(gshape, dim, start, start + s[dim]), e["nbytes"], e["checksum"]))
+        stored = _stored(key, r, e)
+        chunks.append(Chunk(r, shard_box(gshape, dim, start, start + s[dim]), stored.nbytes, stored.checksum))
         start += s[dim]
-    return Leaf(key, dtype, gshape, Shard(dim), chunks)
+    return Leaf(key, e0.dtype, gshape, Shard(dim), chunks)
 
 
-def _merge_boxes(key: Key, entries: list[dict]) -> Leaf:
+def _stored(key: Key, rank: int, e: FragmentLeaf) -> StoredBytes:
+    if e.stored is None:
+        raise ShardingError(f"rank {rank} did not store its shard of leaf {_show(key)}")
+    return e.stored
+
+
+def _merge_boxes(key: Key, entries: list[FragmentLeaf]) -> Leaf:
     """A DTensor leaf: each writing rank's box; together they must tile the global shape."""
-    kinds = {(e["dtype"], e["placement"][0], tuple(e["placement"][1])) for e in entries}
-    if len(kinds) != 1:
+
+    def kind(e: FragmentLeaf) -> tuple:
+        return (e.dtype, type(e.placement).__name__, e.dtensor.global_shape if e.dtensor else None)
+
+    kinds = {kind(e) for e in entries}
+    if len(kinds) != 1 or entries[0].dtensor is None:
         raise ShardingError(
             f"DTensor leaf {_show(key)} differs across ranks in dtype, placement kind or global shape: "
-            f"{_by_rank([(e['dtype'], e['placement'][0], e['placement'][1]) for e in entries])}"
+            f"{_by_rank([kind(e) for e in entries])}"
         )
-    gshape = tuple(entries[0]["placement"][1])
+    gshape = entries[0].dtensor.global_shape
     chunks = [
-        Chunk(r, (tuple(e["placement"][2][0]), tuple(e["placement"][2][1])), e["nbytes"], e["checksum"])
+        Chunk(r, e.dtensor.box, e.stored.nbytes, e.stored.checksum)
         for r, e in enumerate(entries)
-        if e["checksum"] is not None
+        if e.stored is not None and e.dtensor is not None
     ]
     problems = tiling_problems(gshape, [c.box for c in chunks])
     if problems:
@@ -229,23 +216,22 @@ def _merge_boxes(key: Key, entries: list[dict]) -> Leaf:
             f"the ranks' shards of DTensor leaf {_show(key)} do not tile its global shape {list(gshape)}: "
             f"{'; '.join(problems)}"
         )
-    return Leaf(key, entries[0]["dtype"], gshape, Boxes(), chunks)
+    return Leaf(key, entries[0].dtype, gshape, Boxes(), chunks)
 
 
-def _merge_objects(fragments: list[dict]) -> dict[Key, ObjectLeaf]:
+def _merge_objects(fragments: list[Fragment]) -> dict[Key, ObjectLeaf]:
     """Non-tensor leaves: equal values on all ranks are stored once, others per rank; stacks are sharded."""
-    first = fragments[0].get("objects", [])
-    keys = [(tuple(o["key"]), o["kind"]) for o in first]
+    keys = [(o.key, o.kind) for o in fragments[0].objects]
     out: dict[Key, ObjectLeaf] = {}
     for f in fragments[1:]:
-        if [(tuple(o["key"]), o["kind"]) for o in f.get("objects", [])] != keys:
-            theirs = [(tuple(o["key"]), o["kind"]) for o in f.get("objects", [])]
+        theirs = [(o.key, o.kind) for o in f.objects]
+        if theirs != keys:
             raise ShardingError(
-                f"rank 0 and rank {f['rank']} save different non-tensor entries ({keys[:5]} vs {theirs[:5]}); "
+                f"rank 0 and rank {f.rank} save different non-tensor entries ({keys[:5]} vs {theirs[:5]}); "
                 f"every rank must pass a TensorDict with the same structure"
             )
     for i, (key, kind) in enumerate(keys):
-        values = [f["objects"][i]["value"] for f in fragments]
+        values = [f.objects[i].value for f in fragments]
         encoded = [fmt.dumps(v) for v in values]  # 1, 1.0 and True are ==, but not the same value
         if kind == "stack":
             out[key] = ObjectLeaf(key, "shard", values)
@@ -256,14 +242,14 @@ def _merge_objects(fragments: list[dict]) -> dict[Key, ObjectLeaf]:
     return out
 
 
-def _raise_structure_mismatch(a: dict, b: dict) -> None:
-    ka = {tuple(e["key"]) for e in a["leaves"]} | {("<node>",) + tuple(k) for k, _ in a["nodes"]}
-    kb = {tuple(e["key"]) for e in b["leaves"]} | {("<node>",) + tuple(k) for k, _ in b["nodes"]}
+def _raise_structure_mismatch(a: Fragment, b: Fragment) -> None:
+    ka = {e.key for e in a.leaves} | {("<node>", *k) for k, _ in a.nodes}
+    kb = {e.key for e in b.leaves} | {("<node>", *k) for k, _ in b.nodes}
     only_a = sorted(_show(k) for k in ka - kb)[:5]
     only_b = sorted(_show(k) for k in kb - ka)[:5]
     raise ShardingError(
-        f"rank {a['rank']} and rank {b['rank']} save different keys (only on rank {a['rank']}: {only_a}, "
-        f"only on rank {b['rank']}: {only_b}, or the same keys in another order); every rank must pass "
+        f"rank {a.rank} and rank {b.rank} save different keys (only on rank {a.rank}: {only_a}, "
+        f"only on rank {b.rank}: {only_b}, or the same keys in another order); every rank must pass "
         f"a TensorDict with the same structure"
     )
 

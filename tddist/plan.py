@@ -1,13 +1,14 @@
 """What each rank reads: boxes for a ``shard=`` request, node rows, non-tensor values,
 and the compatibility report of a ``load(into=...)`` target. Pure; no I/O.
 
-``shard`` is one of:
+A request is one of the ``types.ShardRequest`` variants that ``shard_request``
+makes of the public ``shard=`` values:
 
-- ``"even"``: rows ``[start_r, end_r)`` as ``torch.tensor_split`` splits them;
-- ``"saved"``: exactly the rows this rank saved (same world size only);
-- ``(start, stop)``: an explicit row range, the same for every sharded leaf;
-- ``[n_0, n_1, ...]``: per-rank row counts (one per rank, summing to the global rows);
-- ``None``: everything.
+- ``"even"`` (``EvenRows``): rows ``[start_r, end_r)`` as ``torch.tensor_split`` splits them;
+- ``"saved"`` (``SavedRows``): exactly the rows this rank saved (same world size only);
+- ``(start, stop)`` (``RowRange``): an explicit row range, the same for every sharded leaf;
+- ``[n_0, n_1, ...]`` (``RowCounts``): per-rank row counts (one per rank, summing to the global rows);
+- ``None`` (``AllRows``): everything.
 
 Rows are along each leaf's shard dim; replicated and DTensor leaves come back whole.
 """
@@ -21,57 +22,64 @@ from . import format as fmt
 from .errors import InvalidArgumentError
 from .manifest import Leaf, Manifest, ObjectLeaf
 from .sharding import Box, Shard, even_split, full_box, ranges_from_counts, shard_box
+from .types import AllRows, EvenRows, Key, RowCounts, RowRange, SavedRows, ShardRequest
 
 
-def check_shard(shard, size: int) -> None:
-    """Refuse a malformed ``shard=`` before any reading."""
-    if shard in ("even", "saved", None):
-        return
+def shard_request(shard: Any, size: int) -> ShardRequest:
+    """The typed request for a public ``shard=`` value; refuses a malformed one before any reading."""
+    if isinstance(shard, str) and shard == "even":
+        return EvenRows()
+    if isinstance(shard, str) and shard == "saved":
+        return SavedRows()
+    if shard is None:
+        return AllRows()
     if isinstance(shard, tuple) and len(shard) == 2 and all(type(v) is int for v in shard):
         if not 0 <= shard[0] <= shard[1]:
             raise InvalidArgumentError(
                 f"shard={shard!r} is not a valid row range (start, stop) with 0 <= start <= stop"
             )
-        return
+        return RowRange(shard[0], shard[1])
     if isinstance(shard, list) and all(type(v) is int and v >= 0 for v in shard):
         if len(shard) != size:
             raise InvalidArgumentError(f"shard= lists {len(shard)} row counts for {size} ranks; give one per rank")
-        return
+        return RowCounts(tuple(shard))
     raise InvalidArgumentError(
         f"shard={shard!r} is not supported; use 'even', 'saved', None, a (start, stop) row range or a list of "
         f"per-rank row counts"
     )
 
 
-def row_range(n: int, shard, rank: int, size: int, what: str) -> tuple[int, int]:
-    """This rank's rows of ``n`` global rows for an "even", range or counts request."""
-    if shard == "even":
+def row_range(n: int, shard: EvenRows | RowRange | RowCounts, rank: int, size: int, what: str) -> tuple[int, int]:
+    """This rank's rows of ``n`` global rows for an even, range or counts request."""
+    if isinstance(shard, EvenRows):
         return even_split(n, size)[rank]
-    if isinstance(shard, tuple):
-        if shard[1] > n:
-            raise InvalidArgumentError(f"rank {rank}: shard={shard!r} ends past the {n} rows of {what}")
-        return shard
-    if sum(shard) != n:
-        raise InvalidArgumentError(f"shard= row counts sum to {sum(shard)}, but {what} has {n} rows")
-    return ranges_from_counts(shard)[rank]
+    if isinstance(shard, RowRange):
+        if shard.stop > n:
+            raise InvalidArgumentError(
+                f"rank {rank}: shard={(shard.start, shard.stop)!r} ends past the {n} rows of {what}"
+            )
+        return shard.start, shard.stop
+    if sum(shard.counts) != n:
+        raise InvalidArgumentError(f"shard= row counts sum to {sum(shard.counts)}, but {what} has {n} rows")
+    return ranges_from_counts(shard.counts)[rank]
 
 
-def leaf_box(leaf: Leaf, shard, rank: int, size: int) -> Box:
+def leaf_box(leaf: Leaf, shard: ShardRequest, rank: int, size: int) -> Box:
     """The box of ``leaf`` this rank gets."""
-    if shard is None or not isinstance(leaf.placement, Shard):
+    if isinstance(shard, AllRows) or not isinstance(leaf.placement, Shard):
         return full_box(leaf.shape)
     d = leaf.placement.dim
-    if shard == "saved":
+    if isinstance(shard, SavedRows):
         return leaf.chunks[rank].box
     start, stop = row_range(leaf.shape[d], shard, rank, size, f"leaf {list(leaf.key)}")
     return shard_box(leaf.shape, d, start, stop)
 
 
-def node_rows(manifest: Manifest, node_key, global_rows: int, shard, rank: int, size: int) -> int:
+def node_rows(manifest: Manifest, node_key: Key, global_rows: int, shard: ShardRequest, rank: int, size: int) -> int:
     """How many rows of a node's dim-0 batch this rank gets."""
-    if shard is None:
+    if isinstance(shard, AllRows):
         return global_rows
-    if shard == "saved":
+    if isinstance(shard, SavedRows):
         rows = manifest.node_rows.get(tuple(node_key))
         if rows is not None:
             return rows[rank]
@@ -86,18 +94,19 @@ def node_rows(manifest: Manifest, node_key, global_rows: int, shard, rank: int, 
     return stop - start
 
 
-def object_value(obj: ObjectLeaf, shard, rank: int, size: int, allow_pickle: bool) -> tuple[str, Any]:
+def object_value(obj: ObjectLeaf, shard: ShardRequest, rank: int, size: int, allow_pickle: bool) -> tuple[str, Any]:
     """A non-tensor leaf as (kind, value) for this rank (see docs/parameters.md)."""
     where = f"non-tensor leaf {list(obj.key)}"
     values = obj.values
+    saved = isinstance(shard, SavedRows)
     if obj.placement == "replicate":
         return "data", fmt.decode_object(values[0], allow_pickle, where)
     if obj.placement == "per_rank":
-        if shard == "saved" or (shard == "even" and len(values) == size):
+        if saved or (isinstance(shard, EvenRows) and len(values) == size):
             return "data", fmt.decode_object(values[rank], allow_pickle, where)
         return "data", [fmt.decode_object(v, allow_pickle, where) for v in values]
-    rows = [v for per_rank in (values[rank : rank + 1] if shard == "saved" else values) for v in per_rank]
-    if shard not in ("saved", None):
+    rows = [v for per_rank in (values[rank : rank + 1] if saved else values) for v in per_rank]
+    if not isinstance(shard, (SavedRows, AllRows)):
         start, stop = row_range(len(rows), shard, rank, size, where)
         rows = rows[start:stop]
     return "stack", [fmt.decode_object(v, allow_pickle, where) for v in rows]

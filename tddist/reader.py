@@ -11,56 +11,21 @@ from __future__ import annotations
 import errno
 import math
 import os
-import stat
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from . import format as fmt
-from .archive import ArchiveFiles
 from .checksum import EMPTY, combine_digests, hash_blocks
 from .errors import CorruptCheckpointError
+from .layouts.archive import ArchiveFiles
+from .layouts.directory import DirectoryFiles
 from .manifest import Chunk, Leaf, Manifest
 from .sharding import Box, plan_reads
 
 
-class DirectoryFiles:
-    """The files of a directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``)."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self.real_root = os.path.realpath(root)
-        self._inside: dict[str, bool] = {}
-
-    def _dir_inside(self, d: str) -> bool:
-        ok = self._inside.get(d)
-        if ok is None:
-            real = os.path.realpath(d)
-            ok = self._inside[d] = real == self.real_root or real.startswith(self.real_root + os.sep)
-        return ok
-
-    def array(self, rel: str, nbytes: int) -> torch.Tensor:
-        """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""
-        path = os.path.join(self.root, rel)
-        if not self._dir_inside(os.path.dirname(path)):
-            raise CorruptCheckpointError(f"file {path!r} resolves outside the checkpoint; refusing it")
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"file {path!r} is missing; the checkpoint is damaged") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(
-                f"{path!r} is not a regular file (a symbolic link could point outside the checkpoint); refusing it"
-            )
-        if st.st_size != nbytes:
-            raise CorruptCheckpointError(
-                f"file {path!r} has {st.st_size} bytes, the manifest says {nbytes}; the checkpoint is damaged or truncated"
-            )
-        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
-
-
-def open_files(path: str):
+def open_files(path: str) -> ArchiveFiles | DirectoryFiles:
     """The reader of a checkpoint's files: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``."""
     return ArchiveFiles(path) if os.path.isfile(path) else DirectoryFiles(path)
 

@@ -174,11 +174,19 @@ def _some(d) -> str:
     return f"{keys}{' ...' if len(d) > 8 else ''}"
 
 
-def select(leaf_keys, nodes, keys) -> tuple[list[Key], list[Key]]:
-    """(leaf keys, node keys) named by ``keys``: a leaf, or a node meaning everything under it."""
+def normalize_keys(keys: Any) -> tuple[Key, ...] | None:
+    """The public ``keys=`` value (a key, a tuple key, or a list of them; None: all) as a tuple of keys."""
     if keys is None:
+        return None
+    return tuple((k,) if isinstance(k, str) else tuple(k) for k in ([keys] if isinstance(keys, (str, tuple)) else keys))
+
+
+def select(
+    leaf_keys: list[Key], nodes: Mapping[Key, tuple[int, ...]], wanted: tuple[Key, ...] | None
+) -> tuple[list[Key], list[Key]]:
+    """(leaf keys, node keys) named by ``wanted``: a leaf, or a node meaning everything under it."""
+    if wanted is None:
         return list(leaf_keys), list(nodes)
-    wanted = [(k,) if isinstance(k, str) else tuple(k) for k in ([keys] if isinstance(keys, (str, tuple)) else keys)]
     out: list[Key] = []
     for w in wanted:
         hits = [k for k in leaf_keys if k[: len(w)] == w]

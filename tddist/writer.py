@@ -22,15 +22,15 @@ import torch
 
 from . import format as fmt
 from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_durable
-from .checksum import EMPTY, block_digest, checksum_bytes, combine_digests, tensor_bytes
-from .manifest import leaf_entry
-from .sharding import consistent_batch
+from .checksum import EMPTY, block_digest, combine_digests, tensor_bytes
+from .layouts.base import node_meta_files
+from .types import Key, LocalShard, StoredBytes
 
 _WRITE_STEP = 8 * 1024 * 1024
 _MANY_FILES = 64
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class LeafToWrite:
     """A tensor this rank writes: its key and its local (contiguous CPU) bytes."""
 
@@ -83,19 +83,19 @@ class _FileJob:
 
 def write_leaves(
     root: str, rank: int, leaves: list[LeafToWrite], robust_key: bool, num_threads: int, sync_each: bool = True
-) -> dict[tuple, tuple[int, str]]:
+) -> dict[Key, StoredBytes]:
     """Write each leaf's bytes to ``root/<rank dir>/<key>.memmap``; fsync each file if ``sync_each``.
 
-    Returns ``{key: (nbytes, checksum)}``. Tensors with no elements get no file,
+    Returns what was stored for each key. Tensors with no elements get no file,
     as in tensordict. Directories are created but not fsynced (``write_shard`` does).
     """
-    results: dict[tuple, tuple[int, str]] = {}
+    results: dict[Key, StoredBytes] = {}
     jobs: list[_FileJob] = []
     try:
         for leaf in leaves:
             data = tensor_bytes(leaf.tensor)
             if data.size == 0:
-                results[leaf.key] = (0, EMPTY)
+                results[leaf.key] = StoredBytes(0, EMPTY)
                 continue
             path = os.path.join(root, fmt.leaf_relpath(rank, leaf.key, robust_key))
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -106,7 +106,7 @@ def write_leaves(
         for j in jobs:
             j.close()
     for leaf, j in zip([lf for lf in leaves if lf.tensor.numel()], jobs):
-        results[leaf.key] = (len(j.data), combine_digests(j.digests))
+        results[leaf.key] = StoredBytes(len(j.data), combine_digests(j.digests))
     return results
 
 
@@ -130,40 +130,6 @@ def _run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
             raise error
 
 
-def node_meta_files(
-    rank: int,
-    nodes: dict[tuple, tuple[int, ...]],
-    leaves: dict[tuple, torch.Tensor],
-    objects: dict[tuple, tuple[str, object]],
-    robust_key: bool,
-) -> dict[str, bytes]:
-    """tensordict's meta.json of every node of this rank, by relative path, so
-    ``TensorDict.load_memmap(<rank dir>)`` opens what this rank wrote.
-
-    Non-tensor values stored as JSON get tensordict's NonTensorData /
-    NonTensorStack entries; pickled ones are left out (tddist never writes pickle files).
-    """
-    children: dict[tuple, list[str]] = {k: [] for k in nodes}
-    node_leaves: dict[tuple, dict] = {k: {} for k in nodes}
-    node_objects: dict[tuple, dict[str, str]] = {k: {} for k in nodes}
-    files: dict[str, bytes] = {}
-    for key in nodes:
-        if key:
-            children[key[:-1]].append(key[-1])
-    for key, t in leaves.items():
-        node_leaves[key[:-1]][key[-1]] = (list(t.shape), t.dtype)
-    for key, (kind, enc) in objects.items():
-        meta = fmt.td_object_meta(kind, enc)
-        if meta is not None:
-            files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
-            node_objects[key[:-1]][key[-1]] = "NonTensorStack" if kind == "stack" else "NonTensorData"
-    for key, batch in nodes.items():
-        batch = consistent_batch(batch, [s for s, _ in node_leaves[key].values()])
-        meta = fmt.td_meta(batch, node_leaves[key], children[key], node_objects[key])
-        files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
-    return files
-
-
 def write_files(root: str, files: dict[str, bytes], sync_each: bool = True) -> None:
     """Write small files (the meta.json) under ``root``, each fsynced if ``sync_each``."""
     for rel, data in files.items():
@@ -185,28 +151,19 @@ def sync_dirs(root: str, rank: int) -> None:
         fsync_tree_dirs(top)
 
 
-def write_shard(
-    root: str,
-    rank: int,
-    nodes: dict[tuple, tuple[int, ...]],
-    leaves: list[tuple[tuple, torch.Tensor, object, bool, tuple | None]],
-    objects: dict[tuple, tuple[str, object]],
-    robust_key: bool,
-    num_threads: int,
-    check_replicas: bool = False,
-) -> dict:
-    """Write this rank's part of a directory checkpoint under ``root``; return its fragment (its vote).
+def write_shard(root: str, rank: int, shard: LocalShard, robust_key: bool, num_threads: int) -> dict[Key, StoredBytes]:
+    """Write this rank's part of a directory checkpoint under ``root``, durably; return what it stored.
 
-    ``leaves`` holds ``(key, local tensor, placement, write, (box, global
-    shape) or None)``; ``write`` is False for a replica another rank writes.
-    ``objects`` holds the non-tensor leaves, already encoded.
+    Leaves go to ``<rank dir>/<key>.memmap`` files and each node gets
+    tensordict's ``meta.json``, so ``TensorDict.load_memmap(<rank dir>)``
+    opens what this rank wrote. Replicas that another rank writes are skipped.
     """
     os.makedirs(os.path.join(root, fmt.rank_dir(rank)), exist_ok=True)
-    written = {key: t for key, t, _p, write, _b in leaves if write}
-    metas = node_meta_files(rank, nodes, written, objects, robust_key)
+    written = shard.written()
+    metas = node_meta_files(rank, shard, robust_key)
     # Many small files: one syncfs costs far less than one fsync each.
     sync_each = len(written) + len(metas) <= _MANY_FILES
-    results = write_leaves(
+    stored = write_leaves(
         root, rank, [LeafToWrite(k, t) for k, t in written.items()], robust_key, num_threads, sync_each
     )
     write_files(root, metas, sync_each)
@@ -214,26 +171,4 @@ def write_shard(
         if not sync_each:
             _fsync_files(os.path.join(root, fmt.rank_dir(rank)))
         sync_dirs(root, rank)
-    return fragment(rank, nodes, leaves, objects, results, check_replicas)
-
-
-def fragment(rank: int, nodes, leaves, objects, results: dict, check_replicas: bool) -> dict:
-    """This rank's vote: its nodes, and each leaf's shape, placement, and (if written) size and checksum.
-
-    With ``check_replicas`` the replicas this rank did not write are hashed
-    too, so rank 0 can compare them with the copy it writes.
-    """
-    entries = []
-    for key, t, placement, write, where in leaves:
-        nbytes, checksum = results.get(key, (None, None))
-        box, global_shape = where or (None, None)
-        entry = leaf_entry(key, t.shape, t.dtype, placement, nbytes, checksum, box, global_shape)
-        if check_replicas and not write:
-            entry["replica"] = checksum_bytes(tensor_bytes(t))
-        entries.append(entry)
-    return {
-        "rank": rank,
-        "nodes": [[list(k), list(b)] for k, b in nodes.items()],
-        "leaves": entries,
-        "objects": [{"key": list(k), "kind": kind, "value": enc} for k, (kind, enc) in objects.items()],
-    }
+    return stored

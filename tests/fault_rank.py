@@ -120,38 +120,35 @@ def save_version(version: str, target: str, rank: int, **kw) -> None:
     assert_td_equal(out, shard(version, rank), f"rank {rank}: what save returned")
 
 
-#: The reservation round of an archive save (``commit._reserve``) has no fault point of the
-#: library's own: ``reserve_point`` adds this one, from the test side.
+#: The reservation (the first round of an archive save, ``ArchiveWriter.plan``) has no fault
+#: point of the library's own: ``reserve_point`` adds this one, from the test side.
 RESERVE = "reserve"
 
 
 @contextlib.contextmanager
-def reserve_point(then=None):
+def reserve_point():
     """While active, every rank passes the fault point ``RESERVE`` in the reservation round.
 
-    ``ArchiveWriter.region_size`` is the rank's part of that round, run just
-    before its reservation is gathered; the wrapper calls the library's own
-    ``fault_point`` once the size is known, so ``TDDIST_FAULT`` and ``inject``
-    reach it like any other point. ``then(rank)``, if given, runs right after
-    (a test that changes the world at that moment, e.g. the file system).
+    ``ArchiveWriter.plan`` is the rank's part of that round, run just before
+    its plan (with the region's size) is gathered; the wrapper calls the
+    library's own ``fault_point`` once the size is known, so ``TDDIST_FAULT``
+    and ``inject`` reach it like any other point.
     """
     from tddist._faults import fault_point
-    from tddist.archive import ArchiveWriter
+    from tddist.layouts.archive import ArchiveWriter
 
-    region_size = ArchiveWriter.region_size
+    plan = ArchiveWriter.plan
 
     def with_point(self):
-        size = region_size(self)
+        planned = plan(self)
         fault_point(RESERVE, self.rank)
-        if then is not None:
-            then(self.rank)
-        return size
+        return planned
 
-    ArchiveWriter.region_size = with_point
+    ArchiveWriter.plan = with_point
     try:
         yield
     finally:
-        ArchiveWriter.region_size = region_size
+        ArchiveWriter.plan = plan
 
 
 # --- what a forked child runs ------------------------------------------------------------

@@ -19,6 +19,7 @@ from tensordict import TensorDict
 import tddist
 from tddist import format as fmt
 from tddist._memmaps import mapped_file
+from tddist.layouts.archive import ArchiveWriter
 from tests.helpers import assert_td_equal, leftovers
 
 
@@ -113,7 +114,7 @@ def test_large_deflate_entry_is_compressed_in_parallel_blocks(tmp_path):
 
 def test_zip64_offsets_beyond_4gib(tmp_path, monkeypatch):
     """Regions placed past 4 GiB (a sparse hole, through the test hook) need zip64 offsets."""
-    monkeypatch.setenv("TDDIST_TEST_ARCHIVE_OFFSET", str(5 * 2**30))
+    monkeypatch.setattr(ArchiveWriter, "first_region_offset", 5 * 2**30)
     path = tmp_path / "z64.tdz"
     save_on_threads(path, size=2)
     assert os.path.getsize(path) > 5 * 2**30 and os.stat(path).st_blocks * 512 < 2**20  # sparse

@@ -57,7 +57,7 @@ from tensordict import TensorDict
 import tddist
 from tddist import format as fmt
 from tddist._faults import inject
-from tddist.archive import ArchiveWriter
+from tddist.layouts.archive import ArchiveWriter
 from tests import fault_rank
 from tests.fault_rank import RESERVE, expected, outcome_of, reserve_point, save_version, shard
 from tests.helpers import assert_td_equal, leftovers
@@ -643,13 +643,30 @@ def test_disk_full_after_reservation(small_tmpfs, tmp_path, monkeypatch):
     print(f"disk full after the reservation: {summary(outcomes)}: {outcomes[0]['msg']!r}")
 
 
+@contextlib.contextmanager
+def read_only_once_staged(mnt: Path):
+    """The file system turns read-only right after rank 0 created the archive's staging file,
+    as it reserves the ranks' regions in it (``ArchiveWriter._reserve``)."""
+    reserve = ArchiveWriter._reserve
+
+    def read_only_then_reserve(staging, start, end):
+        remount(mnt, "ro")
+        return reserve(staging, start, end)
+
+    ArchiveWriter._reserve = staticmethod(read_only_then_reserve)
+    try:
+        yield
+    finally:
+        ArchiveWriter._reserve = staticmethod(reserve)
+
+
 def read_only_save(mnt: Path, mode: str, during_reservation: bool = False) -> tuple[dict[int, dict], Path]:
     """A save over an old checkpoint on a read-only file system: read-only from the start, or
-    (archives) from the reservation round on, when rank 0 has created the staging file."""
+    (archives) from the reservation on, when rank 0 has created the staging file."""
     target = mnt / TARGET_NAMES[mode]
     save_old(target)
     if during_reservation:
-        turn = reserve_point(lambda rank: rank == 0 and remount(mnt, "ro"))
+        turn = read_only_once_staged(mnt)
     else:
         remount(mnt, "ro")
         turn = contextlib.nullcontext()

@@ -9,15 +9,22 @@ import torch
 
 from tddist import Manifest, ManifestError, Replicate, Shard, ShardingError
 from tddist import format as fmt
-from tddist.manifest import leaf_entry, merge_fragments, parse_manifest, to_json
+from tddist.manifest import merge_fragments, parse_manifest, to_json
+from tddist.types import Fragment, FragmentLeaf, StoredBytes
 
 CS = "0123456789abcdef"  # a well-formed checksum
 CS2 = "fedcba9876543210"
 
 
 def frag(rank, rows, leaves, nodes=None):
-    """A literal fragment as write_shard returns it: root node with ``rows`` batch rows."""
-    return {"rank": rank, "nodes": nodes if nodes is not None else [[[], [rows]]], "leaves": leaves}
+    """A literal fragment as a layout's write returns it: root node with ``rows`` batch rows."""
+    nodes = nodes if nodes is not None else [[[], [rows]]]
+    return Fragment(rank, tuple((tuple(k), tuple(b)) for k, b in nodes), tuple(leaves))
+
+
+def leaf_entry(key, shape, dtype, placement, nbytes, checksum, replica=None):
+    stored = StoredBytes(nbytes, checksum) if checksum is not None else None
+    return FragmentLeaf(key, fmt.dtype_name(dtype), tuple(shape), placement, stored, replica_checksum=replica)
 
 
 def sharded(key, shape, dtype=torch.float32, dim=0):
@@ -31,10 +38,7 @@ def replicated(key, shape, dtype=torch.float32, written=True, replica=None):
     n = torch.empty((), dtype=dtype).element_size()
     for s in shape:
         n *= s
-    e = leaf_entry(key, shape, dtype, Replicate(), n if written else None, CS if written else None)
-    if replica is not None:
-        e["replica"] = replica
-    return e
+    return leaf_entry(key, shape, dtype, Replicate(), n if written else None, CS if written else None, replica)
 
 
 def merge(fragments, **kw):

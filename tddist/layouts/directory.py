@@ -1,0 +1,136 @@
+"""The directory layout: a checkpoint directory with one directory per rank.
+
+Each rank directory keeps tensordict's memmap layout (``<key>.memmap`` files
+plus a ``meta.json`` per node), written by ``writer.write_shard``. Rank 0
+writes the manifest last, then the staging directory replaces the target
+(``publish``). With ``atomic=False`` the ranks write into the target itself;
+the manifest is still written last, so an interrupted save leaves a directory
+that readers refuse instead of misread.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import torch
+
+from .. import format as fmt
+from .._fs import fsync_path, is_inside, makedirs_durable, remove_tree, write_durable
+from ..errors import CorruptCheckpointError, TargetError
+from ..publish import discard, publish
+from ..recovery import is_tddist_dir
+from ..types import Fragment, LocalShard, SaveOptions, SavePlan, Staging
+from ..writer import write_shard
+from .base import build_fragment
+
+
+def check_target(target: str) -> bool:
+    """Refuse directory targets tddist must not replace; return whether one exists."""
+    if os.path.islink(target):
+        raise TargetError(f"target {target!r} is a symbolic link; pass the real path or another target")
+    if os.path.isfile(target):
+        raise TargetError(
+            f"target {target!r} is an existing file, not a checkpoint directory; choose another path "
+            f"(it was left untouched)"
+        )
+    if not os.path.exists(target):
+        return False
+    if not os.path.isdir(target):
+        raise TargetError(f"target {target!r} exists and is not a directory; choose another path")
+    if not is_tddist_dir(target):
+        raise TargetError(
+            f"target {target!r} is a non-empty directory that is not a tddist checkpoint; tddist never "
+            f"deletes foreign data: choose another path or empty it yourself"
+        )
+    return True
+
+
+class DirectoryWriter:
+    """One rank's side of a directory save (a ``layouts.base.ShardWriter``)."""
+
+    def __init__(self, options: SaveOptions, rank: int, shard: LocalShard | Exception):
+        self.options = options
+        self.target = options.target
+        self.rank = rank
+        self.shard = shard
+
+    def plan(self) -> SavePlan:
+        if isinstance(self.shard, Exception):
+            raise self.shard
+        return SavePlan(self.target, "directory", self.options.atomic)
+
+    def open(self, plans: list[SavePlan]) -> Staging:
+        parent = os.path.dirname(os.path.abspath(self.target))
+        makedirs_durable(parent)
+        exists = check_target(self.target)
+        if self.options.atomic:
+            staging = fmt.staging_path(self.target)
+            os.mkdir(staging)
+            return Staging(staging)
+        if exists:
+            manifest = os.path.join(self.target, fmt.MANIFEST_NAME)
+            if os.path.exists(manifest):
+                os.unlink(manifest)  # the old data stops being trusted first
+                fsync_path(self.target)
+            for name in os.listdir(self.target):
+                remove_tree(os.path.join(self.target, name))
+        else:
+            os.makedirs(self.target)
+        fsync_path(parent)
+        return Staging(os.path.abspath(self.target))
+
+    def write(self, staging: Staging) -> Fragment:
+        assert isinstance(self.shard, LocalShard)  # plan() raised otherwise
+        o = self.options
+        stored = write_shard(staging.path, self.rank, self.shard, o.robust_key, o.num_threads)
+        return build_fragment(self.rank, self.shard, stored, o.check_replicas)
+
+    def finalize(self, staging: Staging, manifest: bytes, fragments: list[Fragment]) -> None:
+        write_durable(os.path.join(staging.path, fmt.MANIFEST_NAME), manifest)
+        fsync_path(staging.path)
+
+    def publish(self, staging: Staging) -> None:
+        if self.options.atomic:
+            publish(staging.path, self.target)
+        else:
+            fsync_path(os.path.dirname(os.path.abspath(self.target)))
+
+    def abort(self, staging: Staging) -> None:
+        if self.options.atomic:  # a torn non-atomic target has no manifest: readers refuse it
+            discard(staging.path)
+
+
+class DirectoryFiles:
+    """The files of a committed directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.real_root = os.path.realpath(root)
+        self._inside: dict[str, bool] = {}
+
+    def _dir_inside(self, d: str) -> bool:
+        ok = self._inside.get(d)
+        if ok is None:
+            ok = self._inside[d] = is_inside(self.real_root, d)
+        return ok
+
+    def array(self, rel: str, nbytes: int) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""
+        path = os.path.join(self.root, rel)
+        if not self._dir_inside(os.path.dirname(path)):
+            raise CorruptCheckpointError(f"file {path!r} resolves outside the checkpoint; refusing it")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"file {path!r} is missing; the checkpoint is damaged") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(
+                f"{path!r} is not a regular file (a symbolic link could point outside the checkpoint); refusing it"
+            )
+        if st.st_size != nbytes:
+            raise CorruptCheckpointError(
+                f"file {path!r} has {st.st_size} bytes, the manifest says {nbytes}; the checkpoint is damaged or "
+                f"truncated"
+            )
+        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)

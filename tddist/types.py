@@ -1,0 +1,257 @@
+"""The values that cross the seams between modules, as frozen dataclasses.
+
+``api`` builds them at the edge (the public string shortcuts, such as
+``shard="even"``, are normalised here once); ``commit``, the layouts, the
+manifest and the reader consume them. Everything a rank sends to another
+(a failure, a plan, a fragment, a decision) is one of these, so it pickles
+the same over every communicator. Nothing here imports torch at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from .sharding import Box, Placement
+
+if TYPE_CHECKING:
+    import torch
+
+Key = tuple[str, ...]
+T = TypeVar("T")
+
+#: The checkpoint layouts: a directory tree, or one zip archive for all ranks.
+LayoutName = Literal["directory", "archive"]
+
+
+# --- agreement between ranks ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One rank's error, as sent to the other ranks: its class name and its message."""
+
+    error_class: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution(Generic[T]):
+    """What one rank brings to a decision: a value, or the failure that kept it from having one."""
+
+    value: T | None = None
+    failure: Failure | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision(Generic[T]):
+    """What rank 0 decided and every rank learns: a value, or the failures of the ranks that failed."""
+
+    value: T | None = None
+    failures: Mapping[int, Failure] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+# --- what a rank saves --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class DTensorBox:
+    """Where a rank's local shard of a DTensor lies in the global tensor."""
+
+    box: Box
+    global_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveItem:
+    """One tensor leaf this rank saves: its local bytes (contiguous, on the CPU), placement and role.
+
+    ``writes`` is False for a replica that another rank writes.
+    """
+
+    key: Key
+    tensor: torch.Tensor
+    placement: Placement
+    writes: bool
+    dtensor: DTensorBox | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedObject:
+    """A non-tensor leaf, encoded for the manifest: ``kind`` "data" (one value) or "stack" (one per row)."""
+
+    kind: Literal["data", "stack"]
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class LocalShard:
+    """This rank's prepared shard: its nodes (batch sizes), tensor leaves and non-tensor leaves."""
+
+    nodes: Mapping[Key, tuple[int, ...]]
+    items: tuple[SaveItem, ...]
+    objects: Mapping[Key, EncodedObject]
+
+    def written(self) -> dict[Key, torch.Tensor]:
+        """The tensors this rank writes, by key."""
+        return {i.key: i.tensor for i in self.items if i.writes}
+
+
+@dataclass(frozen=True, slots=True)
+class Compression:
+    """A zip compression method (``zipfile.ZIP_*`` or 93 for zstd) and its level (None: the default)."""
+
+    method: int
+    level: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SaveOptions:
+    """The options of one save that the commit and the layouts need, normalised by ``api.save``."""
+
+    target: str
+    layout: LayoutName
+    metadata: Mapping[str, Any]
+    robust_key: bool
+    num_threads: int
+    check_replicas: bool
+    atomic: bool
+    share_non_tensor: bool
+    allow_pickle: bool
+    compression: Compression | None = None
+
+
+# --- the commit protocol -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """A rank's contribution to the first round of the commit.
+
+    Rank 0 compares every rank's target, layout and atomicity (they must be
+    equal) and reserves ``region_bytes`` for each rank (archives).
+    """
+
+    target: str
+    layout: LayoutName
+    atomic: bool
+    region_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Staging:
+    """Where the ranks write before the commit: the staging path, and each rank's region start (archives)."""
+
+    path: str
+    region_starts: tuple[int, ...] = ()
+    end: int = 0  # where the regions end (rank 0 puts the manifest and index there)
+
+    def region_start(self, rank: int) -> int:
+        return self.region_starts[rank] if self.region_starts else 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBytes:
+    """What a rank wrote for one leaf: the byte count and the checksum."""
+
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentLeaf:
+    """One leaf of a rank's fragment: local shape, placement, and what this rank stored (None: nothing)."""
+
+    key: Key
+    dtype: str
+    shape: tuple[int, ...]
+    placement: Placement
+    stored: StoredBytes | None
+    dtensor: DTensorBox | None = None
+    replica_checksum: str | None = None  # check_replicas: the checksum of a replica this rank did not write
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentObject:
+    """One non-tensor leaf of a rank's fragment."""
+
+    key: Key
+    kind: Literal["data", "stack"]
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ArchiveEntryRow:
+    """What rank 0 needs of one archive entry to write the central directory."""
+
+    name: str
+    offset: int
+    method: int
+    crc: int
+    size: int
+    csize: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """What one rank reports after writing its shard: its vote in the commit."""
+
+    rank: int
+    nodes: tuple[tuple[Key, tuple[int, ...]], ...]
+    leaves: tuple[FragmentLeaf, ...]
+    objects: tuple[FragmentObject, ...] = ()
+    entries: tuple[ArchiveEntryRow, ...] = ()
+
+
+# --- what a rank loads ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EvenRows:
+    """``shard="even"``: this rank's even share of the rows, as ``torch.tensor_split`` splits them."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedRows:
+    """``shard="saved"``: exactly the rows this rank saved (same world size only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowRange:
+    """``shard=(start, stop)``: the same row range on every sharded leaf."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True, slots=True)
+class RowCounts:
+    """``shard=[n_0, n_1, ...]``: per-rank row counts, in rank order."""
+
+    counts: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllRows:
+    """``shard=None``: the whole global checkpoint."""
+
+
+ShardRequest = EvenRows | SavedRows | RowRange | RowCounts | AllRows
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """The options of one load, normalised by ``api.load``."""
+
+    shard: ShardRequest
+    keys: tuple[Key, ...] | None = None
+    device: Any = None
+    verify: bool = False
+    num_threads: int = 0
+    allow_pickle: bool = False
+    share_non_tensor: bool = False

@@ -1,0 +1,324 @@
+"""The zip codec of the archive layout: compression methods, CRC-32 combination, entries laid
+out in regions, local headers and the central directory.
+
+Header bytes come from ``zipfile`` (through ``_compat``): ``ZipInfo.FileHeader``
+for local headers and ``ZipFile``'s own end-record writer for the central
+directory (zip64 when needed). What zipfile cannot do, and is written here, is
+laying the entries out in parallel regions (each rank prepares its entries,
+then writes them at offsets rank 0 assigned), hashing and compressing one
+entry's blocks on several threads, and combining their CRCs (zlib exposes no
+``crc32_combine`` to Python). Payloads start on 64-byte boundaries (a padding
+block in the local header's extra field), so a reader maps the archive once
+and views stored leaves without copying.
+"""
+
+from __future__ import annotations
+
+import bz2
+import lzma
+import os
+import stat
+import struct
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from . import format as fmt
+from ._compat import local_header, write_central_directory
+from .checksum import block_digest, tensor_bytes
+from .errors import CorruptCheckpointError, InvalidArgumentError
+from .types import ArchiveEntryRow, Compression
+
+if TYPE_CHECKING:
+    import torch
+
+ALIGN = 64
+_PAD_EXTRA_ID = 0x7464  # extra-field id of the alignment padding block
+_DATE = (1980, 1, 1, 0, 0, 0)
+LOCAL_FMT = "<4s5H3I2H"
+LOCAL_SIZE = struct.calcsize(LOCAL_FMT)
+ZIP_ZSTD = 93
+
+_METHODS = {
+    "stored": zipfile.ZIP_STORED,
+    "deflate": zipfile.ZIP_DEFLATED,
+    "deflated": zipfile.ZIP_DEFLATED,
+    "bzip2": zipfile.ZIP_BZIP2,
+    "lzma": zipfile.ZIP_LZMA,
+    "zstd": ZIP_ZSTD,
+}
+
+
+def resolve_compression(compression: Any) -> Compression:
+    """(zip method, level) from ``None``, a name, a zipfile constant, ``(name, level)`` or ``"name:level"``."""
+    level = None
+    if isinstance(compression, tuple) and len(compression) == 2:
+        compression, level = compression
+    elif isinstance(compression, str) and ":" in compression:
+        compression, lv = compression.split(":", 1)
+        level = int(lv) if lv.lstrip("-").isdigit() else None
+    if compression is None or compression is False:
+        return Compression(zipfile.ZIP_STORED)
+    method = _METHODS.get(compression.lower()) if isinstance(compression, str) else compression
+    if method not in set(_METHODS.values()):
+        raise InvalidArgumentError(
+            f"compression={compression!r} is not supported; use None, 'deflate', 'bzip2', 'lzma', 'zstd', a zipfile "
+            f"constant (ZIP_STORED, ZIP_DEFLATED, ZIP_BZIP2, ZIP_LZMA, or 93 for zstd), or (name, level)"
+        )
+    if method == ZIP_ZSTD:
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            raise InvalidArgumentError(
+                "compression='zstd' needs the zstandard package: pip install zstandard"
+            ) from None
+    return Compression(method, level)
+
+
+# --- CRC-32 of blocks hashed in parallel --------------------------------------------
+
+
+def _gf2_times(mat: list[int], vec: int) -> int:
+    out, i = 0, 0
+    while vec:
+        if vec & 1:
+            out ^= mat[i]
+        vec >>= 1
+        i += 1
+    return out
+
+
+def _gf2_square(mat: list[int]) -> list[int]:
+    return [_gf2_times(mat, mat[n]) for n in range(32)]
+
+
+_ZERO_OPS: dict[int, list[int]] = {}
+
+
+def _zeros_operator(length: int) -> list[int]:
+    """The GF(2) matrix that advances a CRC-32 over ``length`` zero bytes (cached)."""
+    op = _ZERO_OPS.get(length)
+    if op is None:
+        one_bit = [0xEDB88320] + [1 << n for n in range(31)]
+        op = [1 << n for n in range(32)]  # identity
+        power = _gf2_square(_gf2_square(_gf2_square(one_bit)))  # one zero byte
+        n = length
+        while n:
+            if n & 1:
+                op = [_gf2_times(power, v) for v in op]
+            n >>= 1
+            if n:
+                power = _gf2_square(power)
+        _ZERO_OPS[length] = op
+    return op
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC-32 of A+B from crc(A), crc(B) and len(B), as zlib's crc32_combine."""
+    if len2 == 0:
+        return crc1
+    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+
+
+# --- writing -----------------------------------------------------------------------
+
+
+@dataclass
+class Entry:
+    """One archive entry of this rank: its bytes, compressed pieces, sizes and hashes."""
+
+    name: str
+    data: memoryview
+    method: int = zipfile.ZIP_STORED
+    blocks: list = field(default_factory=list)  # (start, stop) of each piece of ``data``
+    pieces: list = field(default_factory=list)  # compressed pieces; empty when stored
+    crcs: list = field(default_factory=list)  # CRC-32 of each block
+    crc: int = 0
+    csize: int = 0
+    digests: list = field(default_factory=list)  # xxh3-64 of each CHECKSUM_BLOCK
+    header: bytes = b""
+    offset: int = 0  # of the local header, absolute
+
+
+def _compress_piece(method: int, level: int | None, block, last: bool) -> bytes:
+    if method == zipfile.ZIP_DEFLATED:
+        c = zlib.compressobj(6 if level is None else level, zlib.DEFLATED, -15)
+        return c.compress(block) + c.flush(zlib.Z_FINISH if last else zlib.Z_FULL_FLUSH)
+    if method == ZIP_ZSTD:
+        import zstandard
+
+        return zstandard.ZstdCompressor(level=3 if level is None else level).compress(block)
+    if method == zipfile.ZIP_BZIP2:
+        return bz2.compress(block, 9 if level is None else level)
+    c = zipfile.LZMACompressor()
+    return c.compress(block) + c.flush()
+
+
+def _hash_and_compress(e: Entry, i: int, level: int | None) -> None:
+    lo, hi = e.blocks[i]
+    block = e.data[lo:hi]
+    e.crcs[i] = zlib.crc32(block)
+    cb = fmt.CHECKSUM_BLOCK
+    for j in range(lo // cb, -(-hi // cb)):
+        e.digests[j] = block_digest(e.data[j * cb : (j + 1) * cb])
+    if e.method != zipfile.ZIP_STORED:
+        e.pieces[i] = _compress_piece(e.method, level, block, i == len(e.blocks) - 1)
+
+
+def prepare_entries(
+    files: dict[str, bytes], leaves: dict[str, torch.Tensor], compression: Compression, num_threads: int
+) -> list[Entry]:
+    """Hash (xxh3 blocks and CRC-32) and compress every entry, with ``num_threads`` threads.
+
+    ``files`` are small metadata files, always stored; ``leaves`` maps entry
+    names to tensors. Stored, deflate and zstd entries are processed in 32 MiB
+    blocks by all threads (a full flush ends each deflate block, zstd blocks
+    are separate frames); bzip2 and lzma entries are one piece each.
+    """
+    entries = [Entry(name, memoryview(data)) for name, data in files.items()]
+    method, level = compression.method, compression.level
+    entries += [Entry(name, memoryview(tensor_bytes(t)), method) for name, t in leaves.items()]
+    tasks = []
+    for e in entries:
+        n = len(e.data)
+        step = fmt.CHECKSUM_BLOCK if e.method in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED, ZIP_ZSTD) else max(n, 1)
+        e.blocks = [(lo, min(lo + step, n)) for lo in range(0, max(n, 1), step)]
+        e.crcs = [0] * len(e.blocks)
+        e.pieces = [b""] * len(e.blocks) if e.method != zipfile.ZIP_STORED else []
+        e.digests = [0] * (-(-n // fmt.CHECKSUM_BLOCK))
+        tasks += [(e, i) for i in range(len(e.blocks))]
+    if num_threads > 1 and len(tasks) > 1:
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-zip") as ex:
+            list(ex.map(lambda t: _hash_and_compress(t[0], t[1], level), tasks))
+    else:
+        for e, i in tasks:
+            _hash_and_compress(e, i, level)
+    for e in entries:
+        e.crc = e.crcs[0]
+        for (lo, hi), c in zip(e.blocks[1:], e.crcs[1:]):
+            e.crc = crc32_combine(e.crc, c, hi - lo)
+        e.csize = sum(len(p) for p in e.pieces) if e.pieces else len(e.data)
+    return entries
+
+
+def _zipinfo(name: str, method: int, crc: int, size: int, csize: int) -> zipfile.ZipInfo:
+    zi = zipfile.ZipInfo(name, date_time=_DATE)
+    zi.compress_type = method
+    zi.CRC = crc
+    zi.file_size = size
+    zi.compress_size = csize
+    zi.create_system = 3
+    zi.external_attr = (stat.S_IFREG | 0o644) << 16
+    return zi
+
+
+def place_entries(entries: list[Entry], start: int) -> int:
+    """Assign each entry its header offset from ``start`` (a multiple of ALIGN); return the region's end.
+
+    Each payload starts on an ALIGN boundary: the local header carries a
+    padding block in its extra field.
+    """
+    pos = start
+    for e in entries:
+        zi = _zipinfo(e.name, e.method, e.crc, len(e.data), e.csize)
+        base = len(local_header(zi))
+        pad = -(pos + base + 4) % ALIGN
+        zi.extra = struct.pack("<HH", _PAD_EXTRA_ID, pad) + b"\0" * pad
+        e.header = local_header(zi)
+        e.offset = pos
+        pos += len(e.header) + e.csize
+    return pos + (-pos % ALIGN)
+
+
+def write_region(path: str, entries: list[Entry], num_threads: int) -> None:
+    """pwrite every entry's header and payload at its offset, from several threads; fsync."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        tasks = []
+        for e in entries:
+            tasks.append((e.offset, memoryview(e.header)))
+            pos = e.offset + len(e.header)
+            for piece in e.pieces or [e.data[lo:hi] for lo, hi in e.blocks]:
+                tasks.append((pos, memoryview(piece)))
+                pos += len(piece)
+
+        def put(task):
+            pos, view = task
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], pos + done)
+
+        if num_threads > 1 and len(tasks) > 1:
+            with ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-zipw") as ex:
+                list(ex.map(put, tasks))
+        else:
+            for t in tasks:
+                put(t)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def entry_rows(entries: list[Entry]) -> tuple[ArchiveEntryRow, ...]:
+    """What rank 0 needs of these entries for the central directory."""
+    return tuple(ArchiveEntryRow(e.name, e.offset, e.method, e.crc, len(e.data), e.csize) for e in entries)
+
+
+def write_manifest_and_directory(path: str, end: int, manifest: bytes, rows: list[ArchiveEntryRow]) -> None:
+    """(rank 0) Write the manifest entry (stored) at ``end``, then the central directory of every row; fsync."""
+    (m,) = prepare_entries({fmt.MANIFEST_NAME: manifest}, {}, Compression(zipfile.ZIP_STORED), 0)
+    place_entries([m], end)
+    write_region(path, [m], 0)
+    cd_start = m.offset + len(m.header) + m.csize
+    infos = []
+    for row in [*rows, *entry_rows([m])]:
+        zi = _zipinfo(row.name, row.method, row.crc, row.size, row.csize)
+        zi.header_offset = row.offset
+        infos.append(zi)
+    with open(path, "r+b") as f:
+        write_central_directory(f, cd_start, infos)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# --- reading ----------------------------------------------------------------------
+
+
+def decompress(method: int, data: memoryview, size: int, where: str) -> bytes:
+    """Decompress at most ``size`` bytes; anything more or less is an error (no zip bombs)."""
+    limit = size + 1
+    if method == zipfile.ZIP_DEFLATED:
+        out = zlib.decompressobj(-15).decompress(data, limit)
+    elif method == zipfile.ZIP_BZIP2:
+        out, rest = b"", bytes(data)
+        while rest and len(out) < limit:
+            d = bz2.BZ2Decompressor()
+            out += d.decompress(rest, limit - len(out))
+            rest = d.unused_data if d.eof else b""
+    elif method == zipfile.ZIP_LZMA:
+        props_size = struct.unpack_from("<H", data, 2)[0]
+        props = bytes(data[4 : 4 + props_size])
+        d = props[0]
+        filt = {
+            "id": lzma.FILTER_LZMA1,
+            "lc": d % 9,
+            "lp": (d // 9) % 5,
+            "pb": d // 45,
+            "dict_size": int.from_bytes(props[1:5], "little"),
+        }
+        out = lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[filt]).decompress(data[4 + props_size :], limit)
+    elif method == ZIP_ZSTD:
+        import zstandard
+
+        with zstandard.ZstdDecompressor().stream_reader(bytes(data), read_across_frames=True) as r:
+            out = r.read(limit)
+    else:
+        raise CorruptCheckpointError(f"archive {where} uses unknown compression method {method}")
+    if len(out) != size:
+        raise CorruptCheckpointError(
+            f"archive {where} decompresses to {'more' if len(out) > size else 'fewer'} bytes than its declared "
+            f"{size}; refusing it (corrupted or a zip bomb)"
+        )
+    return out
