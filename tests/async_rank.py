@@ -21,6 +21,7 @@ import tddist
 from tddist import _faults
 from tddist.background import channel
 from tddist.comm import resolve
+from tests.helpers import assert_td_equal
 from tests.launch_util import write_report
 from tests.param_scenarios import SCENARIOS as PARAMETER_SCENARIOS
 
@@ -65,9 +66,9 @@ def scenario_snapshot_and_training(work: Path, comm, rank: int, size: int) -> No
         assert train.allreduce(1.0) == size, "training all_reduce returned a wrong value"
     out = fut.result(timeout=60)
     assert fut.done() and fut.exception() is None
-    assert (out == expected).all(), "the checkpoint holds values changed after save returned"
+    assert_td_equal(out, expected, f"rank {rank}: what save returned (values changed after it returned?)")
     back = tddist.load(work / "snap", shard="saved", verify=True)
-    assert (back == expected).all()
+    assert_td_equal(back, expected, f"rank {rank}: load(shard='saved')")
 
 
 def scenario_buffers_reused(work: Path, comm, rank: int, size: int) -> None:

@@ -8,7 +8,6 @@ inside the real torchrun/mpiexec jobs of tests/async_rank.py.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 import tddist
 from tddist import _faults
 from tddist import format as fmt
+from tests.helpers import leftovers
 
 
 def _rows(rank: int) -> int:
@@ -122,7 +122,7 @@ def scenario_not_atomic(comm, work: Path, rank: int, size: int) -> None:
     target = work / "inplace"
     tddist.save(_td(rank), target, comm=comm, atomic=False)
     assert torch.equal(tddist.load(target, comm=comm, shard="saved")["x"], _td(rank)["x"])
-    assert not [n for n in os.listdir(work) if n.startswith(".inplace.tddist-")]
+    assert leftovers(target) == [], leftovers(target)
     with _faults.inject("write", size - 1, "raise"):
         _expect_error(tddist.errors.InjectedFault, lambda: tddist.save(_td(rank, 1.0), target, comm=comm, atomic=False))
     _expect_error(tddist.CheckpointNotFoundError, lambda: tddist.load(target, shard=None), "no manifest")

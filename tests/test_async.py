@@ -14,6 +14,7 @@ import torch
 
 import tddist
 from tests.async_rank import make
+from tests.helpers import assert_td_equal, leftovers
 from tests.launch_util import run_job
 
 SCRIPT = Path(__file__).with_name("async_rank.py")
@@ -30,9 +31,8 @@ def test_async_save_on_real_ranks(tmp_path: Path, launcher: str, nproc: int, com
     assert {r["comm"] for r in job.reports.values()} == {comm}
     # the save left in flight at exit was completed, not cut off
     full = tddist.load(tmp_path / "work" / "exit", shard=None, verify=True)
-    expected = torch.cat([make(r, 7)["w"] for r in range(nproc)])
-    assert torch.equal(full["w"], expected)
-    assert not tddist.recover(tmp_path / "work" / "exit"), "leftovers beside a completed save"
+    assert_td_equal(full, torch.cat([make(r, 7) for r in range(nproc)]), "the save in flight at exit")
+    assert leftovers(tmp_path / "work" / "exit") == [], "leftovers beside a completed save"
 
 
 def test_async_save_thread_ranks(tmp_path: Path) -> None:
@@ -44,6 +44,7 @@ def test_async_save_thread_ranks(tmp_path: Path) -> None:
         fut = tddist.save(td, tmp_path / "t", comm=comm, return_early=True)
         td["w"].zero_()
         out = fut.result(30)
-        return bool((out == expected).all())
+        assert_td_equal(out, expected, f"rank {comm.rank}: what save returned")
+        return True
 
     assert tddist.run_threads(3, rank_fn, timeout=60) == [True, True, True]
