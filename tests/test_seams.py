@@ -1,0 +1,139 @@
+"""The seams between modules: the commit knows only the ShardWriter protocol, and calls it in the
+documented order on every rank.
+
+A third layout (``RecordingWriter``, in memory) runs through the real ``two_phase_commit`` on
+thread ranks: the commit needs nothing from it beyond the protocol, and the order in which each
+rank calls it is the one the protocol's docstring gives.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import threading
+
+import pytest
+
+import tddist
+from tddist import commit
+from tddist.comm import run_threads
+from tddist.layouts.archive import ArchiveWriter
+from tddist.layouts.base import ShardWriter
+from tddist.layouts.directory import DirectoryWriter
+from tddist.types import Fragment, SavePlan, Staging
+
+
+class RecordingWriter:
+    """An in-memory layout that records every protocol call, per rank."""
+
+    def __init__(self, target: str, rank: int, log: list, fail_at: str | None = None):
+        self.target, self.rank, self.log, self.fail_at = target, rank, log, fail_at
+        self.lock = threading.Lock()
+
+    def _record(self, step: str) -> None:
+        with self.lock:
+            self.log.append((self.rank, step))
+        if step == self.fail_at:
+            raise tddist.TargetError(f"rank {self.rank}: {step} failed on purpose")
+
+    def plan(self) -> SavePlan:
+        self._record("plan")
+        return SavePlan(self.target, "directory", True, region_bytes=10 * (self.rank + 1))
+
+    def open(self, plans: list[SavePlan]) -> Staging:
+        self._record("open")
+        return Staging("mem://staging", tuple(range(len(plans))), sum(p.region_bytes for p in plans))
+
+    def write(self, staging: Staging) -> Fragment:
+        self._record("write")
+        assert staging.region_start(self.rank) == self.rank
+        return Fragment(self.rank, (((), (1,)),), ())
+
+    def finalize(self, staging: Staging, manifest: bytes, fragments: list[Fragment]) -> None:
+        self._record("finalize")
+        assert manifest == b"manifest of 3" and [f.rank for f in fragments] == [0, 1, 2]
+
+    def publish(self, staging: Staging) -> None:
+        self._record("publish")
+
+    def abort(self, staging: Staging) -> None:
+        self._record("abort")
+
+
+def run_commit(size: int, fail: tuple[int, str] | None = None) -> tuple[list, list]:
+    log: list = []
+
+    def rank_fn(comm):
+        writer = RecordingWriter("/t", comm.rank, log, fail[1] if fail and fail[0] == comm.rank else None)
+        commit.two_phase_commit(comm, writer, lambda fragments: f"manifest of {len(fragments)}".encode())
+        return "committed"
+
+    return run_threads(size, rank_fn, timeout=30), log
+
+
+def steps(log: list, rank: int) -> list[str]:
+    return [step for r, step in log if r == rank]
+
+
+def test_layouts_implement_the_protocol():
+    """Both layouts have every method of ShardWriter, with the protocol's parameters."""
+    for layout in (DirectoryWriter, ArchiveWriter):
+        for name, member in inspect.getmembers(ShardWriter, inspect.isfunction):
+            if name.startswith("_"):
+                continue
+            ours = getattr(layout, name, None)
+            assert ours is not None, f"{layout.__name__} lacks {name}"
+            assert list(inspect.signature(ours).parameters) == list(inspect.signature(member).parameters), name
+
+
+def test_call_order_on_every_rank():
+    """Rank 0: plan, open, write, finalize, publish; the others: plan, write. Every rank returns."""
+    results, log = run_commit(3)
+    assert results == ["committed"] * 3
+    assert steps(log, 0) == ["plan", "open", "write", "finalize", "publish"]
+    assert steps(log, 1) == steps(log, 2) == ["plan", "write"]
+    first_write = min(i for i, (_r, s) in enumerate(log) if s == "write")
+    assert all(s == "plan" for _r, s in log[: log.index((0, "open"))]), "open must wait for every plan"
+    assert log.index((0, "open")) < first_write, "no rank writes before rank 0 opened the staging area"
+
+
+@pytest.mark.parametrize("rank, step", [(1, "plan"), (0, "open"), (2, "write"), (0, "finalize"), (0, "publish")])
+def test_a_failure_is_the_same_error_everywhere(rank, step):
+    """A failure at any step is raised on every rank with its class and rank; rank 0 aborts what it staged."""
+    results, log = run_commit(3, fail=(rank, step))
+    for r, res in enumerate(results):
+        assert isinstance(res, tddist.TargetError), f"rank {r}: {res!r}"
+        assert res.failures.keys() == {rank} and f"{step} failed on purpose" in str(res)
+    staged = step not in ("plan", "open")
+    assert ("abort" in steps(log, 0)) == staged, steps(log, 0)
+    if step == "plan":
+        assert not any(s == "open" for _r, s in log), "nothing is staged when a rank cannot plan"
+
+
+def test_ranks_must_agree_on_the_target():
+    """A rank saving to another path is refused on every rank before anything is staged."""
+    log: list = []
+
+    def rank_fn(comm):
+        writer = RecordingWriter(f"/t{comm.rank % 2}", comm.rank, log)
+        commit.two_phase_commit(comm, writer, lambda fragments: b"")
+
+    results = run_threads(3, rank_fn, timeout=30)
+    for res in results:
+        assert isinstance(res, tddist.InvalidArgumentError) and "disagree on the save's target" in str(res), res
+    assert not any(s == "open" for _r, s in log)
+
+
+def test_commit_has_no_layout_branch():
+    """two_phase_commit is short and names no layout: layouts differ only behind ShardWriter."""
+    source = inspect.getsource(commit.two_phase_commit)
+    assert len(source.splitlines()) < 40, "two_phase_commit should stay a short list of named steps"
+    tree = ast.parse(inspect.getsource(commit))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert not any(m and m.startswith(("layouts.archive", "layouts.directory")) for m in imported), imported
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
+    strings = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    code_strings = [s for s in strings if s in ("archive", "directory")]
+    assert not ({"archive", "ArchiveWriter", "DirectoryWriter"} & names) and not code_strings
