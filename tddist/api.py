@@ -18,31 +18,28 @@ from tensordict import TensorDict
 
 from . import background
 from . import format as fmt
-from ._memmaps import file_mappings, mapped_file
 from ._version import __version__
 from .comm import Communicator, LocalComm, resolve, run_step
 from .commit import two_phase_commit
-from .errors import InvalidArgumentError, InvalidDataError
+from .errors import InvalidArgumentError
 from .into import fill
 from .layouts.archive import ArchiveWriter
 from .layouts.directory import DirectoryWriter
 from .manifest import Manifest, merge_fragments, to_json
 from .manifest_io import read_manifest as _read_manifest
 from .plan import LoadReport, leaf_box, node_rows, object_value, shard_request
+from .prepare import prepare_shard
 from .reader import read_leaves
 from .recovery import recover as _recover
-from .sharding import Box, Boxes, Shard
+from .sharding import Box
 from .snapshot import SnapshotBuffers
-from .tree import build, dtensor_box, flatten, is_dtensor, local_bytes, normalize_keys, resolve_placements, select
+from .tree import build, normalize_keys, select
 from .types import (
-    DTensorBox,
-    EncodedObject,
     Fragment,
     Key,
     LoadOptions,
     LocalShard,
     SavedRows,
-    SaveItem,
     SaveOptions,
 )
 from .zipcodec import resolve_compression
@@ -89,11 +86,22 @@ def save(
     c = resolve(comm, timeout)
     ch = background.channel(c)
     ch.wait_idle(wait_for_pending, options.target)
-    prepare = dict(placements=placements, robust_key=robust_key, allow_pickle=allow_pickle, copy_existing=copy_existing)
+
+    def prepare(buffers: SnapshotBuffers | None) -> LocalShard | Exception:
+        return prepare_shard(
+            data,
+            c.rank,
+            buffers,
+            placements=placements,
+            robust_key=robust_key,
+            allow_pickle=allow_pickle,
+            copy_existing=copy_existing,
+        )
+
     if not return_early:
-        return _commit_and_open(c, options, _prepare_local(data, c.rank, None, **prepare))
+        return _commit_and_open(c, options, prepare(None))
     bg = ch.background_comm()
-    shard = _prepare_local(data, c.rank, ch.buffers, **prepare)
+    shard = prepare(ch.buffers)
     options = replace(options, num_threads=max(num_threads, 1))
     return ch.submit(lambda: _commit_and_open(bg, options, shard))
 
@@ -137,7 +145,7 @@ def _save_options(
     )
 
 
-def _check_save_args(prefix, num_threads, metadata) -> None:
+def _check_save_args(prefix: Any, num_threads: int, metadata: Mapping[str, Any] | None) -> None:
     if prefix is None:
         raise InvalidArgumentError(
             "save(prefix=None) is not supported: tensordict would write into the TensorDict's own memmap "
@@ -156,71 +164,12 @@ def _check_save_args(prefix, num_threads, metadata) -> None:
             )
 
 
-def _str_keys(value) -> bool:
+def _str_keys(value: Any) -> bool:
     if isinstance(value, Mapping):
         return all(type(k) is str and _str_keys(v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return all(_str_keys(v) for v in value)
     return True
-
-
-def _prepare_local(
-    data: Any,
-    rank: int,
-    buffers: SnapshotBuffers | None,
-    *,
-    placements: Mapping | None,
-    robust_key: bool,
-    allow_pickle: bool,
-    copy_existing: bool,
-) -> LocalShard | Exception:
-    """Flatten and check the data; with ``buffers``, snapshot it (asynchronous save).
-
-    Errors are returned, not raised: every rank must still take part in the
-    commit so that all of them raise the same error instead of some hanging.
-    """
-    try:
-        nodes, leaves, objects = flatten(data)
-        if not robust_key:
-            _check_verbatim_keys(nodes, {**leaves, **objects})
-        _check_file_names(nodes, leaves, objects, robust_key)
-        if not copy_existing:
-            _check_not_mapped(leaves, rank)
-        chosen = resolve_placements(nodes, leaves, placements)
-        encoded = {}
-        for k, (kind, value) in objects.items():
-            where = f"rank {rank}: non-tensor leaf {list(k)}"
-            if kind == "stack":
-                encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
-            else:
-                encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where))
-        items = []
-        for k, t in leaves.items():
-            dtensor = None
-            if isinstance(chosen[k], Boxes):
-                box, writes = dtensor_box(t, k)
-                dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
-            else:
-                writes = isinstance(chosen[k], Shard) or rank == 0
-            local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
-            items.append(SaveItem(k, local, chosen[k], writes, dtensor))
-        if buffers is not None:
-            buffers.synchronize()
-            buffers.retain_only(set(leaves))
-        return LocalShard(nodes, tuple(items), encoded)
-    except Exception as e:
-        return e
-
-
-def _check_not_mapped(leaves, rank: int) -> None:
-    mappings = file_mappings()
-    for k, t in leaves.items():
-        path = mapped_file(t.to_local() if is_dtensor(t) else t, mappings)
-        if path is not None:
-            raise InvalidDataError(
-                f"rank {rank}: leaf {list(k)} is memory-mapped from {path!r} (for example, loaded from a "
-                f"checkpoint); pass copy_existing=True to copy its data into the new checkpoint"
-            )
 
 
 def _commit_and_open(c: Communicator, options: SaveOptions, shard: LocalShard | Exception) -> TensorDict:
@@ -298,7 +247,9 @@ def load(
 
     if c.size == 1 or (shard is None and into is None):
         return run()
-    return run_step(c, f"load of {target!r}", run)
+    result = run_step(c, f"load of {target!r}", run)
+    assert result is not None  # run_step raised on every rank otherwise
+    return result
 
 
 def _load_from(
@@ -348,39 +299,6 @@ def recover(prefix: str | os.PathLike) -> list[str]:
     return _recover(os.path.abspath(os.fspath(prefix)))
 
 
-def _check_int(name: str, value) -> None:
+def _check_int(name: str, value: Any) -> None:
     if type(value) is not int or value < 0:
         raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
-
-
-def _check_verbatim_keys(nodes, leaves) -> None:
-    for key in list(nodes) + list(leaves):
-        for part in key:
-            why = fmt.verbatim_key_problem(part)
-            if why:
-                raise InvalidDataError(
-                    f"key {list(key)} cannot be used verbatim as a file name with robust_key=False: {why}; "
-                    f"use robust_key=True (the default) or rename the key"
-                )
-
-
-def _check_file_names(nodes, leaves, objects, robust_key: bool) -> None:
-    """Refuse keys whose files would collide in a rank directory (with each other or with meta.json),
-    or whose encoded names are too long for a file system."""
-    taken: dict[tuple, dict[str, tuple | None]] = {k: {fmt.TD_META_NAME: None} for k in nodes}
-    entries = [(k, fmt.encode_key(k[-1], robust_key)) for k in nodes if k]
-    entries += [(k, fmt.encode_key(k[-1], robust_key) + fmt.LEAF_SUFFIX) for k in leaves]
-    entries += [(k, fmt.encode_key(k[-1], robust_key)) for k in objects]
-    for key, name in entries:
-        if len(os.fsencode(name)) > 255:
-            raise InvalidDataError(
-                f"key {list(key)[:3]}... is stored as a file name of more than 255 bytes; shorten it"
-            )
-        names = taken[key[:-1]]
-        if name in names:
-            other = names[name]
-            clash = "tensordict's meta.json" if other is None else f"the file of key {list(other)}"
-            raise InvalidDataError(
-                f"key {list(key)} would be stored as {name!r}, which clashes with {clash}; rename it"
-            )
-        names[name] = key
