@@ -67,16 +67,62 @@ def save(
     archive: bool | None = None,
     compression: Any = None,
 ) -> TensorDict | Future:
-    """Save ``data`` (this rank's shard) collectively to the checkpoint directory ``prefix``.
+    """Save ``data`` (this rank's shard) collectively to the checkpoint ``prefix``.
 
-    Every rank of ``comm`` must call it with data of the same structure. Leaves
-    under a TensorDict with batch dims are sharded along dim 0 (the global batch
-    is the ranks' rows in rank order); other leaves are replicated and written
-    once, by rank 0. ``placements`` overrides this per key (or per node).
-    Returns this rank's saved shard, memory-mapped (copy-on-write) from the
-    committed checkpoint, once the checkpoint is durable on every rank; with
-    ``return_early=True`` returns a ``concurrent.futures.Future`` of it as
-    soon as the data is snapshotted. See docs/parameters.md for every option.
+    Every rank of ``comm`` calls it with data of the same structure. Leaves
+    under a TensorDict with batch dims are sharded along dim 0 (the global
+    batch is the ranks' rows in rank order); other leaves are replicated and
+    written once, by rank 0. The checkpoint appears at ``prefix`` all at once,
+    complete and checksummed, or not at all. See docs/parameters.md for how
+    each option compares with tensordict's ``memmap``.
+
+    Args:
+        data: this rank's TensorDict, tensorclass or nested dict of tensors,
+            DTensors and JSON-able values.
+        prefix: the checkpoint directory, or an archive path ending in ``.tdz``.
+        comm: a torch ProcessGroup, an mpi4py communicator or a tddist
+            ``Communicator``; None detects it (torch.distributed, MPI,
+            torchrun's environment, else one process).
+        placements: ``{key: tddist.Shard(dim) | tddist.Replicate()}`` for a
+            leaf or a node, overriding the default placement.
+        num_threads: threads that write (and hash) this rank's bytes; 0 or 1
+            writes on the calling thread.
+        return_early: return a Future as soon as the data is snapshotted; the
+            write and the commit run in the background.
+        atomic: False writes into the target itself (directories only); the
+            manifest is still written last.
+        metadata: a JSON-able dict stored in the manifest.
+        copy_existing: allow leaves memory-mapped from a file (for example
+            loaded from a checkpoint); their bytes are copied.
+        share_non_tensor: the returned TensorDict keeps non-tensor values in
+            shared memory, as tensordict does.
+        robust_key: percent-encode keys in file names (tensordict's escaping);
+            False uses them verbatim and refuses unsafe ones.
+        allow_pickle: store non-tensor values that JSON cannot represent with pickle.
+        check_replicas: compare every rank's copy of each replicated leaf
+            with the one rank 0 writes.
+        wait_for_pending: wait for this communicator's asynchronous save in
+            flight; False raises ``SaveInProgressError`` instead.
+        timeout: seconds any collective may take (default 600 or
+            ``TDDIST_TIMEOUT``).
+        archive: write one ``.tdz`` zip archive; None infers it from the suffix.
+        compression: an archive's compression: None, "deflate", "bzip2",
+            "lzma", "zstd", a zipfile constant, ``(name, level)`` or "name:level".
+
+    Returns:
+        This rank's saved shard, memory-mapped copy-on-write from the
+        committed checkpoint, once it is durable on every rank; with
+        ``return_early`` a ``concurrent.futures.Future`` of it.
+
+    Raises:
+        InvalidArgumentError: an invalid option (on the rank that passed it,
+            before any collective).
+        InvalidDataError: data that cannot be checkpointed as given (on every rank).
+        ShardingError: the ranks' shards do not fit together (on every rank).
+        TargetError: the target may not be replaced, or cannot be written.
+        CommError: a peer died or the transport broke; the target then holds
+            the previous checkpoint or, if rank 0 committed, the new one.
+        CollectiveError: ranks failed with different errors.
     """
     _check_save_args(prefix, num_threads, metadata)
     options = _save_options(
@@ -212,20 +258,41 @@ def load(
 ) -> TensorDict | LoadReport:
     """Load a committed checkpoint, on any world size.
 
-    ``shard="even"``: this rank's even share of the global rows (split as
-    ``torch.tensor_split`` does). ``shard="saved"``: exactly the rows this
-    rank saved (same world size only). ``shard=(start, stop)``: that row
-    range; ``shard=[n_0, n_1, ...]``: per-rank row counts. ``shard=None``:
-    the whole global TensorDict, in any process. Replicated and DTensor
-    leaves come back whole. ``keys`` reads only those leaves (or nodes).
-    ``verify`` checks every chunk read against its checksum.
+    Replicated and DTensor leaves come back whole; sharded leaves come back
+    as ``shard`` asks. On several ranks every rank returns, or all raise the
+    same error (except ``shard=None`` without ``into``, which each process
+    runs on its own).
 
-    ``into=target`` (a TensorDict or nested dict of tensors and DTensors)
-    fills the target in place instead, each leaf in its own placements, and
-    returns a ``LoadReport``. Every key is checked first: with ``strict``,
-    any missing, unexpected or mismatched key raises
-    ``IncompatibleCheckpointError`` listing all of them and nothing is
-    touched; ``strict=False`` loads what matches.
+    Args:
+        prefix: the checkpoint directory or ``.tdz`` archive.
+        comm: as in ``save``; not needed for ``shard=None``.
+        shard: ``"even"``, this rank's even share of the global rows (as
+            ``torch.tensor_split`` splits them); ``"saved"``, exactly the rows
+            this rank saved (same world size only); ``(start, stop)``, that
+            row range; ``[n_0, n_1, ...]``, per-rank row counts; ``None``, the
+            whole global TensorDict.
+        keys: read only these leaves or nodes (a key, a tuple key, or a list).
+        into: a TensorDict or nested dict of tensors and DTensors to fill in
+            place, each leaf in its own placements (resharded as needed).
+        strict: with ``into``, any missing, unexpected or mismatched key
+            raises before anything is touched; False loads what matches.
+        device: move the loaded tensors there (default: copy-on-write maps on the CPU).
+        verify: check every chunk read against its checksum.
+        num_threads: threads that copy (and verify) the data.
+        allow_pickle: load non-tensor values saved with pickle (only from a
+            source you trust).
+        timeout: seconds any collective may take.
+
+    Returns:
+        The TensorDict, or with ``into`` a ``LoadReport`` of what was loaded,
+        missing, unexpected or mismatched.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``prefix``.
+        ManifestError: the manifest is damaged or from a newer tddist.
+        CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
+        IncompatibleCheckpointError: ``into`` does not match the checkpoint (strict).
+        InvalidArgumentError: an invalid ``shard``, ``keys`` or option.
     """
     _check_int("num_threads", num_threads)
     target = os.path.abspath(os.fspath(prefix))
@@ -286,15 +353,36 @@ def _load_from(
 
 
 def read_manifest(prefix: str | os.PathLike) -> Manifest:
-    """The validated manifest of the checkpoint at ``prefix``, without reading any data."""
+    """The validated manifest of the checkpoint at ``prefix``, without reading any data.
+
+    Args:
+        prefix: the checkpoint directory or ``.tdz`` archive.
+
+    Returns:
+        Shapes, dtypes, placements, chunks, world size and metadata.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``prefix``.
+        ManifestError: the manifest is damaged or from a newer tddist.
+    """
     return _read_manifest(os.path.abspath(os.fspath(prefix)))
 
 
 def recover(prefix: str | os.PathLike) -> list[str]:
     """Remove leftovers of interrupted saves beside ``prefix`` (staging, trash, backups).
 
-    Never touches a committed checkpoint or a foreign file. Returns what it did.
+    Never touches a committed checkpoint or a foreign file. A backup of a
+    replaced checkpoint is moved back if a crash left the target without one.
     Run it only when no save to ``prefix`` is in progress.
+
+    Args:
+        prefix: the checkpoint path whose leftovers to remove.
+
+    Returns:
+        One line per leftover handled, saying what was done.
+
+    Raises:
+        OSError: a leftover could not be removed (permissions, I/O error).
     """
     return _recover(os.path.abspath(os.fspath(prefix)))
 
