@@ -27,6 +27,8 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import tddist
+from tddist.comm import resolve
+from tests.helpers import assert_td_equal
 from tests.launch_util import write_report
 
 K_STEPS, N_STEPS = 3, 6
@@ -122,20 +124,9 @@ def role_mpisave(work: Path, rank: int, world: int) -> None:
     tddist.save(batch_td(rank, 1000), work / "mpi3.tdz", compression="deflate")
 
 
-def _full(t) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _check_state_equals(state: TensorDict, path: Path, what: str) -> None:
-    """Every tensor of ``state`` (gathered) equals the checkpoint's global tensor, bit for bit."""
-    saved = tddist.load(path, shard=None)
-    for key, value in state.items(include_nested=True, leaves_only=True):
-        if not isinstance(value, torch.Tensor):
-            continue
-        expected = saved.get(key)
-        got = _full(value)
-        assert got.dtype == expected.dtype and torch.equal(got, expected), f"{what}: {key} differs"
-    assert state["optim", "param_groups"] == saved["optim", "param_groups"], f"{what}: param_groups differ"
+    """``state`` (its DTensors gathered, collectively) is the checkpoint's global TensorDict, bit for bit."""
+    assert_td_equal(state, tddist.load(path, shard=None), what)
 
 
 def role_load(work: Path, rank: int, world: int) -> None:
@@ -149,13 +140,13 @@ def role_load(work: Path, rank: int, world: int) -> None:
         expected = global_batch(saved_world, offset)
         mine = tddist.load(work / name)
         part = torch.tensor_split(torch.arange(expected.batch_size[0]), world)[rank]
-        assert (mine == expected[part]).all(), f"{name}: even share differs on {world} ranks"
+        assert_td_equal(mine, expected[part], f"{name}: even share on {world} ranks")
         counts = [expected.batch_size[0] - (world - 1)] + [1] * (world - 1)
         by_counts = tddist.load(work / name, shard=counts)
         start = sum(counts[:rank])
-        assert (by_counts == expected[start : start + counts[rank]]).all(), f"{name}: shard=counts differs"
+        assert_td_equal(by_counts, expected[start : start + counts[rank]], f"{name}: shard=counts")
         from_archive = tddist.load(work / f"{name}.tdz", verify=True)
-        assert (from_archive == mine).all(), f"{name}.tdz differs from the directory checkpoint on {world} ranks"
+        assert_td_equal(from_archive, mine, f"{name}.tdz vs the directory checkpoint on {world} ranks")
     if world == 1:  # an archive written by a single torchrun rank, read back by the test on other world sizes
         tddist.save(global_batch(4, 0), work / "w1.tdz")
 
@@ -192,7 +183,7 @@ ROLES = {"save": role_save, "mpisave": role_mpisave, "load": role_load}
 def main() -> None:
     work, role = Path(sys.argv[1]), sys.argv[2]
     if role == "mpisave":
-        comm = tddist.comm.resolve(None)
+        comm = resolve(None)
         rank, world = comm.rank, comm.size
     else:
         dist.init_process_group("gloo")
