@@ -31,6 +31,7 @@ from tensordict import TensorDict
 
 from tddist.comm import resolve
 from tddist.manager import EXIT_PREEMPTED, CheckpointManager
+from tests.helpers import assert_td_equal
 from tests.launch_util import write_report
 
 ROWS = 12
@@ -55,7 +56,7 @@ def train(state: TensorDict) -> None:
 
 
 def check(state: TensorDict, rank: int, world: int, step: int) -> None:
-    assert (state == local_state(rank, world, step)).all(), f"rank {rank}: state differs from step {step}'s"
+    assert_td_equal(state, local_state(rank, world, step), f"rank {rank}: state of step {step}")
 
 
 def run(work: Path, rank: int, world: int, *, last: int, crash: tuple[int, str] | None = None, **options) -> dict:

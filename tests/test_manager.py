@@ -72,14 +72,14 @@ def test_latest_ignores_leftovers_and_torn_checkpoints(tmp_path: Path) -> None:
     assert (foreign / "notes.txt").read_text() == "mine" and (root / "README").exists()
     state = local_state(0, 1, 0)
     assert mgr.restore(state) == 20
-    assert (state == local_state(0, 1, 20)).all()
+    assert_td_equal(state, local_state(0, 1, 20), "state restored from step 20")
 
 
 def test_restore_without_checkpoint_returns_zero(tmp_path: Path) -> None:
     mgr = CheckpointManager(tmp_path / "empty", preempt_signal=None)
     state = local_state(0, 1, 3)
     assert mgr.latest() is None and mgr.restore(state) == 0
-    assert (state == local_state(0, 1, 3)).all(), "restore changed the state without a checkpoint"
+    assert_td_equal(state, local_state(0, 1, 3), "state after restore without a checkpoint")
 
 
 def test_retention_and_resume_on_other_thread_world(tmp_path: Path) -> None:
@@ -104,7 +104,8 @@ def test_retention_and_resume_on_other_thread_world(tmp_path: Path) -> None:
         mgr = CheckpointManager(root, every=2, keep_last=2, comm=comm, preempt_signal=None)
         state = local_state(comm.rank, comm.size, 0)
         start = mgr.restore(state)
-        return start, bool((state == local_state(comm.rank, comm.size, 6)).all())
+        assert_td_equal(state, local_state(comm.rank, comm.size, 6), f"rank {comm.rank}: state restored")
+        return start, True
 
     assert tddist.run_threads(3, second) == [(6, True)] * 3
     assert_checkpoint(root, 6)
