@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 from .errors import InjectedFault
 
@@ -48,7 +49,7 @@ def fault_point(point: str, rank: int) -> None:
 
 
 @contextlib.contextmanager
-def inject(point: str, rank: int, action: str = "raise"):
+def inject(point: str, rank: int, action: str = "raise") -> Iterator[None]:
     """In-process fault injection (thread communicator tests)."""
     _injected[(point, rank)] = action
     try:

@@ -12,15 +12,17 @@ import ctypes
 import errno
 import os
 import shutil
+from collections.abc import Callable
+from typing import Literal
 
 _AT_FDCWD = -100
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
 
-_libc = None
+_libc: ctypes.CDLL | Literal[False] | None = None  # False: tried, and it cannot be loaded
 
 
-def _load_libc():
+def _load_libc() -> ctypes.CDLL | None:
     """The C library through ctypes, or None where it cannot be loaded."""
     global _libc
     if _libc is None:
@@ -31,7 +33,7 @@ def _load_libc():
     return _libc or None
 
 
-def _renameat2_fn():
+def _renameat2_fn() -> Callable[..., int] | None:
     fn = getattr(_load_libc(), "renameat2", None)
     if fn is not None:
         fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]

@@ -9,7 +9,7 @@ hash one large file in parallel, each block while it is in cache.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import xxhash
 
@@ -18,6 +18,7 @@ from . import format as fmt
 if TYPE_CHECKING:
     import numpy as np
     import torch
+    from typing_extensions import Buffer
 
 #: The checksum of zero bytes (no blocks).
 EMPTY = xxhash.xxh3_64_hexdigest(b"")
@@ -30,7 +31,8 @@ def block_digest(block: memoryview | bytes) -> int:
 
 def blocks(data: memoryview | bytes | np.ndarray) -> list[memoryview]:
     """``data`` cut into CHECKSUM_BLOCK-sized views (no copy)."""
-    mv = memoryview(data).cast("B")
+    # An ndarray is a buffer; numpy's stubs declare ``__buffer__`` only for Python >= 3.12.
+    mv = memoryview(cast("Buffer", data)).cast("B")
     return [mv[i : i + fmt.CHECKSUM_BLOCK] for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
 
 

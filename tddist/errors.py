@@ -3,7 +3,7 @@
 All are ``TddistError`` subclasses so callers can catch one type. Messages say
 what happened, on which rank, and how to fix it. Each class takes a single
 message so an error raised on one rank can be rebuilt, with the same class, on
-every other rank (see ``comm.collective_step``).
+every other rank (see ``comm.collective_error``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ class TddistError(Exception):
 
     ``failures`` maps each failing rank to its message when the error was
     agreed on collectively; it is empty for a purely local error.
+
+    Args:
+        message: What happened, on which rank, and how to fix it.
+        failures: Each failing rank's message, for an error agreed on by all ranks.
     """
 
     def __init__(self, message: str, failures: dict[int, str] | None = None):

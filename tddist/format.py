@@ -12,7 +12,8 @@ import os
 import pickle
 import re
 import uuid
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from .errors import InvalidArgumentError, InvalidDataError, ManifestError
 
@@ -79,7 +80,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-def is_dtype_name(name: object) -> bool:
+def is_dtype_name(name: object) -> TypeGuard[str]:
     """True if ``name`` is a dtype name a manifest may use."""
     return isinstance(name, str) and name in _DTYPE_SIZES
 
@@ -146,13 +147,13 @@ def leaf_relpath(rank: int, key: tuple[str, ...], robust: bool = True) -> str:
 
 
 def td_meta(
-    batch_size,
+    batch_size: Iterable[int],
     leaves: dict[str, tuple[list[int], torch.dtype]],
     children: list[str],
     objects: dict[str, str] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """The meta.json that ``TensorDict.load_memmap`` reads for one node."""
-    meta: dict = {}
+    meta: dict[str, Any] = {}
     for name, (shape, dtype) in leaves.items():
         meta[name] = {"device": "cpu", "shape": list(shape), "dtype": str(dtype), "is_nested": False}
     for name in children:
@@ -169,7 +170,7 @@ def td_meta(
     return meta
 
 
-def encode_object(value, allow_pickle: bool, where: str) -> dict:
+def encode_object(value: object, allow_pickle: bool, where: str) -> dict[str, Any]:
     """A non-tensor value as stored in the manifest: ``{"json": v}``, or ``{"pickle": base64}`` if allowed.
 
     A value is stored as JSON only if it comes back from JSON equal and of the
@@ -189,7 +190,7 @@ def encode_object(value, allow_pickle: bool, where: str) -> dict:
     return {"pickle": base64.b64encode(pickle.dumps(value, protocol=4)).decode("ascii")}
 
 
-def _same_types(value) -> bool:
+def _same_types(value: object) -> bool:
     if isinstance(value, (list,)):
         return all(_same_types(v) for v in value)
     if isinstance(value, dict):
@@ -197,7 +198,7 @@ def _same_types(value) -> bool:
     return type(value) in (str, int, float, bool, type(None))
 
 
-def decode_object(enc, allow_pickle: bool, where: str):
+def decode_object(enc: object, allow_pickle: bool, where: str) -> Any:
     """Inverse of ``encode_object``; pickled values are refused unless ``allow_pickle``."""
     if isinstance(enc, dict) and len(enc) == 1 and "json" in enc:
         return enc["json"]
@@ -211,7 +212,7 @@ def decode_object(enc, allow_pickle: bool, where: str):
     raise ManifestError(f"{where} has a malformed value {str(enc)[:80]!r}; the checkpoint is damaged")
 
 
-def td_object_meta(kind: str, enc) -> dict | None:
+def td_object_meta(kind: str, enc: Any) -> dict[str, Any] | None:
     """tensordict's meta.json of a NonTensorData ("data") or NonTensorStack ("stack") leaf,
     or None if its value is pickled (tensordict would need a pickle file)."""
     if kind == "stack":
@@ -235,12 +236,12 @@ def td_object_meta(kind: str, enc) -> dict | None:
     }
 
 
-def dumps(obj) -> bytes:
+def dumps(obj: object) -> bytes:
     """Compact JSON (no NaN, UTF-8) as written to disk."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
-def loads(data: bytes):
+def loads(data: bytes | str) -> Any:
     """Parse JSON written by ``dumps``."""
     return json.loads(data)
 
@@ -277,7 +278,7 @@ def side_entry_kind(name: str) -> tuple[str, str] | None:
 def side_entries(target: str) -> list[tuple[str, str]]:
     """(kind, path) of every staging/trash/backup entry that belongs to ``target``."""
     parent, base = os.path.split(os.path.abspath(target))
-    found = []
+    found: list[tuple[str, str]] = []
     try:
         names = os.listdir(parent)
     except FileNotFoundError:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import datetime
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import format as fmt
 from .errors import ManifestError, ShardingError
@@ -29,7 +30,14 @@ _MAX_ELEMENTS = 1 << 56
 
 @dataclass(frozen=True)
 class Chunk:
-    """One stored piece of a leaf: who wrote it, where it lies in the global tensor, its bytes."""
+    """One stored piece of a leaf: who wrote it, where it lies in the global tensor, its bytes.
+
+    Attributes:
+        rank: The rank that wrote the piece (its file is in that rank's directory).
+        box: ``(offsets, sizes)`` of the piece in the leaf's global tensor.
+        nbytes: The stored size in bytes (0 for an empty piece, which has no file).
+        checksum: The piece's checksum (see ``format.CHECKSUM_ALGORITHM``).
+    """
 
     rank: int
     box: Box
@@ -39,7 +47,15 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Leaf:
-    """One tensor leaf of the checkpoint: its global shape, placement and stored chunks."""
+    """One tensor leaf of the checkpoint: its global shape, placement and stored chunks.
+
+    Attributes:
+        key: The leaf's key, one string per nesting level.
+        dtype_name: The dtype's manifest name (``"float32"``); ``dtype`` gives the torch dtype.
+        shape: The global shape (all ranks' pieces together).
+        placement: How the ranks' pieces make up the global tensor.
+        chunks: The stored pieces; together they tile ``shape`` exactly.
+    """
 
     key: Key
     dtype_name: str  # see format.dtype_name; kept as a name so reading a manifest needs no torch
@@ -56,15 +72,40 @@ class Leaf:
 @dataclass
 class ObjectLeaf:
     """A non-tensor leaf. ``placement``: "replicate" (one value, written once), "per_rank"
-    (one value per saving rank) or "shard" (a stack: one list of row values per rank)."""
+    (one value per saving rank) or "shard" (a stack: one list of row values per rank).
+
+    Attributes:
+        key: The leaf's key, one string per nesting level.
+        placement: "replicate", "per_rank" or "shard", as above.
+        values: The encoded values (see ``format.encode_object``): one, or one per rank.
+    """
 
     key: Key
     placement: str
-    values: list  # encoded values (see format.encode_object)
+    values: list[Any]  # encoded values (see format.encode_object)
 
 
 @dataclass
 class Manifest:
+    """What a committed checkpoint holds: its structure, every leaf's chunks, metadata.
+
+    ``tddist.read_manifest`` returns it without reading any tensor data; it is
+    the parsed and validated ``tddist.json`` (see docs/format.md).
+
+    Attributes:
+        world_size: How many ranks saved the checkpoint.
+        nodes: Each (sub-)TensorDict's global batch size, by key; the root is ``()``.
+        leaves: Every tensor leaf, by key.
+        objects: Every non-tensor leaf, by key.
+        metadata: The ``metadata=`` given to ``save`` (JSON values).
+        robust_key: Whether file names percent-encode the keys (``robust_key=True`` of ``save``).
+        created: When the checkpoint was committed (ISO 8601, UTC).
+        tddist_version: The tddist version that wrote it.
+        version: The format version.
+        layout: "directory" or "archive".
+        node_rows: For each batched node, the dim-0 rows each rank saved, in rank order.
+    """
+
     world_size: int
     nodes: dict[Key, tuple[int, ...]]  # node key -> global batch size
     leaves: dict[Key, Leaf]
@@ -82,7 +123,12 @@ class Manifest:
 
 
 def merge_fragments(
-    fragments: list[Fragment], *, metadata: dict | None, robust_key: bool, version: str, layout: str = "directory"
+    fragments: list[Fragment],
+    *,
+    metadata: Mapping[str, Any] | None,
+    robust_key: bool,
+    version: str,
+    layout: str = "directory",
 ) -> Manifest:
     """Validate the ranks' fragments against each other and build the manifest (rank 0).
 
@@ -126,7 +172,7 @@ def merge_fragments(
     )
 
 
-def _placement_kind(e: FragmentLeaf) -> tuple:
+def _placement_kind(e: FragmentLeaf) -> tuple[str, int | None]:
     """What must be equal across ranks about a leaf's placement."""
     return (type(e.placement).__name__, getattr(e.placement, "dim", None))
 
@@ -195,7 +241,7 @@ def _stored(key: Key, rank: int, e: FragmentLeaf) -> StoredBytes:
 def _merge_boxes(key: Key, entries: list[FragmentLeaf]) -> Leaf:
     """A DTensor leaf: each writing rank's box; together they must tile the global shape."""
 
-    def kind(e: FragmentLeaf) -> tuple:
+    def kind(e: FragmentLeaf) -> tuple[str, str, tuple[int, ...] | None]:
         return (e.dtype, type(e.placement).__name__, e.dtensor.global_shape if e.dtensor else None)
 
     kinds = {kind(e) for e in entries}
@@ -254,7 +300,7 @@ def _raise_structure_mismatch(a: Fragment, b: Fragment) -> None:
     )
 
 
-def _by_rank(values: list) -> str:
+def _by_rank(values: list[Any]) -> str:
     shown = ", ".join(f"rank {r}: {v}" for r, v in list(enumerate(values))[:8])
     return shown + (", ..." if len(values) > 8 else "")
 
@@ -266,7 +312,7 @@ def _show(key: Key) -> str:
 # --- JSON ---------------------------------------------------------------------
 
 
-def to_json(m: Manifest) -> dict:
+def to_json(m: Manifest) -> dict[str, Any]:
     """The manifest as written to disk (see docs/format.md)."""
     leaves = []
     for leaf in m.leaves.values():
@@ -397,19 +443,22 @@ def parse_manifest(obj: Any, where: str = "manifest") -> Manifest:
     )
 
 
-def _parse_leaf(p: _Parser, e: dict, world: int) -> Leaf:
+def _parse_leaf(p: _Parser, e: dict[str, Any], world: int) -> Leaf:
     key = p.key(e.get("key"), allow_empty=False)
     dtype = e.get("dtype")
-    p.check(fmt.is_dtype_name(dtype), f"leaf {key!r} has unknown dtype {dtype!r}")
+    if not fmt.is_dtype_name(dtype):
+        p.fail(f"leaf {key!r} has unknown dtype {dtype!r}")
     shape = p.shape(e.get("shape"), f"leaf {key!r} shape")
     itemsize = fmt.dtype_itemsize(dtype)
     pl = e.get("placement")
-    p.check(isinstance(pl, dict), f"leaf {key!r} has no placement object")
+    if not isinstance(pl, dict):
+        p.fail(f"leaf {key!r} has no placement object")
     raw_chunks = p.list_of(e, "chunks")
     chunks = []
     if pl.get("type") == "shard":
         dim = pl.get("dim")
-        p.check(type(dim) is int and 0 <= dim < len(shape), f"leaf {key!r} is sharded on invalid dim {dim!r}")
+        if not (type(dim) is int and 0 <= dim < len(shape)):
+            p.fail(f"leaf {key!r} is sharded on invalid dim {dim!r}")
         placement: Placement = Shard(dim)
         for c in raw_chunks:
             p.check(isinstance(c, list) and len(c) == 5, f"leaf {key!r} has a malformed chunk {c!r}")
@@ -448,7 +497,7 @@ def _parse_leaf(p: _Parser, e: dict, world: int) -> Leaf:
     return Leaf(key, dtype, shape, placement, chunks)
 
 
-def _chunk(p: _Parser, key, rank, box: Box, nbytes, checksum, world: int, itemsize: int) -> Chunk:
+def _chunk(p: _Parser, key: Key, rank: Any, box: Box, nbytes: Any, checksum: Any, world: int, itemsize: int) -> Chunk:
     p.check(type(rank) is int and 0 <= rank < world, f"leaf {key!r} has a chunk of invalid rank {rank!r}")
     expected = math.prod(box[1]) * itemsize
     p.check(
@@ -468,7 +517,7 @@ class _Parser:
     def __init__(self, where: str):
         self.where = where
 
-    def fail(self, why: str):
+    def fail(self, why: str) -> NoReturn:
         raise ManifestError(
             f"{self.where} {why}; the checkpoint is damaged or was tampered with (restore it from a copy)"
         )
@@ -477,17 +526,18 @@ class _Parser:
         if not ok:
             self.fail(why)
 
-    def list_of(self, obj: dict, name: str) -> list:
+    def list_of(self, obj: dict[str, Any], name: str) -> list[Any]:
         v = obj.get(name)
-        self.check(isinstance(v, list), f"has no list {name!r}")
+        if not isinstance(v, list):
+            self.fail(f"has no list {name!r}")
         return v
 
-    def key(self, v, allow_empty: bool) -> Key:
+    def key(self, v: Any, allow_empty: bool) -> Key:
         ok = isinstance(v, list) and all(isinstance(k, str) for k in v) and (allow_empty or v)
         self.check(bool(ok) or (allow_empty and v == []), f"has an invalid key {v!r}")
         return tuple(v)
 
-    def shape(self, v, what: str) -> tuple[int, ...]:
+    def shape(self, v: Any, what: str) -> tuple[int, ...]:
         self.check(
             isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < _MAX_ELEMENTS for s in v),
             f"has invalid {what} {v!r}",

@@ -15,14 +15,28 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 @dataclass(frozen=True)
 class Shard:
-    """The leaf is split along ``dim``; the global tensor is the ranks' pieces concatenated in rank order."""
+    """The leaf is split along ``dim``; the global tensor is the ranks' pieces concatenated in rank order.
+
+    A placement for ``save(placements={key: Shard(dim)})``, per leaf or per
+    sub-TensorDict; it is the default for leaves under batch dims (``Shard(0)``).
+    The ranks' pieces may have different sizes along ``dim``; every other
+    dim must be equal on all ranks.
+
+    Args:
+        dim: The dimension the ranks' pieces are concatenated along.
+    """
 
     dim: int = 0
 
 
 @dataclass(frozen=True)
 class Replicate:
-    """Every rank holds the whole leaf; one copy is written."""
+    """Every rank holds the whole leaf; one copy is written.
+
+    A placement for ``save(placements={key: Replicate()})``; it is the default
+    for leaves outside batch dims. Rank 0's copy is written; with
+    ``check_replicas=True`` the other ranks' copies are compared with it.
+    """
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ A nested ``dict`` is a node with no batch dims.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
@@ -16,6 +16,9 @@ from . import format as fmt
 from ._compat import dtensor_local_box
 from .errors import InvalidArgumentError, InvalidDataError
 from .sharding import Box, Boxes, Placement, Replicate, Shard, consistent_batch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 Key = tuple[str, ...]
 
@@ -40,7 +43,13 @@ def flatten(data: Any) -> tuple[dict[Key, tuple[int, ...]], dict[Key, torch.Tens
     return nodes, leaves, objects
 
 
-def _walk(node, key: Key, nodes: dict, leaves: dict, objects: dict) -> None:
+def _walk(
+    node: Any,
+    key: Key,
+    nodes: dict[Key, tuple[int, ...]],
+    leaves: dict[Key, torch.Tensor],
+    objects: dict[Key, tuple[str, Any]],
+) -> None:
     if isinstance(node, TensorDictBase):
         if not isinstance(node, TensorDict):
             node = node.to_tensordict()
@@ -85,11 +94,11 @@ def _is_plain_tensor(t: torch.Tensor) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter) or type(t).__name__ == "MemoryMappedTensor"
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     return type(t).__name__ == "DTensor" and hasattr(t, "device_mesh")
 
 
-def dtensor_box(d, key: Key) -> tuple[Box | None, bool]:
+def dtensor_box(d: Any, key: Key) -> tuple[Box | None, bool]:
     """This rank's box of a DTensor in its global tensor, and whether this rank writes it.
 
     Of the ranks holding the same replica (Replicate on a mesh dim), only the
@@ -124,7 +133,7 @@ def local_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def resolve_placements(
-    nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], overrides: Mapping | None
+    nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], overrides: Mapping[Any, Any] | None
 ) -> dict[Key, Placement]:
     """Each leaf's placement: Boxes for a DTensor (it keeps its own placements); else the override
     for it or its nearest node, else Shard(0) under batch dims, else Replicate."""
@@ -158,7 +167,7 @@ def resolve_placements(
     return out
 
 
-def _placement(p, name) -> Shard | Replicate:
+def _placement(p: Any, name: object) -> Shard | Replicate:
     if isinstance(p, (Shard, Replicate)):
         return p
     cls = type(p).__name__
@@ -169,7 +178,7 @@ def _placement(p, name) -> Shard | Replicate:
     raise InvalidArgumentError(f"placement {p!r} for {name!r} is not tddist.Shard(dim) or tddist.Replicate()")
 
 
-def _some(d) -> str:
+def _some(d: Collection[Any]) -> str:
     keys = [k[0] if len(k) == 1 else k for k in list(d)[:8]]
     return f"{keys}{' ...' if len(d) > 8 else ''}"
 
@@ -201,8 +210,8 @@ def select(
 def build(
     nodes: dict[Key, tuple[int, ...]],
     leaves: dict[Key, torch.Tensor],
-    node_rows,
-    device=None,
+    node_rows: Callable[[Key, tuple[int, ...]], int],
+    device: torch.device | str | None = None,
     objects: dict[Key, tuple[str, Any]] | None = None,
     share_non_tensor: bool = False,
 ) -> TensorDict:
@@ -237,4 +246,5 @@ def build(
                 root.get(name).share_memory_()
         if key:
             children[key[:-1]][key[-1]] = root
+    assert root is not None  # ``nodes`` always holds the root key (), built last
     return root
