@@ -123,19 +123,21 @@ def _quote(path: str) -> str:
     return shlex.quote(path)
 
 
-def _leftover_fix(root: str, target: str) -> str:
-    if parse_step(os.path.basename(target)) is not None:
-        return f"tddist gc {_quote(root)}"
-    return f"tddist recover {_quote(target)}"
+def _leftover_fix(shown_root: str, target: str) -> str:
+    name = os.path.basename(target)
+    if parse_step(name) is not None:
+        return f"tddist gc {_quote(shown_root)}"
+    return f"tddist recover {_quote(os.path.join(shown_root, name))}"
 
 
-def describe(path: str, root: str | None = None) -> Entry | None:
+def describe(path: str | os.PathLike, root: str | os.PathLike | None = None) -> Entry | None:
     """The ``Entry`` for ``path``, or None if it is neither a checkpoint nor something tddist left.
 
-    ``root`` is the directory being listed (for the clean-up command); default: ``path``'s parent.
+    ``root`` is the directory being listed, as the commands in ``Entry.fix``
+    name it; default: ``path``'s parent.
     """
     path = os.path.abspath(os.fspath(path))
-    root = os.path.abspath(root) if root else os.path.dirname(path)
+    root = os.fspath(root) if root is not None else os.path.dirname(path)
     name = os.path.basename(path)
     try:
         st = os.lstat(path)
@@ -196,7 +198,7 @@ def describe(path: str, root: str | None = None) -> Entry | None:
     except OSError:
         return None
     if ours and (step is not None or not empty):
-        fix = f"tddist gc {_quote(root)}" if step is not None else f"rm -r {_quote(path)}"
+        fix = f"tddist gc {_quote(root)}" if step is not None else f"rm -r {_quote(os.path.join(root, name))}"
         return Entry(
             path,
             PARTIAL,
@@ -236,23 +238,27 @@ def scan(root: str | os.PathLike) -> list[Entry]:
     Raises:
         CheckpointNotFoundError: ``root`` does not exist or is not a directory or checkpoint.
     """
-    root = os.path.abspath(os.fspath(root))
+    shown = os.fspath(root)
+    root = os.path.abspath(shown)
     if not os.path.lexists(root):
-        raise CheckpointNotFoundError(f"{root!r} does not exist")
+        raise CheckpointNotFoundError(f"{shown!r} does not exist")
     if is_committed(root) or not os.path.isdir(root):
-        own = describe(root)
+        own = describe(root, os.path.dirname(shown))
         if own is None:
             raise CheckpointNotFoundError(
-                f"{root!r} is neither a directory nor a tddist checkpoint; pass a checkpoint root or a checkpoint"
+                f"{shown!r} is neither a directory nor a tddist checkpoint; pass a checkpoint root or a checkpoint"
             )
-        entries = [own] + [e for _k, p in fmt.side_entries(root) if (e := describe(p)) is not None]
+        side = [describe(p, os.path.dirname(shown)) for _k, p in fmt.side_entries(root)]
+        entries = [own] + [e for e in side if e is not None]
     else:
         try:
             names = sorted(os.listdir(root))
         except OSError as e:
-            raise CheckpointNotFoundError(f"cannot list {root!r}: {e.strerror}") from None
-        entries = [e for n in names if (e := describe(os.path.join(root, n), root)) is not None]
-    return sorted(entries, key=lambda e: (e.step is None, e.step or 0, e.target or e.path, e.path))
+            raise CheckpointNotFoundError(f"cannot list {shown!r}: {e.strerror}") from None
+        entries = [e for n in names if (e := describe(os.path.join(root, n), shown)) is not None]
+    return sorted(
+        entries, key=lambda e: (e.step is None, e.step or 0, e.target or e.path, e.target is not None, e.path)
+    )
 
 
 def newest(root: str | os.PathLike) -> Entry | None:
@@ -264,17 +270,18 @@ def newest(root: str | os.PathLike) -> Entry | None:
     skipped). Under a root without step names, the valid checkpoint committed
     last (by the time in its manifest, then its modification time).
     """
-    root = os.path.abspath(os.fspath(root))
+    shown = os.fspath(root)
+    root = os.path.abspath(shown)
     steps = step_entries(root)
     if steps:
         for _step, path in steps:
-            entry = describe(path, root)
+            entry = describe(path, shown)
             if entry is not None and entry.committed:
                 return entry
         return None
     if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"{root!r} is not a directory")
-    found = [e for e in scan(root) if e.committed]
+        raise CheckpointNotFoundError(f"{shown!r} is not a directory")
+    found = [e for e in scan(shown) if e.committed]
     if not found:
         return None
     return max(found, key=lambda e: (_parse_time(e.created) or e.mtime, e.mtime, e.path))
@@ -328,6 +335,7 @@ def plan_gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Actio
         if parse_step(base) is not None:
             bases.add(base)
     committed: dict[str, bool] = {}
+    restored: dict[str, str] = {}  # target -> the backup that will be moved back to it
     for base in sorted(bases):
         target = os.path.join(root, base)
         target_ok = is_committed(target)
@@ -344,6 +352,7 @@ def plan_gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Actio
                         Action(RESTORE, path, "backup of an interrupted replace: the only committed copy", 0, target)
                     )
                     target_ok, target_gone = True, False
+                    restored[target] = path
                     continue
                 actions.append(
                     Action(
@@ -364,7 +373,7 @@ def plan_gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Actio
                 actions.append(Action(KEEP, target, "not a committed checkpoint and holds foreign files; left alone"))
         committed[target] = target_ok
     if keep_last is not None:
-        for path in _retired(root, keep_last, committed):
+        for path in _retired(root, keep_last, committed, restored):
             actions.append(Action(DELETE, path, f"beyond the {keep_last} newest checkpoint(s)", disk_usage(path)))
     return actions
 
@@ -387,14 +396,17 @@ def _check_root(root: str) -> None:
         )
 
 
-def _retired(root: str, keep_last: int, committed: dict[str, bool]) -> list[str]:
+def _retired(root: str, keep_last: int, committed: dict[str, bool], restored: dict[str, str]) -> list[str]:
     """``retention.retired`` after the clean-up: committed checkpoints beyond the newest ``keep_last``,
-    never the newest valid one."""
-    entries = [(s, p) for s, p in step_entries(root) if committed.get(p, is_committed(p))]
+    never the newest valid one. ``restored`` maps targets to the backups moved back to them."""
+    steps = {p: s for s, p in step_entries(root)}
+    steps.update({t: parse_step(os.path.basename(t)) for t in restored})
+    ordered = sorted(((s, p) for p, s in steps.items()), reverse=True)
+    entries = [(s, p) for s, p in ordered if committed.get(p, is_committed(p))]
     newest_step = None
     for s, p in entries:
         try:
-            read_manifest(p)
+            read_manifest(restored.get(p, p))
         except TddistError:
             continue
         newest_step = s

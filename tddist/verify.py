@@ -136,9 +136,9 @@ def verify(
                 tick(chunk.nbytes)
                 continue
             if files is None:
-                from .reader import DirectoryFiles  # imports torch
+                from .reader import open_files  # imports torch
 
-                files = DirectoryFiles(path)
+                files = open_files(path)
             found = _check_checksum(files, archive, leaf, chunk, rel, pool, tick)
             if found is not None:
                 problems.append(found)
@@ -217,10 +217,10 @@ def _check_file(root: str, leaf: Leaf, chunk: Chunk, rel: str) -> Problem | None
 
 
 def _open_archive(path: str, problems: list[Problem]):
-    from .archive import ArchiveFiles  # imports torch
+    from .reader import open_files  # imports torch
 
     try:
-        return ArchiveFiles(path)
+        return open_files(path)
     except CorruptCheckpointError as e:
         problems.append(Problem(STRUCTURE, None, None, None, str(e)))
         return None
@@ -271,6 +271,6 @@ def _checksum_problem(leaf: Leaf, chunk: Chunk, name: str, actual: str) -> Probl
         leaf.key,
         chunk.rank,
         name,
-        f"{_where(leaf, chunk)}: {name!r} does not match its checksum (expected {chunk.checksum}, found {actual}); "
+        f"{_where(leaf, chunk)}: checksum mismatch in {name!r} (expected {chunk.checksum}, found {actual}); "
         f"the data is corrupted, restore it from a copy or an older checkpoint",
     )

@@ -1,0 +1,127 @@
+"""The ``tddist`` command: list, inspect, compare, verify, clean and convert checkpoints.
+
+One module per command (``tddist/cli/<command>.py``), each with
+``register(subparsers)``. The light commands (``ls``, ``latest``, ``info``,
+``--version``, ``--help``) never import torch: manifests are JSON. Exit
+status: 0 ok, 1 a problem was found (or an error), 2 a usage error, 130
+interrupted, 141 the output pipe was closed (as for other Unix tools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .._version import __version__
+from ..errors import TddistError
+from . import convert, diff, gc, info, latest, ls, recover, verify
+
+#: Exit statuses (docs/cli.md).
+EXIT_OK = 0
+EXIT_PROBLEM = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141
+
+COMMANDS = (ls, latest, info, diff, verify, gc, recover, convert)
+
+EPILOG = """\
+exit status: 0 ok; 1 a problem was found (a bad chunk, no checkpoint, a difference) or an error;
+2 wrong usage; 130 interrupted; 141 the output pipe was closed.
+Every command that reports takes --json: one JSON object on stdout, described in docs/cli.md.
+Run 'tddist COMMAND --help' for a command's options."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``tddist`` command (also used to generate docs/cli.md's reference)."""
+    p = argparse.ArgumentParser(
+        prog="tddist",
+        description="Inspect and maintain tddist checkpoints (directories and .tdz archives).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"tddist {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMANDS:
+        module.register(sub)
+    return p
+
+
+class _LogHandler(logging.Handler):
+    """The library's warnings on stderr, one line each (the library itself never prints)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(f"tddist: {record.levelname.lower()}: {record.getMessage()}\n")
+        except Exception:  # a closed stderr must not turn into a traceback
+            pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``tddist`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version, usage errors
+        _flush_quietly()
+        return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
+    except BrokenPipeError:
+        return _closed_pipe()
+    log = logging.getLogger("tddist")
+    handler = _LogHandler(logging.WARNING)
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING)
+    try:
+        status = args.run(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return _closed_pipe()
+    except KeyboardInterrupt:
+        sys.stderr.write("tddist: interrupted\n")
+        return EXIT_INTERRUPTED
+    except (TddistError, OSError) as e:
+        return _error(args, e)
+    finally:
+        log.removeHandler(handler)
+
+
+def _error(args, e: BaseException) -> int:
+    message = (
+        str(e)
+        if isinstance(e, TddistError)
+        else f"{e.strerror or e}" + (f": {e.filename!r}" if getattr(e, "filename", None) else "")
+    )
+    try:
+        if getattr(args, "json", False):
+            doc = {"schema": "tddist.error/1", "command": args.command, "error": type(e).__name__, "message": message}
+            sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+        sys.stderr.write(f"tddist {args.command}: {message}\n")
+    except BrokenPipeError:
+        return _closed_pipe()
+    return EXIT_PROBLEM
+
+
+def _flush_quietly() -> None:
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _closed_pipe()
+
+
+def _closed_pipe() -> int:
+    """The reader of our output went away (``tddist ls | head``): stop quietly.
+
+    stdout is pointed at /dev/null so that the interpreter's final flush
+    cannot raise again at exit.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_PIPE

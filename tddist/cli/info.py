@@ -1,0 +1,224 @@
+"""``tddist info PATH``: what a checkpoint holds, read from its manifest alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from .. import format as fmt
+from .. import inventory
+from ..diff import placement_text
+from ..errors import CheckpointNotFoundError
+from ..manifest import Leaf, Manifest, ObjectLeaf
+from ..manifest_io import read_manifest
+from ._output import emit_json, human_age, human_bytes, key_text, table, value_text
+
+HELP = "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"
+DESCRIPTION = """\
+Describe the checkpoint at PATH (a directory or a .tdz archive) from its manifest:
+when and by how many ranks it was saved, its tensors and their total size, its
+non-tensor values (shown, cut at 60 characters) and metadata, and any leftovers
+of interrupted saves beside it. --leaves lists every tensor with its dtype, global
+shape and placement. Reads no tensor data; never imports torch.
+
+Placements: "sharded on dim D" (each rank saved a slab along dimension D; the
+global tensor is the slabs in rank order), "replicated" (one copy, saved by rank
+0), "DTensor" (each rank saved its local shard of a DTensor: a block of the
+global tensor, written once per distinct block)."""
+
+#: Non-tensor values shown in the summary (all of them with --leaves).
+SUMMARY_VALUES = 20
+
+
+def register(sub) -> None:
+    s = sub.add_parser("info", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("path", metavar="PATH", help="a checkpoint directory or .tdz archive")
+    s.add_argument("--leaves", action="store_true", help="list every tensor and non-tensor value in a table")
+    s.add_argument("--json", action="store_true", help="print one JSON object (schema tddist.info/1, see docs/cli.md)")
+    s.set_defaults(run=run)
+
+
+def _read(path: str) -> Manifest:
+    try:
+        return read_manifest(path)
+    except CheckpointNotFoundError:
+        if os.path.isdir(path) and not os.path.isfile(os.path.join(path, fmt.MANIFEST_NAME)):
+            found = [e for e in inventory.scan(path) if e.committed]
+            if found:
+                newest = inventory.newest(path)
+                hint = f"; the newest is {os.path.join(path, os.path.basename(newest.path))}" if newest else ""
+                raise CheckpointNotFoundError(
+                    f"{path!r} is not a checkpoint but a directory of {len(found)} checkpoint(s){hint}. "
+                    f"List them with: tddist ls {path}; describe the newest with: tddist info $(tddist latest {path})"
+                ) from None
+        raise
+
+
+def leaf_nbytes(leaf: Leaf) -> int:
+    return sum(c.nbytes for c in leaf.chunks)
+
+
+def placement_json(leaf: Leaf) -> dict:
+    text = placement_text(leaf)
+    if text.startswith("sharded"):
+        return {"type": "shard", "dim": leaf.placement.dim}
+    return {"type": "replicate" if text == "replicated" else "dtensor"}
+
+
+def object_values(o: ObjectLeaf) -> list:
+    """Stored values: JSON values as they are, pickled ones as ``{"pickled_bytes": n}``."""
+
+    def one(v):
+        if isinstance(v, dict) and "json" in v:
+            return v["json"]
+        if isinstance(v, dict) and isinstance(v.get("pickle"), str):
+            return {"pickled_bytes": len(v["pickle"]) * 3 // 4}
+        return None
+
+    if o.placement == "shard":
+        return [[one(v) for v in rows] for rows in o.values]
+    return [one(v) for v in o.values]
+
+
+def object_text(o: ObjectLeaf, limit: int = 60) -> str:
+    if o.placement == "replicate":
+        return value_text(o.values[0], limit)
+    if o.placement == "per_rank":
+        parts = [f"rank {r}: {value_text(v, 24)}" for r, v in enumerate(o.values[:4])]
+        more = f", ... ({len(o.values)} ranks)" if len(o.values) > 4 else ""
+        return "per rank: " + ", ".join(parts) + more
+    rows = [v for rs in o.values for v in rs]
+    shown = ", ".join(value_text(v, 20) for v in rows[:4])
+    return f"{len(rows)} row(s): {shown}" + (", ..." if len(rows) > 4 else "")
+
+
+def leftovers(path: str) -> list[dict]:
+    out = []
+    for kind, p in fmt.side_entries(path):
+        out.append(
+            {
+                "kind": kind,
+                "path": os.path.join(os.path.dirname(path), os.path.basename(p)),
+                "bytes": inventory.disk_usage(p),
+            }
+        )
+    return out
+
+
+def run(args) -> int:
+    m = _read(args.path)
+    total = sum(leaf_nbytes(leaf) for leaf in m.leaves.values())
+    left = leftovers(args.path)
+    if args.json:
+        emit_json(
+            "info",
+            {
+                "path": args.path,
+                "format_version": m.version,
+                "layout": "archive" if os.path.isfile(args.path) else "directory",
+                "tddist_version": m.tddist_version,
+                "created": m.created or None,
+                "world_size": m.world_size,
+                "robust_key": m.robust_key,
+                "bytes": total,
+                "metadata": m.metadata,
+                "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
+                "leaves": [
+                    {
+                        "key": list(leaf.key),
+                        "dtype": leaf.dtype_name,
+                        "shape": list(leaf.shape),
+                        "placement": placement_json(leaf),
+                        "chunks": len(leaf.chunks),
+                        "bytes": leaf_nbytes(leaf),
+                    }
+                    for leaf in m.leaves.values()
+                ],
+                "objects": [
+                    {"key": list(o.key), "placement": o.placement, "values": object_values(o)}
+                    for o in m.objects.values()
+                ],
+                "leftovers": left,
+            },
+        )
+        return 0
+    layout = "archive" if os.path.isfile(args.path) else "directory"
+    age = inventory.describe(args.path)
+    when = m.created or "an unknown time"
+    if age is not None and m.created:
+        when += f" ({human_age(age.age_seconds)} ago)"
+    print(f"{args.path}: tddist checkpoint, {layout}, format version {m.version}")
+    print(f"  world size {m.world_size} (ranks that saved it), saved at {when} by tddist {m.tddist_version or '?'}")
+    kinds: dict[str, int] = {}
+    for leaf in m.leaves.values():
+        kinds[placement_text(leaf).split(" on ")[0]] = kinds.get(placement_text(leaf).split(" on ")[0], 0) + 1
+    split = ", ".join(f"{n} {k}" for k, n in kinds.items())
+    print(f"  {len(m.leaves)} tensor(s){f' ({split})' if split else ''}, {human_bytes(total)} of tensor data")
+    if m.metadata:
+        print(f"  metadata: {value_text({'json': m.metadata}, 200)}")
+    _print_groups(m)
+    if m.objects and not args.leaves:
+        shown = list(m.objects.values())
+        print(f"  {len(shown)} non-tensor value(s):")
+        for o in shown[:SUMMARY_VALUES]:
+            print(f"    {key_text(o.key)} = {object_text(o)}")
+        if len(shown) > SUMMARY_VALUES:
+            print(f"    ... {len(shown) - SUMMARY_VALUES} more (--leaves lists all)")
+    elif m.objects:
+        print(f"  {len(m.objects)} non-tensor value(s)")
+    if args.leaves:
+        _print_leaves(m)
+    elif m.leaves:
+        print("  (--leaves lists every tensor with its dtype, shape and placement)")
+    if left:
+        size = human_bytes(sum(e["bytes"] for e in left))
+        print(
+            f"  {len(left)} leftover(s) of interrupted saves beside it ({size}): "
+            + ", ".join(sorted({e["kind"] for e in left}))
+        )
+        print(f"    remove them, when no save to it is running: tddist recover {args.path}")
+    return 0
+
+
+def _print_groups(m: Manifest) -> None:
+    """Tensors and bytes under each top-level key (when there is more than one)."""
+    groups: dict[str, list[int]] = {}
+    for leaf in m.leaves.values():
+        g = groups.setdefault(leaf.key[0], [0, 0])
+        g[0] += 1
+        g[1] += leaf_nbytes(leaf)
+    nested = {k[0] for k in m.leaves if len(k) > 1}
+    if len(groups) < 2 or not nested:
+        return
+    rows = []
+    for name, (count, nbytes) in groups.items():
+        node = m.nodes.get((name,))
+        batch = f"batch {list(node)}" if node else ""
+        rows.append(
+            [name if (name and "/" not in name) else json.dumps(name), f"{count} tensor(s)", human_bytes(nbytes), batch]
+        )
+    print("  contents:")
+    for line in table(rows, ["key", "tensors", "size", ""]).splitlines()[1:]:
+        print(f"    {line}")
+
+
+def _print_leaves(m: Manifest) -> None:
+    if m.leaves:
+        rows = [
+            [
+                key_text(leaf.key),
+                leaf.dtype_name,
+                str(list(leaf.shape)),
+                placement_text(leaf),
+                str(len(leaf.chunks)),
+                human_bytes(leaf_nbytes(leaf)),
+            ]
+            for leaf in m.leaves.values()
+        ]
+        print()
+        print(table(rows, ["KEY", "DTYPE", "SHAPE", "PLACEMENT", "PIECES", "SIZE"]))
+    if m.objects:
+        print()
+        rows = [[key_text(o.key), o.placement.replace("_", "-"), object_text(o)] for o in m.objects.values()]
+        print(table(rows, ["KEY", "STORED", "VALUE"]))

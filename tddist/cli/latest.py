@@ -1,0 +1,60 @@
+"""``tddist latest ROOT``: the path of the newest committed checkpoint, for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .. import inventory
+from ._output import emit_json, shown_path
+
+HELP = "print the newest committed checkpoint under a directory (for scripts)"
+DESCRIPTION = """\
+Print the path of the newest committed checkpoint under ROOT: the one a
+CheckpointManager would resume from (the highest step-NNNNNNNNN with a valid
+manifest; without step names, the one committed last). Exit status 1 and nothing
+on stdout when there is none. Never imports torch.
+
+  ckpt=$(tddist latest ckpt/run) && python eval.py "$ckpt" """
+
+
+def register(sub) -> None:
+    s = sub.add_parser(
+        "latest", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    s.add_argument("root", metavar="ROOT", help="a directory of checkpoints, such as a CheckpointManager root")
+    s.add_argument(
+        "--json", action="store_true", help="print one JSON object (schema tddist.latest/1, see docs/cli.md)"
+    )
+    s.set_defaults(run=run)
+
+
+def run(args) -> int:
+    entry = inventory.newest(args.root) if os.path.isdir(args.root) else None
+    if entry is None:
+        if not os.path.isdir(args.root):
+            what = "does not exist" if not os.path.lexists(args.root) else "is not a directory"
+            message = f"{args.root!r} {what}"
+        else:
+            message = f"no committed checkpoint under {args.root!r}"
+        if args.json:
+            emit_json("latest", {"root": args.root, "path": None, "step": None})
+        sys.stderr.write(f"tddist latest: {message}\n")
+        return 1
+    path = shown_path(entry.path, args.root)
+    if args.json:
+        emit_json(
+            "latest",
+            {
+                "root": args.root,
+                "path": path,
+                "step": entry.step,
+                "layout": entry.layout,
+                "world_size": entry.world_size,
+                "created": entry.created,
+            },
+        )
+    else:
+        print(path)
+    return 0

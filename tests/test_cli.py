@@ -1,0 +1,571 @@
+"""The ``tddist`` command, run as a real subprocess on real checkpoints.
+
+Checkpoints are saved with ``tddist.save`` (in-process, or on thread ranks
+with ``tddist.run_threads``); leftovers of interrupted saves come from real
+saves killed with SIGKILL in a child process (``TDDIST_FAULT``). Each test
+runs the installed command (or ``python -m tddist.cli``) and checks its
+output, its ``--json`` document, its exit status and what it did on disk.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
+from dataclasses import FrozenInstanceError
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist import format as fmt
+from tddist import inventory
+from tddist.retention import clean_root, delete_checkpoint, retired, step_name
+from tddist.verify import verify
+
+REPO = Path(__file__).resolve().parent.parent
+_SCRIPT = Path(sys.executable).with_name("tddist")
+CMD = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "tddist.cli"]
+
+
+def cli(*args, cwd=None, check_rc=None) -> subprocess.CompletedProcess:
+    r = subprocess.run([*CMD, *map(str, args)], capture_output=True, text=True, timeout=180, cwd=cwd)
+    if check_rc is not None:
+        assert r.returncode == check_rc, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r
+
+
+def cli_json(*args, rc=0) -> dict:
+    r = cli(*args, "--json", check_rc=rc)
+    doc = json.loads(r.stdout)
+    return doc
+
+
+def save_step(root: Path, step: int, scale: float = 1.0, **kwargs) -> Path:
+    path = root / step_name(step, archive=bool(kwargs.get("archive")))
+    td = TensorDict(
+        batch=TensorDict(obs=torch.arange(24.0).view(8, 3) * scale, batch_size=[8]),
+        model={"w": torch.eye(3) * scale},
+        batch_size=[],
+    )
+    td.set_non_tensor("note", "a long note " * 20)
+    tddist.save(td, path, metadata={"step": step}, **kwargs)
+    return path
+
+
+def killed_save(target: Path, point: str = "validate", atomic: bool = True) -> None:
+    """A real save of ``target`` in a child process, killed with SIGKILL at commit step ``point``."""
+    code = textwrap.dedent(
+        f"""
+        import torch, tddist
+        tddist.save({{"x": torch.ones(1000, 64)}}, {str(target)!r}, atomic={atomic})
+        """
+    )
+    env = dict(os.environ, TDDIST_FAULT=f"{point}:0:kill")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
+    assert r.returncode == -9, r.stderr.decode()[-2000:]
+
+
+def three_ranks(path: Path, **kwargs) -> None:
+    def rank_fn(c):
+        td = TensorDict(x=torch.arange(12.0).view(4, 3) + c.rank, y=torch.arange(4) * c.rank, batch_size=[4])
+        td.set_non_tensor("who", f"rank{c.rank}")
+        td.set_non_tensor("lr", 0.5)
+        return tddist.save(td, path, comm=c, **kwargs)
+
+    results = tddist.run_threads(3, rank_fn, timeout=60)
+    assert not any(isinstance(r, BaseException) for r in results), results
+
+
+def flip_byte(path: Path, offset: int = 0) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[offset] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+# --- startup: the light commands never import torch ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ls", "{root}"],
+        ["latest", "{root}"],
+        ["info", "{ckpt}"],
+        ["info", "{ckpt}", "--leaves"],
+        ["--version"],
+        ["--help"],
+        ["ls", "--help"],
+    ],
+    ids=lambda a: " ".join(a).replace("{", "").replace("}", ""),
+)
+def test_light_commands_do_not_import_torch(tmp_path, args):
+    ckpt = save_step(tmp_path, 5)
+    argv = [a.format(root=tmp_path, ckpt=ckpt) for a in args]
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tddist.cli", *argv], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "tensordict", "numpy", "tqdm"))
+    assert not heavy, f"tddist {' '.join(argv)} imported {heavy[:10]}"
+    assert "tddist.cli" in imported
+
+
+# --- ls, latest, gc on a manager root with killed saves ----------------------------------------
+
+
+def test_ls_flags_killed_saves_and_gc_removes_them(tmp_path):
+    root = tmp_path / "run"
+    for step in (100, 200, 300):
+        save_step(root, step)
+    for _ in range(4):  # four killed saves of the same step: four hidden staging directories
+        killed_save(root / step_name(400))
+    killed_save(root / step_name(500), atomic=False)  # a partial save in place
+
+    doc = cli_json("ls", root)
+    assert doc["schema"] == "tddist.ls/1" and doc["root"] == str(root)
+    kinds = [(e["kind"], e["step"]) for e in doc["entries"]]
+    assert kinds == [("checkpoint", 100), ("checkpoint", 200), ("checkpoint", 300)] + [("staging", 400)] * 4 + [
+        ("partial", 500)
+    ]
+    for e in doc["entries"]:
+        assert e["bytes"] > 0 and e["age_seconds"] >= 0
+        if e["committed"]:
+            assert e["world_size"] == 1 and e["layout"] == "directory" and e["fix"] is None
+        else:
+            assert e["fix"] == f"tddist gc {root}" and e["problem"]
+    staging = [e for e in doc["entries"] if e["kind"] == "staging"]
+    assert all(e["target"] == str(root / step_name(400)) and e["bytes"] >= 256_000 for e in staging)
+
+    text = cli("ls", root, check_rc=0).stdout
+    assert "3 committed checkpoint(s)" in text and "leftover (staging)" in text and "partial" in text
+    assert f"when no save is running: tddist gc {root}" in text
+
+    assert cli("latest", root, check_rc=0).stdout == f"{root / step_name(300)}\n"
+
+    before = sorted(os.listdir(root))
+    plan = cli_json("gc", root, "--keep-last", "2", "--dry-run")
+    assert sorted(os.listdir(root)) == before, "--dry-run changed something"
+    planned = {(a["action"], os.path.basename(a["path"])) for a in plan["actions"]}
+    assert planned == {("remove", e["name"]) for e in doc["entries"] if not e["committed"]} | {
+        ("delete", step_name(100))
+    }
+    assert plan["dry_run"] and plan["freed_bytes"] == sum(a["bytes"] for a in plan["actions"])
+
+    done = cli_json("gc", root, "--keep-last", "2")
+    assert {(a["action"], a["path"]) for a in done["actions"]} == {(a["action"], a["path"]) for a in plan["actions"]}
+    assert sorted(os.listdir(root)) == [step_name(200), step_name(300)]
+    assert cli("gc", root, check_rc=0).stdout.strip() == f"{root}: nothing to do"
+
+
+def _messy_root(root: Path) -> None:
+    """Every state the manager's clean-up and retention distinguish."""
+    for step in (1, 2, 3, 4):
+        save_step(root, step)
+    save_step(root, 6, archive=True)
+    killed_save(root / step_name(7))  # staging leftover of an uncommitted step
+    killed_save(root / step_name(2))  # staging leftover beside a committed one
+    killed_save(root / step_name(8), atomic=False)  # torn step directory
+    # a replace without RENAME_EXCHANGE cut between its renames: the committed checkpoint sits at a backup name
+    os.rename(root / step_name(3), root / f".{step_name(3)}.tddist-backup-{'1' * 32}")
+    # an interrupted retention deletion
+    shutil.copytree(root / step_name(1), root / f".{step_name(5)}.tddist-trash-{'2' * 32}")
+    # foreign files under a step name, a damaged newest checkpoint, and unrelated entries
+    (root / step_name(9)).mkdir()
+    (root / step_name(9) / "notes.txt").write_text("mine")
+    save_step(root, 10)
+    (root / step_name(10) / fmt.MANIFEST_NAME).write_text("{not json")
+    (root / "README").write_text("unrelated")
+
+
+def test_gc_applies_the_managers_rules(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _messy_root(a)
+    shutil.copytree(a, b, symlinks=True)
+    # b: what CheckpointManager does (clean-up at start, retention after a save)
+    clean_root(str(b))
+    newest = inventory.newest(b)
+    for _step, p in retired(str(b), 4, newest.step):
+        delete_checkpoint(p)
+    # a: the command, offline
+    doc = cli_json("gc", a, "--keep-last", "4")
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    assert (a / step_name(3) / fmt.MANIFEST_NAME).is_file(), "the backup was not moved back"
+    assert (a / step_name(9) / "notes.txt").read_text() == "mine"
+    actions = {(x["action"], os.path.basename(x["path"])) for x in doc["actions"]}
+    assert ("restore", f".{step_name(3)}.tddist-backup-{'1' * 32}") in actions
+    assert ("keep", step_name(9)) in actions and ("remove", step_name(8)) in actions
+    # the damaged step 10 is counted as committed but never chosen; the newest valid one (6) is kept
+    assert cli("latest", a, check_rc=0).stdout.strip() == str(a / step_name(6, archive=True))
+
+
+def test_latest_and_ls_edge_cases(tmp_path):
+    r = cli("latest", tmp_path, check_rc=1)
+    assert r.stdout == "" and "no committed checkpoint" in r.stderr
+    assert cli_json("latest", tmp_path, rc=1)["path"] is None
+    r = cli("latest", tmp_path / "missing", check_rc=1)
+    assert "does not exist" in r.stderr
+    assert cli("ls", tmp_path, check_rc=0).stdout.strip() == f"{tmp_path}: no checkpoints"
+    # a directory without step names: the one committed last
+    first = save_step(tmp_path, 1).rename(tmp_path / "first")
+    os.utime(first, (1, 1))
+    second = save_step(tmp_path, 2).rename(tmp_path / "second")
+    doc = cli_json("latest", tmp_path)
+    assert doc["path"] == str(second) and doc["world_size"] == 1
+    # a shell script takes the path from stdout
+    out = subprocess.run(
+        ["bash", "-c", f'ckpt=$({" ".join(CMD)} latest {tmp_path}) && {" ".join(CMD)} info "$ckpt" --json'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and json.loads(out.stdout)["metadata"] == {"step": 2}
+    # ls of one checkpoint lists it, with the leftovers beside it
+    killed_save(second)
+    doc = cli_json("ls", second)
+    assert [e["kind"] for e in doc["entries"]] == ["checkpoint", "staging"]
+    assert doc["entries"][1]["fix"] == f"tddist recover {second}"
+
+
+# --- info ----------------------------------------------------------------------------------------
+
+
+def test_info_summary_values_and_leaves(tmp_path):
+    ckpt = tmp_path / "ck"
+    three_ranks(ckpt, metadata={"step": 7, "run": "demo"})
+    text = cli("info", ckpt, check_rc=0).stdout
+    assert "world size 3 (ranks that saved it)" in text and "2 tensor(s) (2 sharded)" in text
+    assert '"step": 7' in text
+    assert 'who = per rank: rank 0: "rank0", rank 1: "rank1", rank 2: "rank2"' in text
+    assert "lr = 0.5" in text
+    assert "boxes" not in text
+    leaves = cli("info", ckpt, "--leaves", check_rc=0).stdout
+    assert re.search(r"^x\s+float32\s+\[12, 3\]\s+sharded on dim 0\s+3\s+144 B$", leaves, re.M), leaves
+    assert re.search(r"^who\s+per-rank\s+per rank:", leaves, re.M), leaves
+
+    doc = cli_json("info", ckpt)
+    assert doc["schema"] == "tddist.info/1" and doc["world_size"] == 3 and doc["layout"] == "directory"
+    assert doc["bytes"] == 12 * 3 * 4 + 12 * 8
+    x = next(leaf for leaf in doc["leaves"] if leaf["key"] == ["x"])
+    assert x == {
+        "key": ["x"],
+        "dtype": "float32",
+        "shape": [12, 3],
+        "placement": {"type": "shard", "dim": 0},
+        "chunks": 3,
+        "bytes": 144,
+    }
+    objs = {tuple(o["key"]): o for o in doc["objects"]}
+    assert objs[("who",)]["values"] == ["rank0", "rank1", "rank2"] and objs[("lr",)]["values"] == [0.5]
+    assert doc["leftovers"] == []
+
+
+def test_info_truncates_values_and_names_leftovers(tmp_path):
+    ckpt = save_step(tmp_path, 3)
+    killed_save(ckpt)
+    text = cli("info", ckpt, check_rc=0).stdout
+    note = next(line for line in text.splitlines() if line.strip().startswith("note = "))
+    assert note.endswith("...") and len(note) < 90, note
+    assert "1 leftover(s) of interrupted saves beside it" in text and f"tddist recover {ckpt}" in text
+    doc = cli_json("info", ckpt)
+    assert doc["leftovers"][0]["kind"] == "staging" and doc["leftovers"][0]["bytes"] > 0
+    assert [o["values"] for o in doc["objects"]] == [["a long note " * 20]]
+
+
+def test_info_on_a_root_points_to_ls(tmp_path):
+    for step in (1, 2):
+        save_step(tmp_path, step)
+    r = cli("info", tmp_path, check_rc=1)
+    assert "is not a checkpoint but a directory of 2 checkpoint(s)" in r.stderr
+    assert f"tddist ls {tmp_path}" in r.stderr and str(tmp_path / step_name(2)) in r.stderr
+    doc = json.loads(cli("info", tmp_path, "--json", check_rc=1).stdout)
+    assert doc["schema"] == "tddist.error/1" and doc["error"] == "CheckpointNotFoundError"
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_lists_every_bad_chunk(tmp_path):
+    ckpt = tmp_path / "ck"
+    three_ranks(ckpt)
+    assert cli("verify", ckpt, check_rc=0).stdout.startswith(f"{ckpt}: OK (sizes and checksums of 6 chunk(s)")
+    flip_byte(ckpt / fmt.rank_dir(0) / "x.memmap", 5)  # a flipped bit: only the checksum sees it
+    (ckpt / fmt.rank_dir(1) / "y.memmap").unlink()  # a missing file
+    with open(ckpt / fmt.rank_dir(2) / "x.memmap", "r+b") as f:  # a truncated file
+        f.truncate(10)
+
+    report = verify(ckpt)
+    assert [(p.kind, p.key, p.rank) for p in report.problems] == [
+        ("checksum", ("x",), 0),
+        ("size", ("x",), 2),
+        ("missing", ("y",), 1),
+    ]
+    assert not report.ok and report.chunks == 6 and report.mode == "full"
+    with pytest.raises(FrozenInstanceError):
+        report.ok = True  # type: ignore[misc]
+    quick = verify(ckpt, quick=True)
+    assert [p.kind for p in quick.problems] == ["size", "missing"]
+
+    r = cli("verify", ckpt, check_rc=1)
+    assert "3 problem(s) in 6 chunk(s)" in r.stdout
+    assert "checksum: x (rank 0)" in r.stdout and "size: x (rank 2)" in r.stdout and "missing: y (rank 1)" in r.stdout
+    doc = json.loads(cli("verify", ckpt, "--quick", "--json", check_rc=1).stdout)
+    assert doc["mode"] == "quick" and not doc["ok"]
+    assert [(p["kind"], p["key"], p["rank"], p["file"]) for p in doc["problems"]] == [
+        ("size", ["x"], 2, os.path.join(fmt.rank_dir(2), "x.memmap")),
+        ("missing", ["y"], 1, os.path.join(fmt.rank_dir(1), "y.memmap")),
+    ]
+
+
+def test_verify_archive(tmp_path):
+    three_ranks(tmp_path / "d")
+    tddist.pack(tmp_path / "d", tmp_path / "a.tdz")
+    assert verify(tmp_path / "a.tdz").ok
+    files = zipfile_offsets(tmp_path / "a.tdz")
+    for name in ("rank-00000/x.memmap", "rank-00002/y.memmap"):
+        flip_byte(tmp_path / "a.tdz", files[name])
+    doc = json.loads(cli("verify", tmp_path / "a.tdz", "--json", "--threads", "3", check_rc=1).stdout)
+    assert doc["layout"] == "archive"
+    assert [(p["kind"], p["file"]) for p in doc["problems"]] == [
+        ("checksum", "rank-00000/x.memmap"),
+        ("checksum", "rank-00002/y.memmap"),
+    ]
+    assert cli("verify", tmp_path / "a.tdz", "--quick", check_rc=0).stdout.startswith(f"{tmp_path / 'a.tdz'}: OK")
+
+
+def zipfile_offsets(path: Path) -> dict[str, int]:
+    """Offset of each archive entry's data."""
+    import zipfile
+
+    out = {}
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        for zi in zf.infolist():
+            f.seek(zi.header_offset + 26)
+            n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+            out[zi.filename] = zi.header_offset + 30 + n + m
+    return out
+
+
+# --- diff ----------------------------------------------------------------------------------------
+
+
+def test_diff(tmp_path):
+    three_ranks(tmp_path / "three")
+    tddist.pack(tmp_path / "three", tmp_path / "three.tdz")
+    full = tddist.load(tmp_path / "three", shard=None)
+
+    def two_ranks(c):
+        rows = slice(c.rank * 6, (c.rank + 1) * 6)
+        td = TensorDict(x=full["x"][rows].clone(), y=full["y"][rows].clone(), batch_size=[6])
+        td.set_non_tensor("who", ["rank0", "rank1", "rank2"][c.rank])
+        td.set_non_tensor("lr", 0.5)
+        return tddist.save(td, tmp_path / "two", comm=c)
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(2, two_ranks, timeout=60))
+
+    doc = cli_json("diff", tmp_path / "three", tmp_path / "three.tdz")  # same chunks: checksums only
+    assert doc["identical"] and doc["same"] == 4 and doc["layout"] == ["directory", "archive"]
+
+    doc = cli_json("diff", tmp_path / "three", tmp_path / "two", rc=1)  # other world size: the data
+    changed = {tuple(d["key"]): d for d in doc["changed"]}
+    assert set(changed) == {("who",)}, changed  # per rank values: 3 ranks vs 2
+    assert doc["same"] == 3 and doc["world_size"] == [3, 2]
+    doc = cli_json("diff", tmp_path / "three", tmp_path / "two", "--checksums-only", rc=1)
+    assert sorted(doc["not_compared"]) == [["x"], ["y"]]
+
+    # change one value, one dtype, one key, the metadata
+    def changed_ranks(c):
+        td = TensorDict(x=torch.arange(12.0).view(4, 3) + c.rank, y=(torch.arange(4) * c.rank).int(), batch_size=[4])
+        if c.rank == 1:
+            td["x"][0, 0] = -1
+        td.set_non_tensor("who", f"rank{c.rank}")
+        td.set_non_tensor("lr", 0.25)
+        td["z"] = torch.zeros(4)
+        return tddist.save(td, tmp_path / "changed", comm=c, metadata={"note": "b"})
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(3, changed_ranks, timeout=60))
+    r = cli("diff", tmp_path / "three", tmp_path / "changed", check_rc=1)
+    assert "only in B: z" in r.stdout
+    assert "changed: x: content differs (by checksum)" in r.stdout
+    assert "changed: y: dtype int64 -> int32" in r.stdout
+    assert "changed: lr: value 0.5 -> 0.25" in r.stdout
+    assert 'metadata: note: (absent) -> "b"' in r.stdout
+
+
+# --- pack / unpack -------------------------------------------------------------------------------
+
+
+def test_pack_and_unpack_refuse_to_overwrite_without_force(tmp_path):
+    three_ranks(tmp_path / "d")
+    save_step(tmp_path, 1)
+    other = tmp_path / step_name(1)
+    cli("pack", tmp_path / "d", tmp_path / "a.tdz", check_rc=0)
+    before = (tmp_path / "a.tdz").read_bytes()
+    tddist.pack(other, tmp_path / "b.tdz")
+    r = cli("pack", other, tmp_path / "a.tdz", check_rc=1)
+    assert "exists; pass --force to replace it" in r.stderr
+    assert (tmp_path / "a.tdz").read_bytes() == before
+    doc = cli_json("pack", other, tmp_path / "a.tdz", "--force", "--compression", "deflate")
+    assert doc["schema"] == "tddist.pack/1" and doc["bytes"] == 24 * 4 + 9 * 4
+    assert tddist.read_manifest(tmp_path / "a.tdz").metadata == {"step": 1}
+
+    cli("unpack", tmp_path / "b.tdz", tmp_path / "u", check_rc=0)
+    r = cli("unpack", tmp_path / "a.tdz", tmp_path / "d", check_rc=1)
+    assert "--force" in r.stderr and tddist.read_manifest(tmp_path / "d").world_size == 3
+    cli("unpack", tmp_path / "a.tdz", tmp_path / "d", "--force", check_rc=0)
+    assert tddist.read_manifest(tmp_path / "d").world_size == 1
+    assert cli_json("diff", tmp_path / "d", other)["identical"]
+    assert not [n for n in os.listdir(tmp_path) if ".tddist-" in n]
+
+
+# --- exit statuses, pipes, progress --------------------------------------------------------------
+
+
+def test_usage_errors_exit_2_and_problems_exit_1(tmp_path):
+    for args in (
+        ["frobnicate"],
+        ["ls"],
+        ["gc", tmp_path, "--keep-last", "0"],
+        ["verify", tmp_path, "--threads", "x"],
+        [],
+    ):
+        r = cli(*args)
+        assert r.returncode == 2 and "usage: tddist" in r.stderr, (args, r)
+    r = cli("info", tmp_path / "missing", check_rc=1)
+    assert r.stderr.startswith("tddist info: ") and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    doc = json.loads(cli("verify", tmp_path / "missing", "--json", check_rc=1).stdout)
+    assert doc == {
+        "schema": "tddist.error/1",
+        "command": "verify",
+        "error": "CheckpointNotFoundError",
+        "message": doc["message"],
+    }
+    assert cli("--version", check_rc=0).stdout.strip() == f"tddist {tddist.__version__}"
+    helps = cli("--help", check_rc=0).stdout
+    for command in ("ls", "latest", "info", "diff", "verify", "gc", "recover", "pack", "unpack"):
+        assert re.search(rf"^    {command}\s+\S", helps, re.M), command
+    assert "exit status" in helps
+    verify_help = cli("verify", "--help", check_rc=0).stdout
+    assert "--threads N" in verify_help and "threads that read and hash" in verify_help
+    assert "PATH" in verify_help and "a checkpoint directory or .tdz archive" in verify_help
+
+
+def test_closed_pipe_ends_quietly(tmp_path):
+    td = TensorDict({f"leaf{i:05d}": torch.zeros(1) for i in range(3000)}, batch_size=[])
+    tddist.save(td, tmp_path / "many")
+    p = subprocess.Popen(
+        [*CMD, "info", str(tmp_path / "many"), "--leaves"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    first = p.stdout.readline()
+    p.stdout.close()  # like `| head -1`
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=120)
+    assert first.startswith(str(tmp_path / "many").encode())
+    assert err == "" and rc == 141, (rc, err)
+    r = subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"{' '.join(CMD)} info {tmp_path / 'many'} --leaves | head -n 3; {' '.join(CMD)} ls {tmp_path} --json | head -c 1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stderr == "" and len(r.stdout.splitlines()) == 4
+
+
+def _with_tty_stderr(args) -> tuple[int, str]:
+    """Run the command with stderr on a pseudo-terminal; returns (exit status, what the terminal got)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # 40 rows, 120 columns
+    p = subprocess.Popen([*CMD, *map(str, args)], stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    return p.wait(timeout=120), b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    tddist.save({"w": torch.zeros(4 << 20)}, tmp_path / "big")  # 16 MiB
+    rc, shown = _with_tty_stderr(["verify", tmp_path / "big"])
+    assert rc == 0 and "verify:" in shown and "%|" in shown, shown
+    rc, shown = _with_tty_stderr(["pack", tmp_path / "big", tmp_path / "big.tdz"])
+    assert rc == 0 and "pack:" in shown, shown
+    r = cli("verify", tmp_path / "big", check_rc=0)  # stderr is a pipe: no bar
+    assert r.stderr == ""
+
+
+# --- the --json schemas are the documented ones --------------------------------------------------
+
+
+def documented_members() -> dict[str, set[str]]:
+    """Members of each ``--json`` document as docs/cli.md lists them (``#### `tddist.NAME/1` `` tables)."""
+    text = (REPO / "docs" / "cli.md").read_text()
+    out: dict[str, set[str]] = {}
+    for m in re.finditer(r"^#### `(tddist\.[a-z]+/1)`\n(.*?)(?=^#|\Z)", text, re.M | re.S):
+        out[m.group(1)] = set(re.findall(r"^\| `([a-z_.\[\]]+)` \|", m.group(2), re.M))
+    return out
+
+
+def _members(doc, prefix="") -> set[str]:
+    out = set()
+    for k, v in doc.items():
+        out.add(prefix + k)
+        if isinstance(v, list) and v and isinstance(v[0], dict) and k not in ("metadata",):
+            for item in v:
+                out |= _members(item, f"{prefix}{k}[].")
+    return out
+
+
+def test_json_documents_match_docs(tmp_path):
+    docs = documented_members()
+    root = tmp_path / "run"
+    for step in (1, 2):
+        save_step(root, step)
+    killed_save(root / step_name(3))
+    ckpt = root / step_name(2)
+    three_ranks(tmp_path / "three")
+    emitted = {
+        "ls": cli_json("ls", root),
+        "latest": cli_json("latest", root),
+        "info": cli_json("info", tmp_path / "three"),
+        "diff": cli_json("diff", root / step_name(1), ckpt, rc=1),
+        "verify": cli_json("verify", ckpt),
+        "gc": cli_json("gc", root, "--dry-run", "--keep-last", "1"),
+        "recover": cli_json("recover", root / step_name(3)),
+        "pack": cli_json("pack", ckpt, tmp_path / "p.tdz"),
+        "unpack": cli_json("unpack", tmp_path / "p.tdz", tmp_path / "u"),
+        "error": json.loads(cli("info", tmp_path / "nope", "--json", check_rc=1).stdout),
+    }
+    flipped = ckpt / fmt.rank_dir(0) / "batch" / "obs.memmap"
+    flip_byte(flipped)
+    emitted["verify"] = cli_json("verify", ckpt, rc=1)
+    killed_save(ckpt)
+    emitted["info-leftovers"] = cli_json("info", ckpt)
+    for name, doc in emitted.items():
+        schema = doc["schema"]
+        assert schema in docs, f"{schema} is not documented in docs/cli.md"
+        got = _members(doc)
+        assert got <= docs[schema], f"{schema}: undocumented members {sorted(got - docs[schema])}"
+        top = {m for m in docs[schema] if "." not in m}
+        assert top <= set(doc), f"{schema}: documented but missing {sorted(top - set(doc))}"
