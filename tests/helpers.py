@@ -20,8 +20,6 @@ from pathlib import Path
 import torch
 from tensordict import TensorDictBase, is_non_tensor
 
-from tddist import format as fmt
-
 __all__ = ["assert_td_equal", "leftovers"]
 
 # --- TensorDict equality -------------------------------------------------------------
@@ -113,6 +111,8 @@ def leftovers(target, *, strict: bool = False) -> list[str]:
     the target itself (not matching the pattern): for a directory that should
     hold the target(s) and nothing else.
     """
+    from tddist import format as fmt  # here, so that importing the helpers (conftest) never imports tddist
+
     target = Path(target)
     parent, name = target.parent, target.name
     try:
