@@ -16,7 +16,7 @@ import pickle
 import threading
 import traceback
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 from .errors import BY_NAME, CollectiveError, CommTimeoutError, InvalidArgumentError, TddistError
 from .types import Contribution, Decision, Failure
@@ -31,46 +31,103 @@ DEFAULT_TIMEOUT = float(os.environ.get("TDDIST_TIMEOUT", "600"))
 
 @runtime_checkable
 class Communicator(Protocol):
+    """What tddist needs of a communicator: rank, size and a few collectives on picklable objects.
+
+    tddist exchanges only small objects (paths, fragments, decisions,
+    errors); tensor data never goes through a communicator. Pass any object
+    with these members as ``comm=`` (a torch ProcessGroup or an mpi4py
+    communicator is wrapped in a private one instead). Every method but the
+    attributes is collective: all ranks call it, in the same order.
+
+    Attributes:
+        rank: This process's rank, ``0 <= rank < size``.
+        size: The number of ranks.
+    """
+
     rank: int
     size: int
 
-    def barrier(self) -> None: ...
+    def barrier(self) -> None:
+        """Return once every rank has called it."""
+        ...
 
-    def broadcast(self, obj: Any, root: int = 0) -> Any: ...
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        """Send ``root``'s object to every rank.
 
-    def gather(self, obj: Any, root: int = 0) -> list | None: ...
+        Args:
+            obj: The object to send (used on ``root`` only).
+            root: The rank that sends.
 
-    def allgather(self, obj: Any) -> list: ...
+        Returns:
+            ``root``'s object, on every rank.
+        """
+        ...
+
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """Collect every rank's object on ``root``.
+
+        Args:
+            obj: This rank's object.
+            root: The rank that receives.
+
+        Returns:
+            On ``root``, every rank's object in rank order; None elsewhere.
+        """
+        ...
+
+    def allgather(self, obj: Any) -> list[Any]:
+        """Collect every rank's object on every rank.
+
+        Args:
+            obj: This rank's object.
+
+        Returns:
+            Every rank's object, in rank order.
+        """
+        ...
 
     def dup(self) -> Communicator:
-        """A new communicator over the same ranks whose messages never mix with this one's (collective)."""
+        """A new communicator over the same ranks whose messages never mix with this one's (collective).
+
+        Returns:
+            The duplicate; asynchronous saves run their collectives on it.
+        """
         ...
 
 
 class LocalComm:
-    """The communicator of a single process."""
+    """The communicator of a single process (rank 0 of 1); what ``comm=None`` resolves to without a launcher.
+
+    Every collective returns at once: ``broadcast`` returns ``obj``,
+    ``gather`` and ``allgather`` return ``[obj]``.
+    """
 
     rank = 0
     size = 1
 
     def barrier(self) -> None:
+        """Return at once (one rank)."""
         pass
 
-    def broadcast(self, obj, root=0):
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        """Return ``obj`` (see ``Communicator.broadcast``)."""
         return obj
 
-    def gather(self, obj, root=0):
+    def gather(self, obj: Any, root: int = 0) -> list[Any]:
+        """Return ``[obj]`` (see ``Communicator.gather``)."""
         return [obj]
 
-    def allgather(self, obj):
+    def allgather(self, obj: Any) -> list[Any]:
+        """Return ``[obj]`` (see ``Communicator.allgather``)."""
         return [obj]
 
-    def dup(self):
+    def dup(self) -> LocalComm:
+        """Return a new ``LocalComm`` (see ``Communicator.dup``)."""
         return LocalComm()
 
 
 class _ThreadGroup:
-    def __init__(self, size: int, timeout: float):
+    def __init__(self, size: int, timeout: float) -> None:
         self.size = size
         self.timeout = timeout
         self.slots: list[Any] = [None] * size
@@ -83,10 +140,17 @@ class ThreadComm:
     """One rank of a group of threads in this process (tests and in-process use).
 
     Objects are pickled on the way, as a real transport would, so what works
-    here also works across processes.
+    here also works across processes. Make the ranks with ``create`` (or run
+    a function on them with ``run_threads``); each thread uses its own.
+    A collective that some rank does not reach within the group's timeout
+    raises ``CommTimeoutError`` on the others.
+
+    Args:
+        group: The group's shared state (from ``create``).
+        rank: This thread's rank in the group.
     """
 
-    def __init__(self, group: _ThreadGroup, rank: int):
+    def __init__(self, group: _ThreadGroup, rank: int) -> None:
         self._g = group
         self.rank = rank
         self.size = group.size
@@ -94,6 +158,15 @@ class ThreadComm:
 
     @staticmethod
     def create(size: int, timeout: float = DEFAULT_TIMEOUT) -> list[ThreadComm]:
+        """The ranks of a new group of ``size`` thread-ranks, to hand one to each thread.
+
+        Args:
+            size: The number of ranks.
+            timeout: Seconds a collective waits for every rank before it fails.
+
+        Returns:
+            One communicator per rank, in rank order.
+        """
         group = _ThreadGroup(size, timeout)
         return [ThreadComm(group, r) for r in range(size)]
 
@@ -107,7 +180,7 @@ class ThreadComm:
                 f"committed before the failure, the new one"
             ) from None
 
-    def _exchange(self, obj, op: str) -> list:
+    def _exchange(self, obj: Any, op: str) -> list[Any]:
         self._g.slots[self.rank] = pickle.dumps(obj)
         self._wait(op)
         out = [pickle.loads(s) for s in self._g.slots]
@@ -115,19 +188,40 @@ class ThreadComm:
         return out
 
     def barrier(self) -> None:
+        """See ``Communicator.barrier``.
+
+        Raises:
+            CommTimeoutError: a rank did not arrive within the group's timeout.
+        """
         self._wait("barrier")
 
-    def broadcast(self, obj, root=0):
+    def broadcast(self, obj: Any, root: int = 0) -> Any:
+        """See ``Communicator.broadcast``.
+
+        Raises:
+            CommTimeoutError: a rank did not arrive within the group's timeout.
+        """
         return self._exchange(obj if self.rank == root else None, "broadcast")[root]
 
-    def gather(self, obj, root=0):
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        """See ``Communicator.gather``.
+
+        Raises:
+            CommTimeoutError: a rank did not arrive within the group's timeout.
+        """
         out = self._exchange(obj, "gather")
         return out if self.rank == root else None
 
-    def allgather(self, obj):
+    def allgather(self, obj: Any) -> list[Any]:
+        """See ``Communicator.allgather``.
+
+        Raises:
+            CommTimeoutError: a rank did not arrive within the group's timeout.
+        """
         return self._exchange(obj, "allgather")
 
     def dup(self) -> ThreadComm:
+        """See ``Communicator.dup``: the n-th ``dup`` of each rank joins the same new group."""
         with self._g.lock:
             if len(self._g.dups) <= self._ndups:
                 self._g.dups.append(_ThreadGroup(self.size, self._g.timeout))
@@ -136,12 +230,28 @@ class ThreadComm:
         return ThreadComm(group, self.rank)
 
 
-def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list:
-    """Run ``fn(comm)`` on ``size`` thread-ranks; returns each rank's result or exception."""
+def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list[Any]:
+    """Run ``fn(comm)`` on ``size`` thread-ranks; returns each rank's result or exception.
+
+    A way to run collective code (``save``, ``load``) on several ranks in one
+    process, for tests and examples. An exception is returned, not raised, so
+    the caller sees every rank's outcome.
+
+    Args:
+        size: The number of ranks (threads).
+        fn: What each rank runs, given its ``ThreadComm``.
+        timeout: Seconds a collective waits for every rank before it fails.
+
+    Returns:
+        Each rank's return value, or the exception it raised, in rank order.
+
+    Raises:
+        CommTimeoutError: a thread-rank did not finish within ``timeout`` + 30 s.
+    """
     comms = ThreadComm.create(size, timeout)
     results: list[Any] = [None] * size
 
-    def body(c: ThreadComm):
+    def body(c: ThreadComm) -> None:
         try:
             results[c.rank] = fn(c)
         except BaseException as e:  # reported to the caller as a value
@@ -253,7 +363,7 @@ def decide_on_rank0(
     assert decision is not None
     if not decision.ok:
         raise collective_error(what, decision.failures)
-    return decision.value  # type: ignore[return-value]
+    return cast(R, decision.value)  # a decision without failures holds decide()'s value
 
 
 # --- choosing a communicator -----------------------------------------------------------
@@ -311,5 +421,5 @@ def resolve(comm: Any = None, timeout: float | None = None) -> Communicator:
     return LocalComm()
 
 
-def _is_tddist_comm(comm) -> bool:
+def _is_tddist_comm(comm: object) -> bool:
     return type(comm).__module__.startswith("tddist.")

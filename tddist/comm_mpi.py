@@ -9,9 +9,15 @@ rank becomes a ``CommTimeoutError`` on the others instead of a hang.
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import CommTimeoutError, wrap_transport_error
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+T = TypeVar("T")
 
 _TAG = 7301
 
@@ -19,7 +25,7 @@ _TAG = 7301
 class MPIComm:
     """Object collectives over a private duplicate of an MPI communicator."""
 
-    def __init__(self, comm=None, timeout: float = 600.0):
+    def __init__(self, comm: MPI.Comm | None = None, timeout: float = 600.0) -> None:
         from mpi4py import MPI
 
         self._MPI = MPI
@@ -29,7 +35,7 @@ class MPIComm:
         self.size = self.comm.Get_size()
         self.timeout = timeout
 
-    def _poll(self, op: str, ready, start: float) -> None:
+    def _poll(self, op: str, ready: Callable[[], object], start: float) -> None:
         """Yield the CPU for the first few milliseconds (a commit's messages arrive within
         them), then sleep with backoff up to 1 ms, until ``ready()`` or the deadline."""
         delay = 0.0
@@ -44,15 +50,15 @@ class MPIComm:
             if elapsed > 0.005:
                 delay = min(0.001, delay * 2 if delay else 0.00005)
 
-    def _send(self, obj, dest: int, op: str, start: float) -> None:
+    def _send(self, obj: Any, dest: int, op: str, start: float) -> None:
         req = self.comm.isend(obj, dest=dest, tag=_TAG)
         self._poll(op, lambda: req.Test(), start)
 
-    def _recv(self, source: int, op: str, start: float):
+    def _recv(self, source: int, op: str, start: float) -> Any:
         self._poll(op, lambda: self.comm.Iprobe(source=source, tag=_TAG), start)
         return self.comm.recv(source=source, tag=_TAG)
 
-    def _guard(self, op: str, fn):
+    def _guard(self, op: str, fn: Callable[[float], T]) -> T:
         start = time.monotonic()
         try:
             return fn(start)
@@ -67,7 +73,7 @@ class MPIComm:
         self.allgather(None)
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
-        def run(start):
+        def run(start: float) -> Any:
             if self.rank == root:
                 reqs = [self.comm.isend(obj, dest=r, tag=_TAG) for r in range(self.size) if r != root]
                 self._poll("broadcast", lambda: self._MPI.Request.Testall(reqs), start)
@@ -76,8 +82,8 @@ class MPIComm:
 
         return self._guard("broadcast", run)
 
-    def gather(self, obj: Any, root: int = 0) -> list | None:
-        def run(start):
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        def run(start: float) -> list[Any] | None:
             if self.rank != root:
                 self._send(obj, root, "gather", start)
                 return None
@@ -85,17 +91,17 @@ class MPIComm:
 
         return self._guard("gather", run)
 
-    def allgather(self, obj: Any) -> list:
+    def allgather(self, obj: Any) -> list[Any]:
         return self.broadcast(self.gather(obj, 0), 0)
 
     def dup(self) -> MPIComm:
         return MPIComm(self.comm, self.timeout)
 
 
-_CACHE: dict[tuple, MPIComm] = {}
+_CACHE: dict[tuple[int, float], MPIComm] = {}
 
 
-def mpi_comm(parent=None, timeout: float = 600.0) -> MPIComm:
+def mpi_comm(parent: MPI.Comm | None = None, timeout: float = 600.0) -> MPIComm:
     """The MPIComm for ``parent`` (None: COMM_WORLD), duplicated once and reused."""
     from mpi4py import MPI
 

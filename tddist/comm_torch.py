@@ -12,7 +12,8 @@ import datetime
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -20,7 +21,9 @@ from .errors import wrap_transport_error
 
 logger = logging.getLogger(__name__)
 
-_GROUPS: dict[tuple, TorchComm] = {}
+T = TypeVar("T")
+
+_GROUPS: dict[tuple[int, tuple[int, ...], float, int], TorchComm] = {}
 
 
 def init_from_env(timeout: float) -> None:
@@ -33,13 +36,13 @@ def init_from_env(timeout: float) -> None:
 class TorchComm:
     """Collectives over a private gloo process group."""
 
-    def __init__(self, group, timeout: float):
+    def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
         self.group = group
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
 
-    def _run(self, op: str, fn):
+    def _run(self, op: str, fn: Callable[[], T]) -> T:
         start = time.monotonic()
         try:
             return fn()
@@ -56,12 +59,12 @@ class TorchComm:
         self._run("broadcast", lambda: dist.broadcast_object_list(box, group=self.group, group_src=root))
         return box[0]
 
-    def gather(self, obj: Any, root: int = 0) -> list | None:
+    def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
         out = [None] * self.size if self.rank == root else None
         self._run("gather", lambda: dist.gather_object(obj, out, group=self.group, group_dst=root))
         return out
 
-    def allgather(self, obj: Any) -> list:
+    def allgather(self, obj: Any) -> list[Any]:
         out = [None] * self.size
         self._run("allgather", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
@@ -70,7 +73,7 @@ class TorchComm:
         return TorchComm(_new_gloo_group(tuple(dist.get_process_group_ranks(self.group)), self.timeout), self.timeout)
 
 
-def torch_comm(group, timeout: float) -> TorchComm:
+def torch_comm(group: dist.ProcessGroup | None, timeout: float) -> TorchComm:
     """The private gloo TorchComm for ``group`` (None: the default group).
 
     Creating it is collective over ``group``'s ranks the first time; later
@@ -86,7 +89,7 @@ def torch_comm(group, timeout: float) -> TorchComm:
     return comm
 
 
-def _new_gloo_group(ranks: tuple, timeout: float):
+def _new_gloo_group(ranks: tuple[int, ...], timeout: float) -> dist.ProcessGroup:
     """A new gloo group over ``ranks`` (collective over them)."""
     td = datetime.timedelta(seconds=timeout)
     local = len(ranks) != dist.get_world_size()

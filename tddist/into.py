@@ -8,7 +8,7 @@ of one. Nothing in the target is touched before every key has been checked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -80,14 +80,14 @@ def _rows_of_plain_targets(shard: ShardRequest) -> ShardRequest:
     return EvenRows() if isinstance(shard, AllRows) else shard
 
 
-def _set_object(target, key: tuple, value) -> None:
+def _set_object(target: Any, key: Key, value: Any) -> None:
     if isinstance(target, TensorDictBase):
         if isinstance(value, NonTensorStack):
             target.set(key, value)
         else:
             target.set_non_tensor(key, value)
         return
-    node: Mapping = target
+    node: MutableMapping[str, Any] = target
     for k in key[:-1]:
         node = node[k]
     node[key[-1]] = value

@@ -15,14 +15,18 @@ Rows are along each leaf's shard dim; replicated and DTensor leaves come back wh
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
 from .errors import InvalidArgumentError
 from .manifest import Leaf, Manifest, ObjectLeaf
 from .sharding import Box, Shard, even_split, full_box, ranges_from_counts, shard_box
 from .types import AllRows, EvenRows, Key, RowCounts, RowRange, SavedRows, ShardRequest
+
+if TYPE_CHECKING:
+    import torch
 
 
 def shard_request(shard: Any, size: int) -> ShardRequest:
@@ -115,18 +119,37 @@ def object_value(obj: ObjectLeaf, shard: ShardRequest, rank: int, size: int, all
 @dataclass
 class LoadReport:
     """What ``load(into=...)`` found: keys missing from the checkpoint, keys the target
-    lacks, and leaves whose shape or dtype differ (key -> why). ``ok`` when all three are empty."""
+    lacks, and leaves whose shape or dtype differ (key -> why). ``ok`` when all three are empty.
 
-    missing: list = field(default_factory=list)
-    unexpected: list = field(default_factory=list)
-    mismatched: dict = field(default_factory=dict)
-    loaded: list = field(default_factory=list)
+    ``load(into=...)`` returns it. Unless it is ``ok``, ``strict=True`` (the
+    default) raises ``IncompatibleCheckpointError`` with ``describe()``
+    instead, before anything is touched; ``strict=False`` loads what matches.
+    Keys are tuples of strings.
+
+    Attributes:
+        missing: keys of the target that the checkpoint does not hold.
+        unexpected: keys of the checkpoint that the target does not hold.
+        mismatched: keys in both whose dtype, shape or kind differ, each with the reason.
+        loaded: keys that were filled in the target.
+    """
+
+    missing: list[Key] = field(default_factory=list)
+    unexpected: list[Key] = field(default_factory=list)
+    mismatched: dict[Key, str] = field(default_factory=dict)
+    loaded: list[Key] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
+        """True if nothing is missing, unexpected or mismatched."""
         return not (self.missing or self.unexpected or self.mismatched)
 
     def describe(self) -> str:
+        """The differences in words (the first 20 of each kind), for an error message or a log.
+
+        Returns:
+            The missing, unexpected and mismatched keys, separated by "; "
+            (empty if ``ok``).
+        """
         parts = []
         if self.missing:
             parts.append(f"missing from the checkpoint: {_keys(self.missing)}")
@@ -139,12 +162,17 @@ class LoadReport:
         return "; ".join(parts)
 
 
-def _keys(keys: list) -> str:
+def _keys(keys: list[Key]) -> str:
     shown = [k[0] if len(k) == 1 else "/".join(k) for k in keys[:20]]
     return f"{shown}{' ...' if len(keys) > 20 else ''}"
 
 
-def compare(manifest: Manifest, tensors: dict, objects: dict, global_shape) -> LoadReport:
+def compare(
+    manifest: Manifest,
+    tensors: Mapping[Key, torch.Tensor],
+    objects: Mapping[Key, Any],
+    global_shape: Callable[[torch.Tensor], Iterable[int]],
+) -> LoadReport:
     """Check a target's leaves against the manifest (``global_shape(t)`` gives a target tensor's global shape)."""
     report = LoadReport()
     stored = set(manifest.leaves) | set(manifest.objects)
@@ -171,7 +199,7 @@ def compare(manifest: Manifest, tensors: dict, objects: dict, global_shape) -> L
     return report
 
 
-def _fits_part(t, leaf: Leaf) -> bool:
+def _fits_part(t: torch.Tensor, leaf: Leaf) -> bool:
     """A plain target tensor may hold a row range of a sharded leaf (same other dims)."""
     if not isinstance(leaf.placement, Shard) or t.dim() != len(leaf.shape):
         return False

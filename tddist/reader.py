@@ -22,7 +22,8 @@ from .errors import CorruptCheckpointError
 from .layouts.archive import ArchiveFiles
 from .layouts.directory import DirectoryFiles
 from .manifest import Chunk, Leaf, Manifest
-from .sharding import Box, plan_reads
+from .sharding import Box, ReadPiece, plan_reads
+from .types import Key
 
 
 def open_files(path: str) -> ArchiveFiles | DirectoryFiles:
@@ -33,12 +34,12 @@ def open_files(path: str) -> ArchiveFiles | DirectoryFiles:
 class ChunkSource:
     """Opens (and caches) the chunks of one checkpoint as tensors."""
 
-    def __init__(self, root: str, manifest: Manifest):
+    def __init__(self, root: str, manifest: Manifest) -> None:
         self.root = root
         self.manifest = manifest
         self.files = open_files(root)
-        self._maps: dict[tuple, torch.Tensor] = {}
-        self._verified: set[tuple] = set()
+        self._maps: dict[tuple[Key, int], torch.Tensor] = {}
+        self._verified: set[tuple[Key, int]] = set()
 
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
         return fmt.leaf_relpath(chunk.rank, leaf.key, self.manifest.robust_key)
@@ -94,7 +95,7 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
     if not out.numel():
         return out
 
-    def copy(p):
+    def copy(p: ReadPiece) -> None:
         out[p.dst].copy_(source.tensor(leaf, leaf.chunks[p.chunk_index])[p.src])
 
     if pool is not None and len(pieces) > 1:

@@ -11,6 +11,7 @@ reserves each file's space first so a full disk fails fast with ENOSPC.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -41,10 +42,10 @@ class LeafToWrite:
 class _FileJob:
     """One output file: its descriptor, the blocks still to write, their digests."""
 
-    def __init__(self, path: str, data: np.ndarray, sync: bool = True):
+    def __init__(self, path: str, data: np.ndarray, sync: bool = True) -> None:
         self.path = path
         self.sync = sync
-        self.data = memoryview(data)
+        self.data = memoryview(data.data)
         self.nblocks = (len(self.data) + fmt.CHECKSUM_BLOCK - 1) // fmt.CHECKSUM_BLOCK
         self.digests: list[int] = [0] * self.nblocks
         self.remaining = self.nblocks
@@ -100,7 +101,7 @@ def write_leaves(
             path = os.path.join(root, fmt.leaf_relpath(rank, leaf.key, robust_key))
             os.makedirs(os.path.dirname(path), exist_ok=True)
             jobs.append(_FileJob(path, data, sync_each))
-        tasks: list[Callable[[], None]] = [(lambda j=j, i=i: j.write_block(i)) for j in jobs for i in range(j.nblocks)]
+        tasks: list[Callable[[], None]] = [functools.partial(j.write_block, i) for j in jobs for i in range(j.nblocks)]
         _run_all(tasks, num_threads)
     finally:
         for j in jobs:

@@ -21,6 +21,7 @@ import stat
 import struct
 import zipfile
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -132,17 +133,17 @@ class Entry:
     name: str
     data: memoryview
     method: int = zipfile.ZIP_STORED
-    blocks: list = field(default_factory=list)  # (start, stop) of each piece of ``data``
-    pieces: list = field(default_factory=list)  # compressed pieces; empty when stored
-    crcs: list = field(default_factory=list)  # CRC-32 of each block
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # (start, stop) of each piece of ``data``
+    pieces: list[bytes] = field(default_factory=list)  # compressed pieces; empty when stored
+    crcs: list[int] = field(default_factory=list)  # CRC-32 of each block
     crc: int = 0
     csize: int = 0
-    digests: list = field(default_factory=list)  # xxh3-64 of each CHECKSUM_BLOCK
+    digests: list[int] = field(default_factory=list)  # xxh3-64 of each CHECKSUM_BLOCK
     header: bytes = b""
     offset: int = 0  # of the local header, absolute
 
 
-def _compress_piece(method: int, level: int | None, block, last: bool) -> bytes:
+def _compress_piece(method: int, level: int | None, block: memoryview, last: bool) -> bytes:
     if method == zipfile.ZIP_DEFLATED:
         c = zlib.compressobj(6 if level is None else level, zlib.DEFLATED, -15)
         return c.compress(block) + c.flush(zlib.Z_FINISH if last else zlib.Z_FULL_FLUSH)
@@ -152,7 +153,7 @@ def _compress_piece(method: int, level: int | None, block, last: bool) -> bytes:
         return zstandard.ZstdCompressor(level=3 if level is None else level).compress(block)
     if method == zipfile.ZIP_BZIP2:
         return bz2.compress(block, 9 if level is None else level)
-    c = zipfile.LZMACompressor()
+    c = zipfile.LZMACompressor()  # type: ignore[attr-defined]  # undocumented zipfile class, absent from typeshed
     return c.compress(block) + c.flush()
 
 
@@ -179,7 +180,7 @@ def prepare_entries(
     """
     entries = [Entry(name, memoryview(data)) for name, data in files.items()]
     method, level = compression.method, compression.level
-    entries += [Entry(name, memoryview(tensor_bytes(t)), method) for name, t in leaves.items()]
+    entries += [Entry(name, memoryview(tensor_bytes(t).data), method) for name, t in leaves.items()]
     tasks = []
     for e in entries:
         n = len(e.data)
@@ -240,11 +241,12 @@ def write_region(path: str, entries: list[Entry], num_threads: int) -> None:
         for e in entries:
             tasks.append((e.offset, memoryview(e.header)))
             pos = e.offset + len(e.header)
-            for piece in e.pieces or [e.data[lo:hi] for lo, hi in e.blocks]:
+            payload: Sequence[bytes | memoryview] = e.pieces or [e.data[lo:hi] for lo, hi in e.blocks]
+            for piece in payload:
                 tasks.append((pos, memoryview(piece)))
                 pos += len(piece)
 
-        def put(task):
+        def put(task: tuple[int, memoryview]) -> None:
             pos, view = task
             done = 0
             while done < len(view):
@@ -300,12 +302,12 @@ def decompress(method: int, data: memoryview, size: int, where: str) -> bytes:
     elif method == zipfile.ZIP_LZMA:
         props_size = struct.unpack_from("<H", data, 2)[0]
         props = bytes(data[4 : 4 + props_size])
-        d = props[0]
+        lclppb = props[0]
         filt = {
             "id": lzma.FILTER_LZMA1,
-            "lc": d % 9,
-            "lp": (d // 9) % 5,
-            "pb": d // 45,
+            "lc": lclppb % 9,
+            "lp": (lclppb // 9) % 5,
+            "pb": lclppb // 45,
             "dict_size": int.from_bytes(props[1:5], "little"),
         }
         out = lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[filt]).decompress(data[4 + props_size :], limit)

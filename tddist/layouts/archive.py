@@ -164,7 +164,7 @@ class ArchiveFiles:
                     raise CorruptCheckpointError(
                         f"archive {path!r}: entry {name!r} has a header past the end of the file"
                     )
-                sig, *_rest, name_len, extra_len = struct.unpack_from(LOCAL_FMT, self.map, zi.header_offset)
+                sig, *_rest, name_len, extra_len = struct.unpack_from(LOCAL_FMT, self.map.data, zi.header_offset)
                 if sig != b"PK\x03\x04":
                     raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} has a bad local header offset")
                 start = zi.header_offset + LOCAL_SIZE + name_len + extra_len
@@ -206,5 +206,5 @@ class ArchiveFiles:
                 raise CorruptCheckpointError(f"archive {self.path!r}: stored entry {name!r} has inconsistent sizes")
             view = self.tensor[start : start + nbytes]
             return view if start % ALIGN == 0 else view.clone()  # rewritten by another zip tool: unaligned
-        out = bytearray(decompress(zi.compress_type, memoryview(raw), nbytes, f"{self.path!r}: {name!r}"))
+        out = bytearray(decompress(zi.compress_type, memoryview(raw.data), nbytes, f"{self.path!r}: {name!r}"))
         return torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)

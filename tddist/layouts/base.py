@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Protocol
 from .. import format as fmt
 from ..checksum import checksum_bytes, tensor_bytes
 from ..sharding import consistent_batch
-from ..types import Fragment, FragmentLeaf, FragmentObject, Key, LocalShard, SavePlan, Staging, StoredBytes
+from ..types import (
+    ArchiveEntryRow,
+    Fragment,
+    FragmentLeaf,
+    FragmentObject,
+    Key,
+    LocalShard,
+    SavePlan,
+    Staging,
+    StoredBytes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +70,11 @@ class ShardWriter(Protocol):
 
 
 def build_fragment(
-    rank: int, shard: LocalShard, stored: dict[Key, StoredBytes], check_replicas: bool, entries: tuple = ()
+    rank: int,
+    shard: LocalShard,
+    stored: dict[Key, StoredBytes],
+    check_replicas: bool,
+    entries: tuple[ArchiveEntryRow, ...] = (),
 ) -> Fragment:
     """This rank's vote: its nodes, and each leaf's shape, placement and, if it wrote it, what it stored.
 
@@ -113,8 +127,8 @@ def node_meta_files(rank: int, shard: LocalShard, robust_key: bool) -> dict[str,
         if meta is not None:
             files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
             node_objects[key[:-1]][key[-1]] = "NonTensorStack" if kind == "stack" else "NonTensorData"
-    for key, batch in nodes.items():
-        batch = consistent_batch(batch, [s for s, _ in node_leaves[key].values()])
+    for key, saved_batch in nodes.items():
+        batch = consistent_batch(saved_batch, [s for s, _ in node_leaves[key].values()])
         meta = fmt.td_meta(batch, node_leaves[key], children[key], node_objects[key])
         files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
     return files
