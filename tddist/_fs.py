@@ -127,7 +127,7 @@ def fsync_tree_dirs(root: str) -> None:
         fsync_path(dirpath)
 
 
-def write_durable(path: str, data: bytes, sync: bool = True) -> None:
+def write_durable(path: str, data: bytes | memoryview, sync: bool = True) -> None:
     """Write ``data`` to a new file and fsync it (unless ``sync`` is False: the caller syncs later)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

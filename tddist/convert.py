@@ -11,15 +11,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 from . import format as fmt
 from ._fs import fsync_tree_dirs, makedirs_durable, remove_tree, write_durable
 from .checksum import combine_digests, hash_blocks
 from .errors import CorruptCheckpointError
-from .layouts.archive import check_archive_target
-from .layouts.directory import check_target
-from .manifest import to_json
+from .layouts.archive import ArchiveFiles, check_archive_target
+from .layouts.directory import DirectoryFiles, check_target
+from .manifest import Manifest, to_json
 from .manifest_io import read_manifest
 from .publish import publish
 from .reader import open_files
@@ -35,7 +37,7 @@ from .zipcodec import (
 logger = logging.getLogger(__name__)
 
 
-def _files(manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[int, str]]]:
+def _files(manifest: Manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[int, str]]]:
     """meta.json files of every rank directory (bytes), and each leaf file's (size, checksum) by name."""
     leaves = {}
     for leaf in manifest.leaves.values():
@@ -49,7 +51,7 @@ def _files(manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[int, s
     return metas, leaves
 
 
-def _meta_names(manifest, files) -> list[str]:
+def _meta_names(manifest: Manifest, files: ArchiveFiles | DirectoryFiles) -> list[str]:
     if hasattr(files, "entries"):
         return [n for n in files.entries if n.endswith(fmt.TD_META_NAME) and n != fmt.MANIFEST_NAME]
     out = []
@@ -61,7 +63,7 @@ def _meta_names(manifest, files) -> list[str]:
     return sorted(out)
 
 
-def _size(files, name: str) -> int:
+def _size(files: ArchiveFiles | DirectoryFiles, name: str) -> int:
     if hasattr(files, "entries"):
         return files.entries[name][1].file_size
     return os.path.getsize(os.path.join(files.root, name))
@@ -74,8 +76,32 @@ def _check(name: str, digests: list[int], checksum: str, src: str) -> None:
         )
 
 
-def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression=None, num_threads: int = 0) -> str:
-    """Write the committed directory checkpoint ``src`` as the archive ``dst``; returns ``dst``."""
+def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression: Any = None, num_threads: int = 0) -> str:
+    """Write the committed directory checkpoint ``src`` as the archive ``dst``; returns ``dst``.
+
+    One archive file is easier to copy, upload or keep than a tree of files,
+    and loads the same. Every chunk's checksum is verified on the way, and
+    ``dst`` appears complete or not at all (an existing archive is
+    replaced); ``src`` is never modified. Runs in one process.
+
+    Args:
+        src: the committed directory checkpoint.
+        dst: the archive to write (conventionally ending in ``.tdz``).
+        compression: as ``save(compression=...)``: None (stored), ``"deflate"``,
+            ``"bzip2"``, ``"lzma"``, ``"zstd"``, a zipfile constant,
+            ``(name, level)`` or ``"name:level"``.
+        num_threads: threads that hash, compress and write.
+
+    Returns:
+        ``dst`` as an absolute path.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``src``.
+        ManifestError: the manifest of ``src`` is damaged or from a newer tddist.
+        CorruptCheckpointError: a file of ``src`` is missing, truncated or fails its checksum.
+        TargetError: ``dst`` is a directory, a symbolic link or a file that is not a tddist archive.
+        InvalidArgumentError: ``compression`` is not supported (or zstandard is not installed).
+    """
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     manifest = read_manifest(src)
     codec = resolve_compression(compression)
@@ -99,7 +125,27 @@ def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression=None, nu
 
 
 def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int = 0) -> str:
-    """Write the committed archive ``src`` as the directory checkpoint ``dst``; returns ``dst``."""
+    """Write the committed archive ``src`` as the directory checkpoint ``dst``; returns ``dst``.
+
+    The inverse of ``pack``: the directory holds the same files as the
+    archive's entries, decompressed. Every chunk's checksum is verified on the
+    way, and ``dst`` appears complete or not at all (an existing checkpoint
+    directory is replaced); ``src`` is never modified. Runs in one process.
+
+    Args:
+        src: the committed archive.
+        dst: the checkpoint directory to write.
+        num_threads: accepted for symmetry with ``pack``; unpacking runs on one thread.
+
+    Returns:
+        ``dst`` as an absolute path.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``src``.
+        ManifestError: the manifest of ``src`` is damaged or from a newer tddist.
+        CorruptCheckpointError: an entry of ``src`` is missing, malformed or fails its checksum.
+        TargetError: ``dst`` is a file, a symbolic link or a directory that is not a tddist checkpoint.
+    """
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     manifest = read_manifest(src)
     metas, leaves = _files(manifest, src)
@@ -111,9 +157,9 @@ def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int =
         for name, data in metas.items():
             _write(staging, name, data)
         for name, (size, checksum) in leaves.items():
-            data = files.array(name, size).numpy()
-            _check(name, hash_blocks(data), checksum, src)
-            _write(staging, name, memoryview(data))
+            array = files.array(name, size).numpy()
+            _check(name, hash_blocks(array), checksum, src)
+            _write(staging, name, memoryview(array.data))
         as_directory = fmt.dumps(to_json(replace(manifest, layout="directory")))
         write_durable(os.path.join(staging, fmt.MANIFEST_NAME), as_directory)
         fsync_tree_dirs(staging)
@@ -122,7 +168,7 @@ def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int =
 
 
 @contextlib.contextmanager
-def _staged(dst: str):
+def _staged(dst: str) -> Iterator[str]:
     """A fresh staging name beside ``dst``: published onto ``dst`` if the block succeeds, removed if not."""
     staging = fmt.staging_path(dst)
     try:
@@ -133,7 +179,7 @@ def _staged(dst: str):
         raise
 
 
-def _write(root: str, name: str, data) -> None:
+def _write(root: str, name: str, data: bytes | memoryview) -> None:
     path = os.path.join(root, name)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_durable(path, data)

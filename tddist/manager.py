@@ -21,7 +21,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -31,7 +31,15 @@ from .errors import InvalidArgumentError
 from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_name
 from .state import get_state, set_state
 
+if TYPE_CHECKING:
+    from types import FrameType, TracebackType
+
+    #: What ``signal.signal`` returns and accepts: a handler, SIG_DFL/SIG_IGN, or None.
+    _Handler = Callable[[int, FrameType | None], Any] | int | None
+
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
 
 _RESERVED = frozenset({"return_early", "comm", "prefix", "data"})
 
@@ -40,7 +48,7 @@ _RESERVED = frozenset({"return_early", "comm", "prefix", "data"})
 EXIT_PREEMPTED = 75
 
 
-def parse_signals(spec) -> list[signal.Signals]:
+def parse_signals(spec: Any) -> list[signal.Signals]:
     """Signals from a signal, a name ("USR1", "SIGTERM"), a comma-separated string, a list of these, or None."""
     if spec is None:
         return []
@@ -53,21 +61,21 @@ def parse_signals(spec) -> list[signal.Signals]:
         raise InvalidArgumentError(f"preempt_signal={spec!r}: expected a signal, several, or None") from None
 
 
-def _signal(item) -> signal.Signals:
+def _signal(item: str | int) -> signal.Signals:
     if isinstance(item, str):
         name = item.strip().upper()
         return getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name)
     return signal.Signals(item)
 
 
-def _check_count(name: str, value, allow_none: bool) -> None:
+def _check_count(name: str, value: object, allow_none: bool) -> None:
     if value is None and allow_none:
         return
     if type(value) is not int or value < 1:
         raise InvalidArgumentError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
 
 
-def _model_pair(state) -> tuple | None:
+def _model_pair(state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | None] | None:
     """(model, optimizer or None) if ``state`` is a module or a (module, optimizer) pair, else None."""
     if isinstance(state, torch.nn.Module):
         return state, None
@@ -96,6 +104,30 @@ class CheckpointManager:
     and preemption wait for it. ``preempt_signal``: one signal, several, or
     None. ``save_kwargs`` go to ``tddist.save`` (``metadata`` is merged with
     the step).
+
+    Args:
+        root: the directory holding the step checkpoints (created if missing).
+        keep_last: how many committed checkpoints to keep (None: all).
+        every: save when ``step % every == 0`` (None: only on preemption or ``save()``).
+        async_save: save with ``return_early=True``, so training continues while
+            a background thread writes and commits.
+        comm: a torch ProcessGroup, an mpi4py communicator or a tddist
+            ``Communicator`` (None: detected as ``tddist.save`` does).
+        preempt_signal: the signal(s) that request a preemption: a signal, a
+            name ("USR1", "SIGTERM"), a comma-separated string, a list, or None.
+        save_kwargs: keyword arguments of every ``tddist.save``; ``data``,
+            ``prefix``, ``comm`` and ``return_early`` are the manager's.
+
+    Attributes:
+        should_stop: True once a requested preemption has been saved; the
+            training loop then exits with ``EXIT_PREEMPTED``.
+
+    Raises:
+        InvalidArgumentError: an invalid ``keep_last``, ``every``,
+            ``preempt_signal`` or ``save_kwargs``.
+        TddistError: rank 0 could not clean up ``root`` (the same error on
+            every rank, a ``CollectiveError`` for an ``OSError``), or a
+            ``CommError`` when the ranks cannot reach each other.
     """
 
     def __init__(
@@ -107,8 +139,8 @@ class CheckpointManager:
         async_save: bool = False,
         comm: Any = None,
         preempt_signal: Any = signal.SIGUSR1,
-        save_kwargs: dict | None = None,
-    ):
+        save_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         _check_count("keep_last", keep_last, allow_none=True)
         _check_count("every", every, allow_none=True)
         self.save_kwargs = dict(save_kwargs or {})
@@ -133,12 +165,28 @@ class CheckpointManager:
     # --- where checkpoints are -----------------------------------------------------
 
     def path(self, step: int) -> str:
-        """Where the checkpoint of ``step`` is (or would be) saved."""
+        """Where the checkpoint of ``step`` is (or would be) saved.
+
+        Args:
+            step: the training step.
+
+        Returns:
+            ``<root>/step-<step, 9 digits>``, with ``.tdz`` when ``save_kwargs``
+            ask for an archive.
+        """
         archive = bool(self.save_kwargs.get("archive") or self.save_kwargs.get("compression"))
         return os.path.join(self.root, step_name(step, archive))
 
     def latest(self) -> str | None:
-        """The newest committed checkpoint, the same on every rank (collective), or None."""
+        """The newest committed checkpoint, the same on every rank (collective), or None.
+
+        Rank 0 looks and broadcasts its answer, so every rank resumes from the
+        same checkpoint; staging leftovers, torn directories and unreadable
+        manifests are skipped.
+
+        Returns:
+            The checkpoint's path, or None if ``root`` holds none.
+        """
         found = self._latest()
         return found[0] if found else None
 
@@ -147,8 +195,24 @@ class CheckpointManager:
 
     # --- training loop -----------------------------------------------------------------
 
-    def restore(self, state, **load_kwargs) -> int:
-        """Load the newest checkpoint into ``state``; return its step (0 if there is none). Collective."""
+    def restore(self, state: Any, **load_kwargs: Any) -> int:
+        """Load the newest checkpoint into ``state``; return its step (0 if there is none). Collective.
+
+        Args:
+            state: a TensorDict or nested dict, filled in place
+                (``tddist.load(path, into=state)``), or a ``(model, optimizer)``
+                pair (through ``get_state``/``set_state``).
+            **load_kwargs: passed to ``tddist.load`` (``strict``, ``verify``, ...).
+
+        Returns:
+            The step of the checkpoint loaded (from its metadata), or 0.
+
+        Raises:
+            IncompatibleCheckpointError: ``state`` does not match the checkpoint.
+            CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
+            InvalidArgumentError: an invalid keyword argument of ``tddist.load``.
+            CommError: a rank could not be reached.
+        """
         found = self._latest()
         if found is None:
             logger.info("no checkpoint in %s: starting from step 0", self.root)
@@ -164,11 +228,22 @@ class CheckpointManager:
         logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, step)
         return step
 
-    def step(self, step: int, state) -> bool:
+    def step(self, step: int, state: Any) -> bool:
         """Call after each training step (collective): save if due or preempted; True if it saved.
 
         After a preemption request on any rank, every rank saves this step and
         waits for it, and ``should_stop`` becomes True.
+
+        Args:
+            step: the number of training steps done.
+            state: what to save, as in ``restore``.
+
+        Returns:
+            Whether a save was started (and, with a preemption, completed).
+
+        Raises:
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            TddistError: the save failed (the same error on every rank; see ``tddist.save``).
         """
         _check_step(step)
         self._retire_finished()
@@ -183,8 +258,21 @@ class CheckpointManager:
             logger.warning("rank %d: preemption requested; saved step %d, stopping", self.comm.rank, step)
         return due
 
-    def save(self, step: int, state) -> None:
-        """Save ``state`` as the checkpoint of ``step`` now (collective), after any save in flight."""
+    def save(self, step: int, state: Any) -> None:
+        """Save ``state`` as the checkpoint of ``step`` now (collective), after any save in flight.
+
+        Retention runs once it is committed (for an asynchronous save, at the
+        next ``step()``, ``save()`` or ``wait()``).
+
+        Args:
+            step: the training step, stored in the checkpoint's metadata.
+            state: what to save, as in ``restore``.
+
+        Raises:
+            InvalidArgumentError: ``step`` is not a non-negative int.
+            TddistError: this save or the one in flight failed (the same error
+                on every rank; see ``tddist.save``).
+        """
         _check_step(step)
         self.wait()
         pair = _model_pair(state)
@@ -201,7 +289,11 @@ class CheckpointManager:
         self._retain(step)
 
     def wait(self) -> None:
-        """Wait for the save in flight, if any; raise its error (the same on every rank); apply retention."""
+        """Wait for the save in flight, if any; raise its error (the same on every rank); apply retention.
+
+        Raises:
+            TddistError: the save in flight failed (see ``tddist.save``).
+        """
         if self._pending is None:
             return
         step, fut, start = self._pending
@@ -215,7 +307,13 @@ class CheckpointManager:
         self._requested = True
 
     def close(self) -> None:
-        """Wait for the save in flight and restore the previous signal handlers."""
+        """Wait for the save in flight and restore the previous signal handlers.
+
+        The handlers are restored even if the save failed.
+
+        Raises:
+            TddistError: the save in flight failed (see ``tddist.save``).
+        """
         try:
             self.wait()
         finally:
@@ -224,7 +322,9 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:  # an in-flight save still completes: the interpreter waits for it at exit
@@ -247,15 +347,15 @@ class CheckpointManager:
             except OSError as e:
                 logger.warning("could not delete old checkpoint %s: %s", p, e)
 
-    def _on_rank0(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _on_rank0(self, what: str, fn: Callable[[], R]) -> R:
         """Run ``fn`` on rank 0 and broadcast its result, or raise its error on every rank."""
         return decide_on_rank0(self.comm, what, lambda _none: fn())
 
-    def _on_signal(self, signum, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.request_preemption()  # only a flag: the ranks agree at the next step()
 
-    def _install(self, signals: Iterable[signal.Signals]) -> dict:
-        previous = {}
+    def _install(self, signals: Iterable[signal.Signals]) -> dict[signal.Signals, _Handler]:
+        previous: dict[signal.Signals, _Handler] = {}
         for sig in signals:
             try:
                 previous[sig] = signal.signal(sig, self._on_signal)
@@ -269,6 +369,6 @@ class CheckpointManager:
         self._handlers = {}
 
 
-def _check_step(step) -> None:
+def _check_step(step: object) -> None:
     if type(step) is not int or step < 0:
         raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")

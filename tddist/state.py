@@ -8,7 +8,7 @@ entries (hyper-parameters of each param group) as JSON values;
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -16,12 +16,31 @@ from tensordict import TensorDict
 from .errors import InvalidDataError
 from .tree import flatten
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, options=None) -> TensorDict:
+
+def get_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    options: StateDictOptions | None = None,
+) -> TensorDict:
     """``{"model": ..., "optim": {"state": ..., "param_groups": ...}}`` as a TensorDict.
 
     Tensors are the state dict's own (no copy): ``tddist.load(path, into=state)``
-    fills them in place, each in its own placements.
+    fills them in place, each in its own placements. Under FSDP2 they are
+    sharded DTensors, under DDP or in one process full tensors; the
+    optimizer's non-tensor entries (each param group's hyper-parameters) are
+    kept as JSON values, tuples as lists.
+
+    Args:
+        model: the model whose parameters and buffers are taken.
+        optimizer: its optimizer, or None for the model's state only.
+        options: passed to ``torch.distributed.checkpoint.state_dict.get_state_dict``.
+
+    Returns:
+        The state, ready for ``tddist.save`` or to be filled by ``tddist.load(into=...)``.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -32,7 +51,9 @@ def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
     state = TensorDict({"model": TensorDict(dict(model_sd), batch_size=[])}, batch_size=[])
     if optim_sd is not None:
         per_param = TensorDict({}, batch_size=[])
-        for fqn, entries in optim_sd.get("state", {}).items():
+        # torch types both entries as one union; "state" maps each parameter's name to its state.
+        per_param_state = cast("dict[str, dict[str, Any]]", optim_sd.get("state", {}))
+        for fqn, entries in per_param_state.items():
             node = TensorDict({}, batch_size=[])
             for name, value in entries.items():
                 if isinstance(value, torch.Tensor):
@@ -45,8 +66,30 @@ def get_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = 
     return state
 
 
-def set_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: Any, *, options=None) -> None:
-    """Apply ``state`` (as ``get_state`` builds it, possibly loaded) to ``model`` and ``optimizer``."""
+def set_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: Any,
+    *,
+    options: StateDictOptions | None = None,
+) -> None:
+    """Apply ``state`` (as ``get_state`` builds it, possibly loaded) to ``model`` and ``optimizer``.
+
+    For a state loaded as a new TensorDict (not filled in place with
+    ``load(into=...)``); the param groups' lists become tuples again where
+    the live optimizer has tuples.
+
+    Args:
+        model: the model to update.
+        optimizer: its optimizer, or None to apply the model's state only.
+        state: a TensorDict or nested dict with a "model" entry (and an
+            "optim" entry when ``optimizer`` is given).
+        options: passed to ``torch.distributed.checkpoint.state_dict.set_state_dict``.
+
+    Raises:
+        InvalidDataError: ``state`` lacks the "model" entry, or the "optim"
+            entry that ``optimizer`` needs, or is not a TensorDict or nested dict.
+    """
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     tree = _to_nested_dict(state)
@@ -64,7 +107,7 @@ def set_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, s
     set_state_dict(model, optimizer, model_state_dict=tree["model"], optim_state_dict=optim_sd, options=options)
 
 
-def _jsonable(value):
+def _jsonable(value: Any) -> Any:
     """Tuples become lists (``set_state`` turns them back using the live optimizer's types)."""
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
@@ -73,7 +116,7 @@ def _jsonable(value):
     return value
 
 
-def _restore_tuples(saved: list, current: list) -> list:
+def _restore_tuples(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, group in enumerate(saved):
         like = current[i] if i < len(current) else {}
@@ -83,9 +126,9 @@ def _restore_tuples(saved: list, current: list) -> list:
     return out
 
 
-def _to_nested_dict(state) -> dict:
+def _to_nested_dict(state: Any) -> dict[str, Any]:
     nodes, leaves, objects = flatten(state)
-    out: dict = {}
+    out: dict[str, Any] = {}
     for key in sorted(nodes, key=len):
         if key:
             _parent(out, key)[key[-1]] = {}
@@ -94,7 +137,7 @@ def _to_nested_dict(state) -> dict:
     return out
 
 
-def _parent(root: dict, key: tuple) -> dict:
+def _parent(root: dict[str, Any], key: tuple[str, ...]) -> dict[str, Any]:
     node = root
     for k in key[:-1]:
         node = node[k]
