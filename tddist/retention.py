@@ -23,18 +23,41 @@ _STEP_RE = re.compile(r"^step-(\d{9,})(\.tdz)?$")
 
 
 def step_name(step: int, archive: bool = False) -> str:
-    """The name of the checkpoint of ``step`` (zero-padded so names sort by step)."""
+    """The name of the checkpoint of ``step`` (zero-padded so names sort by step).
+
+    Args:
+        step: the training step.
+        archive: name an archive (``.tdz``) instead of a directory.
+
+    Returns:
+        ``step-<step, at least 9 digits>``, with ``.tdz`` for an archive.
+    """
     return f"step-{step:09d}" + (fmt.ARCHIVE_SUFFIX if archive else "")
 
 
 def parse_step(name: str) -> int | None:
-    """The step of a checkpoint name, or None if ``name`` is not one."""
+    """The step of a checkpoint name, or None if ``name`` is not one.
+
+    Args:
+        name: a file or directory name (not a path), as ``step_name`` makes them.
+
+    Returns:
+        The step, or None.
+    """
     m = _STEP_RE.match(name)
     return int(m.group(1)) if m else None
 
 
 def step_entries(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every step entry under ``root``, newest first (committed or not)."""
+    """(step, path) of every step entry under ``root``, newest first (committed or not).
+
+    Args:
+        root: the directory holding the step checkpoints.
+
+    Returns:
+        Every entry whose name is a step name, by descending step; empty if
+        ``root`` does not exist.
+    """
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -48,6 +71,12 @@ def newest_checkpoint(root: str) -> tuple[str, int] | None:
 
     Staging leftovers, torn directories and unreadable manifests are skipped.
     The step is the one stored in the metadata (the name's, if absent).
+
+    Args:
+        root: the directory holding the step checkpoints.
+
+    Returns:
+        The newest readable checkpoint's path and step, or None if there is none.
     """
     for step, path in step_entries(root):
         try:
@@ -60,7 +89,17 @@ def newest_checkpoint(root: str) -> tuple[str, int] | None:
 
 
 def delete_checkpoint(path: str) -> None:
-    """Remove a checkpoint: first renamed away in one step (``recover`` removes a half-deleted one)."""
+    """Remove a checkpoint: first renamed away in one step (``recover`` removes a half-deleted one).
+
+    So a crash in the middle never leaves a half-deleted checkpoint under
+    its own name, where it could look valid.
+
+    Args:
+        path: the checkpoint (directory or archive).
+
+    Raises:
+        OSError: ``path`` could not be renamed or removed.
+    """
     trash = fmt.trash_path(path)
     os.rename(path, trash)
     fsync_path(os.path.dirname(trash))
@@ -75,15 +114,24 @@ def clean_root(root: str) -> list[str]:
     then a step directory without a manifest that holds only what tddist
     writes (a save cut off before its commit) is removed. A damaged manifest
     or foreign files are left alone (``newest_checkpoint`` skips them).
+
+    Args:
+        root: the directory holding the step checkpoints (created if missing).
+
+    Returns:
+        One line per action taken, for a log.
+
+    Raises:
+        OSError: a leftover could not be removed or restored.
     """
     os.makedirs(root, exist_ok=True)
-    names = set()
+    names: set[str] = set()
     for name in os.listdir(root):
         side = fmt.side_entry_kind(name)
         base = side[0] if side else name
         if parse_step(base) is not None:
             names.add(base)
-    done = []
+    done: list[str] = []
     for name in sorted(names):
         path = os.path.join(root, name)
         done += recover(path)
@@ -101,6 +149,14 @@ def retired(root: str, keep_last: int, newest: int | None = None) -> list[tuple[
 
     Uncommitted entries are not counted: retention never deletes a committed
     checkpoint to make room for a save that did not commit.
+
+    Args:
+        root: the directory holding the step checkpoints.
+        keep_last: how many of the newest committed checkpoints to keep.
+        newest: a step never to retire (the one just saved), or None.
+
+    Returns:
+        The checkpoints to delete, newest first.
     """
     committed = [(s, p) for s, p in step_entries(root) if is_committed(p)]
     return [(s, p) for s, p in committed[keep_last:] if s != newest]

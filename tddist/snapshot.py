@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .sharding import even_split
+from .types import Key
 
 _PARALLEL_COPY_BYTES = 64 * 1024 * 1024
 _COPY_THREADS = max(1, min(4, len(os.sched_getaffinity(0))))
@@ -26,12 +27,12 @@ class SnapshotBuffers:
     """CPU buffers keyed by leaf, reused across saves of the same state."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[Key, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.allocations = 0  # how many buffers were ever allocated (tests and benchmarks read it)
         self._copier: ThreadPoolExecutor | None = None
 
-    def snapshot(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+    def snapshot(self, key: Key, t: torch.Tensor) -> torch.Tensor:
         """A CPU copy of ``t`` (a DTensor's local shard) in this key's reusable buffer."""
         if hasattr(t, "to_local") and hasattr(t, "device_mesh"):
             t = t.to_local()
@@ -65,7 +66,7 @@ class SnapshotBuffers:
         if torch.cuda.is_available() and any(b.is_pinned() for b in self._buffers.values()):
             torch.cuda.synchronize()
 
-    def retain_only(self, keys: set) -> None:
+    def retain_only(self, keys: set[Key]) -> None:
         """Free buffers of keys that the latest save no longer has."""
         with self._lock:
             for k in [k for k in self._buffers if k not in keys]:
