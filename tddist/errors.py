@@ -16,8 +16,8 @@ class TddistError(Exception):
     agreed on collectively; it is empty for a purely local error.
 
     Args:
-        message: What happened, on which rank, and how to fix it.
-        failures: Each failing rank's message, for an error agreed on by all ranks.
+        message: what happened, on which rank, and how to fix it.
+        failures: each failing rank's message, for an error agreed on by all ranks.
     """
 
     def __init__(self, message: str, failures: dict[int, str] | None = None):

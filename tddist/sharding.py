@@ -23,7 +23,7 @@ class Shard:
     dim must be equal on all ranks.
 
     Args:
-        dim: The dimension the ranks' pieces are concatenated along.
+        dim: the dimension the ranks' pieces are concatenated along.
     """
 
     dim: int = 0
