@@ -7,4 +7,5 @@ bash launch/setup.sh test
 if ! command -v slurmctld >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge || true
 fi
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$(mktemp -d)"  # the docs site (docs/, mkdocs.yml): a broken link or a missing docstring fails
 exec .venv/bin/python -m pytest -q -ra "$@" tests

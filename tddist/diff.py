@@ -49,15 +49,18 @@ class DiffReport:
     """The outcome of ``diff``.
 
     Attributes:
-        a, b: the two checkpoints.
-        only_a, only_b: keys (leaves and non-tensor values) present in one checkpoint only.
+        a: the first checkpoint.
+        b: the second checkpoint.
+        only_a: keys (leaves and non-tensor values) present in ``a`` only.
+        only_b: keys present in ``b`` only.
         changed: the keys present in both whose entries differ.
         same: how many keys are present in both and equal (tensors of the same dtype,
             shape, placement and content; equal values).
         unknown: keys present in both whose content was not compared (``read_data=False``).
         batch_sizes: nodes whose batch size differs, as ``(key, in a, in b)``.
         metadata: metadata keys whose values differ, as ``(key, in a, in b)`` (JSON text; ``""`` when absent).
-        world_size, layout: ``(a, b)``: informational, not differences.
+        world_size: the world sizes of ``a`` and ``b`` (informational, not a difference).
+        layout: their layouts, ``"directory"`` or ``"archive"`` (informational).
     """
 
     a: str
@@ -93,7 +96,8 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, read_data: bool = True) 
     """Compare the committed checkpoints ``a`` and ``b``.
 
     Args:
-        a, b: checkpoint directories or ``.tdz`` archives.
+        a: a checkpoint directory or ``.tdz`` archive.
+        b: the checkpoint to compare it with.
         read_data: compare bytes where checksums cannot tell (the leaf is split
             into other chunks in ``b``); False marks such leaves ``"unknown"``.
 
@@ -115,8 +119,8 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, read_data: bool = True) 
         if key not in keys_b:
             continue
         if kind != keys_b[key]:
-            changes = (("type", _type_text(ma, key), _type_text(mb, key)),)
-            changed.append(LeafDiff(key, "type", changes, None, None))
+            kinds = (("type", _type_text(ma, key), _type_text(mb, key)),)
+            changed.append(LeafDiff(key, "type", kinds, None, None))
             continue
         if kind == "value":
             d = _diff_value(ma.objects[key], mb.objects[key], ma.world_size, mb.world_size)
@@ -126,7 +130,7 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, read_data: bool = True) 
                 changed.append(d)
             continue
         la, lb = ma.leaves[key], mb.leaves[key]
-        changes = []
+        changes: list[tuple[str, str, str]] = []
         if la.dtype_name != lb.dtype_name:
             changes.append(("dtype", la.dtype_name, lb.dtype_name))
         if la.shape != lb.shape:
@@ -185,11 +189,11 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, read_data: bool = True) 
     )
 
 
-def _json(v) -> str:
+def _json(v: object) -> str:
     return fmt.dumps(v).decode("utf-8")
 
 
-def _type_text(m: Manifest, key) -> str:
+def _type_text(m: Manifest, key: tuple[str, ...]) -> str:
     if key in m.leaves:
         return f"tensor {m.leaves[key].dtype_name} {list(m.leaves[key].shape)}"
     return "non-tensor value"
@@ -207,7 +211,7 @@ def _global_values(o: ObjectLeaf, world: int) -> tuple[str, list]:
 def _diff_value(oa: ObjectLeaf, ob: ObjectLeaf, wa: int, wb: int) -> LeafDiff | None:
     fa, va = _global_values(oa, wa)
     fb, vb = _global_values(ob, wb)
-    changes = []
+    changes: list[tuple[str, str, str]] = []
     if fa != fb:
         changes.append(("placement", fa, fb))
     if _json(va) != _json(vb):

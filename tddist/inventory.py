@@ -255,7 +255,8 @@ def scan(root: str | os.PathLike) -> list[Entry]:
             names = sorted(os.listdir(root))
         except OSError as e:
             raise CheckpointNotFoundError(f"cannot list {shown!r}: {e.strerror}") from None
-        entries = [e for n in names if (e := describe(os.path.join(root, n), shown)) is not None]
+        found = (describe(os.path.join(root, n), shown) for n in names)
+        entries = [entry for entry in found if entry is not None]
     return sorted(
         entries, key=lambda e: (e.step is None, e.step or 0, e.target or e.path, e.target is not None, e.path)
     )
@@ -400,7 +401,8 @@ def _retired(root: str, keep_last: int, committed: dict[str, bool], restored: di
     """``retention.retired`` after the clean-up: committed checkpoints beyond the newest ``keep_last``,
     never the newest valid one. ``restored`` maps targets to the backups moved back to them."""
     steps = {p: s for s, p in step_entries(root)}
-    steps.update({t: parse_step(os.path.basename(t)) for t in restored})
+    for t in restored:
+        steps[t] = parse_step(os.path.basename(t)) or 0
     ordered = sorted(((s, p) for p, s in steps.items()), reverse=True)
     entries = [(s, p) for s, p in ordered if committed.get(p, is_committed(p))]
     newest_step = None

@@ -15,6 +15,7 @@ import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from . import format as fmt
 from .checksum import EMPTY, block_digest, blocks, combine_digests
@@ -216,7 +217,7 @@ def _check_file(root: str, leaf: Leaf, chunk: Chunk, rel: str) -> Problem | None
     return None
 
 
-def _open_archive(path: str, problems: list[Problem]):
+def _open_archive(path: str, problems: list[Problem]) -> Any:
     from .reader import open_files  # imports torch
 
     try:
@@ -226,7 +227,7 @@ def _open_archive(path: str, problems: list[Problem]):
         return None
 
 
-def _check_archive_entry(files, leaf: Leaf, chunk: Chunk, rel: str) -> Problem | None:
+def _check_archive_entry(files: Any, leaf: Leaf, chunk: Chunk, rel: str) -> Problem | None:
     name = rel.replace(os.sep, "/")
     found = files.entries.get(name)
     if found is None:
@@ -243,7 +244,15 @@ def _check_archive_entry(files, leaf: Leaf, chunk: Chunk, rel: str) -> Problem |
     return None
 
 
-def _check_checksum(files, archive: bool, leaf: Leaf, chunk: Chunk, rel: str, pool, tick) -> Problem | None:
+def _check_checksum(
+    files: Any,
+    archive: bool,
+    leaf: Leaf,
+    chunk: Chunk,
+    rel: str,
+    pool: ThreadPoolExecutor | None,
+    tick: Callable[[int], None],
+) -> Problem | None:
     name = rel.replace(os.sep, "/") if archive else rel
     try:
         data = files.array(name, chunk.nbytes).numpy()

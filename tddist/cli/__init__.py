@@ -88,12 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         log.removeHandler(handler)
 
 
-def _error(args, e: BaseException) -> int:
-    message = (
-        str(e)
-        if isinstance(e, TddistError)
-        else f"{e.strerror or e}" + (f": {e.filename!r}" if getattr(e, "filename", None) else "")
-    )
+def _error(args: argparse.Namespace, e: BaseException) -> int:
+    if isinstance(e, OSError) and not isinstance(e, TddistError):
+        message = f"{e.strerror or e}" + (f": {e.filename!r}" if e.filename else "")
+    else:
+        message = str(e)
     try:
         if getattr(args, "json", False):
             doc = {"schema": "tddist.error/1", "command": args.command, "error": type(e).__name__, "message": message}

@@ -43,14 +43,14 @@ def human_age(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
-def key_text(key) -> str:
+def key_text(key: tuple[str, ...] | list[str]) -> str:
     """A key as users write it: ``model/w``, or a JSON list when a component is empty or holds ``/``."""
     if key and all(k and "/" not in k for k in key):
         return "/".join(key)
     return json.dumps(list(key), ensure_ascii=False)
 
 
-def value_text(enc, limit: int = 60) -> str:
+def value_text(enc: object, limit: int = 60) -> str:
     """One stored non-tensor value, for reading: JSON text cut at ``limit`` characters."""
     if isinstance(enc, dict) and "json" in enc:
         text = json.dumps(enc["json"], ensure_ascii=False)
@@ -92,7 +92,7 @@ def progress(total: int, desc: str) -> Iterator[Callable[[int], None]]:
     if not progress_enabled() or total <= 0:
         yield lambda n: None
         return
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     lock = threading.Lock()
     try:

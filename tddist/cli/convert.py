@@ -18,7 +18,7 @@ checksum on the way; DST appears complete or not at all. An existing DST is
 replaced only with --force."""
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser(
         "pack",
@@ -48,7 +48,7 @@ def register(sub) -> None:
     s.set_defaults(run=run_unpack)
 
 
-def _common(s, name: str) -> None:
+def _common(s: argparse.ArgumentParser, name: str) -> None:
     s.add_argument("--force", action="store_true", help="replace DST if it exists (a tddist checkpoint only)")
     s.add_argument(
         "--threads", type=_positive, default=2, metavar="N", help="threads that hash, compress and write (default: 2)"
@@ -68,7 +68,7 @@ def _positive(text: str) -> int:
     return n
 
 
-def _refuse_existing(args) -> None:
+def _refuse_existing(args: argparse.Namespace) -> None:
     if os.path.lexists(args.dst) and not args.force:
         raise TargetError(
             f"{args.dst!r} exists; pass --force to replace it (only a tddist checkpoint is ever replaced, "
@@ -82,7 +82,7 @@ def _total(path: str) -> int:
     return sum(c.nbytes for leaf in read_manifest(path).leaves.values() for c in leaf.chunks)
 
 
-def _done(args, name: str) -> int:
+def _done(args: argparse.Namespace, name: str) -> int:
     if args.json:
         emit_json(name, {"src": args.src, "dst": args.dst, "bytes": _total(args.dst)})
     else:
@@ -90,7 +90,7 @@ def _done(args, name: str) -> int:
     return 0
 
 
-def run_pack(args) -> int:
+def run_pack(args: argparse.Namespace) -> int:
     from ..convert import pack
 
     _refuse_existing(args)
@@ -99,7 +99,7 @@ def run_pack(args) -> int:
     return _done(args, "pack")
 
 
-def run_unpack(args) -> int:
+def run_unpack(args: argparse.Namespace) -> int:
     from ..convert import unpack
 
     _refuse_existing(args)

@@ -18,7 +18,7 @@ compared, unless --checksums-only. Exit status 0 when they are the same, 1 when
 they differ."""
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("diff", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("a", metavar="A", help="a checkpoint directory or .tdz archive")
     s.add_argument("b", metavar="B", help="the checkpoint to compare it with")
@@ -31,7 +31,7 @@ def register(sub) -> None:
     s.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     r = difflib.diff(args.a, args.b, read_data=not args.checksums_only)
     if args.json:
         emit_json(
@@ -76,9 +76,9 @@ def run(args) -> int:
         print(f"changed: {key_text(d.key)}: {'; '.join(parts)}")
     for k in r.unknown:
         print(f"not compared: {key_text(k)} (split differently; run without --checksums-only to compare the data)")
-    for k, x, y in r.batch_sizes:
-        print(f"batch size: {key_text(k) if k else '(root)'}: {x} -> {y}")
-    for k, x, y in r.metadata:
-        print(f"metadata: {k}: {x or '(absent)'} -> {y or '(absent)'}")
+    for node, xs, ys in r.batch_sizes:
+        print(f"batch size: {key_text(node) if node else '(root)'}: {xs} -> {ys}")
+    for name, x, y in r.metadata:
+        print(f"metadata: {name}: {x or '(absent)'} -> {y or '(absent)'}")
     print(f"{r.same} key(s) the same" + ("" if not r.identical else "; the checkpoints hold the same data"))
     return 0 if r.identical else 1

@@ -18,7 +18,7 @@ newest valid one). Damaged checkpoints and foreign files are left alone. Run it
 only when no job is saving to ROOT; --dry-run shows what it would do."""
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("gc", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("root", metavar="ROOT", help="a CheckpointManager root (holding step-NNNNNNNNN checkpoints)")
     s.add_argument(
@@ -47,7 +47,7 @@ _PAST = {"remove": "removed", "restore": "restored", "delete": "deleted", "keep"
 _FUTURE = {"remove": "would remove", "restore": "would restore", "delete": "would delete", "keep": "would keep"}
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         actions = inventory.plan_gc(args.root, args.keep_last)
     else:

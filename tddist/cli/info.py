@@ -12,6 +12,7 @@ from ..diff import placement_text
 from ..errors import CheckpointNotFoundError
 from ..manifest import Leaf, Manifest, ObjectLeaf
 from ..manifest_io import read_manifest
+from ..sharding import Replicate, Shard
 from ._output import emit_json, human_age, human_bytes, key_text, table, value_text
 
 HELP = "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"
@@ -31,7 +32,7 @@ global tensor, written once per distinct block)."""
 SUMMARY_VALUES = 20
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("info", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("path", metavar="PATH", help="a checkpoint directory or .tdz archive")
     s.add_argument("--leaves", action="store_true", help="list every tensor and non-tensor value in a table")
@@ -60,16 +61,15 @@ def leaf_nbytes(leaf: Leaf) -> int:
 
 
 def placement_json(leaf: Leaf) -> dict:
-    text = placement_text(leaf)
-    if text.startswith("sharded"):
+    if isinstance(leaf.placement, Shard):
         return {"type": "shard", "dim": leaf.placement.dim}
-    return {"type": "replicate" if text == "replicated" else "dtensor"}
+    return {"type": "replicate" if isinstance(leaf.placement, Replicate) else "dtensor"}
 
 
 def object_values(o: ObjectLeaf) -> list:
     """Stored values: JSON values as they are, pickled ones as ``{"pickled_bytes": n}``."""
 
-    def one(v):
+    def one(v: object) -> object:
         if isinstance(v, dict) and "json" in v:
             return v["json"]
         if isinstance(v, dict) and isinstance(v.get("pickle"), str):
@@ -106,7 +106,7 @@ def leftovers(path: str) -> list[dict]:
     return out
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     m = _read(args.path)
     total = sum(leaf_nbytes(leaf) for leaf in m.leaves.values())
     left = leftovers(args.path)

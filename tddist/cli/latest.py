@@ -19,7 +19,7 @@ on stdout when there is none. Never imports torch.
   ckpt=$(tddist latest ckpt/run) && python eval.py "$ckpt" """
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "latest", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -30,7 +30,7 @@ def register(sub) -> None:
     s.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     entry = inventory.newest(args.root) if os.path.isdir(args.root) else None
     if entry is None:
         if not os.path.isdir(args.root):

@@ -16,7 +16,7 @@ state, layout, number of ranks, size on disk and age. Leftovers of interrupted s
 with the command that removes it. Reads only manifests; never imports torch."""
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("ls", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("root", metavar="ROOT", help="a directory of checkpoints (or one checkpoint)")
     s.add_argument("--json", action="store_true", help="print one JSON object (schema tddist.ls/1, see docs/cli.md)")
@@ -53,7 +53,7 @@ _STATE = {
 }
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     entries = inventory.scan(args.root)
     if args.json:
         emit_json("ls", {"root": args.root, "entries": [entry_json(e, args.root) for e in entries]})

@@ -16,7 +16,7 @@ only when no save to PATH is running. For a CheckpointManager root, tddist gc do
 this for every checkpoint."""
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "recover", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -27,7 +27,7 @@ def register(sub) -> None:
     s.set_defaults(run=run)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..recovery import recover
 
     done = recover(args.path)

@@ -16,7 +16,7 @@ with the size the manifest declares, and the archive's structure, reading no
 data. Exit status 0 when all is well, 1 when a problem was found."""
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "verify", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -41,7 +41,7 @@ def _positive(text: str) -> int:
     return n
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from ..manifest_io import read_manifest
     from ..verify import verify
 
