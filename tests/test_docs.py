@@ -119,7 +119,9 @@ def test_every_fence_names_its_language_and_markers_are_valid():
     assert len(ALL) > 30, "the parser found too few code blocks"
     seen_runnable: set[Path] = set()
     for b in ALL:
-        assert b.lang in RUN or b.lang in SHOWN, f"{b.where}: fence language {b.lang!r}; name one of {sorted(RUN) + sorted(SHOWN)}"
+        assert b.lang in RUN or b.lang in SHOWN, (
+            f"{b.where}: fence language {b.lang!r}; name one of {sorted(RUN) + sorted(SHOWN)}"
+        )
         if b.marker is None:
             pass
         elif b.skip_reason is not None:
@@ -159,7 +161,9 @@ def run_bash(block: Block, cwd: Path) -> None:
     r = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", block.body], cwd=cwd, env=env(), capture_output=True, text=True, timeout=600
     )
-    assert r.returncode == 0, f"{block.where}: exit status {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, (
+        f"{block.where}: exit status {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+    )
 
 
 @pytest.mark.parametrize("chain", chains(), ids=lambda c: c.id)
