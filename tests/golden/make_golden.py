@@ -1,10 +1,12 @@
-"""Build the golden checkpoints of tddist's on-disk format, version 1.
+"""Build the golden checkpoints of tddist's on-disk format, version 2 (the version this tddist writes).
 
-    python tests/golden/make_golden.py            # writes tests/golden/v1/<name>/
+    python tests/golden/make_golden.py            # writes tests/golden/v2/<name>/
     python tests/golden/make_golden.py OUT_DIR    # writes OUT_DIR/<name>/ instead
 
 The values come from fixed formulas (no random numbers), so the recipe
-functions below also give the expected values to tests/test_golden.py. An
+functions below also give the expected values to tests/test_golden.py, for
+every version's golden checkpoints (tests/golden/v1 was written by the same
+recipes, except "single_rank_memmap", which version 1 did not need). An
 existing golden checkpoint is never overwritten: see README.md beside this file.
 """
 
@@ -17,15 +19,22 @@ from pathlib import Path
 if __name__ == "__main__":  # allow running the script from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
+import torch
+from tensordict import TensorDict
 
-import tddist  # noqa: E402
+import tddist
+from tddist import format as tddist_format
 
-VERSION_DIR = Path(__file__).resolve().parent / "v1"
+GOLDEN_DIR = Path(__file__).resolve().parent
+#: The format version these recipes write, and where a plain run writes it.
+VERSION = 2
+VERSION_DIR = GOLDEN_DIR / f"v{VERSION}"
 
 #: checkpoint (a): one rank, nested, many dtypes, keys that need escaping
 SINGLE = "single_rank"
+#: checkpoint (a'): the data of (a) saved with layout="memmap" (version 2: one file per leaf and rank,
+#: rank directories that TensorDict.load_memmap opens, instead of one packed data file per rank)
+SINGLE_MEMMAP = "single_rank_memmap"
 SINGLE_METADATA = {"recipe": "single_rank", "step": 100, "lr": 0.25, "tags": ["golden", "v1"], "none": None}
 
 #: checkpoint (b): three ranks with uneven rows (rank 1 has none) and uneven columns
@@ -76,7 +85,14 @@ def single_rank_td() -> TensorDict:
         },
         [n],
     )
-    return TensorDict({"batch": batch, "step": torch.tensor(123456789, dtype=torch.int64), "table": _ramp((3,), torch.float64, 0.75, 1.0)}, [])
+    return TensorDict(
+        {
+            "batch": batch,
+            "step": torch.tensor(123456789, dtype=torch.int64),
+            "table": _ramp((3,), torch.float64, 0.75, 1.0),
+        },
+        [],
+    )
 
 
 def multi_rank_global() -> TensorDict:
@@ -120,6 +136,11 @@ def multi_rank_shard(rank: int) -> TensorDict:
 def write_single(path) -> None:
     """Save checkpoint (a) at ``path``."""
     tddist.save(single_rank_td(), path, metadata=SINGLE_METADATA, comm=tddist.LocalComm())
+
+
+def write_single_memmap(path) -> None:
+    """Save checkpoint (a') at ``path``: the data of (a), one file per leaf (layout "memmap")."""
+    tddist.save(single_rank_td(), path, metadata=SINGLE_METADATA, comm=tddist.LocalComm(), layout="memmap")
 
 
 def write_multi(path) -> None:
@@ -168,7 +189,9 @@ def extended_shard(rank: int) -> TensorDict:
 def write_extended(path, archive: bool = False) -> None:
     def rank_main(comm):
         kwargs = {"compression": "deflate"} if archive else {}
-        tddist.save(extended_shard(comm.rank), path, comm=comm, robust_key=False, metadata={"recipe": EXTENDED}, **kwargs)
+        tddist.save(
+            extended_shard(comm.rank), path, comm=comm, robust_key=False, metadata={"recipe": EXTENDED}, **kwargs
+        )
         return "ok"
 
     errors = [r for r in tddist.run_threads(len(EXTENDED_ROWS), rank_main) if r != "ok"]
@@ -198,6 +221,7 @@ def write_dtensor(path) -> None:
 
 BUILDERS = {
     SINGLE: write_single,
+    SINGLE_MEMMAP: write_single_memmap,
     MULTI: write_multi,
     EXTENDED: write_extended,
     EXTENDED_ARCHIVE: lambda path: write_extended(path, archive=True),
@@ -207,6 +231,13 @@ BUILDERS = {
 
 def main(argv: list[str]) -> int:
     out = Path(argv[0]) if argv else VERSION_DIR
+    if tddist_format.FORMAT_VERSION != VERSION:
+        print(f"this tddist writes format version {tddist_format.FORMAT_VERSION}, not {VERSION}", file=sys.stderr)
+        return 1
+    if out.resolve().parent == GOLDEN_DIR and out.resolve() != VERSION_DIR:
+        # a new checkpoint in another version's directory would be written in the wrong format
+        print(f"{out} is another format version's golden directory; it is never added to", file=sys.stderr)
+        return 1
     out.mkdir(parents=True, exist_ok=True)
     for name, write in BUILDERS.items():
         target = out / name
