@@ -17,20 +17,49 @@ logger = logging.getLogger(__name__)
 
 
 def is_tddist_dir(path: str) -> bool:
-    """True if ``path`` holds only what tddist writes (a checkpoint, torn or not)."""
+    """True if ``path`` holds only what tddist writes (a checkpoint, torn or not).
+
+    Only such a directory may be replaced or removed: tddist never deletes foreign data.
+
+    Args:
+        path: an existing directory.
+
+    Returns:
+        Whether every entry of ``path`` is one tddist writes at the top of a checkpoint.
+
+    Raises:
+        OSError: ``path`` cannot be listed (it is missing or not a directory).
+    """
     names = os.listdir(path)
     return all(n == fmt.MANIFEST_NAME or fmt.is_rank_dir_name(n) for n in names)
 
 
 def is_committed(path: str) -> bool:
-    """True if ``path`` is a committed checkpoint: a directory with a manifest, or a tddist archive."""
+    """True if ``path`` is a committed checkpoint: a directory with a manifest, or a tddist archive.
+
+    The manifest is written last, so its presence is the commit; its content
+    is not validated here (``read_manifest`` does).
+
+    Args:
+        path: any path; a missing one is not committed.
+
+    Returns:
+        Whether ``path`` is a committed checkpoint.
+    """
     if os.path.isdir(path):
         return os.path.isfile(os.path.join(path, fmt.MANIFEST_NAME))
     return os.path.isfile(path) and is_tddist_archive(path)
 
 
 def is_tddist_archive(path: str) -> bool:
-    """True if ``path`` is a zip file holding a tddist manifest."""
+    """True if ``path`` is a zip file holding a tddist manifest.
+
+    Args:
+        path: any path; a missing or unreadable file is not an archive.
+
+    Returns:
+        Whether ``path`` is a zip file with a ``tddist.json`` entry.
+    """
     try:
         with zipfile.ZipFile(path) as zf:
             return fmt.MANIFEST_NAME in zf.namelist()
@@ -46,8 +75,17 @@ def recover(target: str) -> list[str]:
     (a crash in the middle of a replace without RENAME_EXCHANGE), otherwise
     removed. Committed checkpoints and foreign files are never touched. Call
     it only when no save to ``target`` is running.
+
+    Args:
+        target: the checkpoint path (directory or archive) whose leftovers to remove.
+
+    Returns:
+        One line per action taken, for a log; empty if there was nothing to do.
+
+    Raises:
+        OSError: a leftover could not be removed or moved back.
     """
-    done = []
+    done: list[str] = []
     target_ok = is_committed(target)
     for kind, path in fmt.side_entries(target):
         if kind == "backup" and not target_ok and is_committed(path):
