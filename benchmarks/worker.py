@@ -18,6 +18,7 @@ import datetime
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -492,6 +493,42 @@ def load_raw(path: str, buffers: dict, rank: int) -> dict:
     return {"open": time.perf_counter() - t0}, buffers
 
 
+_RANK_NAME = re.compile(r"(?:^|/)rank-(\d+)(?:[./]|$)|(?:^|/)__(\d+)_\d+\.distcp$")
+
+
+def count_files(path: str) -> dict:
+    """The files a checkpoint holds: per rank (by the rank in their name: tddist's ``rank-NNNNN.data`` or
+    ``rank-NNNNN/``, DCP's ``__R_T.distcp``, torch.save's ``rank-NNNNN.pt``) and shared (the rest: manifests)."""
+    per_rank: dict[int, int] = {}
+    shared: list[str] = []
+    if os.path.isfile(path):
+        return {"total": 1, "per_rank_max": 0, "per_rank": {}, "shared": [os.path.basename(path)]}
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            rel = os.path.relpath(os.path.join(dirpath, name), path).replace(os.sep, "/")
+            m = _RANK_NAME.search(rel)
+            if m:
+                rank = int(m.group(1) or m.group(2))
+                per_rank[rank] = per_rank.get(rank, 0) + 1
+            else:
+                shared.append(rel)
+    return {
+        "total": sum(per_rank.values()) + len(shared),
+        "per_rank_max": max(per_rank.values(), default=0),
+        "per_rank": {str(k): v for k, v in sorted(per_rank.items())},
+        "shared": sorted(shared),
+    }
+
+
+def tddist_packing(path: str) -> str | None:
+    """The packing a tddist directory checkpoint was written with ("packed" or "memmap"), from its manifest."""
+    try:
+        with open(os.path.join(path, "tddist.json"), "rb") as f:
+            return json.loads(f.read()).get("packing", "memmap (format v1)")
+    except (OSError, ValueError):
+        return None
+
+
 def discard(_value) -> None:
     """Drop what a save returns (tddist maps the saved shard back)."""
     return None
@@ -585,6 +622,11 @@ class Job:
                 produced = out + self.suffix(label)
                 self.clean(out, produced)
                 measure(self.rec, "save", label, "tddist", lambda: fn(out), repeat=rep, nbytes=nbytes)
+                if self.rank == 0 and label == "tddist":  # the default layout, whatever this tddist's default is
+                    packing = tddist_packing(produced)
+                    self.rec.records[-1]["extra"] = {"packing": packing}
+                    if packing != "packed":
+                        self.rec.note(f"save: tddist's default layout wrote packing {packing!r}, not 'packed'")
                 if keep and rep == self.repeats - 1:
                     self.ctx.barrier()
                     if self.rank == 0:
@@ -815,6 +857,9 @@ class Job:
 
     # 5. metadata-heavy: many small tensors
     def scenario_small(self) -> None:
+        """10,000 tiny sharded tensors: tddist in its default layout (packed: one data file per rank) and
+        with ``layout="memmap"`` (one file per leaf), DCP, torch.save. Saves, then cold loads + touch; the
+        files each checkpoint holds are counted after its first save (untimed)."""
         n, elems = self.cfg["small_tensors"], self.cfg["small_elems"]
         a, b = even_rows(elems, self.rank, self.world)
         tensors = {f"p{i:05d}": torch.arange(a, b, dtype=torch.float32) + i for i in range(n)}
@@ -823,27 +868,38 @@ class Job:
         total = n * elems * 4
         m = dcp() if sd is not None else None
         r = self.rank
-        saves = [("tddist", lambda out: discard(tddist.save(td, out, num_threads=THREADS)))]
+        # (save label, load label, save function); the default layout is whatever save() does without layout=
+        saves = [
+            ("tddist", "tddist", lambda out: discard(tddist.save(td, out, num_threads=THREADS))),
+            (
+                "tddist[memmap]",
+                "tddist[memmap]",
+                lambda out: discard(tddist.save(td, out, num_threads=THREADS, layout="memmap")),
+            ),
+        ]
         if sd is not None:
             saves.append(
                 (
                     "dcp",
+                    "dcp.load",
                     lambda out: m.save(
                         sd, storage_writer=m.FileSystemWriter(out, thread_count=THREADS, sync_files=True)
                     ),
                 )
             )
-        saves.append(("torch.save+fsync", lambda out: save_torch(out, tensors, r)))
+        saves.append(("torch.save+fsync", "torch.load", lambda out: save_torch(out, tensors, r)))
+        load_name = {label: name for label, name, _ in saves}
 
         def empty_sd():
             return dcp_state(self.ctx, {k: torch.empty(b - a).fill_(0) for k in tensors}, self.world)
 
         for rep in range(self.repeats):
             outs = {}
-            for label, fn in rotated(saves, rep):
-                out = self.path("small", label.replace(" ", "_").replace("+", "_"))
+            for label, _name, fn in rotated(saves, rep):
+                out = self.path("small", label.replace(" ", "_").replace("+", "_").replace("[", "_").rstrip("]"))
                 outs[label] = out
                 self.clean(out)
+                extra = {"tensors": n, "bytes": total}
                 measure(
                     self.rec,
                     "small save",
@@ -851,20 +907,26 @@ class Job:
                     "tddist",
                     lambda fn=fn, out=out: fn(out),
                     repeat=rep,
-                    extra={"tensors": n, "bytes": total},
+                    extra=extra,
                 )
+                if self.rank == 0:
+                    extra["files"] = count_files(out)
+                    if label.startswith("tddist"):
+                        extra["packing"] = tddist_packing(out)
+                        if label == "tddist" and extra["packing"] != "packed":
+                            self.rec.note(
+                                f"small: tddist's default layout wrote packing {extra['packing']!r}, not 'packed'"
+                            )
             for label in rotated(list(outs), rep):
                 result = {}
-                if label == "tddist":
-                    fn = lambda: load_tddist(outs["tddist"])
-                    name = "tddist"
+                name = load_name[label]
+                if label.startswith("tddist"):
+                    fn = lambda out=outs[label]: load_tddist(out)
                 elif label == "dcp":
                     target = empty_sd()
                     fn = lambda target=target: load_dcp(outs["dcp"], target)
-                    name = "dcp.load"
                 else:
-                    fn = lambda: load_torch(outs[label], r, False)
-                    name = "torch.load"
+                    fn = lambda out=outs[label]: load_torch(out, r, False)
 
                 def run(fn=fn):
                     phases, result["value"] = fn()
@@ -880,7 +942,7 @@ class Job:
                     cold=True,
                     extra={"tensors": n, "bytes": total},
                 )
-                if rep == 0 and name in ("tddist", "dcp.load"):
+                if rep == 0 and name != "torch.load":
                     got = leaf_map(result["value"])
                     for i in (0, n - 1):
                         want = torch.arange(a, b, dtype=torch.float32) + i
