@@ -1,22 +1,28 @@
 #!/usr/bin/env python
-"""Rank 0's manifest work at thousands of ranks, in one process (no job of that size needed).
+"""Rank 0's manifest work and one rank's open at thousands of ranks, in one process (no job of that size).
 
-    .venv/bin/python benchmarks/scale_manifest.py [--ranks 1024,4096] [--leaves 1000] [--repeats 3]
+    .venv/bin/python benchmarks/scale_manifest.py [--ranks 1024,4096,16384] [--leaves 1000] [--repeats 3]
 
-Builds the fragments (votes) that ``ranks`` ranks would send, each with
-``leaves`` sharded leaves shaped exactly as a layout's ``write`` builds them
-(``tddist.types.Fragment`` of ``FragmentLeaf``), and passes every fragment
-through a pickle round trip, as the gather delivers it. Then, as rank 0 does
-in the commit:
+Builds the votes (``tddist.types.Fragment``) that ``ranks`` ranks would send
+for a state of ``leaves`` sharded leaves, exactly as the layouts build them:
+rank 0's ``Structure`` comes from ``structure_of`` of a real prepared shard,
+every rank's rows and checksums are compact arrays, and each fragment goes
+through a pickle round trip, as the gather delivers it. Then:
 
-- write: ``merge_fragments`` (validation), ``to_json``, ``format.dumps``, and
-  writing the file durably (``write_durable``, then an fsync of its directory);
-- parse: reading the file, ``format.loads`` and ``parse_manifest``, which is
-  what ``tddist.read_manifest`` does on every load.
+- write (full path): ``merge_fragments`` without a plan cache, ``encode``
+  (tddist.json and tddist.idx), writing both files durably;
+- write (cached path): the same with the plan cache of a previous committed
+  save of the same structure;
+- open for ``shard="saved"``: reading and validating both files
+  (``read_manifest``) and locating one rank's chunk of every leaf, with its
+  offset in that rank's data file: what one rank does before reading data;
+- open for ``shard=None``: the same, then every chunk of every leaf.
 
-Reports each stage's time and the peak RSS each phase adds. Targets: at 4,096
-ranks x 1,000 leaves, write under 2 s and parse under 1 s. Also run by
-``run.py`` as its ``manifest`` scenario.
+Reports each stage's time, the peak RSS each adds, and the bytes gathered
+(pickled fragments). Targets at 4,096 ranks x 1,000 leaves: write < 2 s
+(cached < 0.5 s), open for ``shard="saved"`` < 0.5 s and < 256 MiB; at 16,384
+ranks write < 8 s; the full-path gather under 64 MiB. Also run by ``run.py``
+as its ``manifest`` scenario.
 """
 
 from __future__ import annotations
@@ -30,91 +36,111 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+import torch
+
 # tddist as run.py passes it (PYTHONPATH: the snapshot of this run), else the repository's copy.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common as C
+from tensordict import TensorDict
 
 import tddist
 from tddist import format as fmt
 from tddist._fs import write_durable
-from tddist.manifest import merge_fragments, parse_manifest, to_json
-from tddist.sharding import Shard
-from tddist.types import Fragment, FragmentLeaf, StoredBytes
+from tddist.locate import Locator
+from tddist.manifest_io import read_manifest
+from tddist.manifest_v2 import encode
+from tddist.merge import PlanCache, merge_fragments
+from tddist.prepare import prepare_shard
+from tddist.structure import structure_of
+from tddist.types import Fragment, LocalShard, Structure
 
 ROWS, COLS = 8, 64  # each rank's shard of each leaf: 8 rows of 64 float32
 
 
-def build_fragments(ranks: int, leaves: int) -> tuple[list[Fragment], int]:
-    """The fragments as rank 0 receives them, and their total pickled size."""
+def build_fragments(ranks: int, leaves: int) -> tuple[Structure, list[Fragment], int]:
+    """Rank 0's structure, the fragments as rank 0 receives them, and their total pickled size."""
+    td = TensorDict(
+        {"params": TensorDict({f"layer{i:04d}.weight": torch.zeros(ROWS, COLS) for i in range(leaves)}, [ROWS])}, [ROWS]
+    )
+    shard = prepare_shard(td, 0, None, placements=None, robust_key=True, allow_pickle=False, copy_existing=False)
+    assert isinstance(shard, LocalShard)
+    structure = structure_of(shard)
+    rng = np.random.default_rng(0)
+    node_rows = np.array([ROWS, ROWS], dtype="<i8").tobytes()
+    lengths = np.full(leaves, ROWS, dtype="<i8").tobytes()
     frags, pickled = [], 0
-    nodes = (((), (ROWS,)), (("params",), (ROWS,)))
-    nbytes = ROWS * COLS * 4
     for r in range(ranks):
-        entries = tuple(
-            FragmentLeaf(
-                ("params", f"layer{i:04d}.weight"),
-                "float32",
-                (ROWS, COLS),
-                Shard(0),
-                StoredBytes(nbytes, f"{(r * leaves + i) * 0x9E3779B97F4A7C15 % (1 << 64):016x}"),
-            )
-            for i in range(leaves)
+        sums = rng.integers(1, 2**63, size=leaves, dtype=np.int64).astype("<u8").tobytes()
+        blob = pickle.dumps(
+            Fragment(r, structure.digest, node_rows, lengths, sums, b""), protocol=pickle.HIGHEST_PROTOCOL
         )
-        blob = pickle.dumps(Fragment(r, nodes, entries), protocol=pickle.HIGHEST_PROTOCOL)
         pickled += len(blob)
         frags.append(pickle.loads(blob))
-    return frags, pickled
+    return structure, frags, pickled
 
 
-def one_run(frags: list[Fragment], path: str) -> tuple[dict, dict, int]:
-    """(write stage times and peak RSS added, parse stage times and peak RSS added, manifest bytes)."""
+def _merge(structure: Structure, frags: list[Fragment], cache: PlanCache | None):
+    return merge_fragments(
+        frags, structure, metadata={}, robust_key=True, version=tddist.__version__, layout="directory",
+        packing="packed", cache=cache,
+    )  # fmt: skip
+
+
+def _stage(fn) -> dict:
     gc.collect()
     base = C.rss_kib()
     C.reset_hwm()
     t0 = time.perf_counter()
-    m = merge_fragments(frags, metadata={}, robust_key=True, version=tddist.__version__)
-    t1 = time.perf_counter()
-    obj = to_json(m)
-    t2 = time.perf_counter()
-    raw = fmt.dumps(obj)
-    t3 = time.perf_counter()
-    write_durable(path, raw)
-    C.fsync_path(os.path.dirname(path))
-    t4 = time.perf_counter()
-    write = {
-        "time": t4 - t0,
-        "merge": t1 - t0,
-        "to_json": t2 - t1,
-        "dumps": t3 - t2,
-        "write file": t4 - t3,
+    out = fn()
+    elapsed = time.perf_counter() - t0
+    return {
+        "time": elapsed,
         "rss_added_mib": (C.hwm_kib() - base) / 1024,
         "rss_peak_mib": C.hwm_kib() / 1024,
+        "out": out,
     }
-    size = len(raw)
-    del m, obj, raw
-    gc.collect()
-    base = C.rss_kib()
-    C.reset_hwm()
-    t0 = time.perf_counter()
-    with open(path, "rb") as f:
-        data = f.read()
-    t1 = time.perf_counter()
-    obj = fmt.loads(data)
-    t2 = time.perf_counter()
-    parsed = parse_manifest(obj, where="benchmark manifest")
-    t3 = time.perf_counter()
-    parse = {
-        "time": t3 - t0,
-        "read file": t1 - t0,
-        "loads": t2 - t1,
-        "parse_manifest": t3 - t2,
-        "rss_added_mib": (C.hwm_kib() - base) / 1024,
-        "rss_peak_mib": C.hwm_kib() / 1024,
+
+
+def one_run(structure: Structure, frags: list[Fragment], directory: str) -> dict[str, dict]:
+    """Every stage once: write (full), write (cached), open saved, open whole."""
+
+    def write(cache):
+        m = _merge(structure, frags, cache)
+        files = encode(m)
+        write_durable(os.path.join(directory, fmt.INDEX_NAME), files.index)
+        write_durable(os.path.join(directory, fmt.MANIFEST_NAME), files.manifest)
+        C.fsync_path(directory)
+        return len(files.manifest) + len(files.index)
+
+    full = _stage(lambda: write(None))
+    cache = PlanCache()
+    _merge(structure, frags, cache)
+    cache.committed(structure.digest, b"")
+    cached = _stage(lambda: write(cache))
+    assert cache.cached_merges == 1
+
+    def open_saved():
+        m = read_manifest(directory)
+        locator = Locator(m)
+        rank = len(frags) // 2
+        return sum(locator.locate(leaf, leaf.chunk_of_rank(rank)).nbytes for leaf in m.leaves.values())
+
+    def open_whole():
+        m = read_manifest(directory)
+        return sum(len(leaf.chunks) for leaf in m.leaves.values())
+
+    saved = _stage(open_saved)
+    assert saved["out"] == ROWS * COLS * 4 * len(structure.leaves)
+    whole = _stage(open_whole)
+    assert whole["out"] == len(frags) * len(structure.leaves)
+    return {
+        "manifest write": full,
+        "manifest write cached": cached,
+        "manifest open saved": saved,
+        "manifest open whole": whole,
     }
-    assert parsed.world_size == len(frags) and len(parsed.leaves) == len(frags[0].leaves)
-    del parsed, obj, data
-    return write, parse, size
 
 
 def run(ranks_list: list[int], leaves: int, repeats: int, directory: str) -> list[dict]:
@@ -123,20 +149,18 @@ def run(ranks_list: list[int], leaves: int, repeats: int, directory: str) -> lis
     for ranks in ranks_list:
         t0 = time.perf_counter()
         base = C.rss_kib()
-        frags, pickled = build_fragments(ranks, leaves)
+        structure, frags, pickled = build_fragments(ranks, leaves)
         held = (C.rss_kib() - base) / 1024
         print(
             f"[manifest {ranks} ranks x {leaves} leaves] fragments built in {time.perf_counter() - t0:.1f} s "
-            f"({pickled / C.MIB:.0f} MiB pickled, {held:.0f} MiB resident)",
+            f"({pickled / C.MIB:.1f} MiB pickled, {held:.0f} MiB resident)",
             file=sys.stderr,
             flush=True,
         )
         for rep in range(repeats):
-            path = os.path.join(directory, f"manifest-{ranks}.json")
-            write, parse, size = one_run(frags, path)
-            os.unlink(path)
-            for scenario, stage in (("manifest write", write), ("manifest parse", parse)):
-                metrics = {k: v for k, v in stage.items() if not k.startswith("rss")}
+            stages = one_run(structure, frags, directory)
+            size = stages["manifest write"]["out"]
+            for scenario, stage in stages.items():
                 records.append(
                     {
                         "scenario": scenario,
@@ -145,22 +169,22 @@ def run(ranks_list: list[int], leaves: int, repeats: int, directory: str) -> lis
                         "impl": "tddist",
                         "ref": "tddist",
                         "repeat": rep,
-                        "metrics": metrics,
+                        "metrics": {"time": stage["time"]},
                         "bytes": None,
                         "rss_added_mib": stage["rss_added_mib"],
                         "rss_peak_mib_ranks": [round(stage["rss_peak_mib"], 1)],
                         "extra": {
                             "leaves_per_rank": leaves,
-                            "manifest_mib": size / C.MIB,
-                            "fragments_pickled_mib": pickled / C.MIB,
+                            "manifest_and_index_mib": size / C.MIB,
+                            "gathered_mib": pickled / C.MIB,
                             "fragments_resident_mib": held,
                         },
                     }
                 )
-                shown = ", ".join(f"{k} {C.fmt_seconds(v)}" for k, v in metrics.items())
                 print(
-                    f"[manifest {ranks} ranks rep {rep}] {scenario}: {shown}; peak RSS added "
-                    f"{stage['rss_added_mib']:.0f} MiB; manifest {size / C.MIB:.1f} MiB",
+                    f"[manifest {ranks} ranks rep {rep}] {scenario}: {C.fmt_seconds(stage['time'])}; peak RSS added "
+                    f"{stage['rss_added_mib']:.0f} MiB; manifest+index {size / C.MIB:.1f} MiB; gathered "
+                    f"{pickled / C.MIB:.1f} MiB",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -171,7 +195,7 @@ def run(ranks_list: list[int], leaves: int, repeats: int, directory: str) -> lis
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default="1024,4096", help="rank counts (comma-separated)")
+    ap.add_argument("--ranks", default="1024,4096,16384", help="rank counts (comma-separated)")
     ap.add_argument("--leaves", type=int, default=1000, help="leaves per rank")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", help="where the manifest file is written (default: a temporary directory)")
@@ -189,7 +213,7 @@ def main(argv=None) -> int:
     print("| ranks | stage | median | min-max | peak RSS added |")
     print("|---|---|---|---|---|")
     for world in ranks:
-        for scenario in ("manifest write", "manifest parse"):
+        for scenario in ("manifest write", "manifest write cached", "manifest open saved", "manifest open whole"):
             recs = [r for r in records if r["world"] == world and r["scenario"] == scenario]
             s = C.summarize([r["metrics"]["time"] for r in recs])
             rss = C.summarize([r["rss_added_mib"] for r in recs])["median"]

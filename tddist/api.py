@@ -25,8 +25,10 @@ from .errors import InvalidArgumentError
 from .into import fill
 from .layouts.archive import ArchiveWriter
 from .layouts.directory import DirectoryWriter
-from .manifest import Manifest, merge_fragments, to_json
+from .manifest import Manifest
 from .manifest_io import read_manifest as _read_manifest
+from .manifest_v2 import encode
+from .merge import PlanCache, merge_fragments
 from .plan import LoadReport, leaf_box, node_rows, object_value, shard_request
 from .prepare import prepare_shard
 from .reader import read_leaves
@@ -39,8 +41,10 @@ from .types import (
     Key,
     LoadOptions,
     LocalShard,
+    ManifestFiles,
     SavedRows,
     SaveOptions,
+    Structure,
 )
 from .zipcodec import resolve_compression
 
@@ -66,6 +70,7 @@ def save(
     timeout: float | None = None,
     archive: bool | None = None,
     compression: Any = None,
+    layout: str | None = None,
 ) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint ``prefix``.
 
@@ -108,6 +113,10 @@ def save(
         archive: write one ``.tdz`` zip archive; None infers it from the suffix.
         compression: an archive's compression: None, "deflate", "bzip2",
             "lzma", "zstd", a zipfile constant, ``(name, level)`` or "name:level".
+        layout: how a directory checkpoint stores each rank's chunks:
+            "packed" (the default: one data file per rank) or "memmap" (one
+            file per leaf, each rank directory loadable with
+            ``TensorDict.load_memmap``). Archives store one entry per leaf.
 
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the
@@ -127,7 +136,7 @@ def save(
     _check_save_args(prefix, num_threads, metadata)
     options = _save_options(
         prefix, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle, archive,
-        compression,
+        compression, layout,
     )  # fmt: skip
     c = resolve(comm, timeout)
     ch = background.channel(c)
@@ -145,11 +154,11 @@ def save(
         )
 
     if not return_early:
-        return _commit_and_open(c, options, prepare(None))
+        return _commit_and_open(c, options, prepare(None), ch.plans)
     bg = ch.background_comm()
     shard = prepare(ch.buffers)
     options = replace(options, num_threads=max(num_threads, 1))
-    return ch.submit(lambda: _commit_and_open(bg, options, shard))
+    return ch.submit(lambda: _commit_and_open(bg, options, shard, ch.plans))
 
 
 def _save_options(
@@ -163,6 +172,7 @@ def _save_options(
     allow_pickle: bool,
     archive: bool | None,
     compression: Any,
+    layout: str | None,
 ) -> SaveOptions:
     """The typed options of a save; refuses combinations that cannot work."""
     target = os.path.abspath(os.fspath(prefix))
@@ -177,6 +187,16 @@ def _save_options(
         raise InvalidArgumentError(
             f"compression={compression!r} needs an archive: pass archive=True or a prefix ending in .tdz"
         )
+    if layout not in (None, "packed", "memmap"):
+        raise InvalidArgumentError(
+            f"layout={layout!r} is not supported; use 'packed' (one data file per rank, the default) or 'memmap' "
+            f"(one file per leaf, loadable with TensorDict.load_memmap)"
+        )
+    if archive and layout == "packed":
+        raise InvalidArgumentError(
+            "layout='packed' is for directories: an archive stores one entry per leaf (layout 'memmap'); "
+            "drop layout= or save a directory"
+        )
     return SaveOptions(
         target=target,
         layout="archive" if archive else "directory",
@@ -188,6 +208,7 @@ def _save_options(
         share_non_tensor=share_non_tensor,
         allow_pickle=allow_pickle,
         compression=resolve_compression(compression) if archive else None,
+        packing="memmap" if archive or layout == "memmap" else "packed",
     )
 
 
@@ -218,22 +239,28 @@ def _str_keys(value: Any) -> bool:
     return True
 
 
-def _commit_and_open(c: Communicator, options: SaveOptions, shard: LocalShard | Exception) -> TensorDict:
+def _commit_and_open(
+    c: Communicator, options: SaveOptions, shard: LocalShard | Exception, cache: PlanCache
+) -> TensorDict:
     """Run the two-phase commit with this rank's prepared shard, then map what it saved."""
     writer_class = ArchiveWriter if options.layout == "archive" else DirectoryWriter
-    writer = writer_class(options, c.rank, shard)
+    writer = writer_class(options, c.rank, shard, cache)
 
-    def build_manifest(fragments: list[Fragment]) -> bytes:
+    def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
         m = merge_fragments(
             fragments,
+            structure,
             metadata=dict(options.metadata),
             robust_key=options.robust_key,
             version=__version__,
             layout=options.layout,
+            packing=options.packing,
+            cache=cache,
         )
-        return fmt.dumps(to_json(m))
+        return encode(m)
 
     two_phase_commit(c, writer, build_manifest)
+    writer.committed()
     logger.info("rank %d: committed %s", c.rank, options.target)
     assert isinstance(shard, LocalShard)  # the commit raised otherwise
     manifest = _read_manifest(options.target)

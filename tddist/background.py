@@ -21,6 +21,7 @@ from typing import Any
 from ._compat import register_exit_hook
 from .comm import Communicator
 from .errors import InvalidArgumentError, SaveInProgressError
+from .merge import PlanCache
 from .snapshot import SnapshotBuffers
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class Channel:
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.buffers = SnapshotBuffers()
+        self.plans = PlanCache()  # the cached path of the next save's merge (see merge.py)
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
         self._executor: ThreadPoolExecutor | None = None

@@ -230,6 +230,11 @@ class ThreadComm:
         return ThreadComm(group, self.rank)
 
 
+#: The communicator of a process without torch.distributed or MPI: one per process, so that what is
+#: kept per communicator (the channel of asynchronous saves, its buffers and plan cache) is kept once.
+_LOCAL = LocalComm()
+
+
 def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.0) -> list[Any]:
     """Run ``fn(comm)`` on ``size`` thread-ranks; returns each rank's result or exception.
 
@@ -418,7 +423,7 @@ def resolve(comm: Any = None, timeout: float | None = None) -> Communicator:
 
         init_from_env(timeout)
         return torch_comm(None, timeout)
-    return LocalComm()
+    return _LOCAL
 
 
 def _is_tddist_comm(comm: object) -> bool:

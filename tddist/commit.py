@@ -42,21 +42,23 @@ a directory that readers refuse instead of misread.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ._faults import fault_point
 from .comm import Communicator, contribute, decide_on_rank0
 from .errors import CommError, InvalidArgumentError, TargetError
 from .layouts.base import ShardWriter
-from .types import Fragment, SavePlan, Staging
+from .types import Fragment, ManifestFiles, SavePlan, Staging, Structure
 
-ManifestBuilder = Callable[[list[Fragment]], bytes]
+ManifestBuilder = Callable[[list[Fragment], Structure], ManifestFiles]
 
 
 def two_phase_commit(comm: Communicator, writer: ShardWriter, build_manifest: ManifestBuilder) -> None:
     """Run the protocol above; returns on every rank only once the checkpoint is committed.
 
-    ``build_manifest(fragments)`` (rank 0) validates the ranks' fragments and
-    returns the manifest bytes. Raises the same error on every rank otherwise.
+    ``build_manifest(fragments, structure)`` (rank 0) validates the ranks'
+    fragments against rank 0's structure and returns the manifest's files.
+    Raises the same error on every rank otherwise.
     """
     what, rank = f"save to {writer.target!r}", comm.rank
     staging: Staging = decide_on_rank0(comm, what, lambda plans: _open(writer, plans), contribute(writer.plan))
@@ -82,12 +84,18 @@ def two_phase_commit(comm: Communicator, writer: ShardWriter, build_manifest: Ma
 
 
 def _open(writer: ShardWriter, plans: list[SavePlan]) -> Staging:
-    """(rank 0) Step 1: compare the plans, then check the target and create the staging area."""
+    """(rank 0) Step 1: compare the plans, then check the target and create the staging area.
+
+    When a rank's structure digest differs from rank 0's, the staging area
+    carries rank 0's structure, so that rank can say what differs (and vote no).
+    """
     _check_plans(plans)
     try:
         staging = writer.open(plans)
     except OSError as e:
         raise TargetError(f"cannot prepare a save to {writer.target!r}: {e} (the target was left untouched)") from e
+    if any(p.digest != plans[0].digest for p in plans):
+        staging = replace(staging, reference=plans[0].structure)
     try:
         fault_point("prepare", 0)
     except BaseException:
@@ -119,7 +127,9 @@ def _decide(
     writer: ShardWriter, staging: Staging, fragments: list[Fragment], build: ManifestBuilder, committed: list[bool]
 ) -> None:
     """(rank 0) Step 4 when every rank voted yes: validate, write the manifest, publish."""
-    manifest = build(fragments)
+    structure = writer.structure
+    assert structure is not None  # plan() set it
+    manifest = build(fragments, structure)
     fault_point("validate", 0)
     writer.finalize(staging, manifest, fragments)
     fault_point("manifest", 0)

@@ -15,14 +15,18 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from . import format as fmt
 from ._fs import fsync_tree_dirs, makedirs_durable, remove_tree, write_durable
 from .checksum import combine_digests, hash_blocks
 from .errors import CorruptCheckpointError
 from .layouts.archive import ArchiveFiles, check_archive_target
 from .layouts.directory import DirectoryFiles, check_target
-from .manifest import Manifest, to_json
+from .locate import Locator
+from .manifest import Manifest
 from .manifest_io import read_manifest
+from .manifest_v2 import encode
 from .publish import publish
 from .reader import open_files
 from .zipcodec import (
@@ -30,22 +34,28 @@ from .zipcodec import (
     place_entries,
     prepare_entries,
     resolve_compression,
-    write_manifest_and_directory,
     write_region,
+    write_tail_and_directory,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def _files(manifest: Manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[int, str]]]:
-    """meta.json files of every rank directory (bytes), and each leaf file's (size, checksum) by name."""
+def _files(manifest: Manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[torch.Tensor, str]]]:
+    """meta.json files of every rank directory (bytes), and each chunk's bytes and checksum by entry name.
+
+    Entries are named as in the "memmap" layout (one file per chunk), whatever
+    the source's packing: an archive always holds that tree.
+    """
+    files = open_files(src)
+    locator = Locator(manifest)
     leaves = {}
     for leaf in manifest.leaves.values():
         for c in leaf.chunks:
             if c.nbytes:
-                leaves[fmt.leaf_relpath(c.rank, leaf.key, manifest.robust_key)] = (c.nbytes, c.checksum)
+                data = files.span(locator.locate(leaf, c))
+                leaves[fmt.leaf_relpath(c.rank, leaf.key, manifest.robust_key)] = (data, c.checksum)
     metas = {}
-    files = open_files(src)
     for name in _meta_names(manifest, files):
         metas[name] = bytes(files.array(name, _size(files, name)).numpy())
     return metas, leaves
@@ -106,8 +116,7 @@ def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression: Any = N
     manifest = read_manifest(src)
     codec = resolve_compression(compression)
     metas, leaves = _files(manifest, src)
-    files = open_files(src)
-    tensors = {name: files.array(name, size) for name, (size, _c) in leaves.items()}
+    tensors = {name: data for name, (data, _c) in leaves.items()}
     entries = prepare_entries(metas, tensors, codec, num_threads)
     for e in entries:
         if e.name in leaves:
@@ -118,8 +127,9 @@ def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression: Any = N
         os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         end = place_entries(entries, 0)
         write_region(staging, entries, num_threads)
-        as_archive = fmt.dumps(to_json(replace(manifest, layout="archive")))
-        write_manifest_and_directory(staging, end, as_archive, list(entry_rows(entries)))
+        as_archive = encode(replace(manifest, layout="archive", packing="memmap", version=fmt.FORMAT_VERSION))
+        tail = {fmt.INDEX_NAME: as_archive.index, fmt.MANIFEST_NAME: as_archive.manifest}
+        write_tail_and_directory(staging, end, tail, list(entry_rows(entries)))
     logger.info("packed %s into %s", src, dst)
     return dst
 
@@ -149,19 +159,19 @@ def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int =
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
     manifest = read_manifest(src)
     metas, leaves = _files(manifest, src)
-    files = open_files(src)
     makedirs_durable(os.path.dirname(dst))
     check_target(dst)
     with _staged(dst) as staging:
         os.mkdir(staging)
         for name, data in metas.items():
             _write(staging, name, data)
-        for name, (size, checksum) in leaves.items():
-            array = files.array(name, size).numpy()
+        for name, (chunk, checksum) in leaves.items():
+            array = chunk.numpy()
             _check(name, hash_blocks(array), checksum, src)
             _write(staging, name, memoryview(array.data))
-        as_directory = fmt.dumps(to_json(replace(manifest, layout="directory")))
-        write_durable(os.path.join(staging, fmt.MANIFEST_NAME), as_directory)
+        as_directory = encode(replace(manifest, layout="directory", packing="memmap", version=fmt.FORMAT_VERSION))
+        write_durable(os.path.join(staging, fmt.INDEX_NAME), as_directory.index)
+        write_durable(os.path.join(staging, fmt.MANIFEST_NAME), as_directory.manifest)
         fsync_tree_dirs(staging)
     logger.info("unpacked %s into %s", src, dst)
     return dst

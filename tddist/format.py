@@ -21,8 +21,14 @@ if TYPE_CHECKING:
     import torch
 
 FORMAT_NAME = "tddist"
-FORMAT_VERSION = 1
+#: The version tddist writes; every earlier one stays readable (docs/format.md, section 10).
+FORMAT_VERSION = 2
 MANIFEST_NAME = "tddist.json"
+#: Version 2: the per-rank columns of the manifest (rows, checksums, boxes), binary.
+INDEX_NAME = "tddist.idx"
+#: Version 2, packing "packed": one data file per rank, its chunks at multiples of PACK_ALIGN.
+DATA_SUFFIX = ".data"
+PACK_ALIGN = 64
 ARCHIVE_SUFFIX = ".tdz"
 TD_META_NAME = "meta.json"
 LEAF_SUFFIX = ".memmap"
@@ -128,6 +134,23 @@ def rank_dir(rank: int) -> str:
 
 
 _RANK_DIR_RE = re.compile(r"^rank-\d{5,}$")
+
+
+_RANK_DATA_RE = re.compile(r"^rank-\d{5,}\.data$")
+
+
+def rank_data_name(rank: int) -> str:
+    """Name of the file holding every chunk ``rank`` wrote (packing "packed")."""
+    return rank_dir(rank) + DATA_SUFFIX
+
+
+def is_checkpoint_entry_name(name: str) -> bool:
+    """True if ``name`` is something tddist writes at the top of a checkpoint directory."""
+    return (
+        name in (MANIFEST_NAME, INDEX_NAME)
+        or _RANK_DIR_RE.match(name) is not None
+        or _RANK_DATA_RE.match(name) is not None
+    )
 
 
 def is_rank_dir_name(name: str) -> bool:

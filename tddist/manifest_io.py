@@ -2,17 +2,19 @@
 
 Reading a manifest needs only the standard library (``json``, ``zipfile``), so
 the ``tddist`` command can list and describe checkpoints without importing
-torch. The bytes are untrusted: ``manifest.parse_manifest`` validates them.
+torch. The bytes are untrusted: ``parse_manifest`` validates them.
 """
 
 from __future__ import annotations
 
 import os
 import zipfile
+from typing import Any
 
 from . import format as fmt
+from . import manifest_v1, manifest_v2
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
-from .manifest import Manifest, parse_manifest
+from .manifest import Manifest, Parser, check_keys, parse_header, parse_objects
 
 
 def read_manifest(path: str) -> Manifest:
@@ -31,12 +33,12 @@ def read_manifest(path: str) -> Manifest:
     """
     path = os.fspath(path)
     archive = os.path.isfile(path)
-    raw, where = _archive_manifest(path) if archive else _directory_manifest(path)
+    raw, index, where = _archive_manifest(path) if archive else _directory_manifest(path)
     try:
         obj = fmt.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
-    m = parse_manifest(obj, where=where)
+    m = parse_manifest(obj, where=where, index=index)
     if archive and m.layout != "archive":
         raise ManifestError(
             f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
@@ -44,11 +46,17 @@ def read_manifest(path: str) -> Manifest:
     return m  # a directory may hold an extracted archive: the tree is the same
 
 
-def _directory_manifest(path: str) -> tuple[bytes, str]:
+def _directory_manifest(path: str) -> tuple[bytes, bytes | None, str]:
     manifest = os.path.join(path, fmt.MANIFEST_NAME)
     try:
         with open(manifest, "rb") as f:
-            return f.read(), f"manifest {manifest!r}"
+            raw = f.read()
+        try:
+            with open(os.path.join(path, fmt.INDEX_NAME), "rb") as f:
+                index = f.read()
+        except FileNotFoundError:
+            index = None  # version 1 has none; a version-2 manifest without one is refused
+        return raw, index, f"manifest {manifest!r}"
     except (FileNotFoundError, NotADirectoryError):
         side = fmt.side_entries(path)
         hint = (
@@ -64,15 +72,17 @@ def _directory_manifest(path: str) -> tuple[bytes, str]:
         raise CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}") from None
 
 
-def _archive_manifest(path: str) -> tuple[bytes, str]:
+def _archive_manifest(path: str) -> tuple[bytes, bytes | None, str]:
     if not zipfile.is_zipfile(path):
         raise CheckpointNotFoundError(
             f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
         )
     try:
         with zipfile.ZipFile(path) as zf:
-            found = fmt.MANIFEST_NAME in zf.namelist()
+            names = set(zf.namelist())
+            found = fmt.MANIFEST_NAME in names
             raw = zf.read(fmt.MANIFEST_NAME) if found else b""
+            index = zf.read(fmt.INDEX_NAME) if fmt.INDEX_NAME in names else None
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
         raise CorruptCheckpointError(
             f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
@@ -81,4 +91,29 @@ def _archive_manifest(path: str) -> tuple[bytes, str]:
         raise CheckpointNotFoundError(
             f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
         )
-    return raw, f"manifest of archive {path!r}"
+    return raw, index, f"manifest of archive {path!r}"
+
+
+def parse_manifest(obj: Any, where: str = "manifest", index: bytes | None = None) -> Manifest:
+    """Build a Manifest from parsed JSON (and, from version 2 on, the index bytes), validating everything.
+
+    Args:
+        obj: The parsed ``tddist.json``.
+        where: How to name the file in error messages.
+        index: The bytes of ``tddist.idx`` (version 2).
+
+    Returns:
+        The validated manifest, whatever its version.
+
+    Raises:
+        ManifestError: anything malformed, inconsistent, or of a newer version.
+    """
+    p = Parser(where)
+    m = parse_header(p, obj)
+    if m.version == 1:
+        manifest_v1.parse_body(p, obj, m)
+    else:
+        manifest_v2.parse_body(p, obj, m, index)
+    parse_objects(p, obj, m)
+    check_keys(p, m)
+    return m

@@ -16,11 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import format as fmt
 from .checksum import EMPTY, combine_digests, hash_blocks
 from .errors import CorruptCheckpointError
 from .layouts.archive import ArchiveFiles
 from .layouts.directory import DirectoryFiles
+from .locate import Locator
 from .manifest import Chunk, Leaf, Manifest
 from .sharding import Box, ReadPiece, plan_reads
 from .types import Key
@@ -38,11 +38,12 @@ class ChunkSource:
         self.root = root
         self.manifest = manifest
         self.files = open_files(root)
+        self.locator = Locator(manifest)
         self._maps: dict[tuple[Key, int], torch.Tensor] = {}
         self._verified: set[tuple[Key, int]] = set()
 
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
-        return fmt.leaf_relpath(chunk.rank, leaf.key, self.manifest.robust_key)
+        return self.locator.locate(leaf, chunk).relpath
 
     def tensor(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         """The chunk as a tensor of its box's shape (a copy-on-write map where possible)."""
@@ -60,7 +61,7 @@ class ChunkSource:
 
     def _array(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         try:
-            return self.files.array(self.relpath(leaf, chunk), chunk.nbytes)
+            return self.files.span(self.locator.locate(leaf, chunk))
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {chunk.rank}): {e}") from None
 
@@ -84,19 +85,20 @@ class ChunkSource:
 
 def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor | None, verify: bool) -> torch.Tensor:
     """The part ``box`` of ``leaf``: a view when it lies in one chunk, else a threaded copy."""
-    pieces = plan_reads(box, [c.box for c in leaf.chunks])
+    chunks = leaf.overlapping(box)  # only these are built, however many ranks saved the leaf
+    pieces = plan_reads(box, [c.box for c in chunks])
     if verify:
         for p in pieces:
-            source.verify(leaf, leaf.chunks[p.chunk_index], pool)
+            source.verify(leaf, chunks[p.chunk_index], pool)
     if len(pieces) == 1 and math.prod(box[1]) > 0:
         p = pieces[0]
-        return source.tensor(leaf, leaf.chunks[p.chunk_index])[p.src]
+        return source.tensor(leaf, chunks[p.chunk_index])[p.src]
     out = torch.empty(box[1], dtype=leaf.dtype)
     if not out.numel():
         return out
 
     def copy(p: ReadPiece) -> None:
-        out[p.dst].copy_(source.tensor(leaf, leaf.chunks[p.chunk_index])[p.src])
+        out[p.dst].copy_(source.tensor(leaf, chunks[p.chunk_index])[p.src])
 
     if pool is not None and len(pieces) > 1:
         list(pool.map(copy, pieces))

@@ -31,7 +31,7 @@ def is_tddist_dir(path: str) -> bool:
         OSError: ``path`` cannot be listed (it is missing or not a directory).
     """
     names = os.listdir(path)
-    return all(n == fmt.MANIFEST_NAME or fmt.is_rank_dir_name(n) for n in names)
+    return all(fmt.is_checkpoint_entry_name(n) for n in names)
 
 
 def is_committed(path: str) -> bool:

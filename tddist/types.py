@@ -124,6 +124,50 @@ class SaveOptions:
     share_non_tensor: bool
     allow_pickle: bool
     compression: Compression | None = None
+    packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
+
+
+# --- the structure every rank must share ---------------------------------------------------
+
+#: The size along a leaf's shard dim (or a node's dim 0), which differs between ranks.
+VARIES = -1
+
+
+@dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """What every rank must agree on about one tensor leaf."""
+
+    key: Key
+    dtype: str
+    shape: tuple[int, ...]  # the local shape, VARIES along a Shard dim
+    placement: Placement
+    global_shape: tuple[int, ...] | None = None  # a DTensor's
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """A node (a sub-TensorDict) and its batch size, VARIES in dim 0 when it has batch dims."""
+
+    key: Key
+    batch: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectSpec:
+    """A non-tensor leaf: its key and kind ("data" or "stack")."""
+
+    key: Key
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class Structure:
+    """A rank's structure, in the order the arrays of its fragment follow."""
+
+    nodes: tuple[NodeSpec, ...]
+    leaves: tuple[LeafSpec, ...]
+    objects: tuple[ObjectSpec, ...]
+    digest: str
 
 
 # --- the commit protocol -------------------------------------------------------------------
@@ -141,6 +185,8 @@ class SavePlan:
     layout: LayoutName
     atomic: bool
     region_bytes: int = 0
+    digest: str = ""  # of the rank's Structure
+    structure: Structure | None = None  # rank 0's plan only (its own value never leaves it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,9 +196,18 @@ class Staging:
     path: str
     region_starts: tuple[int, ...] = ()
     end: int = 0  # where the regions end (rank 0 puts the manifest and index there)
+    reference: Structure | None = None  # rank 0's, when some rank's structure digest differs from it
 
     def region_start(self, rank: int) -> int:
         return self.region_starts[rank] if self.region_starts else 0
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFiles:
+    """A manifest as written: the bytes of ``tddist.json`` and of its index ``tddist.idx``."""
+
+    manifest: bytes
+    index: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,19 +216,6 @@ class StoredBytes:
 
     nbytes: int
     checksum: str
-
-
-@dataclass(frozen=True, slots=True)
-class FragmentLeaf:
-    """One leaf of a rank's fragment: local shape, placement, and what this rank stored (None: nothing)."""
-
-    key: Key
-    dtype: str
-    shape: tuple[int, ...]
-    placement: Placement
-    stored: StoredBytes | None
-    dtensor: DTensorBox | None = None
-    replica_checksum: str | None = None  # check_replicas: the checksum of a replica this rank did not write
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,11 +241,20 @@ class ArchiveEntryRow:
 
 @dataclass(frozen=True, slots=True)
 class Fragment:
-    """What one rank reports after writing its shard: its vote in the commit."""
+    """What one rank reports after writing its shard (its vote), as compact arrays.
+
+    The arrays follow the order of the rank's ``Structure``; every rank of a
+    save has the same one (equal ``digest``), so rank 0 merges them column
+    by column. 16 bytes per leaf and rank, plus the boxes of DTensor leaves
+    when they changed since this rank's previous save.
+    """
 
     rank: int
-    nodes: tuple[tuple[Key, tuple[int, ...]], ...]
-    leaves: tuple[FragmentLeaf, ...]
+    digest: str
+    node_rows: bytes  # int64 per node: its dim-0 rows here (0 for a node without batch dims)
+    lengths: bytes  # int64 per leaf: its size along its Shard dim here (0 for other placements)
+    checksums: bytes  # uint64 per leaf: what this rank stored; with check_replicas, a replica's; else 0
+    boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()
 

@@ -268,14 +268,15 @@ def entry_rows(entries: list[Entry]) -> tuple[ArchiveEntryRow, ...]:
     return tuple(ArchiveEntryRow(e.name, e.offset, e.method, e.crc, len(e.data), e.csize) for e in entries)
 
 
-def write_manifest_and_directory(path: str, end: int, manifest: bytes, rows: list[ArchiveEntryRow]) -> None:
-    """(rank 0) Write the manifest entry (stored) at ``end``, then the central directory of every row; fsync."""
-    (m,) = prepare_entries({fmt.MANIFEST_NAME: manifest}, {}, Compression(zipfile.ZIP_STORED), 0)
-    place_entries([m], end)
-    write_region(path, [m], 0)
+def write_tail_and_directory(path: str, end: int, files: dict[str, bytes], rows: list[ArchiveEntryRow]) -> None:
+    """(rank 0) Write ``files`` (stored, in order) at ``end``, then the central directory of every entry; fsync."""
+    tail = prepare_entries(files, {}, Compression(zipfile.ZIP_STORED), 0)
+    place_entries(tail, end)
+    write_region(path, tail, 0)
+    m = tail[-1]
     cd_start = m.offset + len(m.header) + m.csize
     infos = []
-    for row in [*rows, *entry_rows([m])]:
+    for row in [*rows, *entry_rows(tail)]:
         zi = _zipinfo(row.name, row.method, row.crc, row.size, row.csize)
         zi.header_offset = row.offset
         infos.append(zi)

@@ -61,7 +61,7 @@ def scenario_non_tensor(comm, work: Path, rank: int, size: int) -> None:
     td["same"] = NonTensorData({"lr": 0.1, "tags": ["a", "b"]})
     td.set_non_tensor("mine", f"rank-{rank}")
     td["per_row"] = NonTensorStack.from_list([f"{rank}:{i}" for i in range(_rows(rank))])
-    out = tddist.save(td, work / "objects", comm=comm)
+    out = tddist.save(td, work / "objects", comm=comm, layout="memmap")
     assert out["same"] == {"lr": 0.1, "tags": ["a", "b"]}
     assert out["mine"] == f"rank-{rank}"
     assert out.get("per_row").tolist() == [f"{rank}:{i}" for i in range(_rows(rank))]
@@ -73,7 +73,7 @@ def scenario_non_tensor(comm, work: Path, rank: int, size: int) -> None:
     assert full.get("per_row").tolist() == [f"{r}:{i}" for r in range(size) for i in range(_rows(r))]
     even = tddist.load(work / "objects", comm=comm, shard="even")
     assert len(even.get("per_row").tolist()) == even.batch_size[0]
-    # each rank directory still opens with tensordict alone, with that rank's values
+    # with layout="memmap", each rank directory still opens with tensordict alone, with that rank's values
     plain = TensorDict.load_memmap(work / "objects" / fmt.rank_dir(rank))
     assert plain["mine"] == f"rank-{rank}"
 
@@ -105,7 +105,7 @@ def scenario_share_non_tensor(comm, work: Path, rank: int, size: int) -> None:
 def scenario_robust_key(comm, work: Path, rank: int, size: int) -> None:
     """robust_key=False keeps plain names verbatim and refuses unsafe ones; True encodes anything."""
     plain = TensorDict({"plain_key": torch.ones(2)}, [2])
-    tddist.save(plain, work / "verbatim", comm=comm, robust_key=False)
+    tddist.save(plain, work / "verbatim", comm=comm, robust_key=False, layout="memmap")
     assert (work / "verbatim" / fmt.rank_dir(rank) / "plain_key.memmap").exists()
     unsafe = TensorDict({"a/b": torch.ones(2), "..": torch.zeros(2)}, [2])
     _expect_error(

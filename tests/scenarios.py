@@ -130,9 +130,9 @@ def peers(comm) -> Any:
 
 
 def assert_only_tddist_files(target: Path, size: int) -> None:
-    """The checkpoint holds only its manifest and one directory per rank, every file really inside it."""
+    """The checkpoint holds only its manifest, its index and one data file per rank, every file really inside it."""
     top = sorted(os.listdir(target))
-    assert top == sorted(["tddist.json", *(f"rank-{r:05d}" for r in range(size))]), top
+    assert top == sorted(["tddist.json", "tddist.idx", *(f"rank-{r:05d}.data" for r in range(size))]), top
     real = os.path.realpath(target)
     for dirpath, _dirs, files in os.walk(target):
         for f in files:

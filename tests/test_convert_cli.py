@@ -45,7 +45,7 @@ def test_pack_then_unpack_round_trips(tmp_path, compression):
 
 def test_pack_refuses_corrupt_source_and_foreign_destination(tmp_path):
     _three_ranks(tmp_path / "d")
-    leaf = tmp_path / "d" / fmt.rank_dir(1) / "x.memmap"
+    leaf = tmp_path / "d" / fmt.rank_data_name(1)  # its first chunk, at offset 0, is leaf "x"
     raw = bytearray(leaf.read_bytes())
     raw[0] ^= 0xFF
     leaf.write_bytes(bytes(raw))

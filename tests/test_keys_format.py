@@ -71,7 +71,7 @@ def test_weird_keys_round_trip_and_stay_inside(tmp_path):
     load back unchanged."""
     td = weird_td()
     target = tmp_path / "ckpt"
-    tddist.save(td, target)
+    tddist.save(td, target, layout="memmap")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # nothing created beside the target
     real_root = os.path.realpath(target)
     paths = _all_paths(str(target))
@@ -84,11 +84,20 @@ def test_weird_keys_round_trip_and_stay_inside(tmp_path):
     assert_td_equal(tddist.load(target), td)
 
 
+def test_weird_keys_round_trip_packed(tmp_path):
+    """The same keys in the default layout (one data file per rank): no file is named after a key."""
+    td = weird_td()
+    target = tmp_path / "ckpt"
+    tddist.save(td, target)
+    assert sorted(os.listdir(target)) == ["rank-00000.data", "tddist.idx", "tddist.json"]
+    assert_td_equal(tddist.load(target, shard=None, verify=True), td)
+
+
 def test_weird_keys_file_names_are_escaped(tmp_path):
     """No file name contains a separator, a NUL or a control character, and no node is
     named '.' or '..' (the escaping is tensordict's, so rank dirs stay loadable)."""
     target = tmp_path / "ckpt"
-    tddist.save(weird_td(), target)
+    tddist.save(weird_td(), target, layout="memmap")
     for p in _all_paths(str(target)):
         name = os.path.basename(p)
         assert name not in ("", ".", "..")
@@ -104,7 +113,7 @@ def test_rank_directory_opens_with_tensordict(tmp_path):
     same values, weird keys included."""
     td = weird_td()
     target = tmp_path / "ckpt"
-    tddist.save(td, target)
+    tddist.save(td, target, layout="memmap")
     rank_dirs = sorted(n for n in os.listdir(target) if n.startswith("rank-"))
     assert rank_dirs == ["rank-00000"]
     loaded = TensorDict.load_memmap(target / rank_dirs[0])
@@ -117,11 +126,16 @@ def test_robust_key_false_refuses_unsafe_keys(tmp_path):
     for i, key in enumerate(["a/b", "..", ".", "", "nul\0", "%", "ctl\x01", "tab\t", "k" * 300]):
         target = tmp_path / f"c{i}"
         with pytest.raises(InvalidDataError):
-            tddist.save(TensorDict({key: torch.ones(2)}, [2]), target, robust_key=False)
+            tddist.save(TensorDict({key: torch.ones(2)}, [2]), target, robust_key=False, layout="memmap")
         with pytest.raises(InvalidDataError):
-            tddist.save(TensorDict({"ok": TensorDict({key: torch.ones(2)}, [2])}, [2]), target, robust_key=False)
+            tddist.save(
+                TensorDict({"ok": TensorDict({key: torch.ones(2)}, [2])}, [2]),
+                target,
+                robust_key=False,
+                layout="memmap",
+            )
         with pytest.raises(InvalidDataError):  # as a node name
-            tddist.save({key: {"ok": torch.ones(2)}}, target, robust_key=False)
+            tddist.save({key: {"ok": torch.ones(2)}}, target, robust_key=False, layout="memmap")
     assert os.listdir(tmp_path) == []
 
 
@@ -129,7 +143,7 @@ def test_robust_key_false_accepts_plain_keys(tmp_path):
     """Plain keys are written verbatim with robust_key=False and load back."""
     td = TensorDict({"obs": torch.arange(4.0), "sub-td": TensorDict({"a.b_c-1": torch.ones(4, 2)}, [4])}, [4])
     target = tmp_path / "ckpt"
-    tddist.save(td, target, robust_key=False)
+    tddist.save(td, target, robust_key=False, layout="memmap")
     assert tddist.read_manifest(target).robust_key is False
     files = os.listdir(target / "rank-00000")
     assert "obs.memmap" in files and "sub-td" in files
@@ -146,7 +160,7 @@ def test_meta_field_names_are_refused(tmp_path, name, nested):
     inner = {name: torch.ones(2)}
     data = {"sub": inner} if nested else inner
     with pytest.raises(InvalidDataError, match=repr(name)):
-        tddist.save(data, tmp_path / "ckpt")
+        tddist.save(data, tmp_path / "ckpt", layout="memmap")
     assert os.listdir(tmp_path) == []
 
 
@@ -161,7 +175,7 @@ def test_meta_field_names_are_refused(tmp_path, name, nested):
 def test_file_name_collisions_are_refused_as_invalid_data(tmp_path, data):
     """Keys whose files would collide inside a rank directory are invalid data."""
     with pytest.raises(InvalidDataError):
-        tddist.save(data, tmp_path / "ckpt")
+        tddist.save(data, tmp_path / "ckpt", layout="memmap")
 
 
 # --- dtypes and layouts ----------------------------------------------------------------
@@ -202,7 +216,7 @@ def test_dtypes_round_trip_bit_exactly(tmp_path, dtype):
     """Every supported dtype comes back bit for bit, through tddist and through tensordict."""
     td = TensorDict({"v": random_bits((5, 3), dtype), "s": {"w": random_bits((4,), dtype, 1)}}, [])
     target = tmp_path / "ckpt"
-    returned = tddist.save(td, target)
+    returned = tddist.save(td, target, layout="memmap")
     assert_td_equal(returned, td)
     assert_td_equal(tddist.load(target, shard=None), td)
     assert tddist.read_manifest(target).leaves[("v",)].dtype == dtype
@@ -231,7 +245,7 @@ def test_non_contiguous_inputs_round_trip(tmp_path):
     assert not td["t"].is_contiguous() and not td["step"].is_contiguous() and not td["rows"].is_contiguous()
     assert td["conj"].is_conj() and td["neg"].is_neg()
     target = tmp_path / "ckpt"
-    tddist.save(td, target)
+    tddist.save(td, target, layout="memmap")
     back = tddist.load(target, shard=None)
     for k in td.keys():
         expect = td[k].resolve_conj().resolve_neg()
@@ -246,7 +260,7 @@ def test_scalar_replicated_leaf_round_trips(tmp_path):
     td = TensorDict({"step": torch.tensor(12345, dtype=torch.int64), "lr": torch.tensor(0.125)}, [])
     td["data"] = TensorDict({"x": torch.arange(4)}, [4])
     target = tmp_path / "ckpt"
-    tddist.save(td, target)
+    tddist.save(td, target, layout="memmap")
     m = tddist.read_manifest(target)
     assert m.leaves[("step",)].shape == () and m.leaves[("step",)].placement == tddist.Replicate()
     assert os.path.getsize(target / "rank-00000" / "step.memmap") == 8
@@ -265,7 +279,7 @@ def test_empty_tensordict_round_trips(tmp_path, batch):
     """An empty TensorDict (with or without batch dims) saves and loads with its batch size."""
     td = TensorDict({}, batch_size=batch)
     target = tmp_path / "ckpt"
-    out = tddist.save(td, target)
+    out = tddist.save(td, target, layout="memmap")
     assert out.batch_size == td.batch_size and len(out.keys()) == 0
     back = tddist.load(target, shard=None)
     assert back.batch_size == td.batch_size and len(back.keys()) == 0
@@ -277,7 +291,7 @@ def test_zero_element_leaves_round_trip(tmp_path):
     td = TensorDict({"a": torch.ones(4, 0), "b": torch.ones(4, 0, 3, dtype=torch.int16)}, [4])
     td = TensorDict({"r": td, "e": torch.ones(0), "empty_rows": TensorDict({"c": torch.ones(0, 2)}, [0])}, [])
     target = tmp_path / "ckpt"
-    tddist.save(td, target)
+    tddist.save(td, target, layout="memmap")
     assert not any(p.endswith(".memmap") for p in _all_paths(str(target)))
     assert_td_equal(tddist.load(target, shard=None), td)
     assert_td_equal(TensorDict.load_memmap(target / "rank-00000"), td)

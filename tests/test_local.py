@@ -59,10 +59,28 @@ def snapshot(root) -> dict:
 
 @pytest.fixture
 def ckpt(tmp_path):
-    """A committed checkpoint of sample_td() at <tmp>/ckpt."""
+    """A committed checkpoint of sample_td() at <tmp>/ckpt, one file per leaf (layout "memmap")."""
     target = tmp_path / "ckpt"
+    tddist.save(sample_td(), target, layout="memmap")
+    return target
+
+
+@pytest.fixture
+def packed(tmp_path):
+    """A committed checkpoint of sample_td() at <tmp>/packed in the default layout: one data file per rank."""
+    target = tmp_path / "packed"
     tddist.save(sample_td(), target)
     return target
+
+
+def chunk_span(target, *key) -> tuple[str, int, int]:
+    """(data file, offset, size) of rank 0's chunk of leaf ``key`` in a packed checkpoint."""
+    from tddist.locate import Locator
+
+    manifest = tddist.read_manifest(target)
+    leaf = manifest.leaves[key]
+    loc = Locator(manifest).locate(leaf, leaf.chunk_of_rank(0))
+    return os.path.join(target, loc.relpath), loc.offset, loc.nbytes
 
 
 # --- saving and loading ---------------------------------------------------------------
@@ -74,7 +92,7 @@ def test_save_returns_the_saved_data(tmp_path):
     out = tddist.save(td, tmp_path / "ckpt")
     assert_td_equal(out, td)
     assert os.listdir(tmp_path) == ["ckpt"]
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank-00000", "tddist.json"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["rank-00000.data", "tddist.idx", "tddist.json"]
     assert_td_equal(tddist.load(tmp_path / "ckpt", shard=None), td)
     assert_td_equal(tddist.load(str(tmp_path / "ckpt"), shard="saved"), td)
 
@@ -367,6 +385,40 @@ def test_recover_never_deletes_through_a_symlink(tmp_path, ckpt):
 # --- loading defences ---------------------------------------------------------------------------
 
 
+def test_packed_flipped_byte_is_found_in_its_leaf_only(packed):
+    """A flipped byte inside one leaf's span of the packed data file fails that leaf's checksum only."""
+    path, offset, size = chunk_span(packed, "data", "obs")
+    assert size == 24 * 4 and offset % 64 == 0
+    _flip_byte(path, offset + 17)
+    with pytest.raises(CorruptCheckpointError, match="checksum"):
+        tddist.load(packed, keys=("data", "obs"), shard=None, verify=True)
+    damaged = tddist.load(packed, shard=None)["data", "obs"]
+    assert (damaged != sample_td()["data", "obs"]).flatten().nonzero().flatten().tolist() == [17 // 4]
+    ok = tddist.load(packed, keys=[("data", "act"), ("data", "sub"), "table", "step"], shard=None, verify=True)
+    assert torch.equal(ok["table"], sample_td()["table"])
+
+
+@pytest.mark.parametrize("change", ["truncate", "extend"])
+def test_packed_data_file_of_the_wrong_size_is_refused(packed, change):
+    """A packed data file shorter or longer than its chunks need is refused, even without verify."""
+    path = os.path.join(packed, "rank-00000.data")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 1 if change == "truncate" else size + 64)
+    with pytest.raises(CorruptCheckpointError, match="bytes"):
+        tddist.load(packed, shard=None)
+
+
+def test_packed_data_file_symlinked_outside_is_refused(packed, tmp_path):
+    """A rank's data file replaced by a symlink (even to an identical file) is refused."""
+    path = os.path.join(packed, "rank-00000.data")
+    outside = tmp_path / "copy.data"
+    os.rename(path, outside)
+    os.symlink(outside, path)
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        tddist.load(packed, shard=None)
+
+
 def test_symlinked_rank_directory_is_refused(ckpt, tmp_path):
     """A rank directory replaced by a symlink pointing outside the checkpoint is refused on load."""
     outside = tmp_path / "elsewhere"
@@ -510,6 +562,16 @@ def test_metadata_with_non_string_keys_is_refused_or_kept(tmp_path, md):
 # --- copy-on-write mapping ----------------------------------------------------------------------
 
 
+def test_packed_tensors_are_copy_on_write(packed):
+    """Views of a packed data file are copy-on-write too: in-place changes never reach the file."""
+    before = snapshot(packed)
+    loaded = tddist.load(packed, shard=None)
+    loaded["data", "obs"].mul_(-1)
+    loaded["table"][0] = 999
+    assert snapshot(packed) == before
+    assert_td_equal(tddist.load(packed, shard=None, verify=True), sample_td())
+
+
 def test_returned_tensors_are_copy_on_write(ckpt):
     """Modifying loaded (and saved-returned) tensors in place never writes into the checkpoint."""
     before = snapshot(ckpt)
@@ -521,7 +583,7 @@ def test_returned_tensors_are_copy_on_write(ckpt):
     again = tddist.load(ckpt, shard=None, verify=True)
     assert_td_equal(again, sample_td())
 
-    returned = tddist.save(sample_td(), ckpt)
+    returned = tddist.save(sample_td(), ckpt, layout="memmap")
     after_save = snapshot(ckpt)
     returned["data", "act"].add_(100)
     returned["step"].fill_(-1)

@@ -1,75 +1,90 @@
-"""Merging rank fragments into a manifest, and validating untrusted manifest JSON."""
+"""Merging the ranks' votes into a manifest (merge.py, structure.py), and validating untrusted
+version-1 manifest JSON (manifest_v1.py). Version 2's files are tested in test_manifest_v2.py."""
 
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
+from tensordict import TensorDict
 
 from tddist import Manifest, ManifestError, Replicate, Shard, ShardingError
 from tddist import format as fmt
-from tddist.manifest import merge_fragments, parse_manifest, to_json
-from tddist.types import Fragment, FragmentLeaf, StoredBytes
+from tddist.checksum import checksum_bytes, tensor_bytes
+from tddist.layouts.base import WriterBase
+from tddist.manifest_io import parse_manifest
+from tddist.manifest_v2 import encode
+from tddist.merge import PlanCache, merge_fragments
+from tddist.prepare import prepare_shard
+from tddist.sharding import Boxes
+from tddist.structure import describe_difference
+from tddist.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBytes
 
 CS = "0123456789abcdef"  # a well-formed checksum
-CS2 = "fedcba9876543210"
 
 
-def frag(rank, rows, leaves, nodes=None):
-    """A literal fragment as a layout's write returns it: root node with ``rows`` batch rows."""
-    nodes = nodes if nodes is not None else [[[], [rows]]]
-    return Fragment(rank, tuple((tuple(k), tuple(b)) for k, b in nodes), tuple(leaves))
+def shard_of(rank: int, data, placements=None) -> LocalShard:
+    """This rank's prepared shard, as save prepares it."""
+    out = prepare_shard(
+        data, rank, None, placements=placements, robust_key=True, allow_pickle=False, copy_existing=False
+    )
+    assert isinstance(out, LocalShard), out
+    return out
 
 
-def leaf_entry(key, shape, dtype, placement, nbytes, checksum, replica=None):
-    stored = StoredBytes(nbytes, checksum) if checksum is not None else None
-    return FragmentLeaf(key, fmt.dtype_name(dtype), tuple(shape), placement, stored, replica_checksum=replica)
+def vote(rank: int, shard: LocalShard, check_replicas: bool = False, cache: PlanCache | None = None):
+    """(plan, fragment) of a rank that stored its shard, computed by the layouts' own code."""
+    options = SaveOptions("/t", "directory", {}, True, 0, check_replicas, True, False, False)
+    w = WriterBase(options, rank, shard, cache)
+    plan = w.make_plan()
+    stored = {i.key: StoredBytes(i.tensor.numel() * i.tensor.element_size(), checksum_bytes(tensor_bytes(i.tensor)))
+              for i in shard.items if i.writes}  # fmt: skip
+    return plan, w.fragment(stored)
 
 
-def sharded(key, shape, dtype=torch.float32, dim=0):
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return leaf_entry(key, shape, dtype, Shard(dim), n, CS)
+def merge(shards, cache=None, check_replicas=False, metadata=None, senders=None):
+    """Rank 0's merge of the ranks' votes; with ``cache`` (rank 0's), the save then commits.
+
+    ``senders``: each rank's own PlanCache (what it sent last), as each rank process keeps one.
+    """
+    senders = senders or [None] * len(shards)
+    votes = [vote(r, s, check_replicas, senders[r]) for r, s in enumerate(shards)]
+    reference = votes[0][0].structure
+    m = merge_fragments(
+        [f for _p, f in votes], reference, metadata=metadata or {}, robust_key=True, version="test",
+        layout="directory", packing="packed", cache=cache,
+    )  # fmt: skip
+    if cache is not None:
+        cache.committed(reference.digest, b"")
+    for (_p, f), sender in zip(votes, senders):
+        if sender is not None:
+            sender.committed(f.digest, f.boxes if f.boxes is not None else sender.sent_boxes)
+    return m
 
 
-def replicated(key, shape, dtype=torch.float32, written=True, replica=None):
-    n = torch.empty((), dtype=dtype).element_size()
-    for s in shape:
-        n *= s
-    return leaf_entry(key, shape, dtype, Replicate(), n if written else None, CS if written else None, replica)
-
-
-def merge(fragments, **kw):
-    return merge_fragments(fragments, metadata=kw.get("metadata"), robust_key=True, version="test")
-
-
-def three_rank_fragments(rows=(3, 0, 2)):
-    """Three ranks: a sharded ("x") and a replicated ("w", written by rank 0) leaf."""
+def three_ranks(rows=(3, 0, 2)):
+    """Three ranks: a sharded ("x") and a replicated ("w") leaf."""
     return [
-        frag(
-            r,
-            n,
-            [
-                sharded(("x",), [n, 4]),
-                replicated(("w",), [5], torch.int64, written=(r == 0)),
-            ],
-        )
+        shard_of(r, {"b": TensorDict(x=torch.full((n, 4), float(r)), batch_size=[n]), "w": torch.arange(5)})
         for r, n in enumerate(rows)
     ]
 
 
-# --- merge_fragments: the good case ---------------------------------------------------
+OPTIONS = SaveOptions("/t", "directory", {}, True, 0, False, True, False, False)
+
+
+# --- merge: the good cases ---------------------------------------------------------------------
 
 
 def test_merge_computes_global_shapes_and_offsets_in_rank_order():
-    """Global dim-0 size is the sum of the ranks' rows; chunk offsets follow rank order,
-    zero-row ranks included; replicated leaves keep one chunk, rank 0's."""
-    m = merge(three_rank_fragments((3, 0, 2)), metadata={"step": 1})
-    assert m.world_size == 3
-    assert m.nodes == {(): (5,)}
-    x = m.leaves[("x",)]
+    """Global dim-0 size is the sum of the ranks' rows; chunks follow rank order, zero-row ranks
+    included; replicated leaves keep one chunk, rank 0's."""
+    m = merge(three_ranks((3, 0, 2)), metadata={"step": 1})
+    assert m.world_size == 3 and m.version == 2 and m.packing == "packed"
+    assert m.nodes == {(): (), ("b",): (5,)} and m.node_rows == {("b",): [3, 0, 2]}
+    x = m.leaves[("b", "x")]
     assert x.shape == (5, 4) and x.dtype == torch.float32 and x.placement == Shard(0)
     assert [c.rank for c in x.chunks] == [0, 1, 2]
     assert [c.box for c in x.chunks] == [((0, 0), (3, 4)), ((3, 0), (0, 4)), ((3, 0), (2, 4))]
@@ -78,148 +93,183 @@ def test_merge_computes_global_shapes_and_offsets_in_rank_order():
     assert w.shape == (5,) and w.placement == Replicate() and w.dtype == torch.int64
     assert [(c.rank, c.box, c.nbytes) for c in w.chunks] == [(0, ((0,), (5,)), 40)]
     assert m.metadata == {"step": 1}
+    assert x.chunks[2].checksum == checksum_bytes(tensor_bytes(torch.full((2, 4), 2.0)))
 
 
 def test_merge_shard_along_dim1_and_nested_nodes():
-    """A leaf sharded along dim 1 gets its global size from dim 1; nested nodes' batch
-    sizes are summed along dim 0 only."""
-    fr = []
-    for r, (rows, cols) in enumerate([(1, 2), (2, 0), (0, 3)]):
-        nodes = [[[], []], [["sub"], [rows, 6]]]
-        leaves = [sharded(("sub", "a"), [rows, 6]), sharded(("c",), [4, cols], torch.int8, dim=1)]
-        fr.append(frag(r, None, leaves, nodes=nodes))
-    m = merge(fr)
-    assert m.nodes == {(): (), ("sub",): (3, 6)}
+    """A leaf sharded along dim 1 gets its global size from dim 1; nested batch sizes sum along dim 0."""
+    shards = [
+        shard_of(
+            r,
+            {
+                "sub": TensorDict(a=torch.zeros(rows, 6), batch_size=[rows, 6]),
+                "c": torch.ones(4, cols, dtype=torch.int8),
+            },
+            placements={"c": Shard(1)},
+        )
+        for r, (rows, cols) in enumerate([(1, 2), (2, 0), (0, 3)])
+    ]
+    m = merge(shards)
+    assert m.nodes[("sub",)] == (3, 6)
     c = m.leaves[("c",)]
     assert c.shape == (4, 5) and c.placement == Shard(1)
     assert [ch.box for ch in c.chunks] == [((0, 0), (4, 2)), ((0, 2), (4, 0)), ((0, 2), (4, 3))]
     assert m.leaves[("sub", "a")].shape == (3, 6)
 
 
-def test_merge_accepts_equal_replicas():
-    """check_replicas: a replica digest equal to the writer's checksum is fine."""
-    fr = [frag(0, 1, [replicated(("w",), [2])]), frag(1, 1, [replicated(("w",), [2], written=False, replica=CS)])]
-    assert merge(fr).leaves[("w",)].chunks[0].rank == 0
+def test_replicas_are_compared_with_check_replicas():
+    """check_replicas: equal replicas pass; a differing one is named, with the copy that would be written."""
+    same = [shard_of(r, {"w": torch.arange(3)}) for r in range(3)]
+    assert merge(same, check_replicas=True).leaves[("w",)].chunks[0].rank == 0
+    differ = [shard_of(r, {"w": torch.arange(3) + (r == 2)}) for r in range(3)]
+    with pytest.raises(ShardingError, match=r"rank\(s\) \[2\]"):
+        merge(differ, check_replicas=True)
+    assert merge(differ).leaves[("w",)].chunks[0].rank == 0  # not compared unless asked
 
 
-# --- merge_fragments: every mismatch is a ShardingError -------------------------------------
+def _box_shard(box, writes=True, gshape=(4, 2)) -> LocalShard:
+    item = SaveItem(("d",), torch.zeros(box[1]), Boxes(), writes, DTensorBox(box, gshape))
+    return LocalShard({(): ()}, (item,), {})
 
 
-def test_merge_rejects_mismatched_dtypes():
-    """Ranks saving the same leaf with different dtypes cannot be merged."""
-    fr = [frag(0, 2, [sharded(("x",), [2, 4])]), frag(1, 2, [sharded(("x",), [2, 4], torch.float64)])]
-    with pytest.raises(ShardingError, match="dtype"):
-        merge(fr)
+def test_dtensor_boxes_must_tile_and_take_the_cached_path():
+    """Boxes that tile merge (full path); the same boxes again are left out (cached path); new boxes
+    take the full path again; a gap is refused."""
+    cache, senders = PlanCache(), [PlanCache(), PlanCache()]
+    halves = [_box_shard(((0, 0), (2, 2))), _box_shard(((2, 0), (2, 2)))]
+    m = merge(halves, cache=cache, senders=senders)
+    assert [c.box for c in m.leaves[("d",)].chunks] == [((0, 0), (2, 2)), ((2, 0), (2, 2))]
+    assert (cache.full_merges, cache.cached_merges) == (1, 0)
+    assert all(vote(r, s, cache=senders[r])[1].boxes is None for r, s in enumerate(halves))  # unchanged: left out
+    m2 = merge(halves, cache=cache, senders=senders)
+    assert (cache.full_merges, cache.cached_merges) == (1, 1)
+    assert [c.box for c in m2.leaves[("d",)].chunks] == [c.box for c in m.leaves[("d",)].chunks]
+    moved = [_box_shard(((0, 0), (3, 2))), _box_shard(((3, 0), (1, 2)))]  # same structure, new boxes
+    m3 = merge(moved, cache=cache, senders=senders)
+    assert (cache.full_merges, cache.cached_merges) == (2, 1)
+    assert [c.box for c in m3.leaves[("d",)].chunks] == [((0, 0), (3, 2)), ((3, 0), (1, 2))]
+    gap = [_box_shard(((0, 0), (1, 2))), _box_shard(((2, 0), (2, 2)))]
+    with pytest.raises(ShardingError, match="do not tile"):
+        merge(gap, cache=PlanCache())
 
 
-def test_merge_rejects_mismatched_placements():
-    """One rank sharding and another replicating the same leaf is refused."""
-    fr = [frag(0, 2, [sharded(("x",), [2])]), frag(1, 2, [replicated(("x",), [2])])]
-    with pytest.raises(ShardingError, match="placement"):
-        merge(fr)
+def test_a_failed_save_does_not_feed_the_next_merge():
+    """What rank 0 merged for a save that never committed is not reused by the next save."""
+    cache = PlanCache()
+    halves = [_box_shard(((0, 0), (2, 2))), _box_shard(((2, 0), (2, 2)))]
+    votes = [vote(r, s) for r, s in enumerate(halves)]
+    merge_fragments([f for _p, f in votes], votes[0][0].structure, metadata={}, robust_key=True, version="t",
+                    layout="directory", packing="packed", cache=cache)  # fmt: skip
+    assert cache.pending is not None and cache.world == 0  # merged, not committed
+    merge(halves, cache=cache)
+    assert (cache.full_merges, cache.cached_merges) == (2, 0)
+
+
+def test_cached_path_switches_back_on_any_change():
+    """Keys, shapes or world size that change take the full path again; other rows do not."""
+    cache = PlanCache()
+    merge(three_ranks(), cache=cache)
+    merge(three_ranks(), cache=cache)
+    assert (cache.full_merges, cache.cached_merges) == (1, 1)
+    merge(three_ranks((1, 1, 1)), cache=cache)  # other rows, same structure
+    assert cache.cached_merges == 2
+    merge([shard_of(r, {"b": TensorDict(x=torch.zeros(2, 5), batch_size=[2])}) for r in range(3)], cache=cache)
+    assert cache.full_merges == 2
+    merge(three_ranks()[:2], cache=cache)  # another world size
+    assert cache.full_merges == 3
+
+
+def test_fragment_is_16_bytes_per_leaf():
+    """A rank's vote carries 16 bytes per sharded leaf (its rows and checksum) plus a constant."""
+    n = 1000
+    shard = shard_of(1, TensorDict({f"leaf{i:04d}": torch.zeros(8, 4) for i in range(n)}, [8]))
+    plan, frag = vote(1, shard)
+    size = len(pickle.dumps(frag, protocol=pickle.HIGHEST_PROTOCOL))
+    assert size <= 16 * n + 1024, size
+    assert plan.structure is None  # only rank 0's plan carries its structure
+
+
+# --- structures that differ between ranks -------------------------------------------------------
+
+
+def _difference(data0, data1, placements0=None, placements1=None) -> str:
+    s0 = vote(0, shard_of(0, data0, placements0))[0].structure
+    w1 = WriterBase(OPTIONS, 1, shard_of(1, data1, placements1))
+    w1.make_plan()
+    assert w1.structure.digest != s0.digest
+    return str(describe_difference(w1.structure, 1, s0))
 
 
 @pytest.mark.parametrize(
-    "other",
+    "other, why",
     [
-        [sharded(("x",), [2, 4]), sharded(("y",), [2])],  # extra key
-        [sharded(("y",), [2, 4])],  # other key
-        [],  # no keys
+        ({"x": torch.zeros(2, 4), "y": torch.zeros(2)}, "different keys"),
+        ({"y": torch.zeros(2, 4)}, "different keys"),
+        ({"x": torch.zeros(2, 4, dtype=torch.float64)}, "different dtype"),
+        ({"x": torch.zeros(2, 5)}, "differ in other dims"),
+        ({"x": torch.zeros(2, 4, 1)}, "same number of dims"),
     ],
 )
-def test_merge_rejects_different_key_sets(other):
-    """Every rank must pass the same structure."""
-    fr = [frag(0, 2, [sharded(("x",), [2, 4])]), frag(1, 2, other)]
-    with pytest.raises(ShardingError, match="different keys"):
-        merge(fr)
+def test_structure_differences_are_named(other, why):
+    """A rank whose structure differs from rank 0's says what differs, naming the key and both ranks."""
+    text = _difference(TensorDict(x=torch.zeros(2, 4), batch_size=[2]), TensorDict(other, batch_size=[2]))
+    assert why in text and "rank 1" in text, text
 
 
-def test_merge_rejects_same_keys_in_another_order():
-    """Leaf order is part of the structure (chunks are matched by position)."""
-    a, b = sharded(("a",), [1]), sharded(("b",), [1])
-    with pytest.raises(ShardingError):
-        merge([frag(0, 1, [a, b]), frag(1, 1, [b, a])])
+def test_replicated_shape_placement_and_batch_differences_are_named():
+    assert "replicated leaf 'w' has different shapes" in _difference({"w": torch.zeros(5)}, {"w": torch.zeros(6)})
+    td = TensorDict(x=torch.zeros(2, 4), batch_size=[2])
+    assert "different placement" in _difference(td, td, None, {"x": Replicate()})
+    wide = _difference(
+        TensorDict(x=torch.zeros(2, 3), batch_size=[2, 3]), TensorDict(x=torch.zeros(2, 4), batch_size=[2, 4])
+    )
+    assert "beyond dim 0" in wide
 
 
-def test_merge_rejects_different_nodes():
-    """A sub-TensorDict present on one rank only is a structure mismatch."""
-    fr = [frag(0, 1, [], nodes=[[[], [1]], [["s"], [1]]]), frag(1, 1, [], nodes=[[[], [1]]])]
-    with pytest.raises(ShardingError):
-        merge(fr)
-
-
-@pytest.mark.parametrize("shape1", [[2, 5], [2, 4, 1], [2]])
-def test_merge_rejects_different_dims_beyond_shard_dim(shape1):
-    """Only the shard dim may differ between ranks."""
-    fr = [frag(0, 2, [sharded(("x",), [2, 4])]), frag(1, 2, [sharded(("x",), shape1)])]
-    with pytest.raises(ShardingError):
-        merge(fr)
-
-
-def test_merge_rejects_shard_dim_beyond_rank():
-    """Sharding along dim 1 of a 1-D tensor is refused."""
-    fr = [frag(0, 2, [sharded(("x",), [2], dim=1)]), frag(1, 2, [sharded(("x",), [2], dim=1)])]
-    with pytest.raises(ShardingError):
-        merge(fr)
-
-
-def test_merge_rejects_node_batch_differing_beyond_dim0():
-    """A node's batch may differ across ranks only in dim 0."""
-    fr = [frag(0, None, [], nodes=[[[], [2, 3]]]), frag(1, None, [], nodes=[[[], [2, 4]]])]
-    with pytest.raises(ShardingError, match="batch"):
-        merge(fr)
-
-
-@pytest.mark.parametrize("shape1", [[6], [5, 1], []])
-def test_merge_rejects_replicated_leaves_with_different_shapes(shape1):
-    """A replicated leaf must have the same shape everywhere."""
-    fr = [frag(0, 1, [replicated(("w",), [5])]), frag(1, 1, [replicated(("w",), shape1, written=False)])]
-    with pytest.raises(ShardingError, match="replicated"):
-        merge(fr)
-
-
-def test_merge_rejects_differing_replicas():
-    """With check_replicas, a rank whose replica digest differs from rank 0's copy is named."""
-    fr = [
-        frag(0, 1, [replicated(("w",), [2])]),
-        frag(1, 1, [replicated(("w",), [2], written=False, replica=CS)]),
-        frag(2, 1, [replicated(("w",), [2], written=False, replica=CS2)]),
-    ]
-    with pytest.raises(ShardingError, match=r"rank\(s\) \[2\]"):
-        merge(fr)
-
-
-# --- to_json / parse_manifest ------------------------------------------------------------
+# --- version 1 manifests (read forever) ----------------------------------------------------------
 
 
 def good_json() -> dict:
-    """A valid manifest as plain JSON (via the on-disk encoder)."""
-    fr = []
-    for r, rows in enumerate((3, 0, 2)):
-        nodes = [[[], [rows]], [["sub"], [rows, 2]]]
-        leaves = [
-            sharded(("x",), [rows, 4]),
-            sharded(("sub", "y"), [rows, 2], torch.int16),
-            replicated(("w",), [5], torch.int64, written=(r == 0)),
-            replicated(("s",), [], torch.bool, written=(r == 0)),
-        ]
-        fr.append(frag(r, None, leaves, nodes=nodes))
-    m = merge(fr, metadata={"step": 7, "tags": ["a", "b"], "nested": {"lr": 0.5}})
-    return fmt.loads(fmt.dumps(to_json(m)))
+    """A valid version-1 manifest: three ranks with rows 3, 0, 2, a nested node, replicated leaves."""
+    return {
+        "format": "tddist",
+        "version": 1,
+        "tddist_version": "0.1.0",
+        "created": "2026-01-01T00:00:00+00:00",
+        "world_size": 3,
+        "layout": "directory",
+        "robust_key": True,
+        "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
+        "metadata": {"step": 7, "tags": ["a", "b"], "nested": {"lr": 0.5}},
+        "nodes": [
+            {"key": [], "batch_size": [5], "rows": [3, 0, 2]},
+            {"key": ["sub"], "batch_size": [5, 2], "rows": [3, 0, 2]},
+        ],
+        "leaves": [
+            {"key": ["x"], "dtype": "float32", "shape": [5, 4], "placement": {"type": "shard", "dim": 0},
+             "chunks": [[0, 0, 3, 48, CS], [1, 3, 0, 0, CS], [2, 3, 2, 32, CS]]},
+            {"key": ["sub", "y"], "dtype": "int16", "shape": [5, 2], "placement": {"type": "shard", "dim": 0},
+             "chunks": [[0, 0, 3, 12, CS], [1, 3, 0, 0, CS], [2, 3, 2, 8, CS]]},
+            {"key": ["w"], "dtype": "int64", "shape": [5], "placement": {"type": "replicate"}, "chunks": [[0, 40, CS]]},
+            {"key": ["s"], "dtype": "bool", "shape": [], "placement": {"type": "replicate"}, "chunks": [[0, 1, CS]]},
+        ],
+        "objects": [],
+    }  # fmt: skip
 
 
-def test_to_json_parse_round_trip():
-    """What to_json writes, parse_manifest reads back into an equal Manifest."""
-    fr = three_rank_fragments((1, 4, 0))
-    m = merge(fr, metadata={"k": [1, 2, {"z": None}]})
-    back = parse_manifest(fmt.loads(fmt.dumps(to_json(m))))
-    assert isinstance(back, Manifest)
-    assert back == m
-    big = parse_manifest(good_json())
-    assert set(big.leaves) == {("x",), ("sub", "y"), ("w",), ("s",)}
-    assert big.nodes == {(): (5,), ("sub",): (5, 2)}
-    assert big.leaves[("s",)].shape == () and big.leaves[("s",)].chunks[0].nbytes == 1
-    assert parse_manifest(fmt.loads(fmt.dumps(to_json(big)))) == big
+def test_v1_parses_and_reencodes_as_v2():
+    """A version-1 manifest parses into the same model a version-2 one gives, and re-encodes as version 2."""
+    m = parse_manifest(good_json())
+    assert isinstance(m, Manifest) and m.version == 1 and m.packing == "memmap"
+    assert set(m.leaves) == {("x",), ("sub", "y"), ("w",), ("s",)}
+    assert m.nodes == {(): (5,), ("sub",): (5, 2)}
+    assert m.leaves[("s",)].shape == () and m.leaves[("s",)].chunks[0].nbytes == 1
+    assert [c.box for c in m.leaves[("x",)].chunks] == [((0, 0), (3, 4)), ((3, 0), (0, 4)), ((3, 0), (2, 4))]
+    files = encode(m)
+    again = parse_manifest(fmt.loads(files.manifest), index=files.index)
+    assert again.version == 2 and set(again.leaves) == set(m.leaves)
+    for k in m.leaves:
+        assert again.leaves[k].chunks == m.leaves[k].chunks
 
 
 def leaf(obj, key):
@@ -297,6 +347,10 @@ TAMPERINGS = {
     "negative chunk length": (_chunks(("x",), [[0, 0, 3, 48, CS], [1, 3, -1, 0, CS], [2, 2, 3, 48, CS]]), "negative"),
     "negative chunk offset": (_chunks(("x",), [[0, -1, 1, 16, CS], [1, 0, 3, 48, CS], [2, 3, 2, 32, CS]]), "negative"),
     "chunk rank == world size": (_chunk_set(("x",), 2, 0, 3), "invalid rank 3"),
+    "chunks out of rank order": (
+        _chunks(("x",), [[0, 2, 3, 48, CS], [1, 5, 0, 0, CS], [2, 0, 2, 32, CS]]),
+        "not in rank order",
+    ),
     "chunk rank negative": (_chunk_set(("x",), 1, 0, -1), "invalid rank -1"),
     "replicated chunk rank outside": (_chunk_set(("w",), 0, 0, 7), "invalid rank 7"),
     "chunk rank not int": (_chunk_set(("x",), 0, 0, "0"), "invalid rank"),

@@ -20,7 +20,7 @@ from tddist.comm import run_threads
 from tddist.layouts.archive import ArchiveWriter
 from tddist.layouts.base import ShardWriter
 from tddist.layouts.directory import DirectoryWriter
-from tddist.types import Fragment, SavePlan, Staging
+from tddist.types import Fragment, ManifestFiles, SavePlan, Staging, Structure
 
 
 class RecordingWriter:
@@ -36,9 +36,11 @@ class RecordingWriter:
         if step == self.fail_at:
             raise tddist.TargetError(f"rank {self.rank}: {step} failed on purpose")
 
+    structure = Structure((), (), (), "digest")
+
     def plan(self) -> SavePlan:
         self._record("plan")
-        return SavePlan(self.target, "directory", True, region_bytes=10 * (self.rank + 1))
+        return SavePlan(self.target, "directory", True, region_bytes=10 * (self.rank + 1), digest="digest")
 
     def open(self, plans: list[SavePlan]) -> Staging:
         self._record("open")
@@ -47,11 +49,11 @@ class RecordingWriter:
     def write(self, staging: Staging) -> Fragment:
         self._record("write")
         assert staging.region_start(self.rank) == self.rank
-        return Fragment(self.rank, (((), (1,)),), ())
+        return Fragment(self.rank, "digest", b"", b"", b"")
 
     def finalize(self, staging: Staging, manifest: bytes, fragments: list[Fragment]) -> None:
         self._record("finalize")
-        assert manifest == b"manifest of 3" and [f.rank for f in fragments] == [0, 1, 2]
+        assert manifest.manifest == b"manifest of 3" and [f.rank for f in fragments] == [0, 1, 2]
 
     def publish(self, staging: Staging) -> None:
         self._record("publish")
@@ -65,7 +67,9 @@ def run_commit(size: int, fail: tuple[int, str] | None = None) -> tuple[list, li
 
     def rank_fn(comm):
         writer = RecordingWriter("/t", comm.rank, log, fail[1] if fail and fail[0] == comm.rank else None)
-        commit.two_phase_commit(comm, writer, lambda fragments: f"manifest of {len(fragments)}".encode())
+        commit.two_phase_commit(
+            comm, writer, lambda fragments, _s: ManifestFiles(f"manifest of {len(fragments)}".encode(), b"")
+        )
         return "committed"
 
     return run_threads(size, rank_fn, timeout=30), log
@@ -116,7 +120,7 @@ def test_ranks_must_agree_on_the_target():
 
     def rank_fn(comm):
         writer = RecordingWriter(f"/t{comm.rank % 2}", comm.rank, log)
-        commit.two_phase_commit(comm, writer, lambda fragments: b"")
+        commit.two_phase_commit(comm, writer, lambda fragments, _s: ManifestFiles(b"", b""))
 
     results = run_threads(3, rank_fn, timeout=30)
     for res in results:

@@ -22,9 +22,10 @@ from .. import format as fmt
 from .._fs import makedirs_durable
 from ..checksum import EMPTY, combine_digests
 from ..errors import CorruptCheckpointError, TargetError
+from ..locate import Location
 from ..publish import discard, publish
 from ..recovery import is_tddist_archive
-from ..types import Compression, Fragment, Key, LocalShard, SaveOptions, SavePlan, Staging, StoredBytes
+from ..types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..zipcodec import (
     ALIGN,
     LOCAL_FMT,
@@ -34,10 +35,10 @@ from ..zipcodec import (
     entry_rows,
     place_entries,
     prepare_entries,
-    write_manifest_and_directory,
     write_region,
+    write_tail_and_directory,
 )
-from .base import build_fragment, node_meta_files
+from .base import WriterBase, node_meta_files
 
 
 def check_archive_target(target: str) -> bool:
@@ -56,7 +57,7 @@ def check_archive_target(target: str) -> bool:
     return True
 
 
-class ArchiveWriter:
+class ArchiveWriter(WriterBase):
     """One rank's side of an archive save (a ``layouts.base.ShardWriter``)."""
 
     #: Where the first rank's region starts. Only tests change it: a large
@@ -64,26 +65,20 @@ class ArchiveWriter:
     #: without writing 4 GiB.
     first_region_offset = 0
 
-    def __init__(self, options: SaveOptions, rank: int, shard: LocalShard | Exception):
-        self.options = options
-        self.target = options.target
-        self.rank = rank
-        self.shard = shard
-        self.entries: list[Entry] = []
-        self.names: dict[Key, str] = {}
+    layout = "archive"
+    entries: list[Entry]
+    names: dict[Key, str]
 
     def plan(self) -> SavePlan:
         """Hash and compress this rank's entries; the plan carries the bytes its region needs."""
-        if isinstance(self.shard, Exception):
-            raise self.shard
-        o = self.options
-        written = self.shard.written()
-        files = node_meta_files(self.rank, self.shard, o.robust_key)
+        o, shard = self.options, self.local_shard()
+        written = shard.written()
+        files = node_meta_files(self.rank, shard, o.robust_key)
         self.names = {k: fmt.leaf_relpath(self.rank, k, o.robust_key) for k, t in written.items() if t.numel()}
         leaves = {self.names[k]: written[k] for k in self.names}
         compression = o.compression or Compression(zipfile.ZIP_STORED)
         self.entries = prepare_entries(files, leaves, compression, o.num_threads)
-        return SavePlan(self.target, "archive", o.atomic, place_entries(self.entries, 0))
+        return self.make_plan(place_entries(self.entries, 0))
 
     def open(self, plans: list[SavePlan]) -> Staging:
         """Create the staging file beside the target and reserve every rank's region in it."""
@@ -115,19 +110,20 @@ class ArchiveWriter:
 
     def write(self, staging: Staging) -> Fragment:
         """Write this rank's entries into its region; fsync."""
-        assert isinstance(self.shard, LocalShard)  # plan() raised otherwise
+        self.check_reference(staging)
         place_entries(self.entries, staging.region_start(self.rank))
         write_region(staging.path, self.entries, self.options.num_threads)
         by_name = {e.name: e for e in self.entries}
         stored = {}
-        for key in self.shard.written():
+        for key in self.local_shard().written():
             e = by_name.get(self.names.get(key, ""))
             stored[key] = StoredBytes(len(e.data), combine_digests(e.digests)) if e else StoredBytes(0, EMPTY)
-        return build_fragment(self.rank, self.shard, stored, self.options.check_replicas, entry_rows(self.entries))
+        return self.fragment(stored, entry_rows(self.entries))
 
-    def finalize(self, staging: Staging, manifest: bytes, fragments: list[Fragment]) -> None:
+    def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
         rows = [row for f in fragments for row in f.entries]
-        write_manifest_and_directory(staging.path, staging.end, manifest, rows)
+        tail = {fmt.INDEX_NAME: manifest.index, fmt.MANIFEST_NAME: manifest.manifest}
+        write_tail_and_directory(staging.path, staging.end, tail, rows)
 
     def publish(self, staging: Staging) -> None:
         publish(staging.path, self.target)
@@ -189,6 +185,10 @@ class ArchiveFiles:
             raise CorruptCheckpointError(f"archive {self.path!r} lists entry {name!r} twice; refusing it")
         if stat.S_ISLNK(zi.external_attr >> 16):
             raise CorruptCheckpointError(f"archive {self.path!r} has a symbolic-link entry {name!r}; refusing it")
+
+    def span(self, loc: Location) -> torch.Tensor:
+        """A chunk's bytes (archives hold one entry per chunk)."""
+        return self.array(loc.relpath, loc.nbytes)
 
     def array(self, name: str, nbytes: int) -> torch.Tensor:
         """The uncompressed bytes of ``name`` as uint8: a view of the map when stored, else decompressed (bounded)."""

@@ -12,19 +12,27 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 from .. import format as fmt
 from ..checksum import checksum_bytes, tensor_bytes
-from ..sharding import consistent_batch
+from ..chunks import int_checksum
+from ..merge import PlanCache, encode_boxes
+from ..sharding import Shard, consistent_batch
+from ..structure import describe_difference, structure_of
 from ..types import (
     ArchiveEntryRow,
     Fragment,
-    FragmentLeaf,
     FragmentObject,
     Key,
+    LayoutName,
     LocalShard,
+    ManifestFiles,
+    SaveOptions,
     SavePlan,
     Staging,
     StoredBytes,
+    Structure,
 )
 
 if TYPE_CHECKING:
@@ -46,7 +54,7 @@ class ShardWriter(Protocol):
     3. (all ranks) ``write(staging)``: write this rank's part durably; return
        its ``Fragment``, the rank's vote.
     4. (rank 0) ``finalize(staging, manifest, fragments)``: write the
-       manifest (and an archive's central directory) durably.
+       manifest and its index (and an archive's central directory) durably.
     5. (rank 0) ``publish(staging)``: make the staging area the target, the
        commit point.
 
@@ -55,6 +63,7 @@ class ShardWriter(Protocol):
     """
 
     target: str
+    structure: Structure | None  # set by plan()
 
     def plan(self) -> SavePlan: ...
 
@@ -62,46 +71,91 @@ class ShardWriter(Protocol):
 
     def write(self, staging: Staging) -> Fragment: ...
 
-    def finalize(self, staging: Staging, manifest: bytes, fragments: list[Fragment]) -> None: ...
+    def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None: ...
 
     def publish(self, staging: Staging) -> None: ...
 
     def abort(self, staging: Staging) -> None: ...
 
 
-def build_fragment(
-    rank: int,
-    shard: LocalShard,
-    stored: dict[Key, StoredBytes],
-    check_replicas: bool,
-    entries: tuple[ArchiveEntryRow, ...] = (),
-) -> Fragment:
-    """This rank's vote: its nodes, and each leaf's shape, placement and, if it wrote it, what it stored.
+class WriterBase:
+    """What both layouts' writers share: the options, this rank's shard and structure, the vote."""
 
-    With ``check_replicas`` the replicas this rank did not write are hashed
-    too, so rank 0 can compare them with the copy it writes.
-    """
-    leaves = tuple(
-        FragmentLeaf(
-            key=item.key,
-            dtype=fmt.dtype_name(item.tensor.dtype),
-            shape=tuple(item.tensor.shape),
-            placement=item.placement,
-            stored=stored.get(item.key),
-            dtensor=item.dtensor,
-            replica_checksum=(
-                checksum_bytes(tensor_bytes(item.tensor)) if check_replicas and not item.writes else None
-            ),
+    layout: LayoutName = "directory"
+
+    def __init__(self, options: SaveOptions, rank: int, shard: LocalShard | Exception, cache: PlanCache | None = None):
+        self.options = options
+        self.target = options.target
+        self.rank = rank
+        self.shard = shard
+        self.cache = cache
+        self.structure: Structure | None = None
+        self.boxes = b""
+
+    def local_shard(self) -> LocalShard:
+        """The prepared shard, or the error that preparing it raised."""
+        if isinstance(self.shard, Exception):
+            raise self.shard
+        return self.shard
+
+    def make_plan(self, region_bytes: int = 0) -> SavePlan:
+        """This rank's plan; rank 0's carries its whole structure (its own value is not sent anywhere)."""
+        shard = self.local_shard()
+        self.structure = structure_of(shard)
+        self.boxes = encode_boxes([(item.writes, item.dtensor.box) for item in shard.items if item.dtensor is not None])
+        return SavePlan(
+            self.target,
+            self.layout,
+            self.options.atomic,
+            region_bytes,
+            self.structure.digest,
+            self.structure if self.rank == 0 else None,
         )
-        for item in shard.items
-    )
-    return Fragment(
-        rank=rank,
-        nodes=tuple((k, tuple(b)) for k, b in shard.nodes.items()),
-        leaves=leaves,
-        objects=tuple(FragmentObject(k, o.kind, o.value) for k, o in shard.objects.items()),
-        entries=entries,
-    )
+
+    def check_reference(self, staging: Staging) -> None:
+        """Refuse to write when this rank's structure differs from rank 0's, naming the difference."""
+        assert self.structure is not None
+        if staging.reference is not None and staging.reference.digest != self.structure.digest:
+            raise describe_difference(self.structure, self.rank, staging.reference)
+
+    def fragment(self, stored: dict[Key, StoredBytes], entries: tuple[ArchiveEntryRow, ...] = ()) -> Fragment:
+        """This rank's vote: its rows, what it stored, and its DTensor boxes unless unchanged.
+
+        With ``check_replicas`` the replicas this rank did not write are hashed
+        too, so rank 0 can compare them with the copy it writes.
+        """
+        shard = self.local_shard()
+        assert self.structure is not None
+        check = self.options.check_replicas
+        sums = []
+        for item in shard.items:
+            s = stored.get(item.key)
+            if s is not None:
+                sums.append(int_checksum(s.checksum))
+            elif check and not item.writes:
+                sums.append(int_checksum(checksum_bytes(tensor_bytes(item.tensor))))
+            else:
+                sums.append(0)
+        cache = self.cache
+        unchanged = cache is not None and (cache.sent_digest, cache.sent_boxes) == (self.structure.digest, self.boxes)
+        return Fragment(
+            rank=self.rank,
+            digest=self.structure.digest,
+            node_rows=np.asarray([b[0] if b else 0 for b in shard.nodes.values()], dtype="<i8").tobytes(),
+            lengths=np.asarray(
+                [i.tensor.shape[i.placement.dim] if isinstance(i.placement, Shard) else 0 for i in shard.items],
+                dtype="<i8",
+            ).tobytes(),
+            checksums=np.asarray(sums, dtype="<u8").tobytes(),
+            boxes=None if unchanged else self.boxes,
+            objects=tuple(FragmentObject(k, o.kind, o.value) for k, o in shard.objects.items()),
+            entries=entries,
+        )
+
+    def committed(self) -> None:
+        """Remember what this rank sent, once the save is committed (the cached path of the next save)."""
+        if self.cache is not None and self.structure is not None:
+            self.cache.committed(self.structure.digest, self.boxes)
 
 
 def node_meta_files(rank: int, shard: LocalShard, robust_key: bool) -> dict[str, bytes]:

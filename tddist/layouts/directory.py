@@ -18,11 +18,12 @@ import torch
 from .. import format as fmt
 from .._fs import fsync_path, is_inside, makedirs_durable, remove_tree, write_durable
 from ..errors import CorruptCheckpointError, TargetError
+from ..locate import Location
 from ..publish import discard, publish
 from ..recovery import is_tddist_dir
-from ..types import Fragment, LocalShard, SaveOptions, SavePlan, Staging
-from ..writer import write_shard
-from .base import build_fragment
+from ..types import Fragment, ManifestFiles, SavePlan, Staging
+from ..writer import write_packed, write_shard
+from .base import WriterBase
 
 
 def check_target(target: str) -> bool:
@@ -46,19 +47,13 @@ def check_target(target: str) -> bool:
     return True
 
 
-class DirectoryWriter:
+class DirectoryWriter(WriterBase):
     """One rank's side of a directory save (a ``layouts.base.ShardWriter``)."""
 
-    def __init__(self, options: SaveOptions, rank: int, shard: LocalShard | Exception):
-        self.options = options
-        self.target = options.target
-        self.rank = rank
-        self.shard = shard
+    layout = "directory"
 
     def plan(self) -> SavePlan:
-        if isinstance(self.shard, Exception):
-            raise self.shard
-        return SavePlan(self.target, "directory", self.options.atomic)
+        return self.make_plan()
 
     def open(self, plans: list[SavePlan]) -> Staging:
         parent = os.path.dirname(os.path.abspath(self.target))
@@ -81,13 +76,17 @@ class DirectoryWriter:
         return Staging(os.path.abspath(self.target))
 
     def write(self, staging: Staging) -> Fragment:
-        assert isinstance(self.shard, LocalShard)  # plan() raised otherwise
-        o = self.options
-        stored = write_shard(staging.path, self.rank, self.shard, o.robust_key, o.num_threads)
-        return build_fragment(self.rank, self.shard, stored, o.check_replicas)
+        self.check_reference(staging)
+        o, shard = self.options, self.local_shard()
+        if o.packing == "packed":
+            stored = write_packed(os.path.join(staging.path, fmt.rank_data_name(self.rank)), shard.items, o.num_threads)
+        else:
+            stored = write_shard(staging.path, self.rank, shard, o.robust_key, o.num_threads)
+        return self.fragment(stored)
 
-    def finalize(self, staging: Staging, manifest: bytes, fragments: list[Fragment]) -> None:
-        write_durable(os.path.join(staging.path, fmt.MANIFEST_NAME), manifest)
+    def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
+        write_durable(os.path.join(staging.path, fmt.INDEX_NAME), manifest.index)
+        write_durable(os.path.join(staging.path, fmt.MANIFEST_NAME), manifest.manifest)
         fsync_path(staging.path)
 
     def publish(self, staging: Staging) -> None:
@@ -108,6 +107,16 @@ class DirectoryFiles:
         self.root = root
         self.real_root = os.path.realpath(root)
         self._inside: dict[str, bool] = {}
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def span(self, loc: Location) -> torch.Tensor:
+        """A chunk's bytes: a view of its file's copy-on-write map (each file is mapped once)."""
+        if loc.nbytes == loc.file_size:
+            return self.array(loc.relpath, loc.nbytes)
+        whole = self._maps.get(loc.relpath)
+        if whole is None:
+            whole = self._maps[loc.relpath] = self.array(loc.relpath, loc.file_size)
+        return whole[loc.offset : loc.offset + loc.nbytes]
 
     def _dir_inside(self, d: str) -> bool:
         ok = self._inside.get(d)
