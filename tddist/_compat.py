@@ -36,6 +36,16 @@ def local_header(info: zipfile.ZipInfo) -> bytes:
     return header
 
 
+def zip_lzma_compressor() -> Any:
+    """A compressor producing a zip LZMA entry's payload (properties header included).
+
+    ``zipfile.LZMACompressor`` is how zipfile writes method 14; it is not
+    documented (and absent from typeshed), but writing the header by hand
+    would repeat it.
+    """
+    return zipfile.LZMACompressor()  # type: ignore[attr-defined]
+
+
 def write_central_directory(f: IO[bytes], start: int, infos: Iterable[zipfile.ZipInfo]) -> None:
     """Write the central directory (zip64 records when needed) for entries already in ``f``, at ``start``.
 

@@ -37,7 +37,11 @@ class Communicator(Protocol):
     errors); tensor data never goes through a communicator. Pass any object
     with these members as ``comm=`` (a torch ProcessGroup or an mpi4py
     communicator is wrapped in a private one instead). Every method but the
-    attributes is collective: all ranks call it, in the same order.
+    attributes is collective: all ranks call it, in the same order. What a
+    rank receives from other ranks is a copy (it went through pickle); what
+    comes back of its own contribution (at the root of ``broadcast`` and
+    ``gather``, its own slot of ``allgather``) may be the very object it
+    passed, so callers never mutate a collective's result in place.
 
     Attributes:
         rank: This process's rank, ``0 <= rank < size``.

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
-from ._compat import local_header, write_central_directory
+from ._compat import local_header, write_central_directory, zip_lzma_compressor
 from .checksum import block_digest, tensor_bytes
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .types import ArchiveEntryRow, Compression
@@ -153,7 +153,7 @@ def _compress_piece(method: int, level: int | None, block: memoryview, last: boo
         return zstandard.ZstdCompressor(level=3 if level is None else level).compress(block)
     if method == zipfile.ZIP_BZIP2:
         return bz2.compress(block, 9 if level is None else level)
-    c = zipfile.LZMACompressor()  # type: ignore[attr-defined]  # undocumented zipfile class, absent from typeshed
+    c = zip_lzma_compressor()
     return c.compress(block) + c.flush()
 
 

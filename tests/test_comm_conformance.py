@@ -20,13 +20,9 @@ from tests.launch_util import Job, run_job
 SCRIPT = Path(comm_conformance.__file__)
 JOB_TIMEOUT = 150
 
-#: Implementations that return the caller's own object instead of a copy (ThreadComm copies).
-OWN_OBJECT = "returns the caller's own object, not a copy as ThreadComm does"
-
 
 class TestLocalComm(CommunicatorTests):
     size = 1
-    known_failures = {"own_object_is_copied": f"LocalComm {OWN_OBJECT} (broadcast, gather, allgather)"}
 
     def outcomes(self, name: str) -> dict[int, str]:
         return {0: run_check(name, Ctx(LocalComm(), LocalComm, 0, 1, SHORT_TIMEOUT))}
@@ -82,7 +78,6 @@ class TestTorchComm(JobCommTests):
     launcher = "torchrun"
     kind = "torch"
     comm_class = "TorchComm"
-    known_failures = {"own_object_is_copied": f"TorchComm {OWN_OBJECT} (broadcast at the root)"}
 
 
 @pytest.mark.multirank
@@ -91,6 +86,3 @@ class TestMPIComm(JobCommTests):
     launcher = "mpiexec"
     kind = "mpi"
     comm_class = "MPIComm"
-    known_failures = {
-        "own_object_is_copied": f"MPIComm {OWN_OBJECT} (broadcast at the root, gather at the root, allgather on rank 0)"
-    }

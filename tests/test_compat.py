@@ -81,3 +81,20 @@ dist.destroy_process_group()
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "((0, 0), (4, 3))"
     assert torch.__version__  # the torch the shim was checked against
+
+
+def test_zip_lzma_compressor_payload_reads_back_with_zipfile():
+    """A payload from the shim, stored under method 14, is what zipfile itself decompresses."""
+    payload = bytes(range(256)) * 64
+    c = _compat.zip_lzma_compressor()
+    data = c.compress(payload) + c.flush()
+    buf = io.BytesIO()
+    zi = zipfile.ZipInfo("x.bin", date_time=(1980, 1, 1, 0, 0, 0))
+    zi.compress_type = zipfile.ZIP_LZMA
+    zi.CRC, zi.file_size, zi.compress_size = zipfile.crc32(payload), len(payload), len(data)
+    zi.header_offset = 0
+    buf.write(_compat.local_header(zi))
+    buf.write(data)
+    _compat.write_central_directory(buf, buf.tell(), [zi])
+    with zipfile.ZipFile(buf) as zf:
+        assert zf.read("x.bin") == payload
