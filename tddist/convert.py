@@ -22,6 +22,7 @@ from ._fs import fsync_tree_dirs, makedirs_durable, remove_tree, write_durable
 from .checksum import combine_digests, hash_blocks
 from .errors import CorruptCheckpointError
 from .layouts.archive import ArchiveFiles, check_archive_target
+from .layouts.base import meta_files
 from .layouts.directory import DirectoryFiles, check_target
 from .locate import Locator
 from .manifest import Manifest
@@ -29,6 +30,7 @@ from .manifest_io import read_manifest
 from .manifest_v2 import encode
 from .publish import publish
 from .reader import open_files
+from .types import EncodedObject, Key
 from .zipcodec import (
     entry_rows,
     place_entries,
@@ -55,10 +57,34 @@ def _files(manifest: Manifest, src: str) -> tuple[dict[str, bytes], dict[str, tu
             if c.nbytes:
                 data = files.span(locator.locate(leaf, c))
                 leaves[fmt.leaf_relpath(c.rank, leaf.key, manifest.robust_key)] = (data, c.checksum)
+    if manifest.packing != "memmap":  # a packed directory has no meta.json: write what each rank's would be
+        return {
+            name: data for r in range(manifest.world_size) for name, data in _rank_meta_files(manifest, r).items()
+        }, leaves
     metas = {}
     for name in _meta_names(manifest, files):
         metas[name] = bytes(files.array(name, _size(files, name)).numpy())
     return metas, leaves
+
+
+def _rank_meta_files(m: Manifest, rank: int) -> dict[str, bytes]:
+    """tensordict's meta.json files of ``rank``'s directory, from the manifest (as the rank would have written them)."""
+    nodes: dict[Key, tuple[int, ...]] = {}
+    for key, batch in m.nodes.items():
+        rows = m.rows_of(key) if batch else None
+        nodes[key] = (rows[rank], *batch[1:]) if rows is not None else batch
+    leaves = {}
+    for key, leaf in m.leaves.items():
+        chunk = leaf.chunk_of_rank(rank)
+        if chunk is not None:
+            leaves[key] = (list(chunk.box[1]), leaf.dtype_name)
+    objects = {}
+    for key, o in m.objects.items():
+        if o.placement == "shard":
+            objects[key] = EncodedObject("stack", o.values[rank])
+        else:
+            objects[key] = EncodedObject("data", o.values[0] if o.placement == "replicate" else o.values[rank])
+    return meta_files(rank, nodes, leaves, objects, m.robust_key)
 
 
 def _meta_names(manifest: Manifest, files: ArchiveFiles | DirectoryFiles) -> list[str]:

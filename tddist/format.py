@@ -171,7 +171,7 @@ def leaf_relpath(rank: int, key: tuple[str, ...], robust: bool = True) -> str:
 
 def td_meta(
     batch_size: Iterable[int],
-    leaves: dict[str, tuple[list[int], torch.dtype]],
+    leaves: dict[str, tuple[list[int], str]],
     children: list[str],
     objects: dict[str, str] | None = None,
 ) -> dict[str, Any]:

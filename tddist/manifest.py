@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from . import format as fmt
-from .chunks import Chunk, ChunkTable
+from .chunks import Chunk, ChunkTable, ShardChunks
 from .errors import ManifestError
 from .sharding import Box, Placement
 from .types import Key
@@ -121,6 +121,21 @@ class Manifest:
     node_rows: dict[Key, list[int]] = field(default_factory=dict)  # batched node -> its dim-0 rows per rank
     packing: str = "memmap"
     structure_digest: str = ""
+
+    def rows_of(self, node_key: Key) -> list[int] | None:
+        """The dim-0 rows each rank saved of a batched node: recorded, or (manifests of version 1 written
+        before rows were recorded) those of a leaf under it sharded along dim 0; None if neither exists."""
+        rows = self.node_rows.get(tuple(node_key))
+        if rows is not None:
+            return rows
+        for leaf in self.leaves.values():
+            if (
+                leaf.key[: len(node_key)] == tuple(node_key)
+                and isinstance(leaf.table, ShardChunks)
+                and leaf.table.dim == 0
+            ):
+                return [int(x) for x in leaf.table.lengths]
+        return None
 
 
 def parse_header(p: Parser, obj: Any) -> Manifest:

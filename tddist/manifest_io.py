@@ -51,11 +51,14 @@ def _directory_manifest(path: str) -> tuple[bytes, bytes | None, str]:
     try:
         with open(manifest, "rb") as f:
             raw = f.read()
+        index_path = os.path.join(path, fmt.INDEX_NAME)
         try:
-            with open(os.path.join(path, fmt.INDEX_NAME), "rb") as f:
+            with open(index_path, "rb") as f:
                 index = f.read()
         except FileNotFoundError:
             index = None  # version 1 has none; a version-2 manifest without one is refused
+        except OSError as e:
+            raise ManifestError(f"cannot read the index {index_path!r} ({e}); the checkpoint is damaged") from None
         return raw, index, f"manifest {manifest!r}"
     except (FileNotFoundError, NotADirectoryError):
         side = fmt.side_entries(path)

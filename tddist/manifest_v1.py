@@ -26,7 +26,12 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
     p.check(() in m.nodes, "has no root node (key [])")
     for e in p.list_of(obj, "leaves"):
         p.check(isinstance(e, dict), "has a leaf that is not an object")
-        add_leaf(p, m, _parse_leaf(p, e, m.world_size))
+        leaf = _parse_leaf(p, e, m.world_size)
+        rows = m.node_rows.get(leaf.key[:-1])
+        if rows is not None and isinstance(leaf.placement, Shard) and leaf.placement.dim == 0:
+            lengths = [c.box[1][0] for c in leaf.chunks]
+            p.check(lengths == rows, f"leaf {leaf.key!r} has rows per rank that differ from those of its node")
+        add_leaf(p, m, leaf)
 
 
 def _parse_leaf(p: Parser, e: dict[str, Any], world: int) -> Leaf:

@@ -27,6 +27,7 @@ import xxhash
 
 from . import format as fmt
 from .chunks import BoxChunks, ReplicaChunks, ShardChunks
+from .errors import ManifestError
 from .manifest import Leaf, Manifest, Parser, add_leaf, parse_nodes
 from .sharding import Boxes, Placement, Replicate, Shard, tiling_problems
 from .types import Key, ManifestFiles
@@ -38,7 +39,8 @@ PACKINGS = ("packed", "memmap")
 
 def encode(m: Manifest) -> ManifestFiles:
     """The files of manifest ``m`` (see the module docstring and docs/format.md)."""
-    rows = [np.asarray(m.node_rows[k], dtype=_I8).tobytes() for k, b in m.nodes.items() if b]
+    node_rows = {k: _rows_to_encode(m, k) for k, b in m.nodes.items() if b}
+    rows = [r.tobytes() for r in node_rows.values()]
     own_rows: list[bytes] = []
     sums: list[bytes] = []
     boxes: list[bytes] = []
@@ -48,7 +50,7 @@ def encode(m: Manifest) -> ManifestFiles:
         t = leaf.table
         if isinstance(t, ShardChunks):
             entry["placement"] = {"type": "shard", "dim": t.dim}
-            parent = m.node_rows.get(leaf.key[:-1])
+            parent = node_rows.get(leaf.key[:-1])
             from_node = t.dim == 0 and parent is not None and np.array_equal(t.lengths, parent)
             entry["rows"] = "node" if from_node else "own"
             if not from_node:
@@ -84,6 +86,16 @@ def encode(m: Manifest) -> ManifestFiles:
         "objects": [{"key": list(o.key), "placement": o.placement, "values": o.values} for o in m.objects.values()],
     }
     return ManifestFiles(fmt.dumps(obj), index)
+
+
+def _rows_to_encode(m: Manifest, key: Key) -> np.ndarray:
+    rows = m.rows_of(key)
+    if rows is None:
+        raise ManifestError(
+            f"node {list(key)} has batch dims but the checkpoint does not record its rows per rank (a version-1 "
+            f"manifest without them and without a leaf sharded along dim 0); it cannot be written as version 2"
+        )
+    return np.asarray(rows, dtype=_I8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +150,16 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: bytes | None)
         if isinstance(e.placement, Shard):
             dim = e.placement.dim
             rows_of = lengths.get(e.key)
+            parent_rows = node_rows.get(e.key[:-1])
+            if rows_of is not None and dim == 0 and parent_rows is not None:
+                p.check(
+                    bool(np.array_equal(rows_of, parent_rows)),
+                    f"leaf {e.key!r} has rows per rank that differ from those of its node {e.key[:-1]!r}",
+                )
             if rows_of is None:
                 parent = node_rows.get(e.key[:-1])
-                p.check(dim == 0 and parent is not None, f"leaf {e.key!r} takes its rows from a node without rows")
+                p.check(parent is not None, f"leaf {e.key!r} takes its rows from a node without rows")
+                p.check(dim == 0, f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
                 assert parent is not None
                 rows_of = parent
             ok = bool((rows_of >= 0).all()) and int(rows_of.sum()) == e.shape[dim]

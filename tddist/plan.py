@@ -84,12 +84,9 @@ def node_rows(manifest: Manifest, node_key: Key, global_rows: int, shard: ShardR
     if isinstance(shard, AllRows):
         return global_rows
     if isinstance(shard, SavedRows):
-        rows = manifest.node_rows.get(tuple(node_key))
+        rows = manifest.rows_of(node_key)
         if rows is not None:
             return rows[rank]
-        for leaf in manifest.leaves.values():  # manifests written before the rows were recorded
-            if leaf.key[: len(node_key)] == node_key and leaf.placement == Shard(0):
-                return leaf.chunks[rank].box[1][0]
         raise InvalidArgumentError(
             f"rank {rank}: the checkpoint does not record how many rows of node {list(node_key)} each rank saved; "
             f"load it with shard='even', a row range or per-rank row counts"

@@ -257,12 +257,6 @@ def test_unknown_rows_member_is_refused(multi, rows, monkeypatch):
     refused(multi, r"leaf \('data', 'x'\) has invalid rows", monkeypatch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: manifest_v2.parse_body checks a leaf's own rows only against its shape, not against the "
-    "rows of its batched parent node; rows [2, 0, 3] against the node's [3, 0, 2] keep every data file's size, "
-    "so load(shard=None) silently returns padding bytes as row 4 and shard='saved' drops the node's batch dims",
-)
 def test_own_rows_that_contradict_the_node_rows_are_refused(multi, monkeypatch):
     """Under a batched node, a leaf sharded along dim 0 holds the node's rows on every rank (a TensorDict's
     leaves share its batch dims): own rows that differ from the node's, even with the same sum and data
@@ -354,12 +348,6 @@ def test_missing_index_is_refused(multi, monkeypatch):
     refused(multi, r"has no index \(tddist.idx\)", monkeypatch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IsADirectoryError,
-    reason="library bug: manifest_io._directory_manifest catches only FileNotFoundError when it opens "
-    "tddist.idx, so an index that is a directory escapes read_manifest as a bare IsADirectoryError",
-)
 def test_index_that_is_a_directory_is_refused(multi):
     """An index that cannot be read as a file is refused with a tddist error, not taken as absent."""
     (multi / "tddist.idx").unlink()
@@ -634,19 +622,12 @@ def test_encode_parse_reproduces_fresh_files(tmp_path):
 
 # --- version 1 manifests re-encoded as version 2 ------------------------------------------------------------------
 
-_V1_NODE_ROWS_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="library bug: manifest_v2.encode indexes m.node_rows[k] for every batched node, but a version-1 "
-    "manifest lists rows only for some nodes (readers derive the others), so encode raises KeyError",
-)
-
 
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(recipe.SINGLE, marks=_V1_NODE_ROWS_BUG),
-        pytest.param(recipe.MULTI, marks=_V1_NODE_ROWS_BUG),
+        recipe.SINGLE,
+        recipe.MULTI,
         recipe.EXTENDED,
         recipe.DTENSOR,
     ],
@@ -680,8 +661,8 @@ def test_v1_manifest_reencoded_as_v2_loads_the_same_data(name, tmp_path):
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(recipe.SINGLE, marks=_V1_NODE_ROWS_BUG),
-        pytest.param(recipe.MULTI, marks=_V1_NODE_ROWS_BUG),
+        recipe.SINGLE,
+        recipe.MULTI,
         recipe.EXTENDED,
         recipe.DTENSOR,
     ],
@@ -695,13 +676,6 @@ def test_v1_checkpoint_packs_into_a_v2_archive(name, tmp_path):
     assert_td_equal(tddist.load(tmp_path / "a.tdz", shard=None, verify=True), tddist.load(v1, shard=None))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=FileNotFoundError,
-    reason="library bug: convert._files takes the meta.json entries from the source's rank directories, which a "
-    "packed checkpoint does not have, so pack writes an archive (packing 'memmap') without meta.json entries "
-    "and unpack a memmap directory whose rank directories TensorDict.load_memmap cannot open",
-)
 def test_packed_checkpoint_packs_into_an_archive_of_tensordict_rank_directories(tmp_path):
     """An archive is always a memmap tree: after pack (from the default packing) and unpack, each rank directory
     opens with TensorDict.load_memmap, as those of a save with layout="memmap" do."""

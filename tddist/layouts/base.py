@@ -10,6 +10,7 @@ storage) is a new ``ShardWriter``, not new branches in the commit.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -22,6 +23,7 @@ from ..sharding import Shard, consistent_batch
 from ..structure import describe_difference, structure_of
 from ..types import (
     ArchiveEntryRow,
+    EncodedObject,
     Fragment,
     FragmentObject,
     Key,
@@ -36,7 +38,7 @@ from ..types import (
 )
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 class ShardWriter(Protocol):
@@ -159,28 +161,40 @@ class WriterBase:
 
 
 def node_meta_files(rank: int, shard: LocalShard, robust_key: bool) -> dict[str, bytes]:
-    """tensordict's meta.json of every node of this rank, by relative path, so
-    ``TensorDict.load_memmap(<rank dir>)`` opens what this rank wrote.
+    """tensordict's meta.json of every node of this rank's shard, by relative path (see ``meta_files``)."""
+    leaves = {k: (list(t.shape), fmt.dtype_name(t.dtype)) for k, t in shard.written().items()}
+    return meta_files(rank, shard.nodes, leaves, shard.objects, robust_key)
 
-    Non-tensor values stored as JSON get tensordict's NonTensorData /
-    NonTensorStack entries; pickled ones are left out (tddist never writes pickle files).
+
+def meta_files(
+    rank: int,
+    nodes: Mapping[Key, tuple[int, ...]],
+    leaves: Mapping[Key, tuple[list[int], str]],
+    objects: Mapping[Key, EncodedObject],
+    robust_key: bool,
+) -> dict[str, bytes]:
+    """tensordict's meta.json of every node of one rank, by relative path, so
+    ``TensorDict.load_memmap(<rank dir>)`` opens what that rank stored.
+
+    ``nodes`` are the rank's batch sizes, ``leaves`` the local shape and dtype
+    name of every leaf it stored. Non-tensor values stored as JSON get
+    tensordict's NonTensorData / NonTensorStack entries; pickled ones are left
+    out (tddist never writes pickle files).
     """
-    nodes, leaves = shard.nodes, shard.written()
     children: dict[Key, list[str]] = {k: [] for k in nodes}
-    node_leaves: dict[Key, dict[str, tuple[list[int], torch.dtype]]] = {k: {} for k in nodes}
+    node_leaves: dict[Key, dict[str, tuple[list[int], str]]] = {k: {} for k in nodes}
     node_objects: dict[Key, dict[str, str]] = {k: {} for k in nodes}
     files: dict[str, bytes] = {}
     for key in nodes:
         if key:
             children[key[:-1]].append(key[-1])
-    for key, t in leaves.items():
-        node_leaves[key[:-1]][key[-1]] = (list(t.shape), t.dtype)
-    for key, obj in shard.objects.items():
-        kind = obj.kind
-        meta = fmt.td_object_meta(kind, obj.value)
+    for key, (shape, dtype) in leaves.items():
+        node_leaves[key[:-1]][key[-1]] = (shape, f"torch.{dtype}")
+    for key, obj in objects.items():
+        meta = fmt.td_object_meta(obj.kind, obj.value)
         if meta is not None:
             files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
-            node_objects[key[:-1]][key[-1]] = "NonTensorStack" if kind == "stack" else "NonTensorData"
+            node_objects[key[:-1]][key[-1]] = "NonTensorStack" if obj.kind == "stack" else "NonTensorData"
     for key, saved_batch in nodes.items():
         batch = consistent_batch(saved_batch, [s for s, _ in node_leaves[key].values()])
         meta = fmt.td_meta(batch, node_leaves[key], children[key], node_objects[key])
