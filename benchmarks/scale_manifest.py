@@ -13,12 +13,22 @@ through a pickle round trip, as the gather delivers it. Then:
   (tddist.json and tddist.idx), writing both files durably;
 - write (cached path): the same with the plan cache of a previous committed
   save of the same structure;
-- open for ``shard="saved"``: reading and validating both files
-  (``read_manifest``) and locating one rank's chunk of every leaf, with its
-  offset in that rank's data file: what one rank does before reading data;
-- open for ``shard=None``: the same, then every chunk of every leaf.
+- open for ``shard="saved"``: ``tddist.load(shard="saved")`` itself, on one
+  rank (the middle one) of the ``ranks``-rank job, through a communicator
+  that stands for that rank (its collectives return at once); only that
+  rank's data file exists (sparse, written untimed), so this is exactly the
+  work one rank does: read and validate both files, plan every leaf, map its
+  own chunks;
+- open for ``shard=None``: what ``load(shard=None)`` does in one process
+  before it reads data (no data files here: the whole checkpoint would not fit
+  in memory): ``read_manifest``, then for every leaf the same planning as the
+  reader (``plan.leaf_box``, ``Leaf.overlapping``, ``plan_reads``) and the
+  location of every piece in its rank's data file. It is reported, without
+  a target, and runs in the first repeat only (minutes at 16,384 ranks).
 
-Reports each stage's time, the peak RSS each adds, and the bytes gathered
+Reports each stage's time, the peak RSS each adds (the freed heap is given
+back to the system before each stage, ``malloc_trim``, so a stage cannot hide
+its allocations in memory an earlier stage freed), and the bytes gathered
 (pickled fragments). Targets at 4,096 ranks x 1,000 leaves: write < 2 s
 (cached < 0.5 s), open for ``shard="saved"`` < 0.5 s and < 256 MiB; at 16,384
 ranks write < 8 s; the full-path gather under 64 MiB. Also run by ``run.py``
@@ -28,6 +38,8 @@ as its ``manifest`` scenario.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
@@ -52,9 +64,11 @@ from tddist.locate import Locator
 from tddist.manifest_io import read_manifest
 from tddist.manifest_v2 import encode
 from tddist.merge import PlanCache, merge_fragments
+from tddist.plan import leaf_box
 from tddist.prepare import prepare_shard
+from tddist.sharding import plan_reads
 from tddist.structure import structure_of
-from tddist.types import Fragment, LocalShard, Structure
+from tddist.types import AllRows, Fragment, LocalShard, Structure
 
 ROWS, COLS = 8, 64  # each rank's shard of each leaf: 8 rows of 64 float32
 
@@ -88,8 +102,43 @@ def _merge(structure: Structure, frags: list[Fragment], cache: PlanCache | None)
     )  # fmt: skip
 
 
-def _stage(fn) -> dict:
+class OneRank:
+    """Rank ``rank`` of a ``size``-rank job whose other ranks agree at once: every collective returns this
+    rank's own contribution (a load's only collective is the final agreement on success)."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast(self, obj, root: int = 0):
+        return obj
+
+    def gather(self, obj, root: int = 0):
+        return [obj] * self.size if self.rank == root else None
+
+    def allgather(self, obj):
+        return [obj] * self.size
+
+    def dup(self) -> OneRank:
+        return self
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def _trim() -> None:
+    """Return the heap an earlier stage freed to the system, so the next stage's RSS+ counts its allocations."""
     gc.collect()
+    try:
+        _LIBC.malloc_trim(0)
+    except AttributeError:  # not glibc
+        pass
+
+
+def _stage(fn) -> dict:
+    _trim()
     base = C.rss_kib()
     C.reset_hwm()
     t0 = time.perf_counter()
@@ -103,8 +152,8 @@ def _stage(fn) -> dict:
     }
 
 
-def one_run(structure: Structure, frags: list[Fragment], directory: str) -> dict[str, dict]:
-    """Every stage once: write (full), write (cached), open saved, open whole."""
+def one_run(structure: Structure, frags: list[Fragment], directory: str, whole: bool) -> dict[str, dict]:
+    """Every stage once: write (full), write (cached), open saved, and (``whole``) open whole."""
 
     def write(cache):
         m = _merge(structure, frags, cache)
@@ -121,26 +170,35 @@ def one_run(structure: Structure, frags: list[Fragment], directory: str) -> dict
     cached = _stage(lambda: write(cache))
     assert cache.cached_merges == 1
 
+    world, rank = len(frags), len(frags) // 2
+    # The one data file the loading rank reads: sparse, of the size the manifest gives it (untimed).
+    _, size = Locator(read_manifest(directory)).packed(rank)
+    with open(os.path.join(directory, fmt.rank_data_name(rank)), "wb") as f:
+        f.truncate(size)
+
     def open_saved():
-        m = read_manifest(directory)
-        locator = Locator(m)
-        rank = len(frags) // 2
-        return sum(locator.locate(leaf, leaf.chunk_of_rank(rank)).nbytes for leaf in m.leaves.values())
+        td = tddist.load(directory, comm=OneRank(rank, world), shard="saved")
+        return sum(t.nbytes for t in td.values(include_nested=True, leaves_only=True))
 
     def open_whole():
         m = read_manifest(directory)
-        return sum(len(leaf.chunks) for leaf in m.leaves.values())
+        locator = Locator(m)
+        pieces = 0
+        for leaf in m.leaves.values():  # as reader.read_box plans shard=None, without mapping the data
+            box = leaf_box(leaf, AllRows(), 0, 1)
+            chunks = leaf.overlapping(box)
+            for p in plan_reads(box, [c.box for c in chunks]):
+                locator.locate(leaf, chunks[p.chunk_index])
+                pieces += 1
+        return pieces
 
-    saved = _stage(open_saved)
-    assert saved["out"] == ROWS * COLS * 4 * len(structure.leaves)
-    whole = _stage(open_whole)
-    assert whole["out"] == len(frags) * len(structure.leaves)
-    return {
-        "manifest write": full,
-        "manifest write cached": cached,
-        "manifest open saved": saved,
-        "manifest open whole": whole,
-    }
+    stages = {"manifest write": full, "manifest write cached": cached}
+    stages["manifest open saved"] = _stage(open_saved)
+    assert stages["manifest open saved"]["out"] == ROWS * COLS * 4 * len(structure.leaves)
+    if whole:
+        stages["manifest open whole"] = _stage(open_whole)
+        assert stages["manifest open whole"]["out"] == world * len(structure.leaves)
+    return stages
 
 
 def run(ranks_list: list[int], leaves: int, repeats: int, directory: str) -> list[dict]:
@@ -158,7 +216,7 @@ def run(ranks_list: list[int], leaves: int, repeats: int, directory: str) -> lis
             flush=True,
         )
         for rep in range(repeats):
-            stages = one_run(structure, frags, directory)
+            stages = one_run(structure, frags, directory, whole=rep == 0)
             size = stages["manifest write"]["out"]
             for scenario, stage in stages.items():
                 records.append(
