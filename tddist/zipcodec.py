@@ -290,8 +290,24 @@ def write_tail_and_directory(path: str, end: int, files: dict[str, bytes], rows:
 
 
 def decompress(method: int, data: memoryview, size: int, where: str) -> bytes:
-    """Decompress at most ``size`` bytes; anything more or less is an error (no zip bombs)."""
-    limit = size + 1
+    """Decompress at most ``size`` bytes; anything more or less, or a damaged stream, is a CorruptCheckpointError."""
+    try:
+        out = _decompress(method, data, size + 1, where)
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:  # zlib.error, lzma.LZMAError, OSError (bz2), zstandard.ZstdError, struct.error, ...
+        raise CorruptCheckpointError(
+            f"archive {where} does not decompress ({type(e).__name__}: {e}); the checkpoint is damaged"
+        ) from None
+    if len(out) != size:
+        raise CorruptCheckpointError(
+            f"archive {where} decompresses to {'more' if len(out) > size else 'fewer'} bytes than its declared "
+            f"{size}; refusing it (corrupted or a zip bomb)"
+        )
+    return out
+
+
+def _decompress(method: int, data: memoryview, limit: int, where: str) -> bytes:
     if method == zipfile.ZIP_DEFLATED:
         out = zlib.decompressobj(-15).decompress(data, limit)
     elif method == zipfile.ZIP_BZIP2:
@@ -319,9 +335,4 @@ def decompress(method: int, data: memoryview, size: int, where: str) -> bytes:
             out = r.read(limit)
     else:
         raise CorruptCheckpointError(f"archive {where} uses unknown compression method {method}")
-    if len(out) != size:
-        raise CorruptCheckpointError(
-            f"archive {where} decompresses to {'more' if len(out) > size else 'fewer'} bytes than its declared "
-            f"{size}; refusing it (corrupted or a zip bomb)"
-        )
     return out

@@ -15,6 +15,7 @@ import os
 import stat
 import struct
 import zipfile
+import zlib
 
 import torch
 
@@ -207,4 +208,9 @@ class ArchiveFiles:
             view = self.tensor[start : start + nbytes]
             return view if start % ALIGN == 0 else view.clone()  # rewritten by another zip tool: unaligned
         out = bytearray(decompress(zi.compress_type, memoryview(raw.data), nbytes, f"{self.path!r}: {name!r}"))
+        if zlib.crc32(out) != zi.CRC:  # a damaged stream may still decompress, to other bytes
+            raise CorruptCheckpointError(
+                f"archive {self.path!r}: entry {name!r} decompresses to bytes that fail its CRC-32; the checkpoint "
+                f"is damaged"
+            )
         return torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
