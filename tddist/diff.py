@@ -1,8 +1,9 @@
 """Comparing two checkpoints: keys, dtypes, shapes, placements, non-tensor values, metadata and content.
 
 ``diff(a, b)`` compares two committed checkpoints (directories or archives,
-saved on any world sizes). Content is compared by checksum where both
-checkpoints split a leaf into the same chunks, so no data is read; only
+saved on any world sizes, in any packing or format version). Content is
+compared by checksum where both checkpoints split a leaf into the same
+chunks (read from the chunk tables' columns), so no data is read; only
 where the chunks differ (another world size, another placement) are the
 bytes compared, chunk against the overlapping pieces of the other, through
 memory maps. ``read_data=False`` never reads data.
@@ -13,7 +14,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import format as fmt
+from .chunks import ReplicaChunks, ShardChunks
 from .manifest import Leaf, Manifest, ObjectLeaf
 from .manifest_io import read_manifest
 from .sharding import Boxes, Replicate, Shard
@@ -140,9 +144,9 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, read_data: bool = True) 
         if any(c[0] in ("dtype", "shape") for c in changes):
             changed.append(LeafDiff(key, "tensor", tuple(changes), UNKNOWN, None))
             continue
-        if sorted(c.box for c in la.chunks) == sorted(c.box for c in lb.chunks):
-            sums_a = {c.box: c.checksum for c in la.chunks}
-            equal = all(sums_a[c.box] == c.checksum for c in lb.chunks)
+        boxes_a, boxes_b = _stored_boxes(la), _stored_boxes(lb)
+        if _same_boxes(boxes_a, boxes_b):
+            equal = bool(np.array_equal(boxes_a[2], boxes_b[2]))
             content, how = (SAME if equal else DIFFERENT), "checksum"
         elif read_data:
             data_pending.append((la, lb, changes))
@@ -187,6 +191,38 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, read_data: bool = True) 
         world_size=(ma.world_size, mb.world_size),
         layout=("archive" if os.path.isfile(a) else "directory", "archive" if os.path.isfile(b) else "directory"),
     )
+
+
+def _stored_boxes(leaf: Leaf) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The offsets, sizes (int64[n, ndim]) and checksums (uint64[n]) of a leaf's non-empty chunks,
+    ordered by offset, from its table's columns (no ``Chunk`` is built)."""
+    t, ndim = leaf.table, len(leaf.shape)
+    if isinstance(t, ShardChunks):
+        n = len(t)
+        offsets = np.zeros((n, ndim), dtype=np.int64)
+        offsets[:, t.dim] = t.starts()[:-1]
+        sizes = np.tile(np.asarray(t.shape, dtype=np.int64), (n, 1))
+        sizes[:, t.dim] = t.lengths
+        sums = np.asarray(t.checksums, dtype=np.uint64)
+    elif isinstance(t, ReplicaChunks):
+        offsets = np.zeros((1, ndim), dtype=np.int64)
+        sizes = np.asarray(t.shape, dtype=np.int64).reshape(1, ndim)
+        sums = np.array([t.checksum], dtype=np.uint64)
+    else:
+        offsets = np.asarray(t.offsets, dtype=np.int64).reshape(-1, ndim)
+        sizes = np.asarray(t.sizes, dtype=np.int64).reshape(-1, ndim)
+        sums = np.asarray(t.checksums, dtype=np.uint64)
+    keep = sizes.prod(axis=1) > 0  # chunks of no elements hold nothing to compare
+    offsets, sizes, sums = offsets[keep], sizes[keep], sums[keep]
+    if ndim and len(sums) > 1:  # non-empty chunks never overlap: their offsets differ
+        order = np.lexsort(offsets.T[::-1])
+        offsets, sizes, sums = offsets[order], sizes[order], sums[order]
+    return offsets, sizes, sums
+
+
+def _same_boxes(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> bool:
+    """True when two leaves of the same shape are stored in the same (non-empty) chunks."""
+    return bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
 
 
 def _json(v: object) -> str:
@@ -241,15 +277,14 @@ class _DataComparer:
 
         from .sharding import plan_reads
 
-        boxes_b = [c.box for c in lb.chunks]
-        for ca in la.chunks:
+        for i in range(len(la.table)):
+            ca = la.table.chunk(i)
             if ca.nbytes == 0:
                 continue
             ta = self.a.tensor(la, ca)
-            for piece in plan_reads(ca.box, boxes_b):
-                cb = lb.chunks[piece.chunk_index]
-                if cb.nbytes == 0:
-                    continue
+            overlapping = [c for c in lb.overlapping(ca.box) if c.nbytes]  # only these are built
+            for piece in plan_reads(ca.box, [c.box for c in overlapping]):
+                cb = overlapping[piece.chunk_index]
                 x = ta[piece.dst].contiguous().reshape(-1).view(torch.uint8)
                 y = self.b.tensor(lb, cb)[piece.src].contiguous().reshape(-1).view(torch.uint8)
                 if not torch.equal(x, y):

@@ -6,8 +6,11 @@ command that removes it. ``newest(root)`` is the checkpoint a job would resume
 from. ``plan_gc``/``gc`` apply the manager's clean-up and retention rules
 (``tddist.retention``) offline; ``plan_gc`` only says what ``gc`` would do.
 
-Only the standard library is needed (manifests are JSON), so the ``tddist``
-command lists and cleans checkpoints without importing torch.
+No torch is needed (a manifest is JSON and, from format version 2 on, a small
+binary index read with numpy), so the ``tddist`` command lists and cleans
+checkpoints without importing torch. Sizes are what each checkpoint takes on
+disk, whatever its files: rank data files (packing "packed"), rank directories
+of one file per leaf (packing "memmap", version 1) or one archive.
 """
 
 from __future__ import annotations

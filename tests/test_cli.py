@@ -14,6 +14,7 @@ import json
 import os
 import pty
 import re
+import resource
 import shutil
 import struct
 import subprocess
@@ -30,6 +31,7 @@ from tensordict import TensorDict
 import tddist
 from tddist import format as fmt
 from tddist import inventory
+from tddist.locate import Locator
 from tddist.retention import clean_root, delete_checkpoint, retired, step_name
 from tddist.verify import verify
 
@@ -93,6 +95,20 @@ def flip_byte(path: Path, offset: int = 0) -> None:
     path.write_bytes(bytes(raw))
 
 
+def chunk_span(ckpt: Path, key: tuple[str, ...], rank: int):
+    """Where the bytes of ``rank``'s chunk of leaf ``key`` are (``locate.Location``), for either packing."""
+    m = tddist.read_manifest(ckpt)
+    leaf = m.leaves[key]
+    return Locator(m).locate(leaf, leaf.chunk_of_rank(rank))
+
+
+def flip_chunk_byte(ckpt: Path, key: tuple[str, ...], rank: int, at: int = 0) -> None:
+    """Flip one byte of a stored chunk, wherever its packing put it."""
+    loc = chunk_span(ckpt, key, rank)
+    assert at < loc.nbytes
+    flip_byte(ckpt / loc.relpath, loc.offset + at)
+
+
 # --- startup: the light commands never import torch ---------------------------------------
 
 
@@ -103,6 +119,8 @@ def flip_byte(path: Path, offset: int = 0) -> None:
         ["latest", "{root}"],
         ["info", "{ckpt}"],
         ["info", "{ckpt}", "--leaves"],
+        ["info", "{memmap}", "--leaves", "--json"],
+        ["info", "{archive}"],
         ["--version"],
         ["--help"],
         ["ls", "--help"],
@@ -110,16 +128,38 @@ def flip_byte(path: Path, offset: int = 0) -> None:
     ids=lambda a: " ".join(a).replace("{", "").replace("}", ""),
 )
 def test_light_commands_do_not_import_torch(tmp_path, args):
-    ckpt = save_step(tmp_path, 5)
-    argv = [a.format(root=tmp_path, ckpt=ckpt) for a in args]
+    ckpt = save_step(tmp_path, 5)  # the default packing: one data file per rank
+    memmap = save_step(tmp_path, 6, layout="memmap")
+    archive = save_step(tmp_path, 7, archive=True)
+    argv = [a.format(root=tmp_path, ckpt=ckpt, memmap=memmap, archive=archive) for a in args]
     r = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "tddist.cli", *argv], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0, r.stderr[-3000:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
-    heavy = sorted(m for m in imported if m.split(".")[0] in ("torch", "tensordict", "numpy", "tqdm"))
+    heavy = sorted(m for m in imported if m.split(".")[0] == "torch")  # numpy is fine: the manifest index is numpy
     assert not heavy, f"tddist {' '.join(argv)} imported {heavy[:10]}"
     assert "tddist.cli" in imported
+
+
+def test_light_commands_start_fast(tmp_path):
+    """``tddist info`` (the heaviest light command) runs in under half a second of CPU time.
+
+    CPU time (user + system, of the child) rather than wall time, and the best of
+    five runs: the machine running the tests may be busy with other work.
+    """
+    ckpt = save_step(tmp_path, 5)
+
+    def cpu_seconds(*args: str) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        r = subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=120)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+
+    for args in (["info", str(ckpt)], ["--version"]):
+        best = min(cpu_seconds(*args) for _ in range(5))
+        assert best < 0.5, f"tddist {' '.join(args)} took {best:.2f} s of CPU time"
 
 
 # --- ls, latest, gc on a manager root with killed saves ----------------------------------------
@@ -245,6 +285,7 @@ def test_info_summary_values_and_leaves(tmp_path):
     ckpt = tmp_path / "ck"
     three_ranks(ckpt, metadata={"step": 7, "run": "demo"})
     text = cli("info", ckpt, check_rc=0).stdout
+    assert text.startswith(f"{ckpt}: tddist checkpoint, directory, format version 2 (packed: one data file per rank)")
     assert "world size 3 (ranks that saved it)" in text and "2 tensor(s) (2 sharded)" in text
     assert '"step": 7' in text
     assert 'who = per rank: rank 0: "rank0", rank 1: "rank1", rank 2: "rank2"' in text
@@ -256,6 +297,7 @@ def test_info_summary_values_and_leaves(tmp_path):
 
     doc = cli_json("info", ckpt)
     assert doc["schema"] == "tddist.info/1" and doc["world_size"] == 3 and doc["layout"] == "directory"
+    assert doc["format_version"] == 2 and doc["packing"] == "packed"
     assert doc["bytes"] == 12 * 3 * 4 + 12 * 8
     x = next(leaf for leaf in doc["leaves"] if leaf["key"] == ["x"])
     assert x == {
@@ -269,6 +311,49 @@ def test_info_summary_values_and_leaves(tmp_path):
     objs = {tuple(o["key"]): o for o in doc["objects"]}
     assert objs[("who",)]["values"] == ["rank0", "rank1", "rank2"] and objs[("lr",)]["values"] == [0.5]
     assert doc["leftovers"] == []
+
+
+def test_info_ls_and_diff_on_every_packing(tmp_path):
+    root = tmp_path / "run"
+    packed = save_step(root, 1)
+    memmap = save_step(root, 2, layout="memmap")
+    archive = save_step(root, 3, archive=True)
+    v1 = root / step_name(4)
+    shutil.copytree(REPO / "tests" / "golden" / "v1" / "three_ranks", v1)
+    shown = {
+        packed: "directory, format version 2 (packed: one data file per rank)",
+        memmap: "directory, format version 2 (memmap: one file per leaf)",
+        archive: "archive, format version 2 (memmap: one file per leaf, as archive entries)",
+        v1: "directory, format version 1 (memmap: one file per leaf)",
+    }
+    for path, first in shown.items():
+        assert cli("info", path, check_rc=0).stdout.startswith(f"{path}: tddist checkpoint, {first}\n")
+    docs = {path: cli_json("info", path) for path in shown}
+    assert [(d["format_version"], d["layout"], d["packing"]) for d in docs.values()] == [
+        (2, "directory", "packed"),
+        (2, "directory", "memmap"),
+        (2, "archive", "memmap"),
+        (1, "directory", "memmap"),
+    ]
+    assert docs[packed]["leaves"] == docs[memmap]["leaves"] == docs[archive]["leaves"]
+    assert sum(leaf["chunks"] for leaf in docs[v1]["leaves"]) == verify(v1).chunks
+
+    # ls: the space each takes on disk (allocated blocks), whatever its files
+    entries = {e["name"]: e for e in cli_json("ls", root)["entries"]}
+    assert [e["kind"] for e in entries.values()] == ["checkpoint"] * 4
+    for path in shown:
+        files = [path] if path.is_file() else [Path(d, n) for d, _s, names in os.walk(path) for n in names]
+        apparent = sum(os.path.getsize(f) for f in files)
+        assert entries[path.name]["bytes"] >= apparent, (path, entries[path.name]["bytes"], apparent)
+    data = packed / fmt.rank_data_name(0)
+    assert entries[packed.name]["bytes"] >= os.stat(data).st_blocks * 512 > 0
+    assert entries[packed.name]["world_size"] == 1 and entries[v1.name]["world_size"] == 3
+
+    # diff: the same data stored by either packing has the same chunks, so checksums tell (no data read)
+    for other, step in ((memmap, 2), (archive, 3)):
+        doc = cli_json("diff", packed, other, "--checksums-only", rc=1)  # only the metadata's step differs
+        assert doc["changed"] == [] and doc["not_compared"] == [] and doc["same"] == 3
+        assert doc["metadata"] == [{"key": "step", "a": "1", "b": str(step)}]
 
 
 def test_info_truncates_values_and_names_leftovers(tmp_path):
@@ -296,22 +381,76 @@ def test_info_on_a_root_points_to_ls(tmp_path):
 # --- verify --------------------------------------------------------------------------------------
 
 
-def test_verify_lists_every_bad_chunk(tmp_path):
+def test_verify_lists_every_bad_chunk_of_a_packed_checkpoint(tmp_path):
     ckpt = tmp_path / "ck"
-    three_ranks(ckpt)
+    three_ranks(ckpt)  # the default packing: rank-NNNNN.data, every chunk of a rank at an aligned offset
+    assert tddist.read_manifest(ckpt).packing == "packed"
+    assert sorted(os.listdir(ckpt)) == sorted([fmt.INDEX_NAME, fmt.MANIFEST_NAME, *map(fmt.rank_data_name, range(3))])
     assert cli("verify", ckpt, check_rc=0).stdout.startswith(f"{ckpt}: OK (sizes and checksums of 6 chunk(s)")
-    flip_byte(ckpt / fmt.rank_dir(0) / "x.memmap", 5)  # a flipped bit: only the checksum sees it
+    assert cli("verify", ckpt, "--quick", check_rc=0).stdout.startswith(f"{ckpt}: OK (sizes and structure of 6")
+    x0, y0 = chunk_span(ckpt, ("x",), 0), chunk_span(ckpt, ("y",), 0)
+    assert x0.relpath == y0.relpath == fmt.rank_data_name(0) and x0.offset == 0 and y0.offset == 64
+    flip_chunk_byte(ckpt, ("x",), 0, 5)  # flipped bits in two leaves' spans of one data file:
+    flip_chunk_byte(ckpt, ("y",), 0, y0.nbytes - 1)  # only the checksums see them
+    (ckpt / fmt.rank_data_name(1)).unlink()  # a missing data file
+    with open(ckpt / fmt.rank_data_name(2), "r+b") as f:  # a truncated one
+        f.truncate(70)
+
+    report = verify(ckpt)
+    assert [(p.kind, p.key, p.rank, p.file, p.offset) for p in report.problems] == [
+        ("missing", None, 1, fmt.rank_data_name(1), None),
+        ("size", None, 2, fmt.rank_data_name(2), None),
+        ("checksum", ("x",), 0, fmt.rank_data_name(0), 0),
+        ("checksum", ("y",), 0, fmt.rank_data_name(0), 64),
+    ]
+    assert not report.ok and report.chunks == 6 and report.mode == "full" and report.packing == "packed"
+    assert "has 70 bytes, its chunks need exactly 128" in report.problems[1].message
+    assert "it holds 2 chunk(s) (leaves ['x'], ['y'])" in report.problems[0].message
+    assert f"'{fmt.rank_data_name(0)}', offset 64, 32 bytes" in report.problems[3].message
+    quick = verify(ckpt, quick=True)
+    assert [(p.kind, p.rank) for p in quick.problems] == [("missing", 1), ("size", 2)]
+
+    r = cli("verify", ckpt, check_rc=1)
+    assert "4 problem(s) in 6 chunk(s)" in r.stdout
+    assert f"missing: {fmt.rank_data_name(1)} (rank 1): data file" in r.stdout
+    assert f"size: {fmt.rank_data_name(2)} (rank 2): data file" in r.stdout
+    assert "checksum: x (rank 0): " in r.stdout and "checksum: y (rank 0): " in r.stdout
+    assert "1 problem(s) found" not in r.stderr and "4 problem(s) found; the first: data file" in r.stderr
+    doc = json.loads(cli("verify", ckpt, "--json", check_rc=1).stdout)
+    assert doc["packing"] == "packed" and doc["mode"] == "full" and not doc["ok"]
+    assert [(p["kind"], p["key"], p["rank"], p["file"], p["offset"]) for p in doc["problems"]] == [
+        ("missing", None, 1, fmt.rank_data_name(1), None),
+        ("size", None, 2, fmt.rank_data_name(2), None),
+        ("checksum", ["x"], 0, fmt.rank_data_name(0), 0),
+        ("checksum", ["y"], 0, fmt.rank_data_name(0), 64),
+    ]
+
+    # a data file replaced by a symbolic link (to a file of the right size) is refused
+    target = tmp_path / "elsewhere.data"
+    shutil.copyfile(ckpt / fmt.rank_data_name(0), target)
+    (ckpt / fmt.rank_data_name(0)).unlink()
+    (ckpt / fmt.rank_data_name(0)).symlink_to(target)
+    assert [(p.kind, p.rank) for p in verify(ckpt, quick=True).problems][0] == ("not-a-file", 0)
+
+
+def test_verify_lists_every_bad_chunk_of_a_memmap_checkpoint(tmp_path):
+    ckpt = tmp_path / "ck"
+    three_ranks(ckpt, layout="memmap")  # one file per leaf and rank, in rank directories
+    assert tddist.read_manifest(ckpt).packing == "memmap"
+    assert cli("verify", ckpt, check_rc=0).stdout.startswith(f"{ckpt}: OK (sizes and checksums of 6 chunk(s)")
+    assert chunk_span(ckpt, ("x",), 0).relpath == os.path.join(fmt.rank_dir(0), "x.memmap")
+    flip_chunk_byte(ckpt, ("x",), 0, 5)  # a flipped bit: only the checksum sees it
     (ckpt / fmt.rank_dir(1) / "y.memmap").unlink()  # a missing file
     with open(ckpt / fmt.rank_dir(2) / "x.memmap", "r+b") as f:  # a truncated file
         f.truncate(10)
 
     report = verify(ckpt)
-    assert [(p.kind, p.key, p.rank) for p in report.problems] == [
-        ("checksum", ("x",), 0),
-        ("size", ("x",), 2),
-        ("missing", ("y",), 1),
+    assert [(p.kind, p.key, p.rank, p.offset) for p in report.problems] == [
+        ("checksum", ("x",), 0, None),
+        ("size", ("x",), 2, None),
+        ("missing", ("y",), 1, None),
     ]
-    assert not report.ok and report.chunks == 6 and report.mode == "full"
+    assert not report.ok and report.chunks == 6 and report.mode == "full" and report.packing == "memmap"
     with pytest.raises(FrozenInstanceError):
         report.ok = True  # type: ignore[misc]
     quick = verify(ckpt, quick=True)
@@ -321,11 +460,29 @@ def test_verify_lists_every_bad_chunk(tmp_path):
     assert "3 problem(s) in 6 chunk(s)" in r.stdout
     assert "checksum: x (rank 0)" in r.stdout and "size: x (rank 2)" in r.stdout and "missing: y (rank 1)" in r.stdout
     doc = json.loads(cli("verify", ckpt, "--quick", "--json", check_rc=1).stdout)
-    assert doc["mode"] == "quick" and not doc["ok"]
-    assert [(p["kind"], p["key"], p["rank"], p["file"]) for p in doc["problems"]] == [
-        ("size", ["x"], 2, os.path.join(fmt.rank_dir(2), "x.memmap")),
-        ("missing", ["y"], 1, os.path.join(fmt.rank_dir(1), "y.memmap")),
+    assert doc["mode"] == "quick" and not doc["ok"] and doc["packing"] == "memmap"
+    assert [(p["kind"], p["key"], p["rank"], p["file"], p["offset"]) for p in doc["problems"]] == [
+        ("size", ["x"], 2, os.path.join(fmt.rank_dir(2), "x.memmap"), None),
+        ("missing", ["y"], 1, os.path.join(fmt.rank_dir(1), "y.memmap"), None),
     ]
+
+
+def test_verify_reads_version_1(tmp_path):
+    golden = REPO / "tests" / "golden" / "v1" / "three_ranks"
+    ckpt = tmp_path / "v1"
+    shutil.copytree(golden, ckpt)
+    m = tddist.read_manifest(ckpt)
+    assert m.version == 1 and m.packing == "memmap"
+    assert verify(ckpt).ok and verify(ckpt, quick=True).ok
+    key, leaf = next(
+        (k, leaf) for k, leaf in m.leaves.items() if leaf.chunk_of_rank(2) and leaf.chunk_of_rank(2).nbytes
+    )
+    flip_chunk_byte(ckpt, key, 2)
+    doc = json.loads(cli("verify", ckpt, "--json", check_rc=1).stdout)
+    assert [(p["kind"], p["key"], p["rank"], p["offset"]) for p in doc["problems"]] == [
+        ("checksum", list(key), 2, None)
+    ]
+    assert doc["problems"][0]["file"] == chunk_span(ckpt, key, 2).relpath
 
 
 def test_verify_archive(tmp_path):
@@ -365,14 +522,16 @@ def test_diff(tmp_path):
     tddist.pack(tmp_path / "three", tmp_path / "three.tdz")
     full = tddist.load(tmp_path / "three", shard=None)
 
-    def two_ranks(c):
+    def two_ranks(c, name="two", **kwargs):
         rows = slice(c.rank * 6, (c.rank + 1) * 6)
         td = TensorDict(x=full["x"][rows].clone(), y=full["y"][rows].clone(), batch_size=[6])
         td.set_non_tensor("who", ["rank0", "rank1", "rank2"][c.rank])
         td.set_non_tensor("lr", 0.5)
-        return tddist.save(td, tmp_path / "two", comm=c)
+        return tddist.save(td, tmp_path / name, comm=c, **kwargs)
 
     assert not any(isinstance(r, BaseException) for r in tddist.run_threads(2, two_ranks, timeout=60))
+    memmap = tddist.run_threads(2, lambda c: two_ranks(c, "two-memmap", layout="memmap"), timeout=60)
+    assert not any(isinstance(r, BaseException) for r in memmap)
 
     doc = cli_json("diff", tmp_path / "three", tmp_path / "three.tdz")  # same chunks: checksums only
     assert doc["identical"] and doc["same"] == 4 and doc["layout"] == ["directory", "archive"]
@@ -383,6 +542,16 @@ def test_diff(tmp_path):
     assert doc["same"] == 3 and doc["world_size"] == [3, 2]
     doc = cli_json("diff", tmp_path / "three", tmp_path / "two", "--checksums-only", rc=1)
     assert sorted(doc["not_compared"]) == [["x"], ["y"]]
+    # the bytes compared across packings: spans of the data files against files of their own
+    doc = cli_json("diff", tmp_path / "three", tmp_path / "two-memmap", rc=1)
+    assert [d["key"] for d in doc["changed"]] == [["who"]] and doc["same"] == 3
+    assert cli_json("diff", tmp_path / "two", tmp_path / "two-memmap")["identical"]
+    flip_chunk_byte(tmp_path / "two-memmap", ("x",), 1, 4)
+    doc = cli_json("diff", tmp_path / "three", tmp_path / "two-memmap", rc=1)
+    assert {tuple(d["key"]): (d["content"], d["compared_by"]) for d in doc["changed"]} == {
+        ("who",): (None, None),
+        ("x",): ("different", "data"),
+    }
 
     # change one value, one dtype, one key, the metadata
     def changed_ranks(c):
@@ -557,9 +726,15 @@ def test_json_documents_match_docs(tmp_path):
         "unpack": cli_json("unpack", tmp_path / "p.tdz", tmp_path / "u"),
         "error": json.loads(cli("info", tmp_path / "nope", "--json", check_rc=1).stdout),
     }
-    flipped = ckpt / fmt.rank_dir(0) / "batch" / "obs.memmap"
-    flip_byte(flipped)
+    flip_chunk_byte(ckpt, ("batch", "obs"), 0)
     emitted["verify"] = cli_json("verify", ckpt, rc=1)
+    assert emitted["verify"]["problems"][0]["offset"] == 0
+    (ckpt / fmt.rank_data_name(0)).unlink()
+    emitted["verify-file"] = cli_json("verify", ckpt, rc=1)
+    memmap = tmp_path / "memmap"
+    save_step(tmp_path, 4, layout="memmap").rename(memmap)
+    flip_chunk_byte(memmap, ("batch", "obs"), 0)
+    emitted["verify-memmap"] = cli_json("verify", memmap, rc=1)
     killed_save(ckpt)
     emitted["info-leftovers"] = cli_json("info", ckpt)
     for name, doc in emitted.items():

@@ -78,8 +78,9 @@ def _refuse_existing(args: argparse.Namespace) -> None:
 
 def _total(path: str) -> int:
     from ..manifest_io import read_manifest
+    from ..verify import stored_bytes
 
-    return sum(c.nbytes for leaf in read_manifest(path).leaves.values() for c in leaf.chunks)
+    return stored_bytes(read_manifest(path))
 
 
 def _done(args: argparse.Namespace, name: str) -> int:

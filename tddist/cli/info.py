@@ -13,15 +13,19 @@ from ..errors import CheckpointNotFoundError
 from ..manifest import Leaf, Manifest, ObjectLeaf
 from ..manifest_io import read_manifest
 from ..sharding import Replicate, Shard
+from ..verify import leaf_nbytes
 from ._output import emit_json, human_age, human_bytes, key_text, table, value_text
 
 HELP = "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"
 DESCRIPTION = """\
 Describe the checkpoint at PATH (a directory or a .tdz archive) from its manifest:
-when and by how many ranks it was saved, its tensors and their total size, its
-non-tensor values (shown, cut at 60 characters) and metadata, and any leftovers
-of interrupted saves beside it. --leaves lists every tensor with its dtype, global
-shape and placement. Reads no tensor data; never imports torch.
+its format version and packing ("packed": one data file per rank, the default;
+"memmap": one file per leaf and rank, as layout="memmap", format version 1 and
+archives store it), when and by how many ranks it was saved, its tensors and
+their total size, its non-tensor values (shown, cut at 60 characters) and
+metadata, and any leftovers of interrupted saves beside it. --leaves lists every
+tensor with its dtype, global shape, placement and number of stored pieces.
+Reads no tensor data; never imports torch.
 
 Placements: "sharded on dim D" (each rank saved a slab along dimension D; the
 global tensor is the slabs in rank order), "replicated" (one copy, saved by rank
@@ -56,8 +60,13 @@ def _read(path: str) -> Manifest:
         raise
 
 
-def leaf_nbytes(leaf: Leaf) -> int:
-    return sum(c.nbytes for c in leaf.chunks)
+#: How each packing stores the ranks' chunks, in words.
+PACKINGS = {"packed": "packed: one data file per rank", "memmap": "memmap: one file per leaf"}
+
+
+def packing_text(m: Manifest, archive: bool) -> str:
+    text = PACKINGS.get(m.packing, m.packing)
+    return text + ", as archive entries" if archive else text
 
 
 def placement_json(leaf: Leaf) -> dict:
@@ -117,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
                 "path": args.path,
                 "format_version": m.version,
                 "layout": "archive" if os.path.isfile(args.path) else "directory",
+                "packing": m.packing,
                 "tddist_version": m.tddist_version,
                 "created": m.created or None,
                 "world_size": m.world_size,
@@ -130,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                         "dtype": leaf.dtype_name,
                         "shape": list(leaf.shape),
                         "placement": placement_json(leaf),
-                        "chunks": len(leaf.chunks),
+                        "chunks": len(leaf.table),
                         "bytes": leaf_nbytes(leaf),
                     }
                     for leaf in m.leaves.values()
@@ -143,12 +153,13 @@ def run(args: argparse.Namespace) -> int:
             },
         )
         return 0
-    layout = "archive" if os.path.isfile(args.path) else "directory"
+    archive = os.path.isfile(args.path)
+    layout = "archive" if archive else "directory"
     age = inventory.describe(args.path)
     when = m.created or "an unknown time"
     if age is not None and m.created:
         when += f" ({human_age(age.age_seconds)} ago)"
-    print(f"{args.path}: tddist checkpoint, {layout}, format version {m.version}")
+    print(f"{args.path}: tddist checkpoint, {layout}, format version {m.version} ({packing_text(m, archive)})")
     print(f"  world size {m.world_size} (ranks that saved it), saved at {when} by tddist {m.tddist_version or '?'}")
     kinds: dict[str, int] = {}
     for leaf in m.leaves.values():
@@ -211,7 +222,7 @@ def _print_leaves(m: Manifest) -> None:
                 leaf.dtype_name,
                 str(list(leaf.shape)),
                 placement_text(leaf),
-                str(len(leaf.chunks)),
+                str(len(leaf.table)),
                 human_bytes(leaf_nbytes(leaf)),
             ]
             for leaf in m.leaves.values()

@@ -11,9 +11,12 @@ HELP = "check every chunk of a checkpoint (sizes, structure and checksums) and l
 DESCRIPTION = """\
 Check the checkpoint at PATH against its manifest and list every problem found,
 not only the first. Full mode (the default) reads every chunk and compares its
-checksum; --quick only checks that every chunk's file (or archive entry) exists
-with the size the manifest declares, and the archive's structure, reading no
-data. Exit status 0 when all is well, 1 when a problem was found."""
+checksum; --quick reads no data and only checks that every file exists with the
+size the manifest implies: each rank's data file (the default "packed" layout:
+one file per rank, its chunks at aligned offsets), each chunk's file (layout
+"memmap" and format version 1) or archive entry, and the archive's structure.
+A bad chunk in a data file is reported with the file and its offset there.
+Exit status 0 when all is well, 1 when a problem was found."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,11 +46,11 @@ def _positive(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from ..manifest_io import read_manifest
-    from ..verify import verify
+    from ..verify import stored_bytes, verify_manifest
 
-    total = sum(c.nbytes for leaf in read_manifest(args.path).leaves.values() for c in leaf.chunks)
-    with progress(0 if args.quick else total, "verify") as update:
-        report = verify(args.path, quick=args.quick, num_threads=args.threads, progress=update)
+    manifest = read_manifest(args.path)
+    with progress(0 if args.quick else stored_bytes(manifest), "verify") as update:
+        report = verify_manifest(args.path, manifest, quick=args.quick, num_threads=args.threads, progress=update)
     if args.json:
         emit_json(
             "verify",
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
                 "path": args.path,
                 "mode": report.mode,
                 "layout": report.layout,
+                "packing": report.packing,
                 "world_size": report.world_size,
                 "chunks": report.chunks,
                 "bytes": report.nbytes,
@@ -65,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                         "key": list(p.key) if p.key is not None else None,
                         "rank": p.rank,
                         "file": p.file,
+                        "offset": p.offset,
                         "message": p.message,
                     }
                     for p in report.problems
@@ -79,7 +84,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.path}: {len(report.problems)} problem(s) in {checked} ({what}):")
     for p in report.problems:
-        where = key_text(p.key) + f" (rank {p.rank})" if p.key is not None else "checkpoint"
+        if p.key is not None:
+            where = key_text(p.key) + f" (rank {p.rank})"
+        elif p.file is not None:
+            where = p.file + (f" (rank {p.rank})" if p.rank is not None else "")
+        else:
+            where = "checkpoint"
         print(f"  {p.kind}: {where}: {p.message}")
     sys.stdout.flush()
     first = report.problems[0].message
