@@ -88,15 +88,20 @@ def _rank_meta_files(m: Manifest, rank: int) -> dict[str, bytes]:
 
 
 def _meta_names(manifest: Manifest, files: ArchiveFiles | DirectoryFiles) -> list[str]:
-    if hasattr(files, "entries"):
-        return [n for n in files.entries if n.endswith(fmt.TD_META_NAME) and n != fmt.MANIFEST_NAME]
-    out = []
+    """The meta.json files of the source that belong to a node or a non-tensor value of the manifest.
+
+    Only these are copied: a foreign entry (``junk/meta.json``) or one that
+    collides with a leaf's file never reaches the destination.
+    """
+    expected = set()
     for rank in range(manifest.world_size):
-        top = os.path.join(files.root, fmt.rank_dir(rank))
-        for dirpath, _dirs, names in os.walk(top):
-            if fmt.TD_META_NAME in names:
-                out.append(os.path.relpath(os.path.join(dirpath, fmt.TD_META_NAME), files.root))
-    return sorted(out)
+        for key in [*manifest.nodes, *manifest.objects]:
+            expected.add(os.path.join(fmt.node_relpath(rank, key, manifest.robust_key), fmt.TD_META_NAME))
+    if isinstance(files, ArchiveFiles):
+        present = set(files.entries)
+    else:
+        present = {n for n in expected if os.path.isfile(os.path.join(files.root, n))}
+    return sorted(expected & present)
 
 
 def _size(files: ArchiveFiles | DirectoryFiles, name: str) -> int:

@@ -93,12 +93,13 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
     if len(pieces) == 1 and math.prod(box[1]) > 0:
         p = pieces[0]
         return source.tensor(leaf, chunks[p.chunk_index])[p.src]
-    out = torch.empty(box[1], dtype=leaf.dtype)
+    sources = {p.chunk_index: source.tensor(leaf, chunks[p.chunk_index]) for p in pieces}  # files checked first
+    out = torch.empty(box[1], dtype=leaf.dtype)  # only then the memory a (possibly tampered) shape asks for
     if not out.numel():
         return out
 
     def copy(p: ReadPiece) -> None:
-        out[p.dst].copy_(source.tensor(leaf, chunks[p.chunk_index])[p.src])
+        out[p.dst].copy_(sources[p.chunk_index][p.src])
 
     if pool is not None and len(pieces) > 1:
         list(pool.map(copy, pieces))

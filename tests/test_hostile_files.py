@@ -78,3 +78,23 @@ def test_damaged_compressed_leaf_is_a_corrupt_checkpoint(tmp_path, codec):
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError):
         tddist.load(path, shard=None)
+
+
+def test_unpack_writes_only_the_entries_of_the_checkpoint(tmp_path):
+    """Foreign entries of an archive (a stray meta.json, one inside a leaf's path) are never written."""
+    src = _saved(tmp_path / "a.tdz", layout=None)
+    bad = tmp_path / "b.tdz"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(bad, "w") as zout:
+        extra = {"junk/meta.json": b"{}", "rank-00000/x.memmap/meta.json": b"{}"}
+        for name, data in extra.items():
+            zout.writestr(name, data)
+        for zi in zin.infolist():  # tddist.idx and tddist.json stay last, as the format has them
+            zout.writestr(zi, zin.read(zi))
+    tddist.unpack(bad, tmp_path / "out")
+    written = sorted(
+        os.path.relpath(os.path.join(d, f), tmp_path / "out") for d, _s, fs in os.walk(tmp_path / "out") for f in fs
+    )
+    assert written == ["rank-00000/meta.json", "rank-00000/x.memmap", "tddist.idx", "tddist.json"], written
+    assert torch.equal(
+        tddist.load(tmp_path / "out", shard=None, verify=True)["x"], torch.arange(4096.0).reshape(1024, 4)
+    )
