@@ -153,11 +153,6 @@ def is_checkpoint_entry_name(name: str) -> bool:
     )
 
 
-def is_rank_dir_name(name: str) -> bool:
-    """True if ``name`` is a rank directory's name."""
-    return _RANK_DIR_RE.match(name) is not None
-
-
 def node_relpath(rank: int, key: tuple[str, ...], robust: bool = True) -> str:
     """Relative path of the directory of the (sub-)TensorDict at ``key``."""
     return os.path.join(rank_dir(rank), *(encode_key(k, robust) for k in key))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -225,8 +224,3 @@ def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, int]:
     padded = (nbytes + fmt.PACK_ALIGN - 1) // fmt.PACK_ALIGN * fmt.PACK_ALIGN
     ends = np.cumsum(padded, dtype=np.int64)
     return ends - padded, int(ends[-1]) if len(ends) else 0
-
-
-def leaf_nbytes(spec_shape: tuple[int, ...], itemsize: int) -> int:
-    """Bytes of a tensor of ``spec_shape``."""
-    return math.prod(spec_shape) * itemsize
