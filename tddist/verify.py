@@ -24,14 +24,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from . import format as fmt
 from ._fs import is_inside
 from .checksum import EMPTY, block_digest, blocks, combine_digests
-from .chunks import BoxChunks
+from .chunks import BoxChunks, ReplicaChunks, ShardChunks
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .locate import Location, Locator
 from .manifest import Chunk, Leaf, Manifest
 from .manifest_io import read_manifest
+from .merge import packed_offsets
 
 #: Kinds of ``Problem``.
 MISSING = "missing"  # the chunk's file (a rank's data file) or archive entry is not there
@@ -112,6 +115,39 @@ def stored_bytes(manifest: Manifest) -> int:
 def chunk_count(manifest: Manifest) -> int:
     """The number of chunks a checkpoint stores (empty ones included), without building them."""
     return sum(len(leaf.table) for leaf in manifest.leaves.values())
+
+
+def data_file_sizes(manifest: Manifest) -> np.ndarray:
+    """The size of every rank's data file (packing "packed"), for all ranks at once (int64[world_size]).
+
+    A data file holds the rank's chunks each padded by ``merge.packed_offsets``'
+    rule, so its size is the sum over leaves of the rank's padded chunk size.
+    Computed leaf by leaf over the ranks' column (``Locator.packed`` gives the
+    same size one rank at a time, with a loop over the leaves).
+    """
+    world = manifest.world_size
+    sizes = np.zeros(world, dtype=np.int64)
+    for leaf in manifest.leaves.values():
+        nbytes = _nbytes_by_rank(leaf, world)
+        # packed_offsets pads each element of its argument on its own: the offsets of this column,
+        # taken as one file's chunks, differ by each rank's padded chunk size
+        offsets, end = packed_offsets(nbytes)
+        sizes += np.diff(offsets, append=end)
+    return sizes
+
+
+def _nbytes_by_rank(leaf: Leaf, world: int) -> np.ndarray:
+    """The bytes each rank stored of ``leaf`` (int64[world]; ``table.nbytes_of_rank`` for every rank)."""
+    t = leaf.table
+    out = np.zeros(world, dtype=np.int64)
+    if isinstance(t, ShardChunks):  # chunk r is rank r's
+        lengths = np.asarray(t.lengths, dtype=np.int64)[:world]
+        out[: len(lengths)] = lengths * t.row_bytes
+    elif isinstance(t, ReplicaChunks):
+        out[t.writer] = math.prod(t.shape) * t.itemsize
+    elif len(t):
+        out[np.asarray(t.ranks, dtype=np.int64)] = np.prod(t.sizes, axis=1, dtype=np.int64) * t.itemsize
+    return out
 
 
 def verify(
@@ -225,8 +261,9 @@ class _Check:
         """Each rank's data file (exists, regular, inside, exact size); then, unless quick, every chunk's span."""
         m = self.manifest
         bad = set()
+        sizes = data_file_sizes(m).tolist()
         for rank in range(m.world_size):
-            found = self._check_data_file(rank)
+            found = self._check_data_file(rank, sizes[rank])
             if found is not None:
                 self.problems.append(found)
                 bad.add(rank)
@@ -259,10 +296,9 @@ class _Check:
         found_in_chunks.sort(key=lambda t: (t[0], t[1]))
         self.problems.extend(p for _li, _i, p in found_in_chunks)
 
-    def _check_data_file(self, rank: int) -> Problem | None:
+    def _check_data_file(self, rank: int, size: int) -> Problem | None:
         rel = fmt.rank_data_name(rank)
         full = os.path.join(self.root, rel)
-        size = self.locator.packed(rank)[1]
         what = f"data file {full!r} of rank {rank}"
         held = self._held(rank)
         if not is_inside(self.real_root, os.path.dirname(full)):

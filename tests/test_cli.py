@@ -433,6 +433,36 @@ def test_verify_lists_every_bad_chunk_of_a_packed_checkpoint(tmp_path):
     assert [(p.kind, p.rank) for p in verify(ckpt, quick=True).problems][0] == ("not-a-file", 0)
 
 
+def test_data_file_sizes_are_the_locators():
+    """verify --quick computes every rank's data-file size at once; Locator gives it one rank at a time."""
+    import numpy as np
+
+    from tddist.chunks import BoxChunks, ReplicaChunks, ShardChunks
+    from tddist.manifest import Leaf, Manifest
+    from tddist.verify import data_file_sizes
+
+    def same(m: Manifest) -> None:
+        loc = Locator(m)
+        assert data_file_sizes(m).tolist() == [loc.packed(r)[1] for r in range(m.world_size)]
+
+    for path in sorted((REPO / "tests" / "golden").glob("v*/*")):
+        same(tddist.read_manifest(path))
+    u8 = np.zeros(4, dtype=np.uint64)
+    leaves = [
+        Leaf(("s",), "float32", (9, 5), tddist.Shard(0), ShardChunks((9, 5), 0, 4, np.array([4, 0, 2, 3]), u8)),
+        Leaf(("c",), "int16", (3, 7), tddist.Shard(1), ShardChunks((3, 7), 1, 2, np.array([1, 1, 5, 0]), u8)),
+        Leaf(("r",), "float64", (3,), tddist.Replicate(), ReplicaChunks((3,), 8, 1, 0)),
+        Leaf(
+            ("d",),
+            "bfloat16",
+            (4, 40),
+            tddist.Replicate(),  # the placement is not used here: the table's columns are
+            BoxChunks(2, np.array([3, 0]), np.array([[0, 0], [2, 0]]), np.array([[2, 40], [2, 40]]), u8[:2]),
+        ),
+    ]
+    same(Manifest(world_size=4, nodes={(): ()}, leaves={leaf.key: leaf for leaf in leaves}, packing="packed"))
+
+
 def test_verify_lists_every_bad_chunk_of_a_memmap_checkpoint(tmp_path):
     ckpt = tmp_path / "ck"
     three_ranks(ckpt, layout="memmap")  # one file per leaf and rank, in rank directories
