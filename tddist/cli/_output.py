@@ -5,6 +5,7 @@ Nothing here imports torch; tqdm is imported only when a bar is shown.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -161,3 +162,14 @@ def _wchar() -> int | None:
     except OSError:
         return None
     return None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer (``--threads``, ``--keep-last``)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n

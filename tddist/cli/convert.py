@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ..errors import TargetError
-from ._output import emit_json, written_bytes_progress
+from ._output import emit_json, positive_int, written_bytes_progress
 
 PACK_DESCRIPTION = """\
 Write the committed directory checkpoint SRC as the single-file archive DST
@@ -51,21 +51,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _common(s: argparse.ArgumentParser, name: str) -> None:
     s.add_argument("--force", action="store_true", help="replace DST if it exists (a tddist checkpoint only)")
     s.add_argument(
-        "--threads", type=_positive, default=2, metavar="N", help="threads that hash, compress and write (default: 2)"
+        "--threads",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="threads that hash, compress and write (default: 2)",
     )
     s.add_argument(
         "--json", action="store_true", help=f"print one JSON object (schema tddist.{name}/1, see docs/cli.md)"
     )
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
 
 
 def _refuse_existing(args: argparse.Namespace) -> None:

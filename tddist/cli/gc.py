@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import inventory
-from ._output import emit_json, human_bytes, shown_path
+from ._output import emit_json, human_bytes, positive_int, shown_path
 
 HELP = "remove leftovers of interrupted saves and old checkpoints under a root, as the manager does"
 DESCRIPTION = """\
@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("root", metavar="ROOT", help="a CheckpointManager root (holding step-NNNNNNNNN checkpoints)")
     s.add_argument(
         "--keep-last",
-        type=_positive,
+        type=positive_int,
         default=None,
         metavar="N",
         help="also delete committed checkpoints beyond the N newest (default: keep every checkpoint)",
@@ -31,16 +31,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dry-run", action="store_true", help="print what would be done; change nothing")
     s.add_argument("--json", action="store_true", help="print one JSON object (schema tddist.gc/1, see docs/cli.md)")
     s.set_defaults(run=run)
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
 
 
 _PAST = {"remove": "removed", "restore": "restored", "delete": "deleted", "keep": "kept"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ._output import emit_json, human_bytes, key_text, progress
+from ._output import emit_json, human_bytes, key_text, positive_int, progress
 
 HELP = "check every chunk of a checkpoint (sizes, structure and checksums) and list every problem"
 DESCRIPTION = """\
@@ -26,22 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("path", metavar="PATH", help="a checkpoint directory or .tdz archive")
     s.add_argument("--quick", action="store_true", help="check sizes and structure only; read no data")
     s.add_argument(
-        "--threads", type=_positive, default=2, metavar="N", help="threads that read and hash chunks (default: 2)"
+        "--threads", type=positive_int, default=2, metavar="N", help="threads that read and hash chunks (default: 2)"
     )
     s.add_argument(
         "--json", action="store_true", help="print one JSON object (schema tddist.verify/1, see docs/cli.md)"
     )
     s.set_defaults(run=run)
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return n
 
 
 def run(args: argparse.Namespace) -> int:
