@@ -89,6 +89,10 @@ class ShardChunks:
         """Bytes ``rank`` stored for this leaf."""
         return int(self.lengths[rank]) * self.row_bytes
 
+    def nbytes_by_rank(self, world: int) -> np.ndarray:
+        """Bytes every rank stored for this leaf (int64[world])."""
+        return np.asarray(self.lengths, dtype=np.int64)[:world] * self.row_bytes
+
 
 class ReplicaChunks:
     """The whole leaf, stored once by ``writer``."""
@@ -111,6 +115,11 @@ class ReplicaChunks:
 
     def nbytes_of_rank(self, rank: int) -> int:
         return math.prod(self.shape) * self.itemsize if rank == self.writer else 0
+
+    def nbytes_by_rank(self, world: int) -> np.ndarray:
+        out = np.zeros(world, dtype=np.int64)
+        out[self.writer] = math.prod(self.shape) * self.itemsize
+        return out
 
 
 class BoxChunks:
@@ -144,6 +153,12 @@ class BoxChunks:
     def nbytes_of_rank(self, rank: int) -> int:
         i = self.index_of_rank(rank)
         return 0 if i is None else int(np.prod(self.sizes[i], dtype=np.int64)) * self.itemsize
+
+    def nbytes_by_rank(self, world: int) -> np.ndarray:
+        out = np.zeros(world, dtype=np.int64)
+        if len(self.ranks):
+            out[np.asarray(self.ranks, dtype=np.int64)] = np.prod(self.sizes, axis=1, dtype=np.int64) * self.itemsize
+        return out
 
 
 ChunkTable = ShardChunks | ReplicaChunks | BoxChunks

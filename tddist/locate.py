@@ -36,6 +36,7 @@ class Locator:
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self._packed: dict[int, tuple[dict[Key, int], int]] = {}
+        self._all: tuple[np.ndarray, np.ndarray] | None = None  # offsets[leaf, rank], sizes[rank]
 
     def locate(self, leaf: Leaf, chunk: Chunk) -> Location:
         m = self.manifest
@@ -45,11 +46,29 @@ class Locator:
         return Location(fmt.rank_data_name(chunk.rank), offsets.get(leaf.key, 0), chunk.nbytes, size)
 
     def packed(self, rank: int) -> tuple[dict[Key, int], int]:
-        """Each leaf's offset in ``rank``'s data file, and the file's size."""
+        """Each leaf's offset in ``rank``'s data file, and the file's size.
+
+        The first rank asked for is computed alone (one pass over the leaves:
+        a rank loading its own rows); from the second one on, every rank is
+        computed at once, column by column (a load of the whole checkpoint).
+        """
         found = self._packed.get(rank)
-        if found is None:
-            keys = list(self.manifest.leaves)
+        if found is not None:
+            return found
+        keys = list(self.manifest.leaves)
+        if not self._packed and self._all is None:
             nbytes = np.array([leaf.table.nbytes_of_rank(rank) for leaf in self.manifest.leaves.values()], np.int64)
-            offsets, size = packed_offsets(nbytes)
-            found = self._packed[rank] = (dict(zip(keys, offsets.tolist())), size)
+            offsets, total = packed_offsets(nbytes)
+            size = int(total)
+        else:
+            if self._all is None:
+                self._all = self._every_rank()
+            offsets, size = self._all[0][:, rank], int(self._all[1][rank])
+        found = self._packed[rank] = (dict(zip(keys, offsets.tolist())), size)
         return found
+
+    def _every_rank(self) -> tuple[np.ndarray, np.ndarray]:
+        """offsets[leaf, rank] of every chunk in its rank's data file, and every data file's size."""
+        world = self.manifest.world_size
+        rows = [leaf.table.nbytes_by_rank(world) for leaf in self.manifest.leaves.values()]
+        return packed_offsets(np.stack(rows) if rows else np.zeros((0, world), dtype=np.int64))

@@ -74,7 +74,10 @@ def leaf_box(leaf: Leaf, shard: ShardRequest, rank: int, size: int) -> Box:
         return full_box(leaf.shape)
     d = leaf.placement.dim
     if isinstance(shard, SavedRows):
-        return leaf.chunks[rank].box
+        chunk = leaf.chunk_of_rank(rank)  # one chunk, not every rank's
+        if chunk is None:
+            raise InvalidArgumentError(f"rank {rank}: the checkpoint holds no chunk of leaf {list(leaf.key)} for it")
+        return chunk.box
     start, stop = row_range(leaf.shape[d], shard, rank, size, f"leaf {list(leaf.key)}")
     return shard_box(leaf.shape, d, start, stop)
 

@@ -29,7 +29,7 @@ import numpy as np
 from . import format as fmt
 from ._fs import is_inside
 from .checksum import EMPTY, block_digest, blocks, combine_digests
-from .chunks import BoxChunks, ReplicaChunks, ShardChunks
+from .chunks import BoxChunks
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .locate import Location, Locator
 from .manifest import Chunk, Leaf, Manifest
@@ -118,36 +118,11 @@ def chunk_count(manifest: Manifest) -> int:
 
 
 def data_file_sizes(manifest: Manifest) -> np.ndarray:
-    """The size of every rank's data file (packing "packed"), for all ranks at once (int64[world_size]).
-
-    A data file holds the rank's chunks each padded by ``merge.packed_offsets``'
-    rule, so its size is the sum over leaves of the rank's padded chunk size.
-    Computed leaf by leaf over the ranks' column (``Locator.packed`` gives the
-    same size one rank at a time, with a loop over the leaves).
-    """
+    """The size of every rank's data file (packing "packed"), for all ranks at once (int64[world_size])."""
     world = manifest.world_size
-    sizes = np.zeros(world, dtype=np.int64)
-    for leaf in manifest.leaves.values():
-        nbytes = _nbytes_by_rank(leaf, world)
-        # packed_offsets pads each element of its argument on its own: the offsets of this column,
-        # taken as one file's chunks, differ by each rank's padded chunk size
-        offsets, end = packed_offsets(nbytes)
-        sizes += np.diff(offsets, append=end)
-    return sizes
-
-
-def _nbytes_by_rank(leaf: Leaf, world: int) -> np.ndarray:
-    """The bytes each rank stored of ``leaf`` (int64[world]; ``table.nbytes_of_rank`` for every rank)."""
-    t = leaf.table
-    out = np.zeros(world, dtype=np.int64)
-    if isinstance(t, ShardChunks):  # chunk r is rank r's
-        lengths = np.asarray(t.lengths, dtype=np.int64)[:world]
-        out[: len(lengths)] = lengths * t.row_bytes
-    elif isinstance(t, ReplicaChunks):
-        out[t.writer] = math.prod(t.shape) * t.itemsize
-    elif len(t):
-        out[np.asarray(t.ranks, dtype=np.int64)] = np.prod(t.sizes, axis=1, dtype=np.int64) * t.itemsize
-    return out
+    rows = [leaf.table.nbytes_by_rank(world) for leaf in manifest.leaves.values()]
+    _offsets, sizes = packed_offsets(np.stack(rows) if rows else np.zeros((0, world), dtype=np.int64))
+    return np.asarray(sizes, dtype=np.int64).reshape(world)
 
 
 def verify(

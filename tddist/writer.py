@@ -192,7 +192,8 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int) -> dict
     """
     written = [(i.key, tensor_bytes(i.tensor)) for i in items if i.writes]
     sizes = np.array([a.size for _k, a in written], dtype=np.int64)
-    offsets, total = packed_offsets(sizes)
+    offsets, end = packed_offsets(sizes)
+    total = int(end)
     stored: dict[Key, StoredBytes] = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
