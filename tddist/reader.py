@@ -72,7 +72,8 @@ class ChunkSource:
         if chunk.nbytes == 0:
             actual = EMPTY
         else:
-            data = self._array(leaf, chunk).numpy()
+            # the very mapping (or decompressed copy) the load returns: mapped, or inflated, once
+            data = self.tensor(leaf, chunk).reshape(-1).view(torch.uint8).numpy()
             actual = combine_digests(hash_blocks(data, pool.map if pool else map))
         if actual != chunk.checksum:
             raise CorruptCheckpointError(

@@ -63,9 +63,7 @@ class _FileJob:
         lo = index * fmt.CHECKSUM_BLOCK
         block = self.data[lo : lo + fmt.CHECKSUM_BLOCK]
         self.digests[index] = block_digest(block)
-        pos = 0
-        while pos < len(block):
-            pos += os.pwrite(self.fd, block[pos : pos + _WRITE_STEP], lo + pos)
+        _pwrite_all(self.fd, block, lo)
         with self.lock:
             self.remaining -= 1
             last = self.remaining == 0
