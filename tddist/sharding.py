@@ -40,11 +40,25 @@ class Replicate:
 
 
 @dataclass(frozen=True)
+class PerRank:
+    """Each rank keeps its own value of the leaf (RNG states, a sampler's position); every rank's is written.
+
+    A placement for ``save(placements={key: PerRank()})``, per leaf or per
+    sub-TensorDict (then its non-tensor values too are kept per rank). The
+    ranks' values must have the same shape and dtype. Loaded on the saving
+    world size, each rank gets its own value back; on another world size,
+    ``load(per_rank=...)`` says what to do (by default it raises, naming the
+    keys). The stored leaf is the ranks' values stacked along a new dim 0:
+    ``load(shard=None)`` returns that stack.
+    """
+
+
+@dataclass(frozen=True)
 class Boxes:
     """Each rank holds an arbitrary box of the leaf (a DTensor's local shard); replicas are written once."""
 
 
-Placement = Shard | Replicate | Boxes
+Placement = Shard | Replicate | Boxes | PerRank
 
 
 def even_split(n: int, parts: int) -> list[tuple[int, int]]:
