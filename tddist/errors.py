@@ -69,6 +69,10 @@ class CollectiveError(TddistError):
     """Several ranks failed with different errors; ``failures`` lists them all."""
 
 
+class RootLockedError(TddistError):
+    """Another live job holds the lock of a ``CheckpointManager``'s root; the message names its host and pid."""
+
+
 class SaveInProgressError(TddistError):
     """An asynchronous save is still in flight and the caller asked not to wait for it."""
 
@@ -108,6 +112,7 @@ BY_NAME: dict[str, type[TddistError]] = {
         CommTimeoutError,
         CollectiveError,
         SaveInProgressError,
+        RootLockedError,
         InjectedFault,
     )
 }
