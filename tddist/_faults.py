@@ -1,22 +1,46 @@
 """Fault injection at named points of the commit, for the test suite.
 
-Set ``TDDIST_FAULT=<point>:<rank>:<action>[,...]`` (action: ``raise``,
-``kill`` for SIGKILL, ``hang``, ``delay`` for one second) or use ``inject()`` in-process. The points are
-listed in ``commit.py``'s docstring. With nothing set this is one dict lookup.
+Set ``TDDIST_FAULT=<point>:<rank>:<action>[,...]`` or use ``inject()``
+in-process. The points are listed in ``commit.py``'s docstring. With nothing
+set this is one dict lookup. Actions:
+
+- ``raise``: raise ``InjectedFault``;
+- ``kill``: SIGKILL this process (a crashed rank: what it wrote stays in the
+  page cache and reaches the disk later);
+- ``powercut``: shut the file system named by ``TDDIST_POWERCUT_PATH`` (any
+  path on it, such as its mount point) down with ``FS_IOC_GOINGDOWN`` and
+  ``FSOP_GOING_FLAGS_NOLOGFLUSH``, then SIGKILL this process. Everything not
+  yet fsynced is lost, and from then on every access to that file system
+  fails with EIO, as if the machine had lost power. It needs CAP_SYS_ADMIN
+  and a file system that supports the call (ext4, XFS); unmount and mount it
+  again to replay its journal;
+- ``hang``: sleep forever;
+- ``delay``: sleep one second, then go on.
+
+``TDDIST_NO_EXCHANGE=1`` (or ``without_exchange()`` in-process) makes
+``publish`` behave as where ``renameat2(RENAME_EXCHANGE)`` is unsupported, so
+an existing checkpoint is replaced through a backup name.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
+import struct
 import time
 from collections.abc import Iterator
 
 from .errors import InjectedFault
 
 ENV = "TDDIST_FAULT"
+POWERCUT_ENV = "TDDIST_POWERCUT_PATH"
+NO_EXCHANGE_ENV = "TDDIST_NO_EXCHANGE"
+FS_IOC_GOINGDOWN = 0x8004587D  # _IOR('X', 125, __u32), shared by XFS and ext4
+FSOP_GOING_FLAGS_NOLOGFLUSH = 2  # do not flush the log: what was not fsynced is lost
 _injected: dict[tuple[str, int], str] = {}
+_no_exchange: list[bool] = []
 
 
 def _from_env() -> dict[tuple[str, int], str]:
@@ -39,6 +63,8 @@ def fault_point(point: str, rank: int) -> None:
         raise InjectedFault(f"rank {rank}: injected failure at commit step {point!r}")
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "powercut":
+        power_cut(os.environ.get(POWERCUT_ENV, ""))
     if action == "hang":
         while True:
             time.sleep(3600)
@@ -46,6 +72,27 @@ def fault_point(point: str, rank: int) -> None:
         time.sleep(1.0)
         return
     raise ValueError(f"unknown fault action {action!r}")
+
+
+def power_cut(path: str) -> None:
+    """Shut down the file system holding ``path`` without flushing its log, then SIGKILL this process.
+
+    Raises OSError (and the process lives on) when the file system cannot be
+    shut down, so a test sees that no cut happened.
+    """
+    if not path:
+        raise ValueError(f"the fault action 'powercut' needs {POWERCUT_ENV} set to a path on the file system to cut")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, FS_IOC_GOINGDOWN, struct.pack("I", FSOP_GOING_FLAGS_NOLOGFLUSH))
+    finally:
+        os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exchange_disabled() -> bool:
+    """True when tests make ``publish`` replace through a backup name instead of RENAME_EXCHANGE."""
+    return bool(_no_exchange) or os.environ.get(NO_EXCHANGE_ENV) == "1"
 
 
 @contextlib.contextmanager
@@ -56,3 +103,13 @@ def inject(point: str, rank: int, action: str = "raise") -> Iterator[None]:
         yield
     finally:
         _injected.pop((point, rank), None)
+
+
+@contextlib.contextmanager
+def without_exchange() -> Iterator[None]:
+    """In-process: ``publish`` behaves as where RENAME_EXCHANGE is unsupported."""
+    _no_exchange.append(True)
+    try:
+        yield
+    finally:
+        _no_exchange.pop()

@@ -34,6 +34,27 @@ Without RENAME_EXCHANGE the old checkpoint is first renamed to
 ``.<target>.tddist-backup-<uuid>``; ``recover`` puts it back if a crash struck
 before the new one was in place (``publish.py``).
 
+The fault-injection points in protocol order (``_faults``; "all" runs on
+every rank, "0" on rank 0 only):
+
+============  =====  ==========================================================
+``begin``     all    before the first round (nothing staged yet)
+``prepare``   0      the staging area exists, nothing written
+``midwrite``  all    part of the rank's bytes written, none fsynced
+                     (``writer.write_packed``, ``zipcodec.write_region``)
+``write``     all    the rank's part is written and durable, not yet sent
+``vote``      all    the votes reached rank 0 (after the gather)
+``validate``  0      fragments merged and validated; before the manifest
+``manifest``  0      manifest written, staging area fsynced; before publish
+``backup``    0      without RENAME_EXCHANGE: between the two renames (the
+                     old checkpoint is at the backup name, the target absent)
+``renamed``   0      the commit rename done; before the parent's fsync
+``replace``   0      the parent fsynced; the old copy not yet removed
+``discard``   0      part of the old copy (or of a staging area) removed
+``publish``   0      committed and durable; before the announcement
+``announce``  all    the decision received; before ``save`` returns
+============  =====  ==========================================================
+
 With ``atomic=False`` (directories only) the ranks write into the target
 itself and the manifest is still written last, so an interrupted save leaves
 a directory that readers refuse instead of misread.
@@ -61,6 +82,7 @@ def two_phase_commit(comm: Communicator, writer: ShardWriter, build_manifest: Ma
     Raises the same error on every rank otherwise.
     """
     what, rank = f"save to {writer.target!r}", comm.rank
+    fault_point("begin", rank)
     staging: Staging = decide_on_rank0(comm, what, lambda plans: _open(writer, plans), contribute(writer.plan))
     vote = contribute(lambda: _write(writer, staging, rank))
     committed: list[bool] = []

@@ -13,7 +13,7 @@ import logging
 import os
 
 from . import format as fmt
-from ._faults import fault_point
+from ._faults import exchange_disabled, fault_point
 from ._fs import exchange, fsync_path, remove_tree, rename_noreplace
 
 logger = logging.getLogger(__name__)
@@ -24,9 +24,11 @@ def publish(staging: str, target: str) -> None:
     parent = os.path.dirname(os.path.abspath(target))
     if not os.path.exists(target):
         rename_noreplace(staging, target)
+        fault_point("renamed", 0)
         fsync_path(parent)
         return
-    if exchange(staging, target):
+    if not exchange_disabled() and exchange(staging, target):
+        fault_point("renamed", 0)
         fsync_path(parent)
         fault_point("replace", 0)
         discard(staging)  # now holds the old checkpoint; the new one is committed either way
@@ -35,8 +37,11 @@ def publish(staging: str, target: str) -> None:
     backup = fmt.backup_path(target)
     os.rename(target, backup)
     fsync_path(parent)
+    fault_point("backup", 0)
     os.rename(staging, target)
+    fault_point("renamed", 0)
     fsync_path(parent)
+    fault_point("replace", 0)
     discard(backup)
 
 
@@ -46,6 +51,11 @@ def discard(path: str) -> None:
     It must never stop a commit or keep rank 0 from announcing its decision.
     """
     try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            first = min(os.listdir(path), default=None)
+            if first is not None:
+                remove_tree(os.path.join(path, first))
+        fault_point("discard", 0)  # part of a directory is gone
         remove_tree(path)
     except OSError as e:
         logger.warning("could not remove %s (%s); tddist.recover will", path, e)

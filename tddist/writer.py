@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import format as fmt
+from ._faults import fault_point
 from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_durable
 from .checksum import EMPTY, block_digest, combine_digests, tensor_bytes
 from .layouts.base import node_meta_files
@@ -178,7 +179,7 @@ def write_shard(root: str, rank: int, shard: LocalShard, robust_key: bool, num_t
 _SMALL = 1024 * 1024  # chunks below this are copied into one buffer and written with one call
 
 
-def write_packed(path: str, items: Sequence[SaveItem], num_threads: int) -> dict[Key, StoredBytes]:
+def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: int) -> dict[Key, StoredBytes]:
     """Write every chunk this rank stores into one data file (packing "packed"), durably.
 
     Chunks follow ``items`` (the save's structure order) at the offsets of
@@ -186,7 +187,8 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int) -> dict
     are written in CHECKSUM_BLOCK blocks from several threads, each block
     hashed while in cache; small ones are gathered into batches of about
     ``_WRITE_STEP`` bytes and written with one positioned write each (one
-    file and one fsync per rank instead of one per leaf).
+    file and one fsync per rank instead of one per leaf). ``rank`` (the
+    writer's) names the fault point ``midwrite``, halfway through the writes.
     """
     written = [(i.key, tensor_bytes(i.tensor)) for i in items if i.writes]
     sizes = np.array([a.size for _k, a in written], dtype=np.int64)
@@ -217,6 +219,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int) -> dict
                 batch, batch_bytes = [], 0
         if batch:
             tasks.append(partial(_put_batch, fd, batch))
+        tasks.insert(len(tasks) // 2, partial(fault_point, "midwrite", rank))
         _run_all(tasks, num_threads)
         os.fsync(fd)
     finally:

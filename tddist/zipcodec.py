@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
 from ._compat import local_header, write_central_directory, zip_lzma_compressor
+from ._faults import fault_point
 from .checksum import block_digest, tensor_bytes
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .types import ArchiveEntryRow, Compression
@@ -233,8 +234,11 @@ def place_entries(entries: list[Entry], start: int) -> int:
     return pos + (-pos % ALIGN)
 
 
-def write_region(path: str, entries: list[Entry], num_threads: int) -> None:
-    """pwrite every entry's header and payload at its offset, from several threads; fsync."""
+def write_region(path: str, entries: list[Entry], num_threads: int, rank: int = -1) -> None:
+    """pwrite every entry's header and payload at its offset, from several threads; fsync.
+
+    ``rank`` (the writer's, -1 for none) names the fault point ``midwrite``, halfway through the writes.
+    """
     fd = os.open(path, os.O_WRONLY)
     try:
         tasks = []
@@ -245,8 +249,13 @@ def write_region(path: str, entries: list[Entry], num_threads: int) -> None:
             for piece in payload:
                 tasks.append((pos, memoryview(piece)))
                 pos += len(piece)
+        midway = (-1, memoryview(b""))
+        tasks.insert(len(tasks) // 2, midway)
 
         def put(task: tuple[int, memoryview]) -> None:
+            if task is midway:
+                fault_point("midwrite", rank)
+                return
             pos, view = task
             done = 0
             while done < len(view):

@@ -113,7 +113,7 @@ class ArchiveWriter(WriterBase):
         """Write this rank's entries into its region; fsync."""
         self.check_reference(staging)
         place_entries(self.entries, staging.region_start(self.rank))
-        write_region(staging.path, self.entries, self.options.num_threads)
+        write_region(staging.path, self.entries, self.options.num_threads, self.rank)
         by_name = {e.name: e for e in self.entries}
         stored = {}
         for key in self.local_shard().written():

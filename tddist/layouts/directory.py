@@ -79,7 +79,8 @@ class DirectoryWriter(WriterBase):
         self.check_reference(staging)
         o, shard = self.options, self.local_shard()
         if o.packing == "packed":
-            stored = write_packed(os.path.join(staging.path, fmt.rank_data_name(self.rank)), shard.items, o.num_threads)
+            data = os.path.join(staging.path, fmt.rank_data_name(self.rank))
+            stored = write_packed(data, shard.items, o.num_threads, self.rank)
         else:
             stored = write_shard(staging.path, self.rank, shard, o.robust_key, o.num_threads)
         return self.fragment(stored)
