@@ -20,7 +20,7 @@ from . import format as fmt
 from .chunks import ReplicaChunks, ShardChunks
 from .manifest import Leaf, Manifest, ObjectLeaf
 from .manifest_io import read_manifest
-from .sharding import Boxes, Replicate, Shard
+from .sharding import Boxes, PerRank, Replicate, Shard
 
 #: How the content of a leaf present in both was compared (``LeafDiff.content``).
 SAME = "same"
@@ -92,6 +92,8 @@ def placement_text(leaf: Leaf) -> str:
         return f"sharded on dim {p.dim}"
     if isinstance(p, Replicate):
         return "replicated"
+    if isinstance(p, PerRank):
+        return "per rank"
     assert isinstance(p, Boxes)
     return "DTensor"
 

@@ -78,11 +78,14 @@ class ObjectLeaf:
         key: The leaf's key, one string per nesting level.
         placement: "replicate", "per_rank" or "shard", as above.
         values: The encoded values (see ``format.encode_object``): one, or one per rank.
+        declared: "per_rank" because it was saved under a ``PerRank()`` placement (not only because
+            the ranks' values differ): loading it on another world size follows ``load(per_rank=...)``.
     """
 
     key: Key
     placement: str
     values: list[Any]  # encoded values (see format.encode_object)
+    declared: bool = False
 
 
 @dataclass
@@ -234,7 +237,12 @@ def parse_objects(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
         )
         if placement == "shard":
             p.check(all(isinstance(v, list) for v in values), f"has non-tensor stack {key!r} with non-list values")
-        objects[key] = ObjectLeaf(key, placement, values)
+        declared = o.get("declared", False)
+        p.check(
+            declared is False or (declared is True and placement == "per_rank"),
+            f"has non-tensor entry {key!r} with an invalid 'declared' {declared!r} (only true on a per_rank entry)",
+        )
+        objects[key] = ObjectLeaf(key, placement, values, declared)
 
 
 class Parser:

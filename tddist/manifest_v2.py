@@ -28,8 +28,8 @@ import xxhash
 from . import format as fmt
 from .chunks import BoxChunks, ReplicaChunks, ShardChunks
 from .errors import ManifestError
-from .manifest import Leaf, Manifest, Parser, add_leaf, parse_nodes
-from .sharding import Boxes, Placement, Replicate, Shard, tiling_problems
+from .manifest import Leaf, Manifest, ObjectLeaf, Parser, add_leaf, parse_nodes
+from .sharding import Boxes, PerRank, Placement, Replicate, Shard, tiling_problems
 from .types import Key, ManifestFiles
 
 _I8 = np.dtype("<i8")
@@ -48,7 +48,11 @@ def encode(m: Manifest) -> ManifestFiles:
     for leaf in m.leaves.values():
         entry: dict[str, Any] = {"key": list(leaf.key), "dtype": leaf.dtype_name, "shape": list(leaf.shape)}
         t = leaf.table
-        if isinstance(t, ShardChunks):
+        if isinstance(leaf.placement, PerRank):
+            assert isinstance(t, ShardChunks)  # the ranks' values stacked along dim 0, one row each
+            entry["placement"] = {"type": "per_rank"}
+            sums.append(np.ascontiguousarray(t.checksums, dtype=_U8).tobytes())
+        elif isinstance(t, ShardChunks):
             entry["placement"] = {"type": "shard", "dim": t.dim}
             parent = node_rows.get(leaf.key[:-1])
             from_node = t.dim == 0 and parent is not None and np.array_equal(t.lengths, parent)
@@ -83,9 +87,16 @@ def encode(m: Manifest) -> ManifestFiles:
         "metadata": m.metadata,
         "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
         "leaves": leaves,
-        "objects": [{"key": list(o.key), "placement": o.placement, "values": o.values} for o in m.objects.values()],
+        "objects": [_object_entry(o) for o in m.objects.values()],
     }
     return ManifestFiles(fmt.dumps(obj), index)
+
+
+def _object_entry(o: ObjectLeaf) -> dict[str, Any]:
+    entry: dict[str, Any] = {"key": list(o.key), "placement": o.placement, "values": o.values}
+    if o.declared:
+        entry["declared"] = True
+    return entry
 
 
 def _rows_to_encode(m: Manifest, key: Key) -> np.ndarray:
@@ -165,6 +176,10 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: bytes | None)
             ok = bool((rows_of >= 0).all()) and int(rows_of.sum()) == e.shape[dim]
             p.check(ok, f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[dim]}")
             table: Any = ShardChunks(e.shape, dim, itemsize, rows_of, sums[e.key])
+        elif isinstance(e.placement, PerRank):
+            ok = len(e.shape) >= 1 and e.shape[0] == world
+            p.check(ok, f"per-rank leaf {e.key!r} has shape {list(e.shape)}, which does not start with {world} ranks")
+            table = ShardChunks(e.shape, 0, itemsize, np.ones(world, dtype=_I8), sums[e.key])
         elif isinstance(e.placement, Replicate):
             table = ReplicaChunks(e.shape, itemsize, e.writer, int(sums[e.key][0]))
         else:
@@ -174,7 +189,7 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: bytes | None)
 
 
 def _chunk_count(e: _LeafEntry, world: int) -> int:
-    if isinstance(e.placement, Shard):
+    if isinstance(e.placement, (Shard, PerRank)):
         return world
     return 1 if isinstance(e.placement, Replicate) else e.chunks
 
@@ -199,6 +214,8 @@ def _leaf_entry(p: Parser, e: Any, world: int) -> _LeafEntry:
         writer = e.get("writer")
         p.check(type(writer) is int and 0 <= writer < world, f"leaf {key!r} has an invalid writer {writer!r}")
         return _LeafEntry(key, dtype, shape, Replicate(), writer=writer)
+    if kind == "per_rank":
+        return _LeafEntry(key, dtype, shape, PerRank())
     if kind == "boxes":
         n = e.get("chunks")
         p.check(type(n) is int and 0 <= n <= world, f"leaf {key!r} has an invalid chunk count {n!r}")

@@ -21,7 +21,7 @@ from . import format as fmt
 from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
 from .errors import ShardingError
 from .manifest import Leaf, Manifest, ObjectLeaf
-from .sharding import Box, Boxes, Replicate, Shard, tiling_problems
+from .sharding import Box, Boxes, PerRank, Replicate, Shard, tiling_problems
 from .types import Fragment, Key, LeafSpec, Structure
 
 logger = logging.getLogger(__name__)
@@ -143,12 +143,17 @@ def _table(
         dim = spec.placement.dim
         shape = spec.shape[:dim] + (int(lengths.sum()),) + spec.shape[dim + 1 :]
         return ShardChunks(shape, dim, itemsize, lengths, sums)
+    if isinstance(spec.placement, PerRank):  # the ranks' values stacked along a new dim 0, one row each
+        world = len(lengths)
+        return ShardChunks((world, *spec.shape), 0, itemsize, np.ones(world, dtype=_I8), sums)
     if isinstance(spec.placement, Replicate):
         differing = [r for r in range(1, len(sums)) if sums[r] not in (0, sums[0])]
         if differing:
             raise ShardingError(
                 f"replicated leaf {_show(spec.key)} differs between ranks: rank(s) {differing[:16]} hold other values "
-                f"than rank 0, whose copy would be written; make the replicas equal, or shard the leaf"
+                f"than rank 0, whose copy would be written; if each rank's value is its own (an RNG state, a "
+                f"sampler's position), save it with placements={{{_show(spec.key)}: tddist.PerRank()}}; otherwise "
+                f"make the replicas equal, or shard the leaf"
             )
         return ReplicaChunks(spec.shape, itemsize, 0, int(sums[0]))
     assert isinstance(spec.placement, Boxes)
@@ -202,6 +207,8 @@ def _merge_objects(fragments: list[Fragment], reference: Structure) -> dict[Key,
         encoded = [fmt.dumps(v) for v in values]  # 1, 1.0 and True are ==, but not the same value
         if spec.kind == "stack":
             out[spec.key] = ObjectLeaf(spec.key, "shard", values)
+        elif spec.per_rank:
+            out[spec.key] = ObjectLeaf(spec.key, "per_rank", values, declared=True)
         elif all(e == encoded[0] for e in encoded):
             out[spec.key] = ObjectLeaf(spec.key, "replicate", values[:1])
         else:

@@ -15,13 +15,15 @@ import xxhash
 
 from . import format as fmt
 from .errors import ShardingError
-from .sharding import Boxes, Placement, Replicate, Shard
+from .sharding import Boxes, PerRank, Placement, Replicate, Shard
 from .types import VARIES, Key, LeafSpec, LocalShard, NodeSpec, ObjectSpec, Structure
 
 
 def _placement_code(p: Placement) -> list:
     if isinstance(p, Shard):
         return ["shard", p.dim]
+    if isinstance(p, PerRank):
+        return ["per_rank"]
     return ["boxes"] if isinstance(p, Boxes) else ["replicate"]
 
 
@@ -37,12 +39,12 @@ def structure_of(shard: LocalShard) -> Structure:
             shape = tuple(VARIES for _ in shape)  # a DTensor's local shape differs between ranks
         gshape = item.dtensor.global_shape if item.dtensor is not None else None
         leaves.append(LeafSpec(item.key, fmt.dtype_name(item.tensor.dtype), shape, item.placement, gshape))
-    objects = tuple(ObjectSpec(k, o.kind) for k, o in shard.objects.items())
+    objects = tuple(ObjectSpec(k, o.kind, o.per_rank) for k, o in shard.objects.items())
     canonical = fmt.dumps(
         [
             [[list(n.key), list(n.batch)] for n in nodes],
             [[list(s.key), s.dtype, list(s.shape), _placement_code(s.placement), s.global_shape] for s in leaves],
-            [[list(o.key), o.kind] for o in objects],
+            [[list(o.key), o.kind, *(["per_rank"] if o.per_rank else [])] for o in objects],
         ]
     )
     return Structure(nodes, tuple(leaves), objects, xxhash.xxh3_64_hexdigest(canonical))
@@ -71,7 +73,7 @@ def describe_difference(mine: Structure, rank: int, reference: Structure) -> Sha
         why = _leaf_difference(ml, rl, rank)
         if why:
             return ShardingError(why)
-    if [(o.key, o.kind) for o in mine.objects] != [(o.key, o.kind) for o in reference.objects]:
+    if [(o.key, o.kind, o.per_rank) for o in mine.objects] != [(o.key, o.kind, o.per_rank) for o in reference.objects]:
         theirs = [(o.key, o.kind) for o in reference.objects][:5]
         ours = [(o.key, o.kind) for o in mine.objects][:5]
         return ShardingError(
@@ -103,6 +105,11 @@ def _leaf_difference(m: LeafSpec, r: LeafSpec, rank: int) -> str | None:
         )
     if m.shape == r.shape:
         return None
+    if isinstance(m.placement, PerRank):
+        return (
+            f"per-rank leaf {key} has different shapes on different ranks: rank 0: {list(r.shape)}, rank {rank}: "
+            f"{list(m.shape)}; a PerRank() leaf needs the same shape on every rank (pad it to one shape)"
+        )
     if isinstance(m.placement, Replicate):
         return (
             f"replicated leaf {key} has different shapes on different ranks: rank 0: {list(r.shape)}, rank "

@@ -87,6 +87,7 @@ class EncodedObject:
 
     kind: Literal["data", "stack"]
     value: Any
+    per_rank: bool = False  # under a PerRank placement: kept per rank even when equal on every rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +155,11 @@ class NodeSpec:
 
 @dataclass(frozen=True, slots=True)
 class ObjectSpec:
-    """A non-tensor leaf: its key and kind ("data" or "stack")."""
+    """A non-tensor leaf: its key, kind ("data" or "stack"), and whether it is under a PerRank placement."""
 
     key: Key
     kind: str
+    per_rank: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,13 +118,20 @@ def test_merge_shard_along_dim1_and_nested_nodes():
 
 
 def test_replicas_are_compared_with_check_replicas():
-    """check_replicas: equal replicas pass; a differing one is named, with the copy that would be written."""
+    """check_replicas: equal replicas pass; a differing one is named, with the copy that would be written.
+
+    Without it, replicas of at most 64 KiB are still compared (a differing one suggests PerRank()); larger
+    ones are not."""
     same = [shard_of(r, {"w": torch.arange(3)}) for r in range(3)]
     assert merge(same, check_replicas=True).leaves[("w",)].chunks[0].rank == 0
     differ = [shard_of(r, {"w": torch.arange(3) + (r == 2)}) for r in range(3)]
     with pytest.raises(ShardingError, match=r"rank\(s\) \[2\]"):
         merge(differ, check_replicas=True)
-    assert merge(differ).leaves[("w",)].chunks[0].rank == 0  # not compared unless asked
+    with pytest.raises(ShardingError, match=r"tddist\.PerRank\(\)"):  # small replicas are compared by default
+        merge(differ)
+    big = 64 * 1024 // 8 + 1  # int64 elements: just over the bytes compared by default
+    differ = [shard_of(r, {"w": torch.arange(big) + (r == 2)}) for r in range(3)]
+    assert merge(differ).leaves[("w",)].chunks[0].rank == 0  # a large replica is not compared unless asked
 
 
 def _box_shard(box, writes=True, gshape=(4, 2)) -> LocalShard:

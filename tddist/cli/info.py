@@ -12,7 +12,7 @@ from ..diff import placement_text
 from ..errors import CheckpointNotFoundError
 from ..manifest import Leaf, Manifest, ObjectLeaf
 from ..manifest_io import read_manifest
-from ..sharding import Replicate, Shard
+from ..sharding import PerRank, Replicate, Shard
 from ..verify import leaf_nbytes
 from ._output import emit_json, human_age, human_bytes, key_text, table, value_text
 
@@ -72,6 +72,8 @@ def packing_text(m: Manifest, archive: bool) -> str:
 def placement_json(leaf: Leaf) -> dict:
     if isinstance(leaf.placement, Shard):
         return {"type": "shard", "dim": leaf.placement.dim}
+    if isinstance(leaf.placement, PerRank):
+        return {"type": "per_rank"}
     return {"type": "replicate" if isinstance(leaf.placement, Replicate) else "dtensor"}
 
 

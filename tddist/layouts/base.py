@@ -38,7 +38,12 @@ from ..types import (
 )
 
 if TYPE_CHECKING:
-    pass
+    import torch
+
+#: Replicas of at most this many bytes are hashed on every rank and compared with rank 0's copy even without
+#: ``check_replicas``: a small non-batched leaf whose value differs by rank (an RNG state, a step counter) is
+#: refused instead of replicated silently; larger ones are compared only with ``check_replicas=True``.
+REPLICA_DIGEST_BYTES = 64 * 1024
 
 
 class ShardWriter(Protocol):
@@ -123,8 +128,9 @@ class WriterBase:
     def fragment(self, stored: dict[Key, StoredBytes], entries: tuple[ArchiveEntryRow, ...] = ()) -> Fragment:
         """This rank's vote: its rows, what it stored, and its DTensor boxes unless unchanged.
 
-        With ``check_replicas`` the replicas this rank did not write are hashed
-        too, so rank 0 can compare them with the copy it writes.
+        The replicas this rank did not write are hashed too (all of them with
+        ``check_replicas``, else those of at most ``REPLICA_DIGEST_BYTES``), so
+        rank 0 can compare them with the copy it writes.
         """
         shard = self.local_shard()
         assert self.structure is not None
@@ -134,7 +140,7 @@ class WriterBase:
             s = stored.get(item.key)
             if s is not None:
                 sums.append(int_checksum(s.checksum))
-            elif check and not item.writes:
+            elif not item.writes and (check or (item.dtensor is None and _nbytes(item.tensor) <= REPLICA_DIGEST_BYTES)):
                 sums.append(int_checksum(checksum_bytes(tensor_bytes(item.tensor))))
             else:
                 sums.append(0)
@@ -158,6 +164,10 @@ class WriterBase:
         """Remember what this rank sent, once the save is committed (the cached path of the next save)."""
         if self.cache is not None and self.structure is not None:
             self.cache.committed(self.structure.digest, self.boxes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def node_meta_files(rank: int, shard: LocalShard, robust_key: bool) -> dict[str, bytes]:
