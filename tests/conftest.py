@@ -1,12 +1,48 @@
-"""Shared test helpers, for test modules that prefer ``from tests.conftest import ...``.
+"""Shared test helpers, and the rule that CI never skips silently.
 
-The definitions live in ``tests/helpers.py`` (one each), so that the rank
-programs started by torchrun, mpiexec or the "spawn" launcher, which pytest
-does not load, import the very same code.
+The helpers live in ``tests/helpers.py`` (one definition each), so that the
+rank programs started by torchrun, mpiexec or the "spawn" launcher, which
+pytest does not load, import the very same code; test modules may import
+them from here too.
+
+With the environment variable ``CI`` set, a skipped test is reported as a
+failure, with its reason, unless it skipped through ``helpers.missing`` for
+hardware a CPU machine cannot have (``helpers.HARDWARE``, the one exception).
+So ``pytest.skip`` or ``skipif`` for a missing SLURM, tmpfs, ``unzip`` or
+port can never turn a CI run green. Expected failures (``xfail``) are not
+skips and are left as they are.
 """
 
 from __future__ import annotations
 
-from tests.helpers import assert_td_equal, leftovers
+import pytest
+
+from tests.helpers import HARDWARE, SKIP_PREFIX, assert_td_equal, in_ci, leftovers
 
 __all__ = ["assert_td_equal", "leftovers"]
+
+_ALLOWED = tuple(f"{SKIP_PREFIX} {c!r}:" for c in HARDWARE)
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail") or not in_ci():
+        return
+    reason = _skip_reason(report)
+    if reason.startswith(_ALLOWED):
+        return
+    report.outcome = "failed"
+    report.longrepr = (
+        f"skipped with CI set: {reason}\n"
+        f"In CI every component a test needs must be there (launch/test.sh installs them); only hardware a CPU "
+        f"machine cannot have ({', '.join(HARDWARE.values())}) may skip, through tests.helpers.missing."
+    )

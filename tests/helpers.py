@@ -9,18 +9,67 @@ re-exports them) and by the rank programs that torchrun, mpiexec or the
   structure, batch sizes, dtypes, shapes, bits, non-tensor values.
 - ``leftovers(target)``: what saves, replaces or removals left beside a
   checkpoint target.
+- ``require(component, why)`` / ``missing(component, why)``: a test needs a
+  real component (SLURM, a mountable tmpfs, ``unzip``, ...). Missing, it
+  skips on a developer's machine and FAILS when ``CI`` is set, so a green CI
+  run never hides an untested guarantee. Only hardware that a CPU machine
+  cannot have (``HARDWARE``) may skip in CI too.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import shutil
 from pathlib import Path
+from typing import NoReturn
 
+import pytest
 import torch
 from tensordict import TensorDictBase, is_non_tensor
 
-__all__ = ["assert_td_equal", "leftovers"]
+__all__ = ["HARDWARE", "assert_td_equal", "in_ci", "leftovers", "missing", "require"]
+
+# --- components a test needs -----------------------------------------------------------
+
+#: The one place that lists what may skip even in CI: hardware a CPU-only machine cannot have.
+#: Everything else a test needs (SLURM, a tmpfs or loop mount, unzip, mpiexec, a free port) CI
+#: must provide; ``launch/test.sh`` installs it and fails when it cannot.
+HARDWARE: dict[str, str] = {"cuda": "a CUDA device"}
+
+#: The prefix of the reason of every skip ``missing`` makes; ``tests/conftest.py`` lets only
+#: skips of ``HARDWARE`` components through when ``CI`` is set.
+SKIP_PREFIX = "missing component"
+
+
+def in_ci() -> bool:
+    """True when the environment variable ``CI`` is set (to anything but empty, "0" or "false")."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def missing(component: str, why: str) -> NoReturn:
+    """The test cannot run: ``component`` is missing, for reason ``why``.
+
+    Skips (with the reason, shown by ``pytest -ra``) outside CI and for
+    ``HARDWARE``; with ``CI`` set, fails the test with the reason instead.
+    """
+    reason = f"{SKIP_PREFIX} {component!r}: {why}"
+    if in_ci() and component not in HARDWARE:
+        pytest.fail(f"{reason} (CI is set: a test whose component is missing fails instead of skipping)")
+    pytest.skip(reason)
+
+
+def require(component: str, why: str, *, available: bool | None = None) -> None:
+    """Go on only if ``component`` is there; otherwise ``missing(component, why)``.
+
+    ``available`` says whether it is; when None, ``component`` is taken as a
+    command to find on ``PATH`` (``require("unzip", "to test the archive with Info-ZIP")``).
+    """
+    if available is None:
+        available = shutil.which(component) is not None
+    if not available:
+        missing(component, why)
+
 
 # --- TensorDict equality -------------------------------------------------------------
 

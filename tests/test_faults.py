@@ -60,7 +60,7 @@ from tddist._faults import inject
 from tddist.layouts.archive import ArchiveWriter
 from tests import fault_rank
 from tests.fault_rank import RESERVE, expected, outcome_of, reserve_point, save_version, shard
-from tests.helpers import assert_td_equal, leftovers
+from tests.helpers import assert_td_equal, leftovers, missing, require
 from tests.launch_util import Job, run_job
 
 SCRIPT = Path(fault_rank.__file__)
@@ -535,17 +535,14 @@ def test_hang(mode, tmp_path_factory):
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 4 MiB tmpfs, unmounted afterwards (skips where mounting is not allowed)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
+    """A 4 MiB tmpfs, unmounted afterwards (where mounting is not allowed: ``helpers.missing``, a failure in CI)."""
+    require("root", "mounting a tmpfs needs root", available=os.geteuid() == 0)
+    require("mount", "the mount command mounts the small tmpfs")
     mnt = tmp_path / "tmpfs"
     mnt.mkdir()
-    try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip("no mount command here")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
     if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
+        missing("tmpfs mount", f"cannot mount a tmpfs here (needs CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
         yield mnt
     finally:

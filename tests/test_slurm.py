@@ -21,6 +21,7 @@ import pytest
 
 import tddist
 from tests import slurm_util
+from tests.helpers import missing
 from tests.launch_util import REPO, _env
 
 pytestmark = pytest.mark.slurm
@@ -61,7 +62,7 @@ def cluster(tmp_path_factory):
     try:
         c = slurm_util.start(tmp_path_factory.mktemp("slurm"))
     except slurm_util.SlurmUnavailable as e:
-        pytest.skip(f"no SLURM: {e}")
+        missing("SLURM", str(e))
     yield c
     c.stop()
 
