@@ -5,6 +5,7 @@ so ``run.py`` stays light.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import shutil
@@ -77,6 +78,61 @@ def fsync_tree(root: str) -> None:
         for name in files:
             fsync_path(os.path.join(dirpath, name))
         fsync_path(dirpath)
+
+
+def _sync_file_range():
+    """glibc's ``sync_file_range`` through ctypes (Python's ``os`` has no binding), or None."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` back to disk now, without waiting for it.
+
+    ``sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE)``: the disk
+    starts on a block as soon as it is in the page cache, instead of when the
+    final fsync asks for everything at once (below the dirty thresholds the
+    kernel would otherwise wait up to 30 s). Not a durability guarantee by
+    itself: the fsync still follows. Returns False where it is not available
+    (not Linux, or a file system that refuses it); the fsync then does all the work.
+    """
+    if _SYNC_FILE_RANGE is None:
+        return False
+    return _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+def write_random_file(path: str, nbytes: int, seed: int, chunk: int = 16 * MIB) -> None:
+    """Write ``nbytes`` of pseudo-random bytes to ``path`` and fsync it (an incompressible source)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = min(chunk, left)
+            f.write(rng.bytes(n))
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def warm_file(path: str, chunk: int = 16 * MIB) -> int:
+    """Read ``path`` once so its pages are in the page cache; returns the bytes read."""
+    buf = bytearray(chunk)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            total += n
+    return total
 
 
 def remove(path: str) -> None:

@@ -390,6 +390,15 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
             None if None in (b, db) else b <= 0.5 * db,
             None if None in (b, db) else f"{b / db:.2f}x (tddist {C.fmt_seconds(b)}, dcp {C.fmt_seconds(db)})",
         )
+        cb = med("async save", n, "dcp.async_save(cached)", "blocking")
+        if None not in (b, cb):  # DCP's staging into reused buffers: the like-for-like comparison, no target
+            out.append(
+                {
+                    "target": f"return_early N={n}: blocking vs dcp.async_save with cached staging",
+                    "status": "reported",
+                    "detail": f"{b / cb:.2f}x (tddist {C.fmt_seconds(b)}, dcp cached {C.fmt_seconds(cb)}; no target)",
+                }
+            )
         c, s = med("async save", n, "tddist return_early"), med("async save", n, "tddist (synchronous)")
         check(
             f"return_early N={n}: completion no slower than a synchronous save",

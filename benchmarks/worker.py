@@ -22,6 +22,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -294,6 +295,27 @@ def dcp():
     return m
 
 
+def dcp_cached_staging(m, init_path: str):
+    """DCP's staging with buffers reused from one ``async_save`` to the next: ``(writer, stager)``.
+
+    Where an accelerator is available: ``FileSystemWriter(cache_staged_state_dict=True)``, DCP's
+    documented option (the writer stages, into pinned buffers it keeps; one writer for every save,
+    each given its ``checkpoint_id``). Without one that option fails (it pins memory), and torch
+    2.13's ``DefaultStager`` with pinning, sharing, background staging and non-blocking copies
+    turned off does the same on the CPU: it keeps one staging storage per source storage and
+    copies into it on every save. Returns ``(writer, None)`` or ``(None, stager)``.
+    """
+    if torch.cuda.is_available():
+        writer = m.FileSystemWriter(init_path, thread_count=THREADS, sync_files=True, cache_staged_state_dict=True)
+        return writer, None
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+    )
+    return None, DefaultStager(options)
+
+
 def tddist_modes(archive: bool) -> list[tuple[str, dict]]:
     """The tddist layouts to benchmark: ``(label, extra save options)``.
 
@@ -369,36 +391,84 @@ def save_tensordict(path: str, p: Payload, rank: int) -> None:
     C.fsync_path(path)
 
 
-def save_raw(path: str, tensors: dict, rank: int) -> None:
-    """The raw limit: the same bytes, in the same blocks, with threaded positioned writes into
-    preallocated files (``posix_fallocate``, as tddist does), then fsync: no checksum, no commit."""
-    d = rank_dir(path, rank)
-    os.makedirs(d, exist_ok=True)
-    fds, tasks = [], []
-    try:
-        for name, t in tensors.items():
-            fd = os.open(os.path.join(d, name + ".bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds.append(fd)
-            mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            if len(mv):
-                os.posix_fallocate(fd, 0, len(mv))
-            tasks.extend((fd, mv, off) for off in range(0, len(mv), BLOCK))
+RAW_ALIGN = 64  # the raw file's leaves start on 64-byte boundaries, as in tddist's packed data file
 
-        def write(task):
-            fd, mv, off = task
-            blk = mv[off : off + BLOCK]
+
+def raw_file(path: str, rank: int) -> str:
+    return os.path.join(path, f"rank-{rank:05d}.bin")
+
+
+def raw_layout(tensors: dict) -> list[tuple[memoryview, int]]:
+    """Each tensor's bytes and its offset in the rank's raw file: back to back, 64-byte aligned."""
+    out, end = [], 0
+    for t in tensors.values():
+        mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        out.append((mv, end))
+        end += -(-len(mv) // RAW_ALIGN) * RAW_ALIGN
+    return out
+
+
+class _RawFile:
+    """One file of the raw write: its descriptor and how many of its blocks are still to land."""
+
+    def __init__(self, path: str, size: int, nblocks: int):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if size:
+            os.posix_fallocate(self.fd, 0, size)
+        self.remaining = nblocks
+        self.lock = threading.Lock()
+
+    def block_done(self) -> None:
+        """Called once per block; the thread that writes the last block fsyncs the file."""
+        with self.lock:
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            os.fsync(self.fd)
+
+
+def save_raw(path: str, tensors: dict, rank: int) -> None:
+    """The raw limit: the fastest durable write of this rank's bytes we can write by hand.
+
+    Hand-written, not a library's writer, because it is the floor a library is
+    judged against: the same bytes into the same files as tddist's default
+    layout (one preallocated data file per rank, the leaves back to back), with
+    none of a checkpoint's work (no checksum, manifest, commit or rename) and
+    every trick for speed that costs nothing in durability:
+
+    - 32 MiB blocks (tddist's checksum block) written by ``THREADS`` threads
+      with positioned ``os.pwrite`` calls of 8 MiB (tddist's write step);
+    - each block's writeback started as soon as it is written
+      (``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so the disk works while
+      the next blocks are copied instead of waiting for the final fsync
+      (tddist leaves all writeback to its fsync);
+    - each file fsynced by the thread that writes its last block, overlapping
+      the writes still in flight, as tddist's writer does;
+    - then the directory entries: the file's in ``path``, ``path``'s in its parent.
+    """
+    os.makedirs(path, exist_ok=True)
+    layout = raw_layout(tensors)
+    size = max((off + len(mv) for mv, off in layout), default=0)
+    blocks = [(mv[lo : lo + BLOCK], off + lo) for mv, off in layout for lo in range(0, len(mv), BLOCK)]
+    f = _RawFile(raw_file(path, rank), size, len(blocks))
+    try:
+
+        def write(block):
+            data, at = block
             pos = 0
-            while pos < len(blk):
-                pos += os.pwrite(fd, blk[pos : pos + STEP], off + pos)
+            while pos < len(data):
+                pos += os.pwrite(f.fd, data[pos : pos + STEP], at + pos)
+            C.start_writeback(f.fd, at, len(data))
+            f.block_done()
 
         with ThreadPoolExecutor(THREADS) as ex:
-            list(ex.map(write, tasks))
-            list(ex.map(os.fsync, fds))
+            list(ex.map(write, blocks))
+        if not blocks:
+            os.fsync(f.fd)
     finally:
-        for fd in fds:
-            os.close(fd)
-    C.fsync_path(d)
+        os.close(f.fd)
     C.fsync_path(path)
+    C.fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def _dd_shape(nbytes: int) -> tuple[int, int]:
@@ -411,14 +481,24 @@ def dd_bytes(nbytes: int) -> int:
     return bs * count
 
 
-def save_dd(path: str, nbytes: int, rank: int) -> int:
-    """The disk limit: ``dd if=/dev/zero bs=16M conv=fsync`` of this rank's share. Returns bytes written."""
+def dd_source(path: str, nbytes: int, rank: int) -> str:
+    """This rank's dd source: ``dd_bytes(nbytes)`` pseudo-random bytes, written and fsynced untimed."""
+    src = os.path.join(path, f"rank-{rank:05d}.random")
+    if not os.path.exists(src) or os.path.getsize(src) != dd_bytes(nbytes):
+        os.makedirs(path, exist_ok=True)
+        C.write_random_file(src, dd_bytes(nbytes), seed=rank)
+    return src
+
+
+def save_dd(path: str, src: str, nbytes: int, rank: int) -> int:
+    """``dd if=SRC bs=16M conv=fsync`` of this rank's share: one sequential buffered write of
+    incompressible bytes read from a page-cache-warm file, fsynced once at the end. Returns bytes written."""
     os.makedirs(path, exist_ok=True)
     bs, count = _dd_shape(nbytes)
     subprocess.run(
         [
             "dd",
-            "if=/dev/zero",
+            f"if={src}",
             f"of={os.path.join(path, f'rank-{rank:05d}.dd')}",
             f"bs={bs}",
             f"count={count}",
@@ -464,32 +544,25 @@ def load_tensordict(path: str, rank: int) -> dict:
 
 
 def load_raw(path: str, buffers: dict, rank: int) -> dict:
-    """Threaded positioned reads into pre-sized, already touched buffers."""
-    d = rank_dir(path, rank)
+    """Threaded positioned reads of the rank's raw file (``save_raw``) into pre-sized, already touched buffers."""
     t0 = time.perf_counter()
-    fds, tasks = [], []
+    fd = os.open(raw_file(path, rank), os.O_RDONLY)
     try:
-        for name, t in buffers.items():
-            fd = os.open(os.path.join(d, name + ".bin"), os.O_RDONLY)
-            fds.append(fd)
-            mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            tasks.extend((fd, mv, off) for off in range(0, len(mv), BLOCK))
+        blocks = [(mv[lo : lo + BLOCK], off + lo) for mv, off in raw_layout(buffers) for lo in range(0, len(mv), BLOCK)]
 
-        def read(task):
-            fd, mv, off = task
-            blk = mv[off : off + BLOCK]
+        def read(block):
+            blk, at = block
             pos = 0
             while pos < len(blk):
-                n = os.preadv(fd, [blk[pos : pos + STEP]], off + pos)
+                n = os.preadv(fd, [blk[pos : pos + STEP]], at + pos)
                 if n <= 0:
-                    raise OSError(f"short read in {d}")
+                    raise OSError(f"short read in {raw_file(path, rank)}")
                 pos += n
 
         with ThreadPoolExecutor(THREADS) as ex:
-            list(ex.map(read, tasks))
+            list(ex.map(read, blocks))
     finally:
-        for fd in fds:
-            os.close(fd)
+        os.close(fd)
     return {"open": time.perf_counter() - t0}, buffers
 
 
@@ -607,10 +680,14 @@ class Job:
         p = self.payload
         total = self.total_bytes()
         impls = [(label, fn, total, True) for label, fn in self.save_impls(p)]
+        # dd copies from a file of random bytes, written and fsynced here (untimed) and read back
+        # into the page cache before each of its runs, so it writes data as incompressible as a
+        # checkpoint's and its reads cost no disk time.
+        src = dd_source(self.path("dd-source"), p.nbytes, self.rank)
         impls.append(
             (
-                "dd (disk limit)",
-                lambda out: discard(save_dd(out, p.nbytes, self.rank)),
+                "dd conv=fsync",
+                lambda out: discard(save_dd(out, src, p.nbytes, self.rank)),
                 self.world * dd_bytes(p.nbytes),
                 False,
             )
@@ -621,6 +698,8 @@ class Job:
                 out = self.path("save", label.replace(" ", "_"))
                 produced = out + self.suffix(label)
                 self.clean(out, produced)
+                if label == "dd conv=fsync":
+                    C.warm_file(src)
                 measure(self.rec, "save", label, "tddist", lambda: fn(out), repeat=rep, nbytes=nbytes)
                 if self.rank == 0 and label == "tddist":  # the default layout, whatever this tddist's default is
                     packing = tddist_packing(produced)
@@ -636,6 +715,7 @@ class Job:
                     self.ctx.barrier()
                 else:
                     self.clean(out, produced)
+        self.clean(self.path("dd-source"))
 
     def keep_path(self, label: str) -> str:
         return os.path.join(self.keep, label.replace(" ", "_"))
@@ -662,22 +742,15 @@ class Job:
         m = dcp()
         p = self.payload
         total = self.total_bytes()
-        cached = torch.cuda.is_available()
-        if not cached:
+        cached_writer, cached_stager = dcp_cached_staging(m, self.path("async", "dcp-cached-init"))
+        if cached_writer is None:
             self.rec.note(
-                "dcp.async_save with cache_staged_state_dict=True (DCP's reusable staging buffers) pins "
-                "its buffers, which needs an accelerator in this torch; only DCP's default staging is measured"
+                "dcp.async_save(cached): FileSystemWriter(cache_staged_state_dict=True) pins its staging "
+                "buffers, which needs an accelerator in this torch; measured instead with DCP's own "
+                "DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, "
+                "use_async_staging=False, use_non_blocking_copy=False)) kept across saves, which also "
+                "copies into the buffers of the first save"
             )
-        cached_writer = (
-            m.FileSystemWriter(
-                self.path("async", "dcp-cached-init"),
-                thread_count=THREADS,
-                sync_files=True,
-                cache_staged_state_dict=True,
-            )
-            if cached
-            else None
-        )
         channel = None
         state = {}
 
@@ -693,13 +766,20 @@ class Job:
             tddist.save(p.td, out, num_threads=THREADS)
             return {"blocking": time.perf_counter() - t0}
 
-        def dcp_async(out, writer=None):
+        def dcp_async(out, cached=False):
             t0 = time.perf_counter()
-            if writer is None:
+            if not cached:
                 writer = m.FileSystemWriter(out, thread_count=THREADS, sync_files=True)
                 fut = m.async_save(p.sd, storage_writer=writer, process_group=self.ctx.async_pg)
+            elif cached_writer is not None:  # the writer is the stager: one writer for every save
+                fut = m.async_save(
+                    p.sd, checkpoint_id=out, storage_writer=cached_writer, process_group=self.ctx.async_pg
+                )
             else:
-                fut = m.async_save(p.sd, checkpoint_id=out, storage_writer=writer, process_group=self.ctx.async_pg)
+                writer = m.FileSystemWriter(out, thread_count=THREADS, sync_files=True)
+                fut = m.async_save(
+                    p.sd, storage_writer=writer, async_stager=cached_stager, process_group=self.ctx.async_pg
+                )
             blocking = time.perf_counter() - t0
             fut.result()
             return {"blocking": blocking}
@@ -708,9 +788,8 @@ class Job:
             ("tddist return_early", tddist_async),
             ("tddist (synchronous)", tddist_sync),
             ("dcp.async_save", dcp_async),
+            ("dcp.async_save(cached)", lambda out: dcp_async(out, cached=True)),
         ]
-        if cached:
-            impls.append(("dcp.async_save(cached)", lambda out: dcp_async(out, cached_writer)))
         # Each checkpoint is removed only after the next save of the same implementation, as a
         # rotation would: tddist keeps the future of its last asynchronous save (and the result it
         # maps) until the next save, so removing a checkpoint right after writing it would move
@@ -739,6 +818,8 @@ class Job:
             for label, fn in rotated(impls, rep):
                 run("async save", label, fn, rep)
         self.clean(*previous.values())
+        if cached_stager is not None:
+            cached_stager.close()
         news = self.ctx.gather(channel.buffers.allocations - state["after_first"])
         if self.rank == 0:
             self.rec.records.append(
