@@ -6,10 +6,12 @@ so ``run.py`` stays light.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
 import shutil
 import statistics
+from pathlib import Path
 
 MIB = 1024 * 1024
 GIB = 1024 * MIB
@@ -140,6 +142,41 @@ def remove(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         os.unlink(path)
+
+
+# --- the code under test ----------------------------------------------------------------
+
+
+def source_files(tddist_dir: Path, bench_dir: Path) -> dict[str, str]:
+    """Every ``.py`` file of the tddist package and of the benchmarks, ``"tddist/api.py"`` style path ->
+    the first 16 hex digits of its sha256. A results table holds numbers of exactly this code."""
+    out = {}
+    for top, name in ((tddist_dir, "tddist"), (bench_dir, "benchmarks")):
+        for f in sorted(Path(top).rglob("*.py")):
+            if "__pycache__" not in f.parts:
+                out[f"{name}/{f.relative_to(top).as_posix()}"] = hashlib.sha256(f.read_bytes()).hexdigest()[:16]
+    return out
+
+
+def source_digest(files: dict[str, str]) -> str:
+    """One digest of ``source_files``: 16 hex digits that change when any file is added, removed or edited."""
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(f"{path}\0{files[path]}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def changed_files(then: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The files that differ between two ``source_files`` results, each marked (changed, new, removed)."""
+    out = []
+    for path in sorted(set(then) | set(now)):
+        if path not in now:
+            out.append(f"{path} (removed)")
+        elif path not in then:
+            out.append(f"{path} (new)")
+        elif then[path] != now[path]:
+            out.append(f"{path} (changed)")
+    return out
 
 
 # --- machine facts --------------------------------------------------------------------

@@ -107,22 +107,32 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 _LIB: Path | None = None  # the snapshot of the tddist package every job of this run imports
+_BENCH: Path | None = None  # the snapshot of benchmarks/*.py every job of this run runs
 
 
 def snapshot_tddist(work: Path) -> dict:
-    """Copy the tddist package under test into the work directory, so every job of one run
-    measures the same code even if the source tree changes meanwhile; return its identity."""
-    global _LIB
+    """Copy the tddist package under test and the benchmark programs into the work directory, so
+    every job of one run measures the same code even if the source tree changes meanwhile; return
+    its identity: the version, the digest of the package alone (``sha256``, as older runs had it),
+    and ``source_digest`` over every ``.py`` file of both with the files' own digests
+    (``source_files``), which ``publish.py`` compares with the tree before it writes a table."""
+    global _LIB, _BENCH, WORKER, SCALE
     import hashlib
     import importlib.util
     import shutil
 
     spec = importlib.util.find_spec("tddist")
     if spec is None or not spec.submodule_search_locations:
-        return {"version": None, "sha256": None}
+        return {"version": None, "sha256": None, "source_digest": None}
     src = Path(list(spec.submodule_search_locations)[0])
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     _LIB = work / "lib"
-    shutil.copytree(src, _LIB / "tddist", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(src, _LIB / "tddist", ignore=ignore)
+    _BENCH = work / "bench"
+    _BENCH.mkdir()
+    for f in sorted(HERE.glob("*.py")):
+        shutil.copy2(f, _BENCH / f.name)
+    WORKER, SCALE = _BENCH / WORKER.name, _BENCH / SCALE.name
     h = hashlib.sha256()
     for f in sorted((_LIB / "tddist").rglob("*.py")):
         h.update(f.relative_to(_LIB).as_posix().encode() + b"\0" + f.read_bytes())
@@ -132,12 +142,28 @@ def snapshot_tddist(work: Path) -> dict:
         for line in f.read_text().splitlines() if f.exists() else []:
             if version is None and line.startswith("__version__"):
                 version = line.split("=", 1)[1].strip().strip("\"'")
-    return {"version": version, "sha256": h.hexdigest()[:16]}
+    files = C.source_files(_LIB / "tddist", _BENCH)
+    return {
+        "version": version,
+        "sha256": h.hexdigest()[:16],
+        "source_digest": C.source_digest(files),
+        "source_files": files,
+        "source_dir": str(src),
+    }
+
+
+def _version_of(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
 
 
 def _env() -> dict:
     env = dict(os.environ)
-    paths = ([str(_LIB)] if _LIB else []) + [str(REPO), str(HERE), env.get("PYTHONPATH", "")]
+    paths = ([str(_LIB)] if _LIB else []) + [str(REPO), str(_BENCH or HERE), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(paths).rstrip(os.pathsep)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
@@ -549,6 +575,8 @@ def main(argv=None) -> int:
     os.makedirs(base, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tddist-bench-", dir=base))
     machine = C.machine_info(str(work))
+    machine["torch"] = _version_of("torch")
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lib = snapshot_tddist(work)
     worlds = args.worlds
     lcm = math.lcm(*worlds)
@@ -568,7 +596,11 @@ def main(argv=None) -> int:
         "archive": args.archive,
     }
     payload_mib = rows * LEAVES * COLS * 4 / C.MIB
-    print(f"tddist {lib['version']} (source sha256 {lib['sha256']}), snapshotted for this run", file=sys.stderr)
+    print(
+        f"tddist {lib['version']} (source digest {lib['source_digest']} of tddist/ and benchmarks/), "
+        "snapshotted for this run",
+        file=sys.stderr,
+    )
     print(
         f"tddist benchmarks: payload {payload_mib:.0f} MiB over {worlds} ranks, {args.repeats} repeat(s), "
         f"checkpoints in a {machine['filesystem']} file system ({machine['cpus']} CPUs, {machine['memory_gib']} GiB)",
@@ -667,7 +699,7 @@ def main(argv=None) -> int:
             t["status"] = "not judged (--quick)" if t["status"] in ("met", "MISSED") else t["status"]
     print()
     print(
-        f"## tddist {lib['version']} (source sha256 {lib['sha256']}) vs peers: {payload_mib:.0f} MiB payload, "
+        f"## tddist {lib['version']} (source digest {lib['source_digest']}) vs peers: {payload_mib:.0f} MiB payload, "
         f"{args.repeats} repeat(s), {machine['cpus']} CPUs, {machine['memory_gib']} GiB, {machine['filesystem']} "
         f"({machine['filesystem_device']}), kernel {machine['kernel']}, load average at start "
         f"{machine['load_average_at_start'][0]:.1f}"
@@ -705,6 +737,7 @@ def main(argv=None) -> int:
         "summary": table_rows,
         "records": records,
         "seconds": round(total, 1),
+        "started_utc": started,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

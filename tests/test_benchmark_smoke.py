@@ -65,3 +65,69 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
     for scen in expected - MANIFEST:
         impls = {r["impl"] for r in result["records"] if r.get("scenario") == scen and "impl" in r}
         assert any(i.startswith("tddist") for i in impls) and len(impls) >= 2, (scen, impls)
+
+
+def _bench_modules(root: Path):
+    """``benchmarks/_common.py`` and ``benchmarks/run.py`` of the tree at ``root``, imported from there."""
+    import importlib
+
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        return importlib.import_module("_common"), importlib.import_module("run")
+    finally:
+        sys.path.remove(str(root / "benchmarks"))
+        sys.modules.pop("_common", None)
+        sys.modules.pop("run", None)
+
+
+def test_publish_refuses_results_of_other_code(tmp_path: Path) -> None:
+    """publish.py writes a run's table into the README only when the run's source digest is that of the
+    tree's tddist/ and benchmarks/; after one source file changes it refuses, names the file, and leaves
+    the README as it was."""
+    import shutil
+
+    root = tmp_path / "tree"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "results*.json")
+    for name in ("tddist", "benchmarks"):
+        shutil.copytree(REPO / name, root / name, ignore=ignore)
+    C, R = _bench_modules(root)
+    files = C.source_files(root / "tddist", root / "benchmarks")  # what run.py records of its snapshot
+    record = {"scenario": "save", "world": 1, "launcher": "torchrun", "ref": "tddist", "repeat": 0, "bytes": 1 << 30}
+    records = [
+        dict(record, impl="tddist", metrics={"time": 1.25}),
+        dict(record, impl="raw pwrite+fsync", metrics={"time": 1.0}),
+    ]
+    result = {
+        "tddist": {"version": "0", "source_digest": C.source_digest(files), "source_files": files},
+        "config": {"quick": False, "worlds": [1], "repeats": 1, "payload_mib": 1024},
+        "machine": {"load_average_at_start": [1.0]},
+        "jobs": [{"job": "torchrun N=1", "rc": 0}],
+        "summary": R.aggregate(records),
+        "targets": [{"target": "raw is a floor", "status": "met", "detail": "0.80x"}],
+    }
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(result))
+    readme = root / "benchmarks" / "README.md"
+    publish = [sys.executable, str(root / "benchmarks" / "publish.py"), "--root", str(root), "--results", str(results)]
+
+    def run_publish() -> subprocess.CompletedProcess:
+        return subprocess.run(publish, capture_output=True, text=True, timeout=60)
+
+    done = run_publish()
+    assert done.returncode == 0, done.stderr
+    text = readme.read_text()
+    assert f"Source digest **`{C.source_digest(files)}`**" in text
+    assert "| save | 1 | raw pwrite+fsync | time | 1.00 s |" in text and "| raw is a floor | met | 0.80x |" in text
+
+    writer = root / "tddist" / "writer.py"
+    writer.write_text(writer.read_text() + "\n# an edit after the run\n")
+    refused = run_publish()
+    assert refused.returncode == 2, (refused.returncode, refused.stdout, refused.stderr)
+    assert "refused" in refused.stderr and "tddist/writer.py (changed)" in refused.stderr, refused.stderr
+    assert readme.read_text() == text
+
+    del result["tddist"]["source_digest"]  # results of a run.py that did not record the digest
+    results.write_text(json.dumps(result))
+    refused = run_publish()
+    assert refused.returncode == 2 and "no source digest" in refused.stderr, refused.stderr
+    assert readme.read_text() == text
