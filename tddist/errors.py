@@ -57,6 +57,10 @@ class CorruptCheckpointError(TddistError):
     """A data file is missing, of the wrong size, or fails its checksum."""
 
 
+class CheckpointChangedError(TddistError):
+    """A checkpoint was replaced by an overwrite while it was being read; loading it again reads the new one whole."""
+
+
 class CommError(TddistError):
     """A collective operation failed: a peer died or the transport broke."""
 
