@@ -143,6 +143,10 @@ def assert_td_equal(actual, expected, what: str = "", *, batch_sizes: bool = Tru
 # --- entries left beside a target ----------------------------------------------------
 
 
+#: The lock file a CheckpointManager keeps in its root (tddist.root_lock.LOCK_NAME): not a leftover.
+MANAGER_LOCK = ".tddist-manager.lock"
+
+
 def leftovers(target, *, strict: bool = False) -> list[str]:
     """Sorted names of the entries beside ``target`` that a save, replace or removal left behind.
 
@@ -157,8 +161,8 @@ def leftovers(target, *, strict: bool = False) -> list[str]:
       library would not recognise (a malformed id, an unknown kind).
 
     With ``strict=True``, also every other entry of the directory that is not
-    the target itself (not matching the pattern): for a directory that should
-    hold the target(s) and nothing else.
+    the target itself (not matching the pattern) or a manager's lock file: for a
+    directory that should hold the target(s) and nothing else.
     """
     from tddist import format as fmt  # here, so that importing the helpers (conftest) never imports tddist
 
@@ -175,6 +179,6 @@ def leftovers(target, *, strict: bool = False) -> list[str]:
             found.add(n)
         elif fnmatch.fnmatchcase(n, f".{name}.tddist-*"):
             found.add(n)
-        elif strict and not fnmatch.fnmatchcase(n, name):
+        elif strict and not fnmatch.fnmatchcase(n, name) and n != MANAGER_LOCK:
             found.add(n)
     return sorted(found)
