@@ -33,9 +33,10 @@ from .errors import (
 if TYPE_CHECKING:
     from .api import load, read_manifest, recover, save
     from .comm import Communicator, LocalComm, ThreadComm, run_threads
-    from .convert import pack, unpack
+    from .convert import convert
     from .manager import EXIT_PREEMPTED, CheckpointManager
     from .manifest import Manifest
+    from .pack import pack, unpack
     from .plan import LoadReport
     from .sharding import Replicate, Shard
     from .state import get_state, set_state
@@ -46,8 +47,9 @@ _LAZY = {
     "load": "api",
     "read_manifest": "api",
     "recover": "api",
-    "pack": "convert",
-    "unpack": "convert",
+    "convert": "convert",
+    "pack": "pack",
+    "unpack": "pack",
     "get_state": "state",
     "set_state": "state",
     "CheckpointManager": "manager",
@@ -82,6 +84,7 @@ __all__ = [
     "load",
     "read_manifest",
     "recover",
+    "convert",
     "pack",
     "unpack",
     "get_state",

@@ -1,226 +1,295 @@
-"""Pack a committed directory checkpoint into one archive, or unpack an archive into a directory.
+"""Convert checkpoints between tddist, torch.distributed.checkpoint (DCP), ``torch.save`` and safetensors.
 
-Both run in one process, verify every checksum on the way (corrupt data is
-never copied into a new checkpoint), and publish the result with the same
-staging-and-rename commit as ``save``, so the destination appears complete or
-not at all. The source is never modified.
+``convert(src, dst)`` detects the source's format, reads it leaf by leaf
+(one whole leaf in memory at a time: a sharded leaf is put together) and
+writes the destination in the format ``to`` names or its suffix implies.
+A tddist destination is written by ``tddist.save`` in one process (atomic,
+checksummed); any other is written under a staging name beside ``dst`` and
+renamed onto it at the end, so a failed conversion leaves nothing at
+``dst``. The formats' readers and writers are in ``tddist.interop``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import replace
+import zipfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import format as fmt
-from ._fs import fsync_tree_dirs, makedirs_durable, remove_tree, write_durable
-from .checksum import combine_digests, hash_blocks
-from .errors import CorruptCheckpointError
-from .layouts.archive import ArchiveFiles, check_archive_target
-from .layouts.base import meta_files
-from .layouts.directory import DirectoryFiles, check_target
-from .locate import Locator
-from .manifest import Manifest
-from .manifest_io import read_manifest
-from .manifest_v2 import encode
-from .publish import publish
-from .reader import open_files
-from .types import EncodedObject, Key
-from .zipcodec import (
-    entry_rows,
-    place_entries,
-    prepare_entries,
-    resolve_compression,
-    write_region,
-    write_tail_and_directory,
-)
+from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidDataError, TargetError, TddistError
+from .interop import FORMATS, Selection, Source, select
+from .pack import pack, staged, unpack
 
 logger = logging.getLogger(__name__)
 
+_TORCH_SUFFIXES = (".pt", ".pth")
+_SAFETENSORS_SUFFIX = ".safetensors"
 
-def _files(manifest: Manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[torch.Tensor, str]]]:
-    """meta.json files of every rank directory (bytes), and each chunk's bytes and checksum by entry name.
 
-    Entries are named as in the "memmap" layout (one file per chunk), whatever
-    the source's packing: an archive always holds that tree.
+def detect_format(path: str | os.PathLike) -> str:
+    """The format of the checkpoint at ``path``: "tddist", "tdz", "dcp", "torch" or "safetensors".
+
+    A directory is tddist (``tddist.json``), DCP (``.metadata``) or a Hugging
+    Face sharded checkpoint (``model.safetensors.index.json``); a file is a
+    tddist archive (``.tdz``, or a zip holding ``tddist.json``), a
+    ``torch.save`` file (``.pt``/``.pth``, or any other zip) or a
+    ``.safetensors`` file.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        InvalidArgumentError: ``path`` is in none of these formats.
     """
-    files = open_files(src)
-    locator = Locator(manifest)
-    leaves = {}
-    for leaf in manifest.leaves.values():
-        for c in leaf.chunks:
-            if c.nbytes:
-                data = files.span(locator.locate(leaf, c))
-                leaves[fmt.leaf_relpath(c.rank, leaf.key, manifest.robust_key)] = (data, c.checksum)
-    if manifest.packing != "memmap":  # a packed directory has no meta.json: write what each rank's would be
-        return {
-            name: data for r in range(manifest.world_size) for name, data in _rank_meta_files(manifest, r).items()
-        }, leaves
-    metas = {}
-    for name in _meta_names(manifest, files):
-        metas[name] = bytes(files.array(name, _size(files, name)).numpy())
-    return metas, leaves
+    from .interop.dcp import is_dcp_dir
+    from .interop.hf import is_sharded_dir
+
+    p = os.path.abspath(os.fspath(path))
+    if os.path.isdir(p):
+        if os.path.isfile(os.path.join(p, fmt.MANIFEST_NAME)):
+            return "tddist"
+        if is_dcp_dir(p):
+            return "dcp"
+        if is_sharded_dir(p):
+            return "safetensors"
+        raise InvalidArgumentError(
+            f"{p!r} is a directory without tddist.json, DCP's .metadata or model.safetensors.index.json; pass a "
+            f"tddist checkpoint, a DCP checkpoint directory or a Hugging Face sharded directory"
+        )
+    if not os.path.isfile(p):
+        raise CheckpointNotFoundError(f"nothing to convert at {p!r}; check the source path")
+    lower = p.lower()
+    if lower.endswith(fmt.ARCHIVE_SUFFIX):
+        return "tdz"
+    if lower.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    if lower.endswith(_SAFETENSORS_SUFFIX):
+        return "safetensors"
+    if zipfile.is_zipfile(p):
+        with zipfile.ZipFile(p) as z:
+            return "tdz" if fmt.MANIFEST_NAME in z.namelist() else "torch"
+    raise InvalidArgumentError(
+        f"cannot tell the format of {p!r}; name it .tdz, .pt/.pth or .safetensors after what it holds"
+    )
 
 
-def _rank_meta_files(m: Manifest, rank: int) -> dict[str, bytes]:
-    """tensordict's meta.json files of ``rank``'s directory, from the manifest (as the rank would have written them)."""
-    nodes: dict[Key, tuple[int, ...]] = {}
-    for key, batch in m.nodes.items():
-        rows = m.rows_of(key) if batch else None
-        nodes[key] = (rows[rank], *batch[1:]) if rows is not None else batch
-    leaves = {}
-    for key, leaf in m.leaves.items():
-        chunk = leaf.chunk_of_rank(rank)
-        if chunk is not None:
-            leaves[key] = (list(chunk.box[1]), leaf.dtype_name)
-    objects = {}
-    for key, o in m.objects.items():
-        if o.placement == "shard":
-            objects[key] = EncodedObject("stack", o.values[rank])
-        else:
-            objects[key] = EncodedObject("data", o.values[0] if o.placement == "replicate" else o.values[rank])
-    return meta_files(rank, nodes, leaves, objects, m.robust_key)
+def target_format(dst: str | os.PathLike, to: str | None = None) -> str:
+    """The format to write: ``to`` if given, else from the suffix of ``dst`` (a tddist directory otherwise)."""
+    if to is not None:
+        if to not in FORMATS:
+            raise InvalidArgumentError(f"to={to!r} is not a format; use one of {', '.join(FORMATS)}")
+        return to
+    lower = os.fspath(dst).lower()
+    if lower.endswith(fmt.ARCHIVE_SUFFIX):
+        return "tdz"
+    if lower.endswith(_TORCH_SUFFIXES):
+        return "torch"
+    if lower.endswith(_SAFETENSORS_SUFFIX):
+        return "safetensors"
+    return "tddist"
 
 
-def _meta_names(manifest: Manifest, files: ArchiveFiles | DirectoryFiles) -> list[str]:
-    """The meta.json files of the source that belong to a node or a non-tensor value of the manifest.
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    to: str | None = None,
+    *,
+    prefix: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    consolidate: bool | None = None,
+    max_shard_size: int | str = "5GB",
+    compression: Any = None,
+    allow_pickle: bool = False,
+    overwrite: bool = False,
+    num_threads: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+) -> str:
+    """Convert the checkpoint ``src`` into ``dst`` in the format ``to``; returns ``dst``.
 
-    Only these are copied: a foreign entry (``junk/meta.json``) or one that
-    collides with a leaf's file never reaches the destination.
+    Args:
+        src: a tddist directory or ``.tdz`` archive, a DCP directory, a
+            ``torch.save`` file, a ``.safetensors`` file or a Hugging Face
+            sharded directory (detected, see ``detect_format``).
+        dst: what to write; must not exist unless ``overwrite``.
+        to: "tddist", "tdz", "dcp", "torch" or "safetensors"; None infers it
+            from the suffix of ``dst`` (``.tdz``, ``.pt``/``.pth``,
+            ``.safetensors``), a tddist directory otherwise. "safetensors"
+            with a ``dst`` that has no ``.safetensors`` suffix writes a
+            Hugging Face sharded directory.
+        prefix: convert only the keys under this prefix, and strip it: key
+            parts joined with "/" (``"model/"``), possibly ending inside a
+            flat name (``"model."``).
+        dtype: cast floating-point leaves to this dtype (``"bfloat16"``).
+        consolidate: True (the default, except below) writes each sharded
+            leaf as one full tensor. A tddist directory converted to an
+            archive or back, without ``prefix`` or ``dtype``, keeps the
+            saving ranks' shards (``pack``/``unpack``) unless ``consolidate=True``.
+        max_shard_size: the largest shard file of a sharded safetensors
+            directory: bytes, or a size such as ``"5GB"`` or ``"500MiB"``.
+        compression: a ``.tdz`` destination's compression, as in ``save``.
+        allow_pickle: read pickled objects (``torch.load`` without
+            ``weights_only``, pickled tddist values), and store values that
+            JSON cannot hold with pickle. Only for sources you trust.
+        overwrite: replace an existing ``dst`` of the same format.
+        num_threads: threads that read and write a tddist checkpoint.
+        progress: called as ``progress(done_bytes, total_bytes)`` after each leaf.
+
+    Returns:
+        ``dst`` as an absolute path.
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``src``.
+        InvalidArgumentError: an unknown format, an unreadable source format,
+            a bad option, or pickled objects without ``allow_pickle``.
+        InvalidDataError: the source holds what the destination cannot store.
+        TargetError: ``dst`` exists (without ``overwrite``) or may not be replaced.
+        CorruptCheckpointError: a tddist source fails its checksums.
     """
-    expected = set()
-    for rank in range(manifest.world_size):
-        for key in [*manifest.nodes, *manifest.objects]:
-            expected.add(os.path.join(fmt.node_relpath(rank, key, manifest.robust_key), fmt.TD_META_NAME))
-    if isinstance(files, ArchiveFiles):
-        present = set(files.entries)
-    else:
-        present = {n for n in expected if os.path.isfile(os.path.join(files.root, n))}
-    return sorted(expected & present)
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    if src == dst:
+        raise InvalidArgumentError(f"source and destination are both {src!r}; convert into another path")
+    kind = detect_format(src)
+    out = target_format(dst, to)
+    cast = _dtype(dtype)
+    _check_destination(dst, out, overwrite)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    if kind in ("tddist", "tdz") and out in ("tddist", "tdz") and prefix is None and cast is None and not consolidate:
+        if kind == "tddist" and out == "tdz":
+            pack(src, dst, compression=compression, num_threads=num_threads)
+            return _done(src, dst, kind, out, progress)
+        if kind == "tdz" and out == "tddist":
+            unpack(src, dst, num_threads=num_threads)
+            return _done(src, dst, kind, out, progress)
+    if consolidate is False:
+        raise InvalidArgumentError(
+            f"consolidate=False keeps the saving ranks' shards only from a tddist directory to an archive or back "
+            f"(without prefix or dtype); {kind} -> {out} always writes whole leaves: drop consolidate=False"
+        )
+    source = _open(src, kind, allow_pickle, num_threads)
+    done = 0
+    sel: Selection
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, sel.total_bytes)
+
+    sel = select(source, prefix, cast, step)
+    _write(sel, dst, out, max_shard_size, compression, allow_pickle, num_threads)
+    logger.info("converted %s (%s) into %s (%s)", src, kind, dst, out)
+    return dst
 
 
-def _size(files: ArchiveFiles | DirectoryFiles, name: str) -> int:
-    if hasattr(files, "entries"):
-        return files.entries[name][1].file_size
-    return os.path.getsize(os.path.join(files.root, name))
+def _done(src: str, dst: str, kind: str, out: str, progress: Callable[[int, int], None] | None) -> str:
+    if progress is not None:
+        from .manifest_io import read_manifest
+        from .verify import stored_bytes
+
+        total = stored_bytes(read_manifest(dst))
+        progress(total, total)
+    logger.info("converted %s (%s) into %s (%s)", src, kind, dst, out)
+    return dst
 
 
-def _check(name: str, digests: list[int], checksum: str, src: str) -> None:
-    if combine_digests(digests) != checksum:
-        raise CorruptCheckpointError(
-            f"{name!r} in {src!r} fails its checksum; nothing was written (restore the source first)"
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    value = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise InvalidArgumentError(
+            f"dtype={dtype!r} is not a floating-point torch dtype; use one such as 'bfloat16', 'float16' or 'float32'"
+        )
+    return value
+
+
+def _check_destination(dst: str, out: str, overwrite: bool) -> None:
+    """Refuse an existing ``dst`` unless ``overwrite``, and then only one of the format being written."""
+    if not os.path.lexists(dst):
+        return
+    if not overwrite:
+        raise TargetError(f"{dst!r} exists; pass overwrite=True (--force) to replace it, or choose another destination")
+    if os.path.islink(dst):
+        raise TargetError(f"{dst!r} is a symbolic link; pass the real path or another destination")
+    if out in ("tddist", "tdz"):
+        return  # save (or pack/unpack) replaces only a tddist checkpoint
+    try:
+        existing = detect_format(dst)
+    except InvalidArgumentError:
+        existing = None
+    same_shape = os.path.isfile(dst) == _writes_file(dst, out)
+    if existing != out or not same_shape:
+        raise TargetError(
+            f"{dst!r} exists and is not a {out} checkpoint; tddist replaces only a checkpoint of the format it "
+            f"writes: choose another destination or remove it yourself"
         )
 
 
-def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression: Any = None, num_threads: int = 0) -> str:
-    """Write the committed directory checkpoint ``src`` as the archive ``dst``; returns ``dst``.
-
-    One archive file is easier to copy, upload or keep than a tree of files,
-    and loads the same. Every chunk's checksum is verified on the way, and
-    ``dst`` appears complete or not at all (an existing archive is
-    replaced); ``src`` is never modified. Runs in one process.
-
-    Args:
-        src: the committed directory checkpoint.
-        dst: the archive to write (conventionally ending in ``.tdz``).
-        compression: as ``save(compression=...)``: None (stored), ``"deflate"``,
-            ``"bzip2"``, ``"lzma"``, ``"zstd"``, a zipfile constant,
-            ``(name, level)`` or ``"name:level"``.
-        num_threads: threads that hash, compress and write.
-
-    Returns:
-        ``dst`` as an absolute path.
-
-    Raises:
-        CheckpointNotFoundError: nothing committed is at ``src``.
-        ManifestError: the manifest of ``src`` is damaged or from a newer tddist.
-        CorruptCheckpointError: a file of ``src`` is missing, truncated or fails its checksum.
-        TargetError: ``dst`` is a directory, a symbolic link or a file that is not a tddist archive.
-        InvalidArgumentError: ``compression`` is not supported (or zstandard is not installed).
-    """
-    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    manifest = read_manifest(src)
-    codec = resolve_compression(compression)
-    metas, leaves = _files(manifest, src)
-    tensors = {name: data for name, (data, _c) in leaves.items()}
-    entries = prepare_entries(metas, tensors, codec, num_threads)
-    for e in entries:
-        if e.name in leaves:
-            _check(e.name, e.digests, leaves[e.name][1], src)
-    makedirs_durable(os.path.dirname(dst))
-    check_archive_target(dst)
-    with _staged(dst) as staging:
-        os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-        end = place_entries(entries, 0)
-        write_region(staging, entries, num_threads)
-        as_archive = encode(replace(manifest, layout="archive", packing="memmap", version=fmt.FORMAT_VERSION))
-        tail = {fmt.INDEX_NAME: as_archive.index, fmt.MANIFEST_NAME: as_archive.manifest}
-        write_tail_and_directory(staging, end, tail, list(entry_rows(entries)))
-    logger.info("packed %s into %s", src, dst)
-    return dst
+def _writes_file(dst: str, out: str) -> bool:
+    """Whether format ``out`` at ``dst`` is one file (a DCP or sharded safetensors checkpoint is a directory)."""
+    return out == "torch" or (out == "safetensors" and dst.lower().endswith(_SAFETENSORS_SUFFIX))
 
 
-def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int = 0) -> str:
-    """Write the committed archive ``src`` as the directory checkpoint ``dst``; returns ``dst``.
+def _open(src: str, kind: str, allow_pickle: bool, num_threads: int) -> Source:
+    if kind in ("tddist", "tdz"):
+        from .interop.native import TddistSource
 
-    The inverse of ``pack``: the directory holds the same files as the
-    archive's entries, decompressed. Every chunk's checksum is verified on the
-    way, and ``dst`` appears complete or not at all (an existing checkpoint
-    directory is replaced); ``src`` is never modified. Runs in one process.
+        return TddistSource(src, allow_pickle, num_threads)
+    if kind == "dcp":
+        from .interop.dcp import DcpSource
 
-    Args:
-        src: the committed archive.
-        dst: the checkpoint directory to write.
-        num_threads: accepted for symmetry with ``pack``; unpacking runs on one thread.
+        return DcpSource(src, allow_pickle)
+    if kind == "torch":
+        from .interop.torch_file import TorchFileSource
 
-    Returns:
-        ``dst`` as an absolute path.
+        return TorchFileSource(src, allow_pickle)
+    from .interop.hf import SafetensorsSource
 
-    Raises:
-        CheckpointNotFoundError: nothing committed is at ``src``.
-        ManifestError: the manifest of ``src`` is damaged or from a newer tddist.
-        CorruptCheckpointError: an entry of ``src`` is missing, malformed or fails its checksum.
-        TargetError: ``dst`` is a file, a symbolic link or a directory that is not a tddist checkpoint.
-    """
-    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    manifest = read_manifest(src)
-    metas, leaves = _files(manifest, src)
-    makedirs_durable(os.path.dirname(dst))
-    check_target(dst)
-    with _staged(dst) as staging:
-        os.mkdir(staging)
-        for name, data in metas.items():
-            _write(staging, name, data)
-        for name, (chunk, checksum) in leaves.items():
-            array = chunk.numpy()
-            _check(name, hash_blocks(array), checksum, src)
-            _write(staging, name, memoryview(array.data))
-        as_directory = encode(replace(manifest, layout="directory", packing="memmap", version=fmt.FORMAT_VERSION))
-        write_durable(os.path.join(staging, fmt.INDEX_NAME), as_directory.index)
-        write_durable(os.path.join(staging, fmt.MANIFEST_NAME), as_directory.manifest)
-        fsync_tree_dirs(staging)
-    logger.info("unpacked %s into %s", src, dst)
-    return dst
+    return SafetensorsSource(src)
 
 
-@contextlib.contextmanager
-def _staged(dst: str) -> Iterator[str]:
-    """A fresh staging name beside ``dst``: published onto ``dst`` if the block succeeds, removed if not."""
-    staging = fmt.staging_path(dst)
-    try:
-        yield staging
-        publish(staging, dst)
-    except BaseException:
-        remove_tree(staging)
-        raise
+def _write(
+    sel: Selection,
+    dst: str,
+    out: str,
+    max_shard_size: int | str,
+    compression: Any,
+    allow_pickle: bool,
+    num_threads: int,
+) -> None:
+    if out in ("tddist", "tdz"):
+        from .interop.native import write_tddist
 
+        write_tddist(
+            sel, dst, archive=out == "tdz", compression=compression, allow_pickle=allow_pickle, num_threads=num_threads
+        )
+        return
+    if compression is not None:
+        raise InvalidArgumentError(f"compression={compression!r} is for .tdz destinations; {out} has none")
+    write: Callable[[Selection, str], None]
+    if out == "torch":
+        from .interop.torch_file import write_torch
 
-def _write(root: str, name: str, data: bytes | memoryview) -> None:
-    path = os.path.join(root, name)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_durable(path, data)
+        write = write_torch
+    elif out == "dcp":
+        from .interop.dcp import write_dcp
+
+        write = write_dcp
+    elif _writes_file(dst, out):
+        from .interop.hf import write_safetensors
+
+        write = write_safetensors
+    else:
+        from .interop.hf import parse_size, write_sharded
+
+        size = parse_size(max_shard_size)
+        write = lambda s, path: write_sharded(s, path, size)
+    with staged(dst) as staging:
+        try:
+            write(sel, staging)
+        except TddistError:
+            raise
+        except (RuntimeError, ValueError) as e:  # torch's and DCP's own errors, named
+            raise InvalidDataError(f"writing {out} into {dst!r} failed: {e}") from e

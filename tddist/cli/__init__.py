@@ -17,7 +17,7 @@ import sys
 
 from .._version import __version__
 from ..errors import TddistError
-from . import convert, diff, gc, info, latest, ls, recover, verify
+from . import convert, diff, gc, info, latest, ls, pack, recover, verify
 
 #: Exit statuses (docs/cli.md).
 EXIT_OK = 0
@@ -26,7 +26,7 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141
 
-COMMANDS = (ls, latest, info, diff, verify, gc, recover, convert)
+COMMANDS = (ls, latest, info, diff, verify, gc, recover, pack, convert)
 
 EPILOG = """\
 exit status: 0 ok; 1 a problem was found (a bad chunk, no checkpoint, a difference) or an error;

@@ -1,103 +1,119 @@
-"""``tddist pack`` and ``tddist unpack``: a directory checkpoint to one .tdz archive and back."""
+"""``tddist convert``: a checkpoint from or to DCP, torch.save, safetensors or Hugging Face sharded form."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
-from ..errors import TargetError
-from ._output import emit_json, positive_int, written_bytes_progress
+from ._output import emit_json, positive_int, progress, progress_enabled
 
-PACK_DESCRIPTION = """\
-Write the committed directory checkpoint SRC as the single-file archive DST
-(.tdz), verifying every checksum on the way; DST appears complete or not at all.
-An existing DST is replaced only with --force."""
-UNPACK_DESCRIPTION = """\
-Write the committed archive SRC as the directory checkpoint DST, verifying every
-checksum on the way; DST appears complete or not at all. An existing DST is
-replaced only with --force."""
+DESCRIPTION = """\
+Convert the checkpoint SRC into DST. SRC is detected: a tddist directory or
+.tdz archive, a DCP directory (.metadata), a torch.save file (.pt/.pth), a
+.safetensors file, or a Hugging Face sharded directory
+(model.safetensors.index.json). The format written is --to, or DST's suffix
+(.tdz, .pt/.pth, .safetensors), else a tddist directory; --to safetensors with
+a DST without suffix writes a sharded directory. Leaves are read one at a
+time; sharded leaves are written whole. DST appears complete or not at all;
+an existing DST is replaced only with --force, and only by the same format."""
+
+FORMATS = ("tddist", "tdz", "dcp", "torch", "safetensors")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
     s = sub.add_parser(
-        "pack",
-        help="pack a directory checkpoint into one .tdz archive",
-        description=PACK_DESCRIPTION,
-        formatter_class=fmt,
+        "convert",
+        help="convert between tddist, DCP, torch.save and safetensors checkpoints",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("src", metavar="SRC", help="a committed directory checkpoint")
-    s.add_argument("dst", metavar="DST", help="the archive to write (conventionally NAME.tdz)")
+    s.add_argument("src", metavar="SRC", help="the checkpoint to read")
+    s.add_argument("dst", metavar="DST", help="what to write")
+    s.add_argument("--to", choices=FORMATS, default=None, metavar="FORMAT", help=f"one of {', '.join(FORMATS)}")
     s.add_argument(
-        "--compression",
+        "--prefix",
         default=None,
-        metavar="METHOD",
-        help="compress tensor data: deflate, bzip2, lzma or zstd, optionally METHOD:LEVEL (default: stored)",
+        metavar="PREFIX",
+        help="convert only keys under PREFIX and strip it (parts joined with '/': model/)",
     )
-    _common(s, "pack")
-    s.set_defaults(run=run_pack)
-    s = sub.add_parser(
-        "unpack",
-        help="unpack a .tdz archive into a directory checkpoint",
-        description=UNPACK_DESCRIPTION,
-        formatter_class=fmt,
-    )
-    s.add_argument("src", metavar="SRC", help="a committed .tdz archive")
-    s.add_argument("dst", metavar="DST", help="the directory checkpoint to write")
-    _common(s, "unpack")
-    s.set_defaults(run=run_unpack)
-
-
-def _common(s: argparse.ArgumentParser, name: str) -> None:
-    s.add_argument("--force", action="store_true", help="replace DST if it exists (a tddist checkpoint only)")
+    s.add_argument("--dtype", default=None, metavar="DTYPE", help="cast floating-point leaves (bfloat16, float16, ...)")
     s.add_argument(
-        "--threads",
-        type=positive_int,
-        default=2,
-        metavar="N",
-        help="threads that hash, compress and write (default: 2)",
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest file of a sharded safetensors directory (default: 5GB; 500MB, 2GiB or bytes)",
+    )
+    s.add_argument("--compression", default=None, metavar="METHOD", help="a .tdz destination's compression")
+    s.add_argument(
+        "--consolidate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write sharded leaves whole (default; --no-consolidate keeps ranks' shards from tddist to .tdz and back)",
     )
     s.add_argument(
-        "--json", action="store_true", help=f"print one JSON object (schema tddist.{name}/1, see docs/cli.md)"
+        "--allow-pickle",
+        action="store_true",
+        help="read pickled objects and store non-JSON values with pickle (only for sources you trust)",
     )
+    s.add_argument("--force", action="store_true", help="replace DST if it exists (a checkpoint of the same format)")
+    s.add_argument("--threads", type=positive_int, default=2, metavar="N", help="threads for tddist (default: 2)")
+    s.add_argument("--json", action="store_true", help="print one JSON object (schema tddist.convert/1)")
+    s.set_defaults(run=run)
 
 
-def _refuse_existing(args: argparse.Namespace) -> None:
-    if os.path.lexists(args.dst) and not args.force:
-        raise TargetError(
-            f"{args.dst!r} exists; pass --force to replace it (only a tddist checkpoint is ever replaced, "
-            f"and only once the new one is complete)"
+@contextlib.contextmanager
+def _bar() -> Iterator[Callable[[int, int], None]]:
+    """``progress(done, total)`` for ``convert``: a tqdm bar on a terminal, opened at the first call."""
+    if not progress_enabled():
+        yield lambda done, total: None
+        return
+    with contextlib.ExitStack() as stack:
+        state: dict[str, Callable[[int], None]] = {}
+        shown = 0
+
+        def report(done: int, total: int) -> None:
+            nonlocal shown
+            if "update" not in state:
+                state["update"] = stack.enter_context(progress(total, "convert"))
+            state["update"](done - shown)
+            shown = done
+
+        yield report
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..convert import convert, detect_format, target_format
+
+    with _bar() as report:
+        dst = convert(
+            args.src,
+            args.dst,
+            args.to,
+            prefix=args.prefix,
+            dtype=args.dtype,
+            consolidate=args.consolidate,
+            max_shard_size=args.max_shard_size,
+            compression=args.compression,
+            allow_pickle=args.allow_pickle,
+            overwrite=args.force,
+            num_threads=args.threads,
+            progress=report,
         )
-
-
-def _total(path: str) -> int:
-    from ..manifest_io import read_manifest
-    from ..verify import stored_bytes
-
-    return stored_bytes(read_manifest(path))
-
-
-def _done(args: argparse.Namespace, name: str) -> int:
+    src_format, dst_format = detect_format(args.src), target_format(dst, args.to)
     if args.json:
-        emit_json(name, {"src": args.src, "dst": args.dst, "bytes": _total(args.dst)})
+        emit_json(
+            "convert",
+            {"src": args.src, "dst": args.dst, "from": src_format, "to": dst_format, "bytes": _size(dst)},
+        )
     else:
-        print(f"{name}ed {args.src} into {args.dst}")
+        print(f"converted {args.src} ({src_format}) into {args.dst} ({dst_format})")
     return 0
 
 
-def run_pack(args: argparse.Namespace) -> int:
-    from ..convert import pack
-
-    _refuse_existing(args)
-    with written_bytes_progress(_total(args.src), "pack"):
-        pack(args.src, args.dst, compression=args.compression, num_threads=args.threads)
-    return _done(args, "pack")
-
-
-def run_unpack(args: argparse.Namespace) -> int:
-    from ..convert import unpack
-
-    _refuse_existing(args)
-    with written_bytes_progress(_total(args.src), "unpack"):
-        unpack(args.src, args.dst, num_threads=args.threads)
-    return _done(args, "unpack")
+def _size(path: str) -> int:
+    """Bytes of what was written (all files of a directory)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _s, files in os.walk(path) for f in files)

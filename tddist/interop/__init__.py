@@ -1,0 +1,225 @@
+"""Checkpoints of other formats, read and written leaf by leaf (used by ``tddist.convert``).
+
+One module per format (``native``: tddist directories and archives,
+``dcp``: torch.distributed.checkpoint, ``torch_file``: ``torch.save`` files,
+``hf``: safetensors files and Hugging Face sharded directories). Each reader
+is a ``Source``: it lists its tensor leaves (key, dtype, shape) and its
+non-tensor values without reading data, and reads one whole leaf at a time,
+so a conversion holds about one leaf in memory. Each writer takes a
+``Selection`` (the source seen through ``--prefix`` and ``--dtype``).
+
+Keys are tuples of strings, as in tddist. Flat formats name a leaf by
+joining its key with "." (``("model", "w")`` -> ``"model.w"``); their
+readers split names back only in a file that a tddist export marked (the
+marker records any key whose parts hold a "." themselves), otherwise every
+name stays one flat key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..errors import InvalidArgumentError, InvalidDataError
+
+if TYPE_CHECKING:
+    import torch
+
+Key = tuple[str, ...]
+
+#: Format names, as ``convert(to=...)`` takes them.
+FORMATS = ("tddist", "tdz", "dcp", "torch", "safetensors")
+
+#: The marker a tddist export leaves in a flat file's metadata (value: ``EXPORT_VERSION``).
+EXPORT_MARKER = "tddist.export"
+EXPORT_VERSION = "1"
+#: Beside the marker: JSON ``{flat name: [key parts]}`` for keys that "." cannot split back.
+KEYS_FIELD = "tddist.keys"
+#: Beside the marker in safetensors files: JSON ``{flat name: value}`` of the non-tensor values.
+VALUES_FIELD = "tddist.values"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor leaf of a source: its key, dtype and (global) shape."""
+
+    key: Key
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class Source(Protocol):
+    """A checkpoint opened for reading, leaf by leaf.
+
+    ``nested`` is True when keys are tddist's own (a tddist checkpoint or a
+    marked tddist export); False when each key is one flat name.
+    """
+
+    kind: str
+    nested: bool
+
+    def tensors(self) -> list[TensorEntry]:
+        """Every tensor leaf, in the source's order, without reading data."""
+        ...
+
+    def value_keys(self) -> list[Key]:
+        """Every non-tensor value's key."""
+        ...
+
+    def read(self, entry: TensorEntry) -> torch.Tensor:
+        """The whole leaf (a sharded leaf consolidated), on the CPU."""
+        ...
+
+    def value(self, key: Key) -> Any:
+        """A non-tensor value, as plain Python (JSON-able where the source allows)."""
+        ...
+
+    def metadata(self) -> dict[str, Any]:
+        """User metadata the source carries (a tddist manifest's ``metadata``), else empty."""
+        ...
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The source as written out: keys under ``prefix`` with the prefix stripped, floating leaves cast to ``dtype``.
+
+    ``progress(nbytes)`` is called after each leaf is read.
+    """
+
+    source: Source
+    tensors: list[tuple[Key, TensorEntry]]  # (output key, source entry)
+    values: list[tuple[Key, Key]]  # (output key, source key)
+    dtype: torch.dtype | None
+    progress: Callable[[int], None]
+
+    @property
+    def nested(self) -> bool:
+        return self.source.nested
+
+    def out_dtype(self, entry: TensorEntry) -> torch.dtype:
+        if self.dtype is not None and entry.dtype.is_floating_point:
+            return self.dtype
+        return entry.dtype
+
+    def out_nbytes(self, entry: TensorEntry) -> int:
+        return math.prod(entry.shape) * self.out_dtype(entry).itemsize
+
+    def read(self, entry: TensorEntry) -> torch.Tensor:
+        t = self.source.read(entry)
+        out = self.out_dtype(entry)
+        if t.dtype != out:
+            t = t.to(out)
+        self.progress(entry.nbytes)
+        return t
+
+    def leaves(self) -> Iterator[tuple[Key, torch.Tensor]]:
+        """Each tensor leaf in turn (one in memory at a time unless the caller keeps them)."""
+        for key, entry in self.tensors:
+            yield key, self.read(entry)
+
+    def value_items(self) -> Iterator[tuple[Key, Any]]:
+        for key, src_key in self.values:
+            yield key, self.source.value(src_key)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for _k, e in self.tensors)
+
+
+def select(
+    source: Source, prefix: str | None, dtype: torch.dtype | None, progress: Callable[[int], None] | None = None
+) -> Selection:
+    """The leaves of ``source`` under ``prefix`` (stripped), in order; refuses an empty or colliding result."""
+    tensors = [(k, e) for e in source.tensors() if (k := strip_prefix(e.key, prefix)) is not None]
+    values = [(k, s) for s in source.value_keys() if (k := strip_prefix(s, prefix)) is not None]
+    if not tensors and not values:
+        where = f"under the prefix {prefix!r}" if prefix else "in it"
+        raise InvalidArgumentError(
+            f"the {source.kind} source holds nothing {where}; check the prefix against the source's keys "
+            f"(tddist ls, or tddist info, lists them for a tddist checkpoint)"
+        )
+    seen: set[Key] = set()
+    for key in [k for k, _ in tensors] + [k for k, _ in values]:
+        if key in seen or not key or not all(key):
+            raise InvalidArgumentError(
+                f"stripping the prefix {prefix!r} leaves the key {list(key)} twice or empty; use a shorter prefix"
+            )
+        seen.add(key)
+    return Selection(source, tensors, values, dtype, progress or (lambda n: None))
+
+
+def strip_prefix(key: Key, prefix: str | None) -> Key | None:
+    """``key`` without ``prefix``, or None if the key is not under it.
+
+    The prefix is the key's parts joined with "/" (``"model/"``), and may end
+    inside a part (``"model."`` on the flat key ``("model.w",)`` gives ``("w",)``).
+    """
+    if not prefix:
+        return key
+    *whole, partial = prefix.split("/")
+    n = len(whole)
+    if tuple(key[:n]) != tuple(whole) or len(key) <= n or not key[n].startswith(partial):
+        return None
+    rest = key[n][len(partial) :]
+    return ((rest,) if rest else ()) + tuple(key[n + 1 :])
+
+
+def flat_names(keys: list[Key]) -> tuple[dict[Key, str], dict[str, list[str]]]:
+    """Each key's flat name (parts joined with "."), and the keys that "." would not split back.
+
+    Raises InvalidDataError when two keys get one name (``("a.b",)`` and ``("a", "b")``).
+    """
+    names: dict[Key, str] = {}
+    owners: dict[str, Key] = {}
+    odd: dict[str, list[str]] = {}
+    for key in keys:
+        name = ".".join(key)
+        if name in owners:
+            raise InvalidDataError(
+                f"keys {list(owners[name])} and {list(key)} both become {name!r} in a flat format; rename one, "
+                f"or export them separately with a prefix"
+            )
+        owners[name] = key
+        names[key] = name
+        if tuple(name.split(".")) != key:
+            odd[name] = list(key)
+    return names, odd
+
+
+def split_name(name: str, odd: dict[str, Any]) -> Key:
+    """The key of a flat name in a marked tddist export (inverse of ``flat_names``)."""
+    parts = odd.get(name)
+    if isinstance(parts, list) and parts and all(isinstance(p, str) for p in parts):
+        return tuple(parts)
+    return tuple(name.split("."))
+
+
+def nested_dict(items: list[tuple[Key, Any]]) -> dict[str, Any]:
+    """Nested dicts from (key, value) pairs; refuses a key that is both a leaf and a parent."""
+    root: dict[str, Any] = {}
+    for key, value in items:
+        node = root
+        for i, part in enumerate(key[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise InvalidDataError(f"{list(key[: i + 1])} is both a leaf and a parent of {list(key)}; rename one")
+            node = child
+        if key[-1] in node:
+            raise InvalidDataError(f"{list(key)} is both a leaf and a parent of other keys; rename one")
+        node[key[-1]] = value
+    return root
+
+
+def jsonable(value: Any) -> Any:
+    """Tuples as lists, recursively (JSON has no tuples); everything else as it is."""
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,131 @@
+"""``torch.save`` files (``.pt``/``.pth``) as a conversion's source or destination.
+
+A file is read with ``torch.load(mmap=True, weights_only=True)`` (pickled
+objects only with ``allow_pickle``): tensors are copy-on-write maps of the
+file, paged in leaf by leaf. Its top level must be a dict; nested dicts are
+flattened with "." unless the file is a marked tddist export. A tddist
+export is one flat ``OrderedDict`` ``{"model.w": tensor, ...}`` (the form
+``model.load_state_dict`` takes); the marker is an attribute of that dict
+(``_tddist``), which ``torch.load`` restores and ``load_state_dict`` ignores.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError, InvalidDataError
+from . import EXPORT_MARKER, EXPORT_VERSION, KEYS_FIELD, Key, Selection, TensorEntry, flat_names, jsonable, split_name
+
+#: The attribute of the saved dict that marks a tddist export.
+MARKER_ATTR = "_tddist"
+
+
+def _load(path: str, allow_pickle: bool) -> Any:
+    kwargs: dict[str, Any] = {"map_location": "cpu", "weights_only": not allow_pickle}
+    try:
+        try:
+            return torch.load(path, mmap=True, **kwargs)
+        except RuntimeError as e:
+            if "mmap" not in str(e) and "zip" not in str(e):
+                raise
+            return torch.load(path, **kwargs)  # a legacy (non-zip) file cannot be mapped
+    except pickle.UnpicklingError as e:
+        raise InvalidArgumentError(
+            f"{path!r} holds objects that torch.load(weights_only=True) refuses ({str(e).splitlines()[0]}); pass "
+            f"allow_pickle=True (--allow-pickle) only if you trust where the file comes from"
+        ) from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise InvalidDataError(f"{path!r} is not a readable torch.save file: {e}; check the file") from None
+
+
+class TorchFileSource:
+    """A ``torch.save`` file of a (nested) dict of tensors and plain values."""
+
+    kind = "torch"
+
+    def __init__(self, path: str, allow_pickle: bool) -> None:
+        obj = _load(path, allow_pickle)
+        if not isinstance(obj, dict):
+            raise InvalidDataError(
+                f"{path!r} holds a {type(obj).__name__}, not a dict of tensors; save a state dict "
+                f"(torch.save(model.state_dict(), path)) to convert it"
+            )
+        marker = getattr(obj, MARKER_ATTR, None)
+        self.nested = isinstance(marker, dict) and marker.get(EXPORT_MARKER) == EXPORT_VERSION
+        odd = marker.get(KEYS_FIELD, {}) if self.nested and isinstance(marker, dict) else {}
+        self._tensors: dict[Key, torch.Tensor] = {}
+        self._values: dict[Key, Any] = {}
+        for name, value in _flat(obj, path, recurse=not self.nested):
+            key = split_name(name, odd) if self.nested else (name,)
+            if isinstance(value, torch.Tensor):
+                self._tensors[key] = value
+            else:
+                self._values[key] = jsonable(value)
+
+    def tensors(self) -> list[TensorEntry]:
+        return [TensorEntry(k, t.dtype, tuple(t.shape)) for k, t in self._tensors.items()]
+
+    def value_keys(self) -> list[Key]:
+        return list(self._values)
+
+    def read(self, entry: TensorEntry) -> torch.Tensor:
+        return self._tensors[entry.key]
+
+    def value(self, key: Key) -> Any:
+        return self._values[key]
+
+    def metadata(self) -> dict[str, Any]:
+        return {}
+
+
+def _flat(obj: dict, path: str, prefix: str = "", *, recurse: bool = True) -> list[tuple[str, Any]]:
+    """(name, value) of every entry, nested dicts joined with "." when ``recurse`` (a marked export is flat)."""
+    out: list[tuple[str, Any]] = []
+    for k, v in obj.items():
+        name = f"{prefix}{k}"
+        if recurse and isinstance(v, dict) and v:
+            out += _flat(v, path, name + ".")
+        elif isinstance(v, torch.Tensor):
+            if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
+                raise InvalidDataError(
+                    f"{name!r} in {path!r} is a {type(v).__name__}; only plain tensors convert (save full tensors)"
+                )
+            out.append((name, v.detach()))
+        elif _holds_tensor(v):
+            raise InvalidDataError(
+                f"{name!r} in {path!r} is a {type(v).__name__} holding tensors; only dicts of tensors convert "
+                f"(store the tensors under dict keys)"
+            )
+        else:
+            out.append((name, v))
+    return out
+
+
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return any(isinstance(x, torch.Tensor) or _holds_tensor(x) for x in v)
+    if isinstance(v, dict):
+        return any(isinstance(x, torch.Tensor) or _holds_tensor(x) for x in v.values())
+    return False
+
+
+def write_torch(sel: Selection, path: str) -> None:
+    """``torch.save`` the selection as one flat dict at ``path``.
+
+    ``torch.save`` takes the whole dict: leaves read from a tddist checkpoint
+    are copy-on-write maps, paged in as they are written.
+    """
+    keys = [k for k, _ in sel.tensors] + [k for k, _ in sel.values]
+    names, odd = flat_names(keys)
+    out: collections.OrderedDict[str, Any] = collections.OrderedDict()
+    for key, t in sel.leaves():
+        out[names[key]] = t
+    for key, v in sel.value_items():
+        out[names[key]] = v
+    if sel.nested:
+        setattr(out, MARKER_ATTR, {EXPORT_MARKER: EXPORT_VERSION, KEYS_FIELD: odd})
+    torch.save(out, path)
