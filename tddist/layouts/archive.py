@@ -136,17 +136,19 @@ class ArchiveWriter(WriterBase):
 class ArchiveFiles:
     """The entries of a committed archive, validated, read from one memory map."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, opened_as: str | None = None):
+        """Open the archive ``path``; ``opened_as`` opens the same file pinned (``/proc/self/fd/N``)."""
         self.path = path
+        source = opened_as or path
         try:
-            zf = zipfile.ZipFile(path)
+            zf = zipfile.ZipFile(source)
         except (zipfile.BadZipFile, OSError, ValueError) as e:
             raise CorruptCheckpointError(
                 f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
             ) from None
-        size = os.path.getsize(path)
+        size = os.path.getsize(source)
         self.tensor = (
-            torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+            torch.from_file(source, shared=False, size=size, dtype=torch.uint8)
             if size
             else torch.empty(0, dtype=torch.uint8)
         )
