@@ -21,7 +21,7 @@ from . import format as fmt
 from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
 from .errors import ShardingError
 from .manifest import Leaf, Manifest, ObjectLeaf
-from .sharding import Box, Boxes, PerRank, Replicate, Shard, tiling_problems
+from .sharding import Box, Boxes, PerRank, Replicate, Shard, box_tiling_problems
 from .types import Fragment, Key, LeafSpec, Structure
 
 logger = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _table(
     table = BoxChunks(itemsize, known.ranks, known.offsets, known.sizes, sums[known.ranks])
     if not cached:
         gshape = spec.global_shape or ()
-        problems = tiling_problems(gshape, [table.box(i) for i in range(len(table))])
+        problems = box_tiling_problems(gshape, table.offsets, table.sizes)
         if problems:
             raise ShardingError(
                 f"the ranks' shards of DTensor leaf {_show(spec.key)} do not tile its global shape {list(gshape)}: "

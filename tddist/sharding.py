@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
@@ -106,51 +108,218 @@ def contains(outer: Box, inner: Box) -> bool:
     return all(oo <= io and io + isz <= oo + osz for oo, osz, io, isz in zip(outer[0], outer[1], inner[0], inner[1]))
 
 
+#: Work bounds of ``tiling_problems``: up to ``_SMALL`` non-empty boxes are swept in Python while that
+#: compares at most ``_SWEEP_PER_BOX`` pairs per box; else a coordinate grid of at most ``_GRID_MIN``
+#: cells (or ``_GRID_PER_BOX`` per box, up to ``_GRID_MAX``) is marked cell by cell; else a numpy sweep
+#: compares at most ``_SWEEP_PAIRS`` pairs of boxes. Boxes that need more are refused as too irregular.
+_SMALL = 256
+_SWEEP_PER_BOX = 16
+_GRID_MIN = 1 << 20
+_GRID_PER_BOX = 64
+_GRID_MAX = 1 << 23
+_SWEEP_PAIRS = 1 << 21
+_PAIR_BATCH = 1 << 19
+
+
 def tiling_problems(shape: Sequence[int], boxes: Sequence[Box], limit: int = 5) -> list[str]:
     """Why ``boxes`` do not tile ``shape`` exactly (empty list if they do).
 
-    Checks: rank and bounds of each box, no two non-empty boxes overlap, and the
-    volumes add up to the whole (which, with no overlap, means no gap). The
-    overlap check sweeps along the dimension with the most distinct starts, so
-    the usual layouts (split along one or two dims) cost O(n log n).
+    A box must have the tensor's rank and lie inside it; no two non-empty
+    boxes may overlap; their volumes must add up to the whole (with no
+    overlap, that means no gap). The boxes may come from an untrusted
+    manifest, so the cost is near-linear in their number and bounded (see
+    ``box_tiling_problems``); at most ``limit`` problems are listed.
     """
     shape = tuple(shape)
-    if len(boxes) == 1 and tuple(boxes[0][1]) == shape and not any(boxes[0][0]) and len(boxes[0][0]) == len(shape):
+    n, d = len(boxes), len(shape)
+    if n == 1 and tuple(boxes[0][1]) == shape and not any(boxes[0][0]) and len(boxes[0][0]) == d:
         return []  # one chunk holding the whole tensor: the common case, checked in O(1)
+    if n > _SMALL:
+        try:  # integers of any size (JSON) or ragged boxes fail here, and are named by the loop below
+            offsets = np.array([b[0] for b in boxes], dtype=np.int64)
+            sizes = np.array([b[1] for b in boxes], dtype=np.int64)
+        except (OverflowError, ValueError, TypeError):
+            pass
+        else:
+            if offsets.shape == sizes.shape == (n, d):
+                return box_tiling_problems(shape, offsets, sizes, limit)
     problems: list[str] = []
     nonempty: list[tuple[int, Box]] = []
-    for i, (offs, sizes) in enumerate(boxes):
-        if len(offs) != len(shape) or len(sizes) != len(shape):
-            problems.append(f"chunk {i} has {len(offs)} dims, tensor has {len(shape)}")
-        elif any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offs, sizes, shape)):
-            problems.append(f"chunk {i} at {list(offs)} size {list(sizes)} lies outside shape {list(shape)}")
-        elif math.prod(sizes):
-            nonempty.append((i, (tuple(offs), tuple(sizes))))
+    for i, (offs, sizes_) in enumerate(boxes):
+        if len(offs) != d or len(sizes_) != d:
+            problems.append(f"chunk {i} has {len(offs)} dims, tensor has {d}")
+        elif any(o < 0 or s < 0 or o + s > m for o, s, m in zip(offs, sizes_, shape)):
+            problems.append(f"chunk {i} at {list(offs)} size {list(sizes_)} lies outside shape {list(shape)}")
+        elif math.prod(sizes_):
+            nonempty.append((i, (tuple(offs), tuple(sizes_))))
         if len(problems) >= limit:
             return problems
     if problems:
         return problems
-    total = math.prod(shape)
-    if not shape:
-        return [] if len(boxes) == 1 else [f"a scalar needs exactly one chunk, got {len(boxes)}"]
+    if not d:
+        return [] if n == 1 else [f"a scalar needs exactly one chunk, got {n}"]
     if not nonempty:
-        return [] if total == 0 else [f"chunks cover 0 of {total} elements: there is a gap"]
-    dim = max(range(len(shape)), key=lambda d: len({b[0][d] for _, b in nonempty}))
-    nonempty.sort(key=lambda ib: ib[1][0][dim])
+        return _volume_problems(0, math.prod(shape))
+    found = _python_sweep(nonempty, limit) if len(nonempty) <= _SMALL else None
+    if found is None:  # many boxes, or irregular ones; the loop named no problem, so they fit in int64
+        offsets = np.array([b[0] for b in boxes], dtype=np.int64).reshape(n, d)
+        sizes = np.array([b[1] for b in boxes], dtype=np.int64).reshape(n, d)
+        return box_tiling_problems(shape, offsets, sizes, limit, small=False)
+    overlaps = [f"chunks {min(i, j)} and {max(i, j)} overlap" for i, j in found]
+    return overlaps or _volume_problems(sum(volume(b) for _, b in nonempty), math.prod(shape))
+
+
+def _python_sweep(nonempty: list[tuple[int, Box]], limit: int) -> list[tuple[int, int]] | None:
+    """Overlapping pairs of a few boxes, swept along the dimension with the most distinct starts (cheap
+    for the usual layouts); None once it compares more than a few pairs per box (the caller uses numpy)."""
+    ndim = len(nonempty[0][1][0])
+    dim = max(range(ndim), key=lambda k: len({b[0][k] for _, b in nonempty}))
+    budget = _SWEEP_PER_BOX * len(nonempty)
+    found: list[tuple[int, int]] = []
     active: list[tuple[int, Box]] = []
-    for i, box in nonempty:
+    for i, box in sorted(nonempty, key=lambda ib: ib[1][0][dim]):
         start = box[0][dim]
         active = [(j, b) for j, b in active if b[0][dim] + b[1][dim] > start]
+        budget -= len(active) + 1
+        if budget < 0:
+            return None
         for j, other in active:
             if intersect(box, other) is not None:
-                problems.append(f"chunks {min(i, j)} and {max(i, j)} overlap")
-                if len(problems) >= limit:
-                    return problems
+                found.append((i, j))
+                if len(found) >= limit:
+                    return found
         active.append((i, box))
-    covered = sum(volume(b) for _, b in nonempty)
-    if not problems and covered != total:
-        problems.append(f"chunks cover {covered} of {total} elements: there is a gap")
-    return problems
+    return found
+
+
+def _volume_problems(covered: int, total: int) -> list[str]:
+    return [] if covered == total else [f"chunks cover {covered} of {total} elements: there is a gap"]
+
+
+def box_tiling_problems(
+    shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray, limit: int = 5, small: bool = True
+) -> list[str]:
+    """``tiling_problems`` of the boxes ``offsets[i], sizes[i]`` (int64[n, ndim]), in numpy.
+
+    Bounds and the volume sum are checked for all boxes at once. Then the box
+    edges are compressed per dimension and, when the resulting grid is small
+    (DTensor tilings are grids: about one cell per box), each cell is checked
+    to be covered at most once; otherwise a sort-and-sweep compares the pairs
+    of boxes that overlap along the dimension where they are fewest, counted
+    beforehand and bounded. Boxes that would need more work are reported as
+    too irregular to check (tddist never writes such).
+    """
+    shape = tuple(int(s) for s in shape)
+    n, d = len(offsets), len(shape)
+    if small and n <= _SMALL:  # a few boxes: Python is quicker than numpy
+        return tiling_problems(shape, [(tuple(o), tuple(s)) for o, s in zip(offsets.tolist(), sizes.tolist())], limit)
+    if d == 0:
+        return [f"a scalar needs exactly one chunk, got {n}"]
+    lim = np.asarray(shape, dtype=np.int64)
+    bad = np.nonzero(((offsets < 0) | (sizes < 0) | (sizes > lim) | (offsets > lim - sizes)).any(axis=1))[0]
+    if len(bad):
+        return [
+            f"chunk {i} at {offsets[i].tolist()} size {sizes[i].tolist()} lies outside shape {list(shape)}"
+            for i in bad[:limit].tolist()
+        ]
+    keep = np.nonzero((sizes > 0).all(axis=1))[0]  # zero-size boxes hold nothing and overlap nothing
+    total = math.prod(shape)
+    covered = sum(np.prod(sizes[keep], axis=1, dtype=np.int64).tolist())  # each inside the shape: below 2**56
+    if not len(keep):
+        return _volume_problems(0, total)
+    lo, hi = offsets[keep], offsets[keep] + sizes[keep]
+    overlaps = _grid_overlaps(shape, lo, hi, keep, limit)
+    if overlaps is None:
+        overlaps = _sweep_overlaps(lo, hi, keep, limit)
+    if overlaps is None:
+        if covered > total:
+            return [f"chunks cover {covered} elements of a tensor of {total}: some overlap"]
+        if covered < total:
+            return _volume_problems(covered, total)
+        return [
+            f"the {len(keep)} chunk boxes are too irregular to check within tddist's work bound (they neither "
+            f"form a small grid nor sweep along any dimension in under {_SWEEP_PAIRS} comparisons); tddist "
+            f"writes DTensor shards, which form grids, so this manifest was not written by it"
+        ]
+    return [f"chunks {min(i, j)} and {max(i, j)} overlap" for i, j in overlaps[:limit]] or _volume_problems(
+        covered, total
+    )
+
+
+def _grid_overlaps(
+    shape: tuple[int, ...], lo: np.ndarray, hi: np.ndarray, ids: np.ndarray, limit: int
+) -> list[tuple[int, int]] | None:
+    """Overlapping pairs (ids), found by marking the cells of the compressed grid; None if the grid is too big."""
+    n, d = lo.shape
+    cuts = [np.unique(np.concatenate((lo[:, k], hi[:, k], [0, shape[k]]))) for k in range(d)]
+    cells = 1
+    budget = min(_GRID_MAX, max(_GRID_MIN, _GRID_PER_BOX * n))
+    for c in cuts:
+        cells *= len(c) - 1
+        if cells > budget:
+            return None
+    first = np.stack([np.searchsorted(c, lo[:, k]) for k, c in enumerate(cuts)], axis=1)
+    last = np.stack([np.searchsorted(c, hi[:, k]) for k, c in enumerate(cuts)], axis=1)
+    grid_shape = tuple(len(c) - 1 for c in cuts)
+    owner = np.full(grid_shape, -1, dtype=np.int32 if n < (1 << 31) else np.int64)
+    single = (last - first == 1).all(axis=1)
+    flat = np.ravel_multi_index(tuple(first[single].T), grid_shape) if single.any() else np.zeros(0, np.int64)
+    found: list[tuple[int, int]] = []
+    single_ids = np.nonzero(single)[0]
+    if len(flat):  # boxes of one cell each (every box of a DTensor grid): all at once
+        order = np.argsort(flat, kind="stable")
+        sf = flat[order]
+        dup = np.nonzero(sf[1:] == sf[:-1])[0]
+        for k in dup[:limit].tolist():
+            found.append((int(ids[single_ids[order[k]]]), int(ids[single_ids[order[k + 1]]])))
+        owner.reshape(-1)[flat[order]] = single_ids[order]  # the last of equal cells wins: pairs are already named
+    for b in np.nonzero(~single)[0].tolist():  # larger boxes: their cells were counted into the budget
+        if len(found) >= limit:
+            break
+        block = owner[tuple(slice(a, z) for a, z in zip(first[b].tolist(), last[b].tolist()))]
+        taken = block[block >= 0]
+        if len(taken):
+            found.append((int(ids[taken[0]]), int(ids[b])))
+        else:
+            block[...] = b
+    return found
+
+
+def _sweep_overlaps(lo: np.ndarray, hi: np.ndarray, ids: np.ndarray, limit: int) -> list[tuple[int, int]] | None:
+    """Overlapping pairs (ids) by sort-and-sweep along the best dimension; None if that needs too many comparisons.
+
+    Along a dimension, sorted by start, box ``i`` can overlap only the boxes
+    after it that start before it ends; their number is counted for every
+    dimension first (a binary search per box), and the cheapest is swept.
+    """
+    n, d = lo.shape
+    best: tuple[int, np.ndarray, np.ndarray] | None = None
+    for k in range(d):
+        order = np.argsort(lo[:, k], kind="stable")
+        starts = lo[order, k]
+        counts = np.searchsorted(starts, hi[order, k], side="left") - np.arange(1, n + 1)
+        work = int(counts.sum(dtype=np.int64))
+        if best is None or work < best[0]:
+            best = (work, order, counts)
+    assert best is not None
+    work, order, counts = best
+    if work > _SWEEP_PAIRS:
+        return None
+    found: list[tuple[int, int]] = []
+    batch = max(1024, _PAIR_BATCH // d)
+    ends = np.cumsum(counts)
+    row = 0
+    while row < n and len(found) < limit:
+        stop = max(int(np.searchsorted(ends, (ends[row - 1] if row else 0) + batch, side="right")), row + 1)
+        c = counts[row:stop]
+        a = np.repeat(np.arange(row, stop), c)
+        b = a + 1 + np.arange(len(a)) - np.repeat(np.cumsum(c) - c, c)
+        i, j = order[a], order[b]
+        hit = (np.maximum(lo[i], lo[j]) < np.minimum(hi[i], hi[j])).all(axis=1)
+        for x, y in zip(i[hit][:limit].tolist(), j[hit][:limit].tolist()):
+            found.append((int(ids[x]), int(ids[y])))
+        row = stop
+    return found[:limit]
 
 
 @dataclass(frozen=True)
