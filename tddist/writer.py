@@ -208,6 +208,9 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
             blocks = [view[lo : lo + fmt.CHECKSUM_BLOCK] for lo in range(0, len(view), fmt.CHECKSUM_BLOCK)]
             digests[key] = [0] * len(blocks)
             if len(view) >= _SMALL:
+                if batch:  # a batch is one contiguous write: it must not span this chunk (it would zero it)
+                    tasks.append(partial(_put_batch, fd, batch))
+                    batch, batch_bytes = [], 0
                 for j, block in enumerate(blocks):
                     tasks.append(partial(_put, fd, digests[key], j, block, offset + j * fmt.CHECKSUM_BLOCK))
                 continue
