@@ -1,0 +1,142 @@
+"""Crashes at every step of the commit: SIGKILLs, and power cuts on loop-mounted ext4 and XFS.
+
+The guarantee under test: after any crash the target holds the old or the new
+checkpoint, complete (``load(verify=True)`` returns exactly one of them), a
+``save`` that returned on any rank is never lost, and ``recover`` leaves no
+staging or backup entry behind. Each case (``tests/crash_harness.py``) commits
+an old checkpoint with two gloo ranks, then strikes their save of a new one at
+one fault point of ``tddist/commit.py`` on one rank:
+
+- kills: SIGKILL of rank 0 or rank 1 at every point, on the ordinary disk;
+- power cuts: ``FS_IOC_GOINGDOWN`` without log flush, then SIGKILL, at every
+  point, on a loop-mounted ext4 and XFS that are then unmounted and mounted
+  again (journal replay) before the checks;
+
+for packed directories and ``.tdz`` archives, and for the steps of
+``publish`` also where it replaces through a backup name (no RENAME_EXCHANGE).
+
+One parent (this pytest process) forks every rank and checker process, so no
+case pays for importing torch; the cases selected in this session run once,
+in parallel lanes (two directories, one file system of each kind), the first
+time a test asks for their results. Power cuts need root and loop devices:
+elsewhere those tests skip, with the reason, unless ``CI`` is set, where they
+fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests import crash_harness as ch
+
+CASES = ch.all_cases()
+CUT_FS = ch.FILE_SYSTEMS
+
+
+def _selected(session: pytest.Session) -> list[ch.Case]:
+    """The crash cases whose tests this session runs (so ``-k`` runs only those)."""
+    out = []
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module.__name__ == __name__ and isinstance(params.get("case"), ch.Case):
+            out.append(params["case"])
+    return out
+
+
+def _unavailable(reason: str) -> None:
+    """Skip, or fail when ``CI`` is set (CI runs as root with xfsprogs installed)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"power cuts cannot run here, and CI is set: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory) -> dict[str, ch.Result | str]:
+    """Run the selected cases once: case id -> its Result, or why it could not run."""
+    cases = _selected(request.session)
+    work = tmp_path_factory.mktemp("crash")
+    cut_fs = tuple(sorted({c.fs for c in cases} - {"disk"}))
+    out: dict[str, ch.Result | str] = {}
+    why = ch.mount_problem() if cut_fs else None
+    if why:
+        out.update({c.id: why for c in cases if c.fs != "disk"})
+        cases, cut_fs = [c for c in cases if c.fs == "disk"], ()
+    plan: dict[str, list[ch.Case]] = {}
+    for c in cases:
+        plan.setdefault(c.fs, []).append(c)
+    with contextlib.ExitStack() as stack:
+        try:
+            by_fs = stack.enter_context(ch.lanes(work / "lanes", 2, cut_fs))
+        except RuntimeError as e:  # mkfs or mount refused: run the kills only
+            out.update({c.id: f"cannot set up loop-mounted file systems: {e}" for c in cases if c.fs != "disk"})
+            plan = {"disk": plan.get("disk", [])}
+            by_fs = stack.enter_context(ch.lanes(work / "disk-lanes", 2, ()))
+        for res in ch.run_cases(plan, by_fs, work / "cases"):
+            out[res.case.id] = res
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_crash(case: ch.Case, results: dict[str, ch.Result | str]) -> None:
+    """The target holds the old or the new checkpoint (the new one where it must), and recover cleans up."""
+    res = results[case.id]
+    if isinstance(res, str):
+        _unavailable(res)
+    assert isinstance(res, ch.Result)
+    problems = res.problems()
+    assert not problems, f"{case.id} (expected {case.expect!r}):\n" + "\n".join(problems) + f"\n{res.as_dict()}"
+
+
+@pytest.mark.parametrize("kind", CUT_FS)
+def test_power_cut_loses_what_was_not_fsynced(kind: str, tmp_path: Path) -> None:
+    """The power cut is real: a file fsynced before it survives the remount, one written after it does not."""
+    why = ch.mount_problem()
+    if why:
+        _unavailable(why)
+    ch.warm_up()
+    fs = ch.LoopFS(kind, tmp_path / f"{kind}.img", tmp_path / "mnt")
+    try:
+        fs.create()
+    except RuntimeError as e:
+        _unavailable(f"cannot set up a loop-mounted {kind}: {e}")
+    try:
+        kept, lost = fs.mnt / "fsynced", fs.mnt / "not-fsynced"
+        pid = ch._fork(_write_then_cut, str(kept), str(lost), str(fs.mnt))
+        _pid, status = _wait(pid, 60)
+        assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, "the cutting process did not end by SIGKILL"
+        fs.remount()
+        assert kept.read_bytes() == b"kept" * 1000
+        assert not lost.exists() or lost.stat().st_size == 0, "a file never fsynced survived the power cut"
+    finally:
+        fs.destroy()
+
+
+def _write_then_cut(kept: str, lost: str, mnt: str) -> None:
+    from tddist._faults import power_cut
+
+    with open(kept, "wb") as f:
+        f.write(b"kept" * 1000)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(lost, "wb") as f:
+        f.write(b"lost" * 1000)
+    power_cut(mnt)
+
+
+def _wait(pid: int, timeout: float) -> tuple[int, int]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return done, status
+        time.sleep(0.01)
+    os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"process {pid} did not end within {timeout}s")
