@@ -24,6 +24,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidDataError,
     ManifestError,
+    RootLockedError,
     SaveInProgressError,
     ShardingError,
     TargetError,
@@ -34,11 +35,11 @@ if TYPE_CHECKING:
     from .api import load, read_manifest, recover, save
     from .comm import Communicator, LocalComm, ThreadComm, run_threads
     from .convert import convert
-    from .manager import EXIT_PREEMPTED, CheckpointManager
+    from .manager import EXIT_PREEMPTED, CheckpointManager, Restored
     from .manifest import Manifest
     from .pack import pack, unpack
     from .plan import LoadReport
-    from .sharding import Replicate, Shard
+    from .sharding import PerRank, Replicate, Shard
     from .state import get_state, set_state
 
 #: Public name -> the module that defines it.
@@ -54,9 +55,11 @@ _LAZY = {
     "set_state": "state",
     "CheckpointManager": "manager",
     "EXIT_PREEMPTED": "manager",
+    "Restored": "manager",
     "LoadReport": "plan",
     "Shard": "sharding",
     "Replicate": "sharding",
+    "PerRank": "sharding",
     "Manifest": "manifest",
     "Communicator": "comm",
     "LocalComm": "comm",
@@ -91,9 +94,11 @@ __all__ = [
     "set_state",
     "CheckpointManager",
     "EXIT_PREEMPTED",
+    "Restored",
     "LoadReport",
     "Shard",
     "Replicate",
+    "PerRank",
     "Manifest",
     "Communicator",
     "LocalComm",
@@ -107,6 +112,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ManifestError",
     "SaveInProgressError",
+    "RootLockedError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "CommError",

@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from . import background
 from . import format as fmt
+from . import per_rank as pr
 from ._version import __version__
 from .comm import Communicator, LocalComm, resolve, run_step
 from .commit import two_phase_commit
@@ -29,11 +30,11 @@ from .manifest import Manifest
 from .manifest_io import read_manifest as _read_manifest
 from .manifest_v2 import encode
 from .merge import PlanCache, merge_fragments
-from .plan import LoadReport, leaf_box, node_rows, object_value, shard_request
+from .plan import LoadReport, check_exclude, in_scope, leaf_box, node_rows, object_value, shard_request
 from .prepare import prepare_shard
 from .reader import read_leaves
 from .recovery import recover as _recover
-from .sharding import Box
+from .sharding import Box, PerRank
 from .snapshot import SnapshotBuffers
 from .tree import build, normalize_keys, select
 from .types import (
@@ -276,6 +277,8 @@ def load(
     shard: Any = "even",
     keys: Sequence | str | None = None,
     into: Any = None,
+    exclude: Sequence | str | None = None,
+    per_rank: Any = None,
     strict: bool = True,
     device: torch.device | str | None = None,
     verify: bool = False,
@@ -298,9 +301,20 @@ def load(
             this rank saved (same world size only); ``(start, stop)``, that
             row range; ``[n_0, n_1, ...]``, per-rank row counts; ``None``, the
             whole global TensorDict.
-        keys: read only these leaves or nodes (a key, a tuple key, or a list).
+        keys: read only these leaves or nodes (a key, a tuple key, or a list);
+            with ``into``, fill and compare only these.
         into: a TensorDict or nested dict of tensors and DTensors to fill in
             place, each leaf in its own placements (resharded as needed).
+        exclude: leave these leaves or nodes out (a key, a tuple key, or a
+            list); with ``into`` they are neither compared nor touched.
+        per_rank: what ranks get of per-rank state (``tddist.PerRank()``
+            leaves) saved by another number of ranks: None (the default)
+            raises, naming the keys; ``"drop"`` leaves them out (``into`` keeps
+            its values); ``"rank0"`` gives every rank rank 0's value; a
+            callable ``(key, values, rank, size)`` gets every saving rank's
+            value and returns this rank's (None leaves the key out). On the
+            saving world size every rank gets its own value; with
+            ``shard=None``, the ranks' values stacked along a new dim 0.
         strict: with ``into``, any missing, unexpected or mismatched key
             raises before anything is touched; False loads what matches.
         device: move the loaded tensors there (default: copy-on-write maps on the CPU).
@@ -312,21 +326,27 @@ def load(
 
     Returns:
         The TensorDict, or with ``into`` a ``LoadReport`` of what was loaded,
-        missing, unexpected or mismatched.
+        missing, unexpected, mismatched or skipped.
 
     Raises:
         CheckpointNotFoundError: nothing committed is at ``prefix``.
         ManifestError: the manifest is damaged or from a newer tddist.
         CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
-        IncompatibleCheckpointError: ``into`` does not match the checkpoint (strict).
-        InvalidArgumentError: an invalid ``shard``, ``keys`` or option.
+        IncompatibleCheckpointError: ``into`` does not match the checkpoint
+            (strict), or per-rank state saved by another number of ranks
+            without ``per_rank=``.
+        InvalidArgumentError: an invalid ``shard``, ``keys``, ``exclude``,
+            ``per_rank`` or ``device`` (CUDA asked for where it is not available).
     """
     _check_int("num_threads", num_threads)
+    _check_device(device)
     target = os.path.abspath(os.fspath(prefix))
     c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)
     options = LoadOptions(
         shard=shard_request(shard, c.size),
         keys=normalize_keys(keys),
+        exclude=normalize_keys(exclude) or (),
+        per_rank=pr.policy(per_rank),
         device=device,
         verify=verify,
         num_threads=num_threads,
@@ -357,19 +377,47 @@ def _load_from(
             f"{c.size}; use shard='even' to reshard"
         )
     leaf_keys, node_keys = select(list(manifest.leaves) + list(manifest.objects), manifest.nodes, options.keys)
-    objects = {
-        k: object_value(manifest.objects[k], shard, c.rank, c.size, options.allow_pickle)
-        for k in leaf_keys
-        if k in manifest.objects
-    }
-    leaf_keys = [k for k in leaf_keys if k in manifest.leaves]
-    leaves = [manifest.leaves[k] for k in leaf_keys]
+    if options.exclude:
+        check_exclude(options.exclude, [*manifest.nodes, *manifest.leaves, *manifest.objects], f"{target!r}")
+        leaf_keys = [k for k in leaf_keys if in_scope(k, None, options.exclude)]
+        node_keys = [k for k in node_keys if not k or in_scope(k, None, options.exclude)]
+    res = pr.resolve(manifest, leaf_keys, shard, options.per_rank, c.rank, c.size, f"the checkpoint at {target!r}")
+    if res.dropped:
+        logger.info(
+            "rank %d: left out per-rank keys %s: %s",
+            c.rank,
+            [list(k) for k in res.dropped],
+            "; ".join(set(res.dropped.values())),
+        )
+    objects = {}
+    for k in leaf_keys:
+        obj = manifest.objects.get(k)
+        if obj is None or k in res.dropped:
+            continue
+        if obj.declared:
+            found, value = pr.object_value(obj, res, options.allow_pickle, c.rank, c.size)
+            if found:
+                objects[k] = ("data", value)
+        else:
+            objects[k] = object_value(obj, shard, c.rank, c.size, options.allow_pickle)
+    leaf_keys = [k for k in leaf_keys if k in manifest.leaves and k not in res.dropped]
     own_boxes = own_boxes or {}
-    boxes = [own_boxes.get(leaf.key) or leaf_box(leaf, shard, c.rank, c.size) for leaf in leaves]
-    tensors = read_leaves(target, manifest, zip(leaves, boxes), options.num_threads, options.verify)
-    if options.device is not None:
-        tensors = [t.to(options.device) for t in tensors]
-    loaded = dict(zip(leaf_keys, tensors))
+    requests: list[tuple[Key, list[Box]]] = []
+    for k in leaf_keys:
+        leaf = manifest.leaves[k]
+        if isinstance(leaf.placement, PerRank):
+            requests.append((k, pr.boxes_to_read(leaf, res)))
+        else:
+            requests.append((k, [own_boxes.get(k) or leaf_box(leaf, shard, c.rank, c.size)]))
+    flat = [(manifest.leaves[k], box) for k, boxes in requests for box in boxes]
+    read = iter(read_leaves(target, manifest, flat, options.num_threads, options.verify))
+    loaded = {}
+    for k, boxes in requests:
+        got = [next(read) for _box in boxes]
+        leaf = manifest.leaves[k]
+        value = pr.tensor_value(k, leaf, got, res, c.rank, c.size) if isinstance(leaf.placement, PerRank) else got[0]
+        if value is not None:
+            loaded[k] = value if options.device is None else value.to(options.device)
 
     def rows(key: Key, batch: tuple[int, ...]) -> int:
         return node_rows(manifest, key, batch[0], shard, c.rank, c.size)
@@ -412,6 +460,24 @@ def recover(prefix: str | os.PathLike) -> list[str]:
         OSError: a leftover could not be removed (permissions, I/O error).
     """
     return _recover(os.path.abspath(os.fspath(prefix)))
+
+
+def _check_device(device: Any) -> None:
+    """A device that cannot be used fails here, before anything is read, with a TddistError."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"device={device!r} is not a torch device ({e}); use None, 'cpu' or 'cuda:N'"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            f"device={device!r}: CUDA is not available in this process (torch {torch.__version__} "
+            f"{'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); load with device=None (or "
+            f"'cpu') and move the tensors later, or run where a GPU is visible"
+        )
 
 
 def _check_int(name: str, value: Any) -> None:

@@ -19,17 +19,22 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from tensordict import TensorDictBase
 
+from . import root_lock
 from .api import load, save
 from .comm import decide_on_rank0, resolve
-from .errors import InvalidArgumentError
-from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_name
-from .state import get_state, set_state
+from .errors import CheckpointNotFoundError, InvalidArgumentError, TddistError
+from .manifest_io import read_manifest
+from .plan import LoadReport
+from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_entries, step_name
+from .state import get_state, holds_objects, set_state
 
 if TYPE_CHECKING:
     from types import FrameType, TracebackType
@@ -75,6 +80,44 @@ def _check_count(name: str, value: object, allow_none: bool) -> None:
         raise InvalidArgumentError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
 
 
+@dataclass(frozen=True, eq=False)
+class Restored(int):
+    """What ``CheckpointManager.restore`` loaded: the step (this object is that int), the path and the report.
+
+    It is an ``int`` equal to ``step``, so ``range(mgr.restore(state), n)``,
+    ``start == 20`` and f-strings keep working as when ``restore`` returned
+    the step alone.
+
+    Attributes:
+        step: the step of the checkpoint loaded, 0 when there was none.
+        path: the checkpoint loaded, or None.
+        report: what ``tddist.load(into=...)`` found (loaded, skipped, ...), or None.
+    """
+
+    step: int
+    path: str | None = None
+    report: LoadReport | None = None
+
+    def __new__(cls, step: int, path: str | None = None, report: LoadReport | None = None) -> Restored:
+        return super().__new__(cls, step)
+
+    def __repr__(self) -> str:
+        return f"Restored(step={self.step}, path={self.path!r}, report={self.report!r})"
+
+    def __str__(self) -> str:
+        return str(self.step)
+
+    __format__ = int.__format__
+    __hash__ = int.__hash__
+
+
+def _state_of(state: Any) -> Any:
+    """The state itself, or what a callable state returns (called only when the state is needed)."""
+    if callable(state) and not isinstance(state, (torch.nn.Module, Mapping, TensorDictBase, tuple, list)):
+        return state()
+    return state
+
+
 def _model_pair(state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | None] | None:
     """(model, optimizer or None) if ``state`` is a module or a (module, optimizer) pair, else None."""
     if isinstance(state, torch.nn.Module):
@@ -96,8 +139,17 @@ class CheckpointManager:
             if mgr.should_stop:
                 sys.exit(EXIT_PREEMPTED)
 
-    ``state`` is a TensorDict or nested dict (filled in place on restore), or a
-    ``(model, optimizer)`` pair (through ``get_state``/``set_state``).
+    ``state`` is a TensorDict or nested dict (filled in place on restore), a
+    ``(model, optimizer)`` pair, or a mapping of objects such as ``{"model":
+    model, "optim": optim, "sched": scheduler, "loader": loader}`` (modules,
+    optimizers and any object with ``state_dict()``/``load_state_dict()``,
+    through ``get_state``/``set_state``), or a callable returning one of
+    these; the state is gathered only on steps that save.
+
+    Creating it takes a lock on ``root`` (rank 0, ``fcntl.flock`` on a file
+    in it, held until ``close()`` or the process exits): a second live job
+    on the same root is refused on every rank with ``RootLockedError``. A
+    root that does not exist yet is not created before the first save.
     ``keep_last`` committed checkpoints are kept (None: all). ``every``: save
     when ``step % every == 0`` (None: only on preemption or ``save()``).
     ``async_save`` saves with ``return_early=True``; the next save, ``wait()``
@@ -106,7 +158,7 @@ class CheckpointManager:
     the step).
 
     Args:
-        root: the directory holding the step checkpoints (created if missing).
+        root: the directory holding the step checkpoints (created by the first save).
         keep_last: how many committed checkpoints to keep (None: all).
         every: save when ``step % every == 0`` (None: only on preemption or ``save()``).
         async_save: save with ``return_early=True``, so training continues while
@@ -125,6 +177,8 @@ class CheckpointManager:
     Raises:
         InvalidArgumentError: an invalid ``keep_last``, ``every``,
             ``preempt_signal`` or ``save_kwargs``.
+        RootLockedError: another live job holds ``root`` (on every rank; the
+            message names its host and pid).
         TddistError: rank 0 could not clean up ``root`` (the same error on
             every rank, a ``CollectiveError`` for an ``OSError``), or a
             ``CommError`` when the ranks cannot reach each other.
@@ -153,14 +207,39 @@ class CheckpointManager:
         self.should_stop = False
         self._requested = False
         self._pending: tuple[int, Future, float] | None = None
+        self._locked = False
         self._handlers = self._install(parse_signals(preempt_signal))
         try:
-            done = self._on_rank0("clean-up of " + self.root, lambda: clean_root(self.root))
+            done = self._on_rank0("lock and clean-up of " + self.root, self._lock_and_clean)
         except BaseException:
             self._uninstall()
             raise
+        self._locked = done is not None
         if done and self.comm.rank == 0:
             logger.info("cleaned %s: %s", self.root, "; ".join(done))
+
+    def _lock_and_clean(self) -> list[str] | None:
+        """Rank 0: lock an existing root and clean it (None: the root does not exist, nothing was done)."""
+        if not os.path.isdir(self.root):
+            return None
+        root_lock.acquire(self.root)
+        try:
+            return clean_root(self.root)
+        except BaseException:
+            root_lock.release(self.root)
+            raise
+
+    def _ensure_root(self) -> None:
+        """Before the first save into a root that did not exist: create it and take its lock (collective)."""
+        if self._locked:
+            return
+
+        def make() -> None:
+            os.makedirs(self.root, exist_ok=True)
+            root_lock.acquire(self.root)
+
+        self._on_rank0("creating and locking " + self.root, make)
+        self._locked = True
 
     # --- where checkpoints are -----------------------------------------------------
 
@@ -195,38 +274,82 @@ class CheckpointManager:
 
     # --- training loop -----------------------------------------------------------------
 
-    def restore(self, state: Any, **load_kwargs: Any) -> int:
-        """Load the newest checkpoint into ``state``; return its step (0 if there is none). Collective.
+    def restore(self, state: Any, *, step: int | None = None, required: bool = False, **load_kwargs: Any) -> Restored:
+        """Load the newest checkpoint (or that of ``step``) into ``state``. Collective.
 
         Args:
-            state: a TensorDict or nested dict, filled in place
-                (``tddist.load(path, into=state)``), or a ``(model, optimizer)``
-                pair (through ``get_state``/``set_state``).
-            **load_kwargs: passed to ``tddist.load`` (``strict``, ``verify``, ...).
+            state: as in the class docstring: a TensorDict or nested dict,
+                filled in place (``tddist.load(path, into=state)``), a
+                ``(model, optimizer)`` pair, a mapping of objects, or a
+                callable returning one of these.
+            step: load the checkpoint of this step instead of the newest.
+            required: raise instead of starting from step 0 when there is
+                nothing to restore.
+            **load_kwargs: passed to ``tddist.load`` (``strict``, ``verify``,
+                ``keys``, ``exclude``, ``per_rank``, ...).
 
         Returns:
-            The step of the checkpoint loaded (from its metadata), or 0.
+            A ``Restored``: an int equal to the step of the checkpoint loaded
+            (0 if there is none), with its ``path`` and the load's ``report``
+            (what was loaded, skipped, missing or unexpected).
 
         Raises:
-            IncompatibleCheckpointError: ``state`` does not match the checkpoint.
+            CheckpointNotFoundError: ``required`` and nothing to restore, or no
+                committed checkpoint of ``step``.
+            IncompatibleCheckpointError: ``state`` does not match the checkpoint,
+                or per-rank state saved on another world size without ``per_rank=``.
             CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
             InvalidArgumentError: an invalid keyword argument of ``tddist.load``.
             CommError: a rank could not be reached.
         """
-        found = self._latest()
-        if found is None:
-            logger.info("no checkpoint in %s: starting from step 0", self.root)
-            return 0
-        path, step = found
-        pair = _model_pair(state)
-        if pair is None:
-            load(path, comm=self.comm, into=state, **load_kwargs)
-        else:
+        if step is not None:
+            _check_step(step)
+        found = self._on_rank0(f"finding the checkpoint to restore in {self.root}", lambda: self._find(step))
+        if isinstance(found, str):
+            if required:
+                raise CheckpointNotFoundError(f"rank {self.comm.rank}: {found}; nothing to restore (required=True)")
+            if not os.path.isdir(self.root) and self.comm.rank == 0:
+                logger.warning("%s; starting from step 0 (check the path if this job should resume)", found)
+            else:
+                logger.info("%s: starting from step 0", found)
+            return Restored(0)
+        path, at = found
+        objects = _state_of(state)
+        pair = _model_pair(objects)
+        if pair is not None:
             full = get_state(*pair)
-            load(path, comm=self.comm, into=full, **load_kwargs)
+            report = load(path, comm=self.comm, into=full, **load_kwargs)
             set_state(pair[0], pair[1], full)
-        logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, step)
-        return step
+        elif holds_objects(objects):
+            full = get_state(objects)
+            report = load(path, comm=self.comm, into=full, **load_kwargs)
+            set_state(objects, full)
+        else:
+            report = load(path, comm=self.comm, into=objects, **load_kwargs)
+        assert isinstance(report, LoadReport)  # load(into=...) returns its report
+        if report.skipped:
+            logger.warning(
+                "rank %d: restoring %s left out %s", self.comm.rank, path,
+                "; ".join(f"{'/'.join(k)} ({why})" for k, why in list(report.skipped.items())[:10]),
+            )  # fmt: skip
+        logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, at)
+        return Restored(at, path, report)
+
+    def _find(self, step: int | None) -> tuple[str, int] | str:
+        """Rank 0: (path, step) of the checkpoint to restore, or why there is none."""
+        if not os.path.isdir(self.root):
+            return f"checkpoint root {self.root!r} does not exist"
+        if step is None:
+            return newest_checkpoint(self.root) or f"no committed checkpoint in {self.root!r}"
+        for s, path in step_entries(self.root):
+            if s == step:
+                try:
+                    manifest = read_manifest(path)
+                except TddistError as e:
+                    return f"the checkpoint of step {step} ({path}) is not committed or unreadable: {e}"
+                return path, int(manifest.metadata.get("step", step))
+        steps = sorted({s for s, _p in step_entries(self.root)})
+        return f"no checkpoint of step {step} in {self.root!r} (steps there: {steps[-10:]})"
 
     def step(self, step: int, state: Any) -> bool:
         """Call after each training step (collective): save if due or preempted; True if it saved.
@@ -250,7 +373,7 @@ class CheckpointManager:
         preempt = any(self.comm.allgather(self._requested))
         due = preempt or (self.every is not None and step % self.every == 0)
         if due:
-            self.save(step, state)
+            self.save(step, state)  # a callable state is called (the TensorDict built) only here
         if preempt:
             self._requested = False
             self.wait()
@@ -275,8 +398,13 @@ class CheckpointManager:
         """
         _check_step(step)
         self.wait()
-        pair = _model_pair(state)
-        data = get_state(*pair) if pair is not None else state
+        self._ensure_root()
+        objects = _state_of(state)
+        pair = _model_pair(objects)
+        if pair is not None:
+            data = get_state(*pair)
+        else:
+            data = get_state(objects) if holds_objects(objects) else objects
         kwargs = dict(self.save_kwargs)
         metadata = {**(kwargs.pop("metadata", None) or {}), "step": step}
         path, start = self.path(step), time.monotonic()
@@ -318,6 +446,12 @@ class CheckpointManager:
             self.wait()
         finally:
             self._uninstall()
+            self._unlock()
+
+    def _unlock(self) -> None:
+        if self._locked and self.comm.rank == 0:
+            root_lock.release(self.root)
+        self._locked = False
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -327,7 +461,7 @@ class CheckpointManager:
     ) -> None:
         if exc_type is None:
             self.close()
-        else:  # an in-flight save still completes: the interpreter waits for it at exit
+        else:  # an in-flight save still completes (and keeps the lock): the interpreter waits for it at exit
             self._uninstall()
 
     # --- internals ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from . import format as fmt
 from .errors import InvalidArgumentError
 from .manifest import Leaf, Manifest, ObjectLeaf
-from .sharding import Box, Shard, even_split, full_box, ranges_from_counts, shard_box
+from .sharding import Box, PerRank, Shard, even_split, full_box, ranges_from_counts, shard_box
 from .types import AllRows, EvenRows, Key, RowCounts, RowRange, SavedRows, ShardRequest
 
 if TYPE_CHECKING:
@@ -124,19 +124,23 @@ class LoadReport:
     ``load(into=...)`` returns it. Unless it is ``ok``, ``strict=True`` (the
     default) raises ``IncompatibleCheckpointError`` with ``describe()``
     instead, before anything is touched; ``strict=False`` loads what matches.
-    Keys are tuples of strings.
+    Keys are tuples of strings. Keys outside ``keys=`` or under ``exclude=``
+    are not compared, and are neither missing nor unexpected.
 
     Attributes:
         missing: keys of the target that the checkpoint does not hold.
         unexpected: keys of the checkpoint that the target does not hold.
         mismatched: keys in both whose dtype, shape or kind differ, each with the reason.
         loaded: keys that were filled in the target.
+        skipped: keys in both that were left untouched on purpose, each with the reason
+            (``exclude=``, or per-rank state dropped with ``per_rank="drop"``).
     """
 
     missing: list[Key] = field(default_factory=list)
     unexpected: list[Key] = field(default_factory=list)
     mismatched: dict[Key, str] = field(default_factory=dict)
     loaded: list[Key] = field(default_factory=list)
+    skipped: dict[Key, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -167,18 +171,40 @@ def _keys(keys: list[Key]) -> str:
     return f"{shown}{' ...' if len(keys) > 20 else ''}"
 
 
+def in_scope(key: Key, keys: tuple[Key, ...] | None, exclude: tuple[Key, ...]) -> bool:
+    """Whether ``key`` is under one of ``keys`` (None: every key) and under none of ``exclude``."""
+    if any(key[: len(e)] == e for e in exclude):
+        return False
+    return keys is None or any(key[: len(w)] == w for w in keys)
+
+
+def check_exclude(exclude: tuple[Key, ...], known: Iterable[Key], where: str) -> None:
+    """Every ``exclude=`` key must name something (a leaf, a node, a value), so a typo does not load everything."""
+    known = list(known)
+    for e in exclude:
+        if not any(k[: len(e)] == e for k in known):
+            shown = sorted("/".join(k) for k in known if k)[:8]
+            raise InvalidArgumentError(f"exclude names key {list(e)}, which is not in {where}; it holds {shown}")
+
+
 def compare(
     manifest: Manifest,
     tensors: Mapping[Key, torch.Tensor],
     objects: Mapping[Key, Any],
     global_shape: Callable[[torch.Tensor], Iterable[int]],
+    scope: Callable[[Key], bool] = lambda _key: True,
 ) -> LoadReport:
-    """Check a target's leaves against the manifest (``global_shape(t)`` gives a target tensor's global shape)."""
+    """Check a target's leaves against the manifest (``global_shape(t)`` gives a target tensor's global shape).
+
+    Only keys for which ``scope(key)`` holds are compared (``keys=`` and ``exclude=``).
+    """
     report = LoadReport()
+    tensors = {k: t for k, t in tensors.items() if scope(k)}
+    objects = {k: v for k, v in objects.items() if scope(k)}
     stored = set(manifest.leaves) | set(manifest.objects)
     wanted = set(tensors) | set(objects)
     report.missing = [k for k in list(tensors) + list(objects) if k not in stored]
-    report.unexpected = [k for k in list(manifest.leaves) + list(manifest.objects) if k not in wanted]
+    report.unexpected = [k for k in list(manifest.leaves) + list(manifest.objects) if k not in wanted and scope(k)]
     for key, t in tensors.items():
         leaf = manifest.leaves.get(key)
         if leaf is None:
@@ -189,6 +215,12 @@ def compare(
             continue
         if t.dtype != leaf.dtype:
             report.mismatched[key] = f"{list(key)} has dtype {t.dtype} in the target, {leaf.dtype} in the checkpoint"
+        elif isinstance(leaf.placement, PerRank):
+            if tuple(global_shape(t)) not in (tuple(leaf.shape[1:]), tuple(leaf.shape)):
+                report.mismatched[key] = (
+                    f"{list(key)} has shape {list(global_shape(t))} in the target; each rank's value of this "
+                    f"per-rank leaf has shape {list(leaf.shape[1:])} in the checkpoint"
+                )
         elif tuple(global_shape(t)) != tuple(leaf.shape) and not _fits_part(t, leaf):
             report.mismatched[key] = (
                 f"{list(key)} has shape {list(global_shape(t))} in the target, {list(leaf.shape)} in the checkpoint"

@@ -17,7 +17,8 @@ import torch
 from . import format as fmt
 from ._memmaps import file_mappings, mapped_file
 from .errors import InvalidDataError
-from .sharding import Boxes, Shard
+from .per_rank import check_marked_keys, covered, normalize_overrides, refuse_dtensor, refuse_stack
+from .sharding import Boxes, PerRank, Placement, Shard
 from .snapshot import SnapshotBuffers
 from .tree import dtensor_box, flatten, is_dtensor, local_bytes, resolve_placements
 from .types import DTensorBox, EncodedObject, Key, LocalShard, SaveItem
@@ -40,19 +41,30 @@ def prepare_shard(
     """
     try:
         nodes, leaves, objects = flatten(data)
+        _check_materialised(leaves, rank)
         if not robust_key:
             _check_verbatim_keys(nodes, {**leaves, **objects})
         _check_file_names(nodes, leaves, objects, robust_key)
         if not copy_existing:
             _check_not_mapped(leaves, rank)
-        chosen = resolve_placements(nodes, leaves, placements)
+        others, marked = normalize_overrides(placements)
+        check_marked_keys(marked, [*nodes, *leaves, *objects])
+        chosen: dict[Key, Placement] = dict(resolve_placements(nodes, leaves, others))
+        for k, t in leaves.items():
+            if covered(k, marked):
+                if is_dtensor(t):
+                    raise refuse_dtensor(k)
+                chosen[k] = PerRank()
         encoded = {}
         for k, (kind, value) in objects.items():
             where = f"rank {rank}: non-tensor leaf {list(k)}"
+            own = covered(k, marked)
             if kind == "stack":
+                if own:
+                    raise refuse_stack(k)
                 encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
             else:
-                encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where))
+                encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where), own)
         items = []
         for k, t in leaves.items():
             dtensor = None
@@ -60,7 +72,7 @@ def prepare_shard(
                 box, writes = dtensor_box(t, k)
                 dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
             else:
-                writes = isinstance(chosen[k], Shard) or rank == 0
+                writes = isinstance(chosen[k], (Shard, PerRank)) or rank == 0
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
             items.append(SaveItem(k, local, chosen[k], writes, dtensor))
         if buffers is not None:
@@ -69,6 +81,18 @@ def prepare_shard(
         return LocalShard(nodes, tuple(items), encoded)
     except Exception as e:
         return e
+
+
+def _check_materialised(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:
+    """A tensor on the meta device has a shape but no data: refuse it before anything tries to copy it."""
+    for k, t in leaves.items():
+        local: torch.Tensor = cast(Any, t).to_local() if is_dtensor(t) else t
+        if local.is_meta:
+            raise InvalidDataError(
+                f"rank {rank}: leaf {list(k)} is a tensor on the meta device (a shape without data, for example "
+                f"a model built under torch.device('meta')); materialise it before saving (model.to_empty("
+                f"device=...) and initialise or load its values)"
+            )
 
 
 def _check_not_mapped(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:

@@ -298,11 +298,25 @@ ShardRequest = EvenRows | SavedRows | RowRange | RowCounts | AllRows
 
 
 @dataclass(frozen=True, slots=True)
+class PerRankPolicy:
+    """What a load does with per-rank leaves on another world size, from the public ``per_rank=`` value.
+
+    ``kind``: "error" (the default: refuse, naming the keys), "drop", "rank0",
+    or "call" (``fn(key, values, rank, size)`` picks each rank's value).
+    """
+
+    kind: Literal["error", "drop", "rank0", "call"] = "error"
+    fn: Any = None
+
+
+@dataclass(frozen=True, slots=True)
 class LoadOptions:
     """The options of one load, normalised by ``api.load``."""
 
     shard: ShardRequest
     keys: tuple[Key, ...] | None = None
+    exclude: tuple[Key, ...] = ()
+    per_rank: PerRankPolicy = PerRankPolicy()
     device: Any = None
     verify: bool = False
     num_threads: int = 0

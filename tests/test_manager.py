@@ -26,7 +26,7 @@ from tddist import _faults
 from tddist import format as fmt
 from tddist.manager import CheckpointManager, parse_signals
 from tddist.retention import newest_checkpoint, parse_step, step_name
-from tests.helpers import assert_td_equal, leftovers
+from tests.helpers import MANAGER_LOCK, assert_td_equal, leftovers
 from tests.launch_util import REPO, Job, _communicate, _env, _reports, free_port, run_job
 from tests.manager_rank import expected, local_state
 
@@ -182,7 +182,7 @@ def test_model_optimizer_pair_and_archives(tmp_path: Path) -> None:
         model(torch.ones(2, 4)).sum().backward()
         optim.step()
         mgr.step(s + 1, (model, optim))
-    assert os.listdir(tmp_path / "ckpt") == [step_name(4, archive=True)]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [MANAGER_LOCK, step_name(4, archive=True)]
     fresh, fresh_optim = build()
     assert mgr.restore((fresh, fresh_optim)) == 4
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
