@@ -1,30 +1,87 @@
-"""Background saves: one worker thread and one private channel per communicator.
+"""Background saves: one persistent worker thread and one private channel per communicator.
 
-``save(return_early=True)`` snapshots the data, then runs the writing and the
-whole two-phase commit on a worker thread over a duplicate of the
-communicator, so its messages never interleave with the caller's own
-collectives or with a later foreground save. At most one save per
-communicator is in flight. The worker thread is not a daemon: the
-interpreter waits for an in-flight save at exit, so it commits or aborts
-cleanly instead of being cut off halfway (a killed process leaves only a
-staging directory, which ``recover`` removes).
+``save(return_early=True)`` snapshots the data, then hands the writing and
+the whole two-phase commit to the channel's worker thread through a queue,
+over a duplicate of the communicator, so its messages never interleave with
+the caller's own collectives or with a later foreground save. At most one
+save per communicator is in flight.
+
+The worker is started once, before the first snapshot, and then waits on its
+queue (without the interpreter lock): handing a save over is one queue put,
+so the caller never waits for a thread to start or for a pool to accept
+work while the previous commit's threads hold the lock. Writing runs on the
+worker itself unless ``num_threads`` asks for more, so the background adds
+one Python thread, not one per block.
+
+The worker is a daemon thread, but an exit hook waits for an in-flight save
+before the interpreter shuts down, so the save commits or aborts cleanly
+instead of being cut off halfway (a killed process leaves only a staging
+directory, which ``recover`` removes).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from ._compat import register_exit_hook
 from .comm import Communicator
 from .errors import InvalidArgumentError, SaveInProgressError
+from .layouts.archive import ArchiveWriter
+from .layouts.directory import DirectoryWriter
 from .merge import PlanCache
-from .snapshot import SnapshotBuffers
+from .snapshot import SnapshotBuffers, Snapshotter
+from .stream import Arena, Stream, StreamingWriter, StreamSources
+from .types import LocalShard, SaveOptions
 
 logger = logging.getLogger(__name__)
+
+_Job = tuple[Future, Callable[[], Any]]
+
+
+class Worker:
+    """A persistent daemon thread that runs the submitted jobs one after the other."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        """False in a forked child (threads do not survive ``fork``) or once stopped."""
+        return self.pid == os.getpid() and self.thread.is_alive()
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn))
+        return fut
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fut, fn = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as e:  # the caller sees it through the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+            del job, fut, fn  # drop the save's references before waiting for the next one
 
 
 class Channel:
@@ -33,13 +90,18 @@ class Channel:
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.buffers = SnapshotBuffers()
+        self.arena: Arena | None = None  # the slots of budgeted saves (stream.py)
         self.plans = PlanCache()  # the cached path of the next save's merge (see merge.py)
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._worker: Worker | None = None
 
     def background_comm(self) -> Communicator:
-        """The duplicate communicator used by background commits (collective on first use)."""
+        """The duplicate communicator used by background commits (collective on first use).
+
+        Also starts the worker thread, so that no thread starts between the
+        snapshot and the return of ``save``.
+        """
         if self._bg_comm is None:
             dup = getattr(self.comm, "dup", None)
             if dup is None:
@@ -47,7 +109,20 @@ class Channel:
                     f"return_early=True needs a communicator with dup(); {type(self.comm).__name__} has none"
                 )
             self._bg_comm = dup()
+        self._ensure_worker()
         return self._bg_comm
+
+    def arena_for(self, budget: int, pin: bool) -> Arena:
+        """The reusable slots of a budgeted save (re-allocated only when the budget or pinning changes)."""
+        if self.arena is None or self.arena.budget != budget or self.arena.pinned != pin:
+            self.arena = None  # free the old one first
+            self.arena = Arena(budget, pin)
+        return self.arena
+
+    def _ensure_worker(self) -> Worker:
+        if self._worker is None or not self._worker.alive():
+            self._worker = Worker(f"tddist-save-rank{self.comm.rank}")
+        return self._worker
 
     def wait_idle(self, wait: bool, target: str) -> None:
         """Block until no save is in flight (or raise if ``wait`` is False)."""
@@ -67,11 +142,15 @@ class Channel:
             pass
 
     def submit(self, fn: Callable[[], Any]) -> Future:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tddist-save-rank{self.comm.rank}")
-        fut = self._executor.submit(fn)
+        """Hand ``fn`` to the worker thread; its Future becomes the pending save."""
+        fut = self._ensure_worker().submit(fn)
         self.pending = fut
         return fut
+
+    def stop(self) -> None:
+        if self._worker is not None and self._worker.alive():
+            self._worker.stop()
+        self._worker = None
 
 
 _channels: dict[int, Channel] = {}
@@ -79,16 +158,16 @@ _lock = threading.Lock()
 
 
 def wait_all() -> None:
-    """Wait for every in-flight save of this process; log the ones that failed."""
+    """Wait for every in-flight save of this process; log the ones that failed; stop the workers."""
     for ch in list(_channels.values()):
         fut = ch.pending
-        if fut is None or fut.done():  # a finished save's outcome is its caller's to see
-            continue
-        logger.warning("rank %d: waiting for an in-flight tddist save before exiting", ch.comm.rank)
-        try:
-            fut.result()
-        except Exception as e:
-            logger.error("rank %d: an asynchronous tddist save failed while exiting: %s", ch.comm.rank, e)
+        if fut is not None and not fut.done():  # a finished save's outcome is its caller's to see
+            logger.warning("rank %d: waiting for an in-flight tddist save before exiting", ch.comm.rank)
+            try:
+                fut.result()
+            except Exception as e:
+                logger.error("rank %d: an asynchronous tddist save failed while exiting: %s", ch.comm.rank, e)
+        ch.stop()
 
 
 register_exit_hook(wait_all)  # in-flight saves finish before thread pools refuse work
@@ -101,3 +180,81 @@ def channel(comm: Communicator) -> Channel:
         if ch is None or ch.comm is not comm:
             ch = _channels[id(comm)] = Channel(comm)
         return ch
+
+
+Prepare = Callable[[Snapshotter], LocalShard | Exception]
+WriterFactory = Callable[[SaveOptions, int, LocalShard | Exception, PlanCache], DirectoryWriter | ArchiveWriter]
+Commit = Callable[[Communicator, SaveOptions, LocalShard | Exception, PlanCache, WriterFactory | None], Any]
+
+
+def start_save(ch: Channel, options: SaveOptions, prepare: Prepare, budget: int | None, commit: Commit) -> Future:
+    """Snapshot this rank's data and hand the commit to the worker; return the save's Future.
+
+    ``commit(comm, options, shard, cache, writer_factory)`` runs the commit
+    (``api``). Without ``budget`` the whole shard is copied into the reusable
+    snapshot buffers. With it, a shard of at most ``budget`` bytes is copied
+    the same way; a larger one streams through the channel's arena
+    (``stream.py``): this returns only once its last byte is copied.
+    """
+    bg = ch.background_comm()
+    if budget is None:
+        shard = prepare(ch.buffers)
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
+    sources = StreamSources()
+    shard = prepare(sources)
+    if isinstance(shard, Exception):
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
+    total = sum(t.numel() * t.element_size() for t in sources.sources.values())
+    if total <= budget:
+        ch.arena = None
+        shard = _snapshot_into(ch.buffers, shard, sources)
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
+    ch.buffers.retain_only(set())  # the budget bounds what async saving holds: no whole-state buffers beside it
+    written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
+    pin = any(t.device.type == "cuda" for _k, t in written)
+    stream = Stream(ch.arena_for(budget, pin), written, ch.comm.rank)
+    logger.info(
+        "rank %d: %d bytes to save exceed snapshot_budget=%d; streaming them through %d slots of %d bytes",
+        ch.comm.rank, stream.nbytes, budget, stream.arena.nslots, stream.arena.slot_bytes,
+    )  # fmt: skip
+
+    def factory(o: SaveOptions, rank: int, s: LocalShard | Exception, cache: PlanCache) -> DirectoryWriter:
+        return StreamingWriter(o, rank, s, cache, stream)
+
+    fut = ch.submit(partial(_run_streamed, stream, commit, bg, options, shard, ch.plans, factory))
+    stream.produce()
+    return fut
+
+
+def _snapshot_into(buffers: SnapshotBuffers, shard: LocalShard, sources: StreamSources) -> LocalShard:
+    items = tuple(replace(i, tensor=buffers.snapshot(i.key, sources.sources[i.key])) for i in shard.items)
+    buffers.synchronize()
+    buffers.retain_only({i.key for i in items})
+    return replace(shard, items=items)
+
+
+def _run(
+    buffers: SnapshotBuffers,
+    commit: Commit,
+    comm: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: PlanCache,
+) -> Any:
+    buffers.wait_copies()  # device-to-host copies of the snapshot, if any
+    return commit(comm, options, shard, cache, None)
+
+
+def _run_streamed(
+    stream: Stream,
+    commit: Commit,
+    comm: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: PlanCache,
+    factory: WriterFactory,
+) -> Any:
+    try:
+        return commit(comm, options, shard, cache, factory)
+    finally:
+        stream.cancel()  # a caller still copying (the commit failed before writing) stops waiting for slots

@@ -6,6 +6,16 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist import background
+from tddist.comm import resolve
+from tddist.stream import MIN_BUDGET
+from tests.helpers import assert_td_equal, leftovers
+
 CODE = r"""
 import os, sys, threading
 import torch
@@ -51,3 +61,142 @@ def test_twenty_return_early_saves_keep_memory_threads_and_buffers_flat(tmp_path
     assert channels == [1] * 20, channels
     assert max(threads[1:]) <= threads[1], threads
     assert max(rss[2:]) - rss[1] < 96, rss  # flat within less than two snapshots' worth of noise
+
+
+def _mixed(seed: int) -> TensorDict:
+    """Small, large and empty leaves, several dtypes and a non-contiguous one, in one TensorDict."""
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict(
+        {
+            "a": torch.randn(3, 1000, generator=g),
+            "b": torch.randn(1_250_001, generator=g),  # 5 MB, not a multiple of the slot size
+            "c": torch.arange(10, dtype=torch.int8) + seed,
+            "d": torch.randn(400_000, generator=g).double(),
+            "e": torch.empty(0),
+            "t": torch.randn(512, 700, generator=g).t(),  # non-contiguous
+            "f": torch.randint(0, 2, (300_000,), generator=g).bool(),
+        },
+        [],
+    )
+
+
+@pytest.mark.parametrize("budget", [MIN_BUDGET, 3 * MIN_BUDGET, 64 * MIN_BUDGET])
+def test_budgeted_save_holds_the_state_as_of_the_call(tmp_path, budget):
+    """Streamed through a budget smaller than the state (or snapshotted whole when it fits), the
+    checkpoint holds the values at the call although every leaf changes as soon as save returns."""
+    td = _mixed(0)
+    for step in range(2):
+        expected = td.clone()
+        fut = tddist.save(td, tmp_path / "ckpt", return_early=True, snapshot_budget=budget)
+        for v in td.values():
+            v.copy_(torch.zeros_like(v) if v.dtype == torch.bool else v + 1)
+        out = fut.result(60)
+        assert_td_equal(out, expected, f"what save returned (step {step})")
+        assert_td_equal(tddist.load(tmp_path / "ckpt", shard=None, verify=True), expected, f"step {step}")
+    ch = background.channel(resolve())
+    if budget < 20 * 1024 * 1024:  # streamed: only the arena is held, never whole-state buffers
+        assert ch.arena is not None and ch.arena.nslots * ch.arena.slot_bytes <= budget
+        assert ch.buffers.nbytes() == 0
+    else:
+        assert ch.arena is None and ch.buffers.nbytes() > 0
+
+
+def test_budgeted_save_on_thread_ranks(tmp_path):
+    """Each rank streams its own rows (ranks decide alone whether to stream); the global rows are every rank's."""
+
+    def rank_fn(comm):
+        td = TensorDict(w=torch.arange(6000 * 100, dtype=torch.float32).view(6000, 100) + comm.rank, batch_size=[6000])
+        budget = MIN_BUDGET if comm.rank else 16 * MIN_BUDGET  # rank 1 streams, rank 0 snapshots whole
+        fut = tddist.save(td, tmp_path / "t", comm=comm, return_early=True, snapshot_budget=budget)
+        td["w"].zero_()
+        fut.result(60)
+        return True
+
+    assert tddist.run_threads(2, rank_fn, timeout=60) == [True, True]
+    full = tddist.load(tmp_path / "t", shard=None, verify=True)
+    rows = torch.arange(6000 * 100, dtype=torch.float32).view(6000, 100)
+    assert torch.equal(full["w"], torch.cat([rows, rows + 1]))
+
+
+def test_budgeted_save_that_fails_before_writing_returns_and_raises(tmp_path):
+    """A commit that fails before the first slot is written (the target is a file) wakes the caller
+    waiting for a slot: save returns, its future raises, and nothing is left beside the target."""
+    target = tmp_path / "file"
+    target.write_bytes(b"not a checkpoint")
+    td = TensorDict(w=torch.randn(4 * 1024 * 1024), batch_size=[])  # 16 MiB through 1 MiB
+    fut = tddist.save(td, target, return_early=True, snapshot_budget=MIN_BUDGET)
+    err = fut.exception(60)
+    assert isinstance(err, tddist.errors.TargetError), repr(err)
+    assert target.read_bytes() == b"not a checkpoint"
+    assert leftovers(target) == []
+    # the channel is usable again
+    tddist.save(td, tmp_path / "ok", return_early=True, snapshot_budget=MIN_BUDGET).result(60)
+    assert torch.equal(tddist.load(tmp_path / "ok", shard=None, verify=True)["w"], td["w"])
+
+
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        ({"snapshot_budget": MIN_BUDGET}, "return_early=True"),
+        ({"return_early": True, "snapshot_budget": 1000}, "at least"),
+        ({"return_early": True, "snapshot_budget": MIN_BUDGET, "archive": True}, "packed directory"),
+        ({"return_early": True, "snapshot_budget": MIN_BUDGET, "layout": "memmap"}, "packed directory"),
+        ({"return_early": True, "snapshot_budget": MIN_BUDGET, "check_replicas": True}, "check_replicas"),
+    ],
+)
+def test_budget_arguments_refused(tmp_path, kwargs, words):
+    with pytest.raises(tddist.errors.InvalidArgumentError, match=words):
+        tddist.save(TensorDict(w=torch.zeros(4), batch_size=[]), tmp_path / "x", **kwargs)
+
+
+RSS_CODE = r"""
+import gc, os, sys
+import torch
+from tensordict import TensorDict
+import tddist
+
+def status(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+
+root, budget = sys.argv[1], int(sys.argv[2]) or None
+td = TensorDict({f"w{i}": torch.randn(1024 * 1024) for i in range(12)}, [])  # 48 MiB
+small = TensorDict(w=torch.randn(1024), batch_size=[])
+tddist.save(small, os.path.join(root, "warm"), return_early=True).result()  # threads, channel, imports
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS
+before = status("VmRSS")
+for step in range(2):
+    fut = tddist.save(td, os.path.join(root, "ckpt"), return_early=True, snapshot_budget=budget)
+    td["w0"].add_(1)
+    fut.result()
+    del fut
+print(status("VmHWM") - before)
+"""
+
+
+def _peak_added(tmp_path, budget: int) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", RSS_CODE, str(tmp_path), str(budget)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs /proc/self/clear_refs (Linux)")
+def test_snapshot_budget_bounds_peak_rss(tmp_path):
+    """48 MiB saved twice with an 8 MiB budget: the peak RSS added (VmHWM after resetting it) stays under
+    the budget plus 6 MiB; without a budget the whole-state snapshot shows (the measurement can see it)."""
+    mib = 1024 * 1024
+    budgeted = _peak_added(tmp_path / "b", 8 * mib)
+    assert budgeted < 8 * mib + 6 * mib, f"{budgeted / mib:.1f} MiB added with an 8 MiB budget"
+    whole = _peak_added(tmp_path / "w", 0)
+    assert whole > 45 * mib, f"{whole / mib:.1f} MiB added by whole-state snapshots"
