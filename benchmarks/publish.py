@@ -123,7 +123,8 @@ def publish(readme_text: str, regions: dict[str, str], readme: Path) -> str:
                 f"{readme} has no region <!-- benchmark-results:{name} begin --> ... "
                 f"<!-- benchmark-results:{name} end -->: add the markers where the {name} belongs"
             )
-        out = pattern.sub(lambda m, text=regions[name]: m.group(1) + text + m.group(3), out, count=1)
+        text = regions[name]
+        out = pattern.sub(lambda m: m.group(1) + text + m.group(3), out, count=1)
     return out
 
 
