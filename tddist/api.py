@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -35,7 +35,8 @@ from .prepare import prepare_shard
 from .reader import read_leaves
 from .recovery import recover as _recover
 from .sharding import Box, PerRank
-from .snapshot import SnapshotBuffers
+from .snapshot import Snapshotter
+from .stream import MIN_BUDGET
 from .tree import build, normalize_keys, select
 from .types import (
     Fragment,
@@ -60,6 +61,7 @@ def save(
     placements: Mapping | None = None,
     num_threads: int = 0,
     return_early: bool = False,
+    snapshot_budget: int | None = None,
     atomic: bool = True,
     metadata: Mapping | None = None,
     copy_existing: bool = False,
@@ -95,6 +97,11 @@ def save(
             writes on the calling thread.
         return_early: return a Future as soon as the data is snapshotted; the
             write and the commit run in the background.
+        snapshot_budget: with ``return_early``, the most bytes of host
+            memory the snapshot may take. A larger shard is copied through
+            buffers of that size while the background writes them, and
+            ``save`` returns once its last byte is copied (packed directory
+            layout only). See docs/parameters.md.
         atomic: False writes into the target itself (directories only); the
             manifest is still written last.
         metadata: a JSON-able dict stored in the manifest.
@@ -135,6 +142,7 @@ def save(
         CollectiveError: ranks failed with different errors.
     """
     _check_save_args(prefix, num_threads, metadata)
+    _check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
     options = _save_options(
         prefix, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle, archive,
         compression, layout,
@@ -143,11 +151,11 @@ def save(
     ch = background.channel(c)
     ch.wait_idle(wait_for_pending, options.target)
 
-    def prepare(buffers: SnapshotBuffers | None) -> LocalShard | Exception:
+    def prepare(buffers: Snapshotter | None) -> LocalShard | Exception:
         return prepare_shard(
             data,
             c.rank,
-            buffers,
+            cast(Any, buffers),
             placements=placements,
             robust_key=robust_key,
             allow_pickle=allow_pickle,
@@ -156,10 +164,8 @@ def save(
 
     if not return_early:
         return _commit_and_open(c, options, prepare(None), ch.plans)
-    bg = ch.background_comm()
-    shard = prepare(ch.buffers)
     options = replace(options, num_threads=max(num_threads, 1))
-    return ch.submit(lambda: _commit_and_open(bg, options, shard, ch.plans))
+    return background.start_save(ch, options, prepare, snapshot_budget, _commit_and_open)
 
 
 def _save_options(
@@ -232,6 +238,27 @@ def _check_save_args(prefix: Any, num_threads: int, metadata: Mapping[str, Any] 
             )
 
 
+def _check_budget(
+    budget: int | None, return_early: bool, check_replicas: bool, archive: bool | None, layout: str | None, prefix: Any
+) -> None:
+    if budget is None:
+        return
+    if type(budget) is not int or budget < MIN_BUDGET:
+        raise InvalidArgumentError(f"snapshot_budget must be an int of at least {MIN_BUDGET} bytes, got {budget!r}")
+    if not return_early:
+        raise InvalidArgumentError("snapshot_budget bounds the snapshot of return_early=True; pass return_early=True")
+    if check_replicas:
+        raise InvalidArgumentError(
+            "snapshot_budget cannot be combined with check_replicas=True (replicas are not snapshotted when the "
+            "data is streamed); drop one of them"
+        )
+    if archive or (archive is None and os.fspath(prefix).endswith(fmt.ARCHIVE_SUFFIX)) or layout == "memmap":
+        raise InvalidArgumentError(
+            "snapshot_budget needs the packed directory layout (an archive hashes and compresses every entry "
+            "before writing, and layout='memmap' writes a file per leaf); save a directory with the default layout"
+        )
+
+
 def _str_keys(value: Any) -> bool:
     if isinstance(value, Mapping):
         return all(type(k) is str and _str_keys(v) for k, v in value.items())
@@ -241,11 +268,16 @@ def _str_keys(value: Any) -> bool:
 
 
 def _commit_and_open(
-    c: Communicator, options: SaveOptions, shard: LocalShard | Exception, cache: PlanCache
+    c: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: PlanCache,
+    make_writer: background.WriterFactory | None = None,
 ) -> TensorDict:
     """Run the two-phase commit with this rank's prepared shard, then map what it saved."""
-    writer_class = ArchiveWriter if options.layout == "archive" else DirectoryWriter
-    writer = writer_class(options, c.rank, shard, cache)
+    if make_writer is None:
+        make_writer = ArchiveWriter if options.layout == "archive" else DirectoryWriter
+    writer = make_writer(options, c.rank, shard, cache)
 
     def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
         m = merge_fragments(
