@@ -112,6 +112,7 @@ BY_NAME: dict[str, type[TddistError]] = {
         ManifestError,
         IncompatibleCheckpointError,
         CorruptCheckpointError,
+        CheckpointChangedError,
         CommError,
         CommTimeoutError,
         CollectiveError,
