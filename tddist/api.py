@@ -22,11 +22,12 @@ from . import per_rank as pr
 from ._version import __version__
 from .comm import Communicator, LocalComm, resolve, run_step
 from .commit import two_phase_commit
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, TargetError, TddistError
 from .into import fill
 from .layouts.archive import ArchiveWriter
 from .layouts.directory import DirectoryWriter
 from .manifest import Manifest
+from .manifest_io import OpenedCheckpoint, open_checkpoint
 from .manifest_io import read_manifest as _read_manifest
 from .manifest_v2 import encode
 from .merge import PlanCache, merge_fragments
@@ -136,7 +137,9 @@ def save(
             before any collective).
         InvalidDataError: data that cannot be checkpointed as given (on every rank).
         ShardingError: the ranks' shards do not fit together (on every rank).
-        TargetError: the target may not be replaced, or cannot be written.
+        TargetError: the target may not be replaced, or cannot be written;
+            or (on one rank) the committed checkpoint could not be opened
+            afterwards because the file system failed: it is saved.
         CommError: a peer died or the transport broke; the target then holds
             the previous checkpoint or, if rank 0 committed, the new one.
         CollectiveError: ranks failed with different errors.
@@ -296,10 +299,18 @@ def _commit_and_open(
     writer.committed()
     logger.info("rank %d: committed %s", c.rank, options.target)
     assert isinstance(shard, LocalShard)  # the commit raised otherwise
-    manifest = _read_manifest(options.target)
-    own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
-    opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
-    return _load_from(manifest, options.target, c, opts, own)
+    try:
+        manifest = _read_manifest(options.target)
+        own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
+        opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
+        return _load_from(manifest, options.target, c, opts, own)
+    except TddistError:
+        raise
+    except OSError as e:  # the file system failed after the commit (an I/O error, a power loss)
+        raise TargetError(
+            f"rank {c.rank}: the save to {options.target!r} was committed and is durable, but opening it to return "
+            f"it failed: {e}; once the file system is readable again, tddist.load reads it"
+        ) from e
 
 
 def load(
@@ -385,23 +396,68 @@ def load(
         allow_pickle=allow_pickle,
     )
 
-    def run() -> TensorDict | LoadReport:
-        manifest = _read_manifest(target)
+    def read(opened: OpenedCheckpoint) -> TensorDict | LoadReport:
         if into is not None:
-            return fill(manifest, target, into, strict=strict, options=options, rank=c.rank, size=c.size)
-        return _load_from(manifest, target, c, options)
+            return fill(
+                opened.manifest, target, into, strict=strict, options=options, rank=c.rank, size=c.size, pinned=opened
+            )
+        return _load_from(opened.manifest, target, c, options, pinned=opened)
 
-    if c.size == 1 or (shard is None and into is None):
-        return run()
-    result = run_step(c, f"load of {target!r}", run)
+    alone = c.size == 1 or (shard is None and into is None)
+    for attempt in range(1, _LOAD_ATTEMPTS + 1):
+        try:
+            return _load_pinned(c, target, read, alone)
+        except CheckpointChangedError:
+            if attempt == _LOAD_ATTEMPTS:
+                raise
+            logger.info("rank %d: %s was replaced while it was read; reading it again", c.rank, target)
+    raise AssertionError("unreachable")
+
+
+#: How often ``load`` reads a checkpoint that an overwrite keeps replacing before it gives up.
+_LOAD_ATTEMPTS = 3
+
+
+def _load_pinned(
+    c: Communicator, target: str, read: Callable[[OpenedCheckpoint], T], alone: bool
+) -> T:
+    """Open the checkpoint once and ``read`` it; on several ranks, every rank reads the same generation.
+
+    Alone: open, read, close. On several ranks: every rank opens it (or all
+    raise), they compare the generations they pinned (an overwrite may have
+    committed between two ranks' opens: then every rank raises
+    ``CheckpointChangedError``), then every rank reads, or all raise.
+    """
+    if alone:
+        with open_checkpoint(target) as opened:
+            return read(opened)
+    opened = run_step(c, f"opening {target!r}", lambda: open_checkpoint(target))
+    assert opened is not None  # run_step raised on every rank otherwise
+    with opened:
+        generations = c.allgather(opened.generation)
+        if len(set(generations)) > 1:
+            raise CheckpointChangedError(
+                f"rank {c.rank}: {target!r} was replaced while the ranks opened it ({len(set(generations))} "
+                f"generations among {c.size} ranks); load it again"
+            )
+        result = run_step(c, f"load of {target!r}", lambda: read(opened))
     assert result is not None  # run_step raised on every rank otherwise
     return result
 
 
 def _load_from(
-    manifest: Manifest, target: str, c: Communicator, options: LoadOptions, own_boxes: Mapping[Key, Box] | None = None
+    manifest: Manifest,
+    target: str,
+    c: Communicator,
+    options: LoadOptions,
+    own_boxes: Mapping[Key, Box] | None = None,
+    *,
+    pinned: OpenedCheckpoint | None = None,
 ) -> TensorDict:
-    """This rank's part of the checkpoint as a TensorDict (``own_boxes``: DTensor boxes this rank just saved)."""
+    """This rank's part of the checkpoint as a TensorDict (``own_boxes``: DTensor boxes this rank just saved).
+
+    ``pinned``: the checkpoint ``manifest`` was read from, so the data comes from the same generation.
+    """
     shard = options.shard
     if isinstance(shard, SavedRows) and manifest.world_size != c.size:
         raise InvalidArgumentError(
@@ -442,7 +498,7 @@ def _load_from(
         else:
             requests.append((k, [own_boxes.get(k) or leaf_box(leaf, shard, c.rank, c.size)]))
     flat = [(manifest.leaves[k], box) for k, boxes in requests for box in boxes]
-    read = iter(read_leaves(target, manifest, flat, options.num_threads, options.verify))
+    read = iter(read_leaves(pinned or target, manifest, flat, options.num_threads, options.verify))
     loaded = {}
     for k, boxes in requests:
         got = [next(read) for _box in boxes]
