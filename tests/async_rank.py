@@ -111,8 +111,23 @@ def scenario_failure_fails_every_future(work: Path, comm, rank: int, size: int) 
     assert torch.equal(tddist.load(target, shard="saved")["w"], make(rank, 5)["w"])
 
 
+def scenario_budget_streams(work: Path, comm, rank: int, size: int) -> None:
+    """A shard four times the budget streams through it; what was written is the shard at the call."""
+    rows = 2048 + 64 * rank
+    td = TensorDict(w=torch.arange(rows * 512, dtype=torch.float32).view(rows, 512) + rank, batch_size=[rows])
+    expected = td.clone()  # 4 MiB and more per rank, budget 1 MiB
+    fut = tddist.save(td, work / "budget", return_early=True, snapshot_budget=1024 * 1024)
+    td["w"].mul_(-1)
+    train = Training(comm)
+    assert train.allreduce(1.0) == size
+    out = fut.result(timeout=120)
+    assert_td_equal(out, expected, f"rank {rank}: what the budgeted save returned")
+    assert_td_equal(tddist.load(work / "budget", shard="saved", verify=True), expected, f"rank {rank}: budgeted")
+
+
 SCENARIOS = [
     scenario_snapshot_and_training,
+    scenario_budget_streams,
     scenario_buffers_reused,
     scenario_one_in_flight,
     scenario_failure_fails_every_future,

@@ -200,3 +200,26 @@ def test_snapshot_budget_bounds_peak_rss(tmp_path):
     assert budgeted < 8 * mib + 6 * mib, f"{budgeted / mib:.1f} MiB added with an 8 MiB budget"
     whole = _peak_added(tmp_path / "w", 0)
     assert whole > 45 * mib, f"{whole / mib:.1f} MiB added by whole-state snapshots"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: snapshots of CUDA tensors")
+def test_cuda_snapshot_is_pinned_on_a_side_stream_and_ordered_before_later_updates(tmp_path):
+    """A CUDA leaf is copied into a pinned buffer on a side stream; an in-place update queued on the
+    current stream right after save returns does not reach the checkpoint (the stream waits on the copy)."""
+    torch.cuda.synchronize()
+    w = torch.randn(4096, 4096, device="cuda")  # 64 MiB: the copy takes long enough to race with the update
+    expected = w.cpu()
+    td = TensorDict(w=w, batch_size=[])
+    fut = tddist.save(td, tmp_path / "c", return_early=True)
+    w.mul_(0).add_(7)  # queued on the current stream while the copy may still run
+    out = fut.result(60)
+    assert torch.equal(out["w"], expected)
+    ch = background.channel(resolve())
+    buf = ch.buffers._buffers[("w",)]
+    assert buf.is_pinned()
+    assert torch.equal(tddist.load(tmp_path / "c", shard=None, verify=True)["w"], expected)
+    # the budgeted path copies CUDA leaves too
+    fut = tddist.save(td, tmp_path / "b", return_early=True, snapshot_budget=4 * MIN_BUDGET)
+    w.add_(1)
+    fut.result(60)
+    assert (tddist.load(tmp_path / "b", shard=None, verify=True)["w"] == 7).all()
