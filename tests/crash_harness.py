@@ -460,6 +460,20 @@ class Result:
             return "harness-error"
         return self.check["after"].split(":")[0] + ("" if self.check["after"] == self.check["before"] else "*")
 
+    def summary(self) -> str:
+        """How the ranks ended and what the checker saw, for a failure message."""
+        ranks = {
+            r: (self.exits.get(r), self.reports.get(r, {}).get("cls", self.reports.get(r, {}).get("result")))
+            for r in (0, 1)
+        }
+        lines = [f"ranks (exit, outcome): {ranks}; {self.seconds:.1f}s"]
+        if self.check:
+            ck = self.check
+            lines.append(f"after the crash: {ck['before']}; side entries {ck['side']}; recover: {ck['recover']}")
+            lines.append(f"after recover: {ck['after']}; left {ck['left']}")
+        lines += [f"--- {name} ---\n{text}" for name, text in self.logs.items()]
+        return "\n".join(lines)
+
     def as_dict(self) -> dict:
         return {"case": asdict(self.case), "id": self.case.id, **{k: v for k, v in asdict(self).items() if k != "case"}}
 

@@ -89,7 +89,7 @@ def test_crash(case: ch.Case, results: dict[str, ch.Result | str]) -> None:
         _unavailable(res)
     assert isinstance(res, ch.Result)
     problems = res.problems()
-    assert not problems, f"{case.id} (expected {case.expect!r}):\n" + "\n".join(problems) + f"\n{res.as_dict()}"
+    assert not problems, f"{case.id} (expected {case.expect!r}):\n" + "\n".join(problems) + f"\n{res.summary()}"
 
 
 @pytest.mark.parametrize("kind", CUT_FS)
