@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from . import format as fmt
 from ._compat import local_header, write_central_directory, zip_lzma_compressor
@@ -297,51 +297,167 @@ def write_tail_and_directory(path: str, end: int, files: dict[str, bytes], rows:
 
 # --- reading ----------------------------------------------------------------------
 
+#: Compressed bytes read, and uncompressed bytes produced, per step of ``inflate_into``: what decompression
+#: holds in memory beside the destination buffer.
+STREAM_BLOCK = 4 << 20
+#: Deflate's largest possible expansion (a 258-byte match per 2 bits): a deflate entry that declares more
+#: is a bomb, refused before any memory is allocated for it.
+DEFLATE_MAX_RATIO = 1032
+KNOWN_METHODS = frozenset(_METHODS.values())
 
-def decompress(method: int, data: memoryview, size: int, where: str) -> bytes:
-    """Decompress at most ``size`` bytes; anything more or less, or a damaged stream, is a CorruptCheckpointError."""
+
+class EntryReader:
+    """The compressed bytes of one archive entry, read from ``fd`` with ``pread`` in blocks (a file-like
+    ``read``): nothing but the block being decompressed is held in memory, and the map is not touched."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self.fd, self.pos, self.end = fd, start, start + length
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.end - self.pos if n < 0 else min(n, self.end - self.pos)
+        data = os.pread(self.fd, n, self.pos) if n > 0 else b""
+        self.pos += len(data)
+        if n > 0 and not data:
+            self.end = self.pos  # the file is shorter than its directory says: the stream ends here
+        return data
+
+
+def check_compressed_entry(method: int, csize: int, size: int, where: str) -> None:
+    """Refuse, before anything is allocated for it, an entry of an unknown method or an impossible size."""
+    if method not in KNOWN_METHODS:
+        raise CorruptCheckpointError(f"archive {where} uses unknown compression method {method}")
+    if method == zipfile.ZIP_DEFLATED and size > DEFLATE_MAX_RATIO * csize + 64:
+        raise CorruptCheckpointError(
+            f"archive {where} declares {size} bytes from {csize} deflated ones, more than deflate can expand to; "
+            f"refusing it (corrupted or a zip bomb)"
+        )
+
+
+def inflate_into(method: int, src: EntryReader, out: memoryview, where: str) -> int:
+    """Decompress the entry read from ``src`` straight into ``out`` (its declared size), block by block;
+    return the CRC-32 of the bytes. Anything more or less than ``len(out)`` bytes, or a damaged stream, is a
+    CorruptCheckpointError; decompression stops one byte past the declared size."""
+    sink = _Sink(out, where)
     try:
-        out = _decompress(method, data, size + 1, where)
-    except CorruptCheckpointError:
+        if method == ZIP_ZSTD:
+            _inflate_zstd(src, sink)
+        elif method == zipfile.ZIP_DEFLATED:
+            _inflate_zlib(src, sink)
+        elif method in (zipfile.ZIP_BZIP2, zipfile.ZIP_LZMA):
+            _inflate_stream(method, src, sink, len(out))
+        else:
+            raise CorruptCheckpointError(f"archive {where} uses unknown compression method {method}")
+    except (CorruptCheckpointError, MemoryError):
         raise
     except Exception as e:  # zlib.error, lzma.LZMAError, OSError (bz2), zstandard.ZstdError, struct.error, ...
         raise CorruptCheckpointError(
             f"archive {where} does not decompress ({type(e).__name__}: {e}); the checkpoint is damaged"
         ) from None
-    if len(out) != size:
+    if sink.pos != len(out):
         raise CorruptCheckpointError(
-            f"archive {where} decompresses to {'more' if len(out) > size else 'fewer'} bytes than its declared "
-            f"{size}; refusing it (corrupted or a zip bomb)"
+            f"archive {where} decompresses to fewer bytes ({sink.pos}) than its declared {len(out)}; refusing it "
+            f"(truncated or corrupted)"
         )
-    return out
+    return sink.crc
 
 
-def _decompress(method: int, data: memoryview, limit: int, where: str) -> bytes:
-    if method == zipfile.ZIP_DEFLATED:
-        out = zlib.decompressobj(-15).decompress(data, limit)
-    elif method == zipfile.ZIP_BZIP2:
-        out, rest = b"", bytes(data)
-        while rest and len(out) < limit:
-            d = bz2.BZ2Decompressor()
-            out += d.decompress(rest, limit - len(out))
-            rest = d.unused_data if d.eof else b""
-    elif method == zipfile.ZIP_LZMA:
-        props_size = struct.unpack_from("<H", data, 2)[0]
-        props = bytes(data[4 : 4 + props_size])
-        lclppb = props[0]
-        filt = {
-            "id": lzma.FILTER_LZMA1,
-            "lc": lclppb % 9,
-            "lp": (lclppb // 9) % 5,
-            "pb": lclppb // 45,
-            "dict_size": int.from_bytes(props[1:5], "little"),
-        }
-        out = lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[filt]).decompress(data[4 + props_size :], limit)
-    elif method == ZIP_ZSTD:
-        import zstandard
+class _Sink:
+    """Where decompressed blocks go: the destination, with a running CRC-32 and the declared size enforced."""
 
-        with zstandard.ZstdDecompressor().stream_reader(bytes(data), read_across_frames=True) as r:
-            out = r.read(limit)
-    else:
-        raise CorruptCheckpointError(f"archive {where} uses unknown compression method {method}")
-    return out
+    def __init__(self, out: memoryview, where: str):
+        self.out, self.where, self.pos, self.crc = out, where, 0, 0
+
+    @property
+    def room(self) -> int:
+        """How much the next step may produce: up to one byte past the declared size, to notice more."""
+        return min(STREAM_BLOCK, len(self.out) - self.pos + 1)
+
+    def put(self, data: bytes) -> None:
+        end = self.pos + len(data)
+        if end > len(self.out):
+            self.more()
+        self.out[self.pos : end] = data
+        self.crc = zlib.crc32(data, self.crc)
+        self.pos = end
+
+    def more(self) -> None:
+        raise CorruptCheckpointError(
+            f"archive {self.where} decompresses to more bytes than its declared {len(self.out)}; refusing it "
+            f"(corrupted or a zip bomb)"
+        )
+
+
+def _inflate_zlib(src: EntryReader, sink: _Sink) -> None:
+    d = zlib.decompressobj(-15)
+    tail = b""
+    while not d.eof:
+        fresh = not tail
+        if fresh:
+            tail = src.read(STREAM_BLOCK)
+        chunk = d.decompress(tail, sink.room)
+        tail = d.unconsumed_tail
+        if not chunk and not tail and fresh and src.pos >= src.end:
+            break  # input exhausted and nothing more comes out: truncated (or complete without an end block)
+        sink.put(chunk)
+
+
+def _inflate_stream(method: int, src: EntryReader, sink: _Sink, size: int) -> None:
+    """bzip2 (concatenated streams allowed) and zip's raw LZMA, through their incremental decompressors."""
+    new = bz2.BZ2Decompressor if method == zipfile.ZIP_BZIP2 else lambda: _zip_lzma_decompressor(src, size)
+    d: Any = new()
+    data = b""
+    idle = 0
+    while True:
+        if d.eof:
+            data = d.unused_data or src.read(STREAM_BLOCK)
+            if not data or method != zipfile.ZIP_BZIP2:
+                return
+            d = new()
+        if d.needs_input and not data:
+            data = src.read(STREAM_BLOCK)
+            if not data:
+                return  # truncated: the caller sees fewer bytes than declared
+        chunk = d.decompress(data, sink.room)
+        idle = 0 if chunk or data else idle + 1
+        if idle > 2:
+            raise CorruptCheckpointError(f"archive {sink.where} makes no progress when decompressed; it is damaged")
+        data = b""
+        sink.put(chunk)
+
+
+def _zip_lzma_decompressor(src: EntryReader, size: int) -> Any:
+    """A raw LZMA1 decompressor from a zip entry's properties header (version, size, properties). The
+    dictionary is never larger than the entry needs, whatever the header claims (up to 4 GiB)."""
+    head = src.read(4)
+    props_size = struct.unpack("<2xH", head)[0]
+    props = src.read(props_size)
+    if props_size != 5 or len(props) != 5 or props[0] >= 9 * 5 * 5:
+        raise ValueError(f"malformed LZMA properties header ({props_size} bytes: {props[:5].hex()})")
+    lclppb = props[0]
+    filt = {
+        "id": lzma.FILTER_LZMA1,
+        "lc": lclppb % 9,
+        "lp": (lclppb // 9) % 5,
+        "pb": lclppb // 45,
+        "dict_size": max(4096, min(int.from_bytes(props[1:5], "little"), size)),
+    }
+    return lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[filt])
+
+
+def _inflate_zstd(src: EntryReader, sink: _Sink) -> None:
+    """zstd frames (tddist writes one per 32 MiB piece) decompressed by ``readinto`` straight into ``out``."""
+    import zstandard
+
+    out = sink.out
+    reader = zstandard.ZstdDecompressor().stream_reader(
+        cast("IO[bytes]", src), read_size=STREAM_BLOCK, read_across_frames=True, closefd=False
+    )
+    with reader:
+        while sink.pos < len(out):
+            n = reader.readinto(out[sink.pos : sink.pos + STREAM_BLOCK])
+            if not n:
+                return
+            sink.crc = zlib.crc32(out[sink.pos : sink.pos + n], sink.crc)
+            sink.pos += n
+        if reader.read(1):
+            sink.more()

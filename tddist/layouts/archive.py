@@ -15,7 +15,6 @@ import os
 import stat
 import struct
 import zipfile
-import zlib
 
 import torch
 
@@ -32,8 +31,10 @@ from ..zipcodec import (
     LOCAL_FMT,
     LOCAL_SIZE,
     Entry,
-    decompress,
+    EntryReader,
+    check_compressed_entry,
     entry_rows,
+    inflate_into,
     place_entries,
     prepare_entries,
     write_region,
@@ -139,7 +140,7 @@ class ArchiveFiles:
     def __init__(self, path: str, opened_as: str | None = None):
         """Open the archive ``path``; ``opened_as`` opens the same file pinned (``/proc/self/fd/N``)."""
         self.path = path
-        source = opened_as or path
+        self.source = source = opened_as or path
         try:
             zf = zipfile.ZipFile(source)
         except (zipfile.BadZipFile, OSError, ValueError) as e:
@@ -194,7 +195,12 @@ class ArchiveFiles:
         return self.array(loc.relpath, loc.nbytes)
 
     def array(self, name: str, nbytes: int) -> torch.Tensor:
-        """The uncompressed bytes of ``name`` as uint8: a view of the map when stored, else decompressed (bounded)."""
+        """The uncompressed bytes of ``name`` as uint8: a view of the map when stored, else decompressed.
+
+        A compressed entry is checked first (its sizes against the manifest's
+        ``nbytes``, its method, its bounds in the file); only then is its
+        buffer allocated, and the stream inflated into it block by block.
+        """
         found = self.entries.get(name)
         if found is None:
             raise CorruptCheckpointError(f"archive {self.path!r} has no entry {name!r}; the checkpoint is damaged")
@@ -203,16 +209,21 @@ class ArchiveFiles:
             raise CorruptCheckpointError(
                 f"archive {self.path!r}: entry {name!r} declares {zi.file_size} bytes, the manifest says {nbytes}"
             )
-        raw = self.map[start : start + zi.compress_size]
         if zi.compress_type == zipfile.ZIP_STORED:
             if zi.compress_size != nbytes:
                 raise CorruptCheckpointError(f"archive {self.path!r}: stored entry {name!r} has inconsistent sizes")
             view = self.tensor[start : start + nbytes]
             return view if start % ALIGN == 0 else view.clone()  # rewritten by another zip tool: unaligned
-        out = bytearray(decompress(zi.compress_type, memoryview(raw.data), nbytes, f"{self.path!r}: {name!r}"))
-        if zlib.crc32(out) != zi.CRC:  # a damaged stream may still decompress, to other bytes
+        where = f"{self.path!r}: entry {name!r}"
+        check_compressed_entry(zi.compress_type, zi.compress_size, nbytes, where)
+        out = torch.empty(nbytes, dtype=torch.uint8)  # only now: its size is the manifest's, its bounds checked
+        fd = os.open(self.source, os.O_RDONLY)
+        try:
+            crc = inflate_into(zi.compress_type, EntryReader(fd, start, zi.compress_size), out.numpy().data, where)
+        finally:
+            os.close(fd)
+        if crc != zi.CRC:  # a damaged stream may still decompress, to other bytes
             raise CorruptCheckpointError(
-                f"archive {self.path!r}: entry {name!r} decompresses to bytes that fail its CRC-32; the checkpoint "
-                f"is damaged"
+                f"archive {where} decompresses to bytes that fail its CRC-32; the checkpoint is damaged"
             )
-        return torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
+        return out
