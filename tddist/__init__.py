@@ -34,10 +34,10 @@ from .errors import (
 if TYPE_CHECKING:
     from .api import load, read_manifest, recover, save
     from .comm import Communicator, LocalComm, ThreadComm, run_threads
-    from .convert import convert
+    from .conversion import convert
     from .manager import EXIT_PREEMPTED, CheckpointManager, Restored
     from .manifest import Manifest
-    from .pack import pack, unpack
+    from .packing import pack, unpack
     from .plan import LoadReport
     from .sharding import PerRank, Replicate, Shard
     from .state import get_state, set_state
@@ -48,9 +48,9 @@ _LAZY = {
     "load": "api",
     "read_manifest": "api",
     "recover": "api",
-    "convert": "convert",
-    "pack": "pack",
-    "unpack": "pack",
+    "convert": "conversion",
+    "pack": "packing",
+    "unpack": "packing",
     "get_state": "state",
     "set_state": "state",
     "CheckpointManager": "manager",

@@ -86,7 +86,7 @@ def _done(args: argparse.Namespace, name: str) -> int:
 
 
 def run_pack(args: argparse.Namespace) -> int:
-    from ..pack import pack
+    from ..packing import pack
 
     _refuse_existing(args)
     with written_bytes_progress(_total(args.src), "pack"):
@@ -95,7 +95,7 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def run_unpack(args: argparse.Namespace) -> int:
-    from ..pack import unpack
+    from ..packing import unpack
 
     _refuse_existing(args)
     with written_bytes_progress(_total(args.src), "unpack"):

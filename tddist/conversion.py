@@ -22,7 +22,7 @@ import torch
 from . import format as fmt
 from .errors import CheckpointNotFoundError, InvalidArgumentError, InvalidDataError, TargetError, TddistError
 from .interop import FORMATS, Selection, Source, select
-from .pack import pack, staged, unpack
+from .packing import pack, staged, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -220,11 +220,21 @@ def _check_destination(dst: str, out: str, overwrite: bool) -> None:
     except InvalidArgumentError:
         existing = None
     same_shape = os.path.isfile(dst) == _writes_file(dst, out)
-    if existing != out or not same_shape:
+    if existing != out or not same_shape or (os.path.isfile(dst) and not _file_content_is(dst, out)):
         raise TargetError(
             f"{dst!r} exists and is not a {out} checkpoint; tddist replaces only a checkpoint of the format it "
             f"writes: choose another destination or remove it yourself"
         )
+
+
+def _file_content_is(path: str, out: str) -> bool:
+    """Whether the file at ``path`` starts as format ``out`` does (a zip or a pickle; a safetensors header)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if out == "torch":
+        return zipfile.is_zipfile(path) or head[:1] == b"\x80"
+    size = os.path.getsize(path)
+    return len(head) == 9 and int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{"
 
 
 def _writes_file(dst: str, out: str) -> bool:

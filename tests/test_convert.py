@@ -1,0 +1,268 @@
+"""tddist.convert between tddist, DCP, torch.save and safetensors, on real multi-rank checkpoints.
+
+Every comparison is bit for bit (``torch.equal`` on same-dtype tensors).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from tensordict import TensorDict
+
+import tddist
+from tddist.cli import main as cli_main
+from tests.helpers import assert_td_equal, leftovers
+from tests.launch_util import REPO, run_job
+
+SCRIPT = REPO / "tests" / "convert_rank.py"
+
+
+def _flat(obj, prefix: str = "") -> dict:
+    """A nested state as DCP's default planner names it: dicts by key, lists holding dicts by index."""
+    out = {}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for k, v in items:
+        name = f"{prefix}{k}"
+        if isinstance(v, dict) or (isinstance(v, list) and any(isinstance(x, dict) for x in v)):
+            out.update(_flat(v, name + "."))
+        else:
+            out[name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def _equal_tensors(got: dict, expected: dict, what: str) -> None:
+    exp = {k: v for k, v in expected.items() if isinstance(v, torch.Tensor)}
+    assert sorted(got) == sorted(exp), what
+    for k, v in exp.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{what}: {k}"
+
+
+@pytest.mark.multirank
+def test_fsdp_and_dcp_checkpoints_convert_bit_exact(tmp_path):
+    """FSDP2 + AdamW on 2 ranks, saved by tddist and by dcp.save: to safetensors, to tddist, to DCP for 3 ranks."""
+    run_job("spawn", 2, SCRIPT, [str(tmp_path), "save"], tmp_path / "rep-save", timeout=240).assert_ok(2)
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)
+    expected = _flat(ref)
+    assert any(k.startswith("optim.state.") for k in expected) and "optim.param_groups.0.lr" in expected
+
+    # tddist (2 ranks, sharded DTensors) -> Hugging Face sharded safetensors directory
+    hf = tddist.convert(tmp_path / "fsdp", tmp_path / "hf", "safetensors", max_shard_size="300B")
+    index = json.loads((Path(hf) / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    loaded = {}
+    for f in files:
+        loaded.update(load_file(Path(hf) / f))
+    _equal_tensors(loaded, expected, "tddist -> safetensors")
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in loaded.values())
+    values = json.loads(index["metadata"]["tddist.values"])
+    assert values["optim.param_groups"][0]["betas"] == [0.8, 0.95]
+
+    # dcp.save (2 ranks) -> tddist: flat DCP names, non-tensor values as JSON
+    tddist.convert(tmp_path / "dcp", tmp_path / "from-dcp")
+    td = tddist.load(tmp_path / "from-dcp", shard=None)
+    got = {k: td[k] for k in td.keys(True, True)}  # flat names: one-part keys
+    _equal_tensors({k: v for k, v in got.items() if isinstance(v, torch.Tensor)}, expected, "dcp -> tddist")
+    assert td["optim.param_groups.0.lr"] == 0.01 and td["optim.param_groups.0.betas"] == [0.8, 0.95]
+    assert tddist.read_manifest(tmp_path / "from-dcp").objects  # stored as JSON values, no pickle
+
+    # tddist -> DCP, loaded by dcp.load on 3 ranks into FSDP2 + AdamW (checked in the rank program)
+    tddist.convert(tmp_path / "fsdp", tmp_path / "export-dcp", "dcp")
+    run_job("spawn", 3, SCRIPT, [str(tmp_path), "load"], tmp_path / "rep-load", timeout=240).assert_ok(3)
+    # ... and back: the marked export gives tddist's nested keys again
+    tddist.convert(tmp_path / "export-dcp", tmp_path / "back")
+    assert_td_equal(
+        tddist.load(tmp_path / "back", shard=None), tddist.load(tmp_path / "fsdp", shard=None), "dcp export -> tddist"
+    )
+    assert leftovers(tmp_path / "*") == []
+
+
+def _state() -> TensorDict:
+    g = torch.Generator().manual_seed(1)
+    return TensorDict(
+        model=TensorDict(
+            {"layers.0.w": torch.randn(5, 3, generator=g), "emb": torch.randn(7, 2, generator=g).to(torch.bfloat16)}
+        ),
+        step=torch.tensor(12, dtype=torch.int64),
+        mask=torch.tensor([True, False, True]),
+        extra=TensorDict(x=torch.arange(6).view(3, 2), batch_size=[3]),
+    )
+
+
+def _two_ranks(path) -> TensorDict:
+    def rank_fn(c):
+        state = _state()
+        state["extra"] = state["extra"][c.rank : c.rank + 2]  # rows 0-1 and 1-2: sharded along dim 0
+        state.set_non_tensor(("hp", "lr"), 0.25)
+        return tddist.save(state, path, comm=c)
+
+    results = tddist.run_threads(2, rank_fn, timeout=60)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    return tddist.load(path, shard=None)
+
+
+def test_torch_file_round_trips(tmp_path):
+    full = _two_ranks(tmp_path / "ck")
+    tddist.convert(tmp_path / "ck", tmp_path / "a.pt")
+    flat = torch.load(tmp_path / "a.pt", weights_only=True)
+    assert isinstance(flat, OrderedDict) and "model.layers.0.w" in flat and flat["hp.lr"] == 0.25
+    assert torch.equal(flat["extra.x"], full["extra", "x"])  # the two ranks' rows, consolidated
+    tddist.convert(tmp_path / "a.pt", tmp_path / "back")
+    assert_td_equal(tddist.load(tmp_path / "back", shard=None), full, "tddist -> torch -> tddist", batch_sizes=False)
+
+    # a torch.save file of someone else's nested dict: names joined with ".", kept flat
+    torch.save({"model": {"w": torch.ones(2)}, "epoch": 3}, tmp_path / "user.pth")
+    tddist.convert(tmp_path / "user.pth", tmp_path / "user")
+    td = tddist.load(tmp_path / "user", shard=None)
+    assert sorted(td.keys()) == ["epoch", "model.w"] and td["epoch"] == 3
+
+
+def test_directory_and_archive_convert_both_ways(tmp_path):
+    full = _two_ranks(tmp_path / "ck")
+    tddist.convert(tmp_path / "ck", tmp_path / "a.tdz", compression="deflate")
+    assert tddist.read_manifest(tmp_path / "a.tdz").world_size == 2  # pack keeps the ranks' shards
+    tddist.convert(tmp_path / "a.tdz", tmp_path / "d")
+    tddist.convert(tmp_path / "ck", tmp_path / "one.tdz", consolidate=True)
+    assert tddist.read_manifest(tmp_path / "one.tdz").world_size == 1
+    for p in ("a.tdz", "d", "one.tdz"):
+        back = tddist.load(tmp_path / p, shard=None, verify=True)
+        assert_td_equal(back, full, p, batch_sizes=p != "one.tdz")
+    with pytest.raises(tddist.InvalidArgumentError, match="consolidate=False"):
+        tddist.convert(tmp_path / "ck", tmp_path / "x.pt", consolidate=False)
+    assert leftovers(tmp_path / "*") == []
+
+
+def test_prefix_and_dtype(tmp_path, capsys):
+    full = _two_ranks(tmp_path / "ck")
+    tddist.convert(tmp_path / "ck", tmp_path / "m.safetensors", prefix="model/", dtype="float16")
+    got = load_file(tmp_path / "m.safetensors")
+    assert sorted(got) == ["emb", "layers.0.w"]
+    assert got["layers.0.w"].dtype == torch.float16 and got["emb"].dtype == torch.float16
+    assert torch.equal(got["layers.0.w"], full["model", "layers.0.w"].to(torch.float16))
+    with safe_open(tmp_path / "m.safetensors", "pt") as f:
+        assert f.metadata()["tddist.export"] == "1"
+    # the command: floating leaves cast, others kept; a flat prefix ending inside a name
+    argv = ["convert", str(tmp_path / "ck"), str(tmp_path / "all.pt"), "--dtype", "bfloat16", "--json"]
+    assert cli_main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["schema"] == "tddist.convert/1" and doc["from"] == "tddist" and doc["to"] == "torch"
+    flat = torch.load(tmp_path / "all.pt", weights_only=True)
+    assert flat["step"].dtype == torch.int64 and flat["mask"].dtype == torch.bool
+    assert flat["model.layers.0.w"].dtype == torch.bfloat16
+    torch.save({"model.layers.0.w": torch.ones(2), "model.emb": torch.zeros(1)}, tmp_path / "user.pt")
+    argv = ["convert", str(tmp_path / "user.pt"), str(tmp_path / "l.safetensors"), "--prefix", "model.layers."]
+    assert cli_main(argv) == 0
+    assert sorted(load_file(tmp_path / "l.safetensors")) == ["0.w"]
+    with pytest.raises(tddist.InvalidArgumentError, match="nothing under the prefix"):
+        tddist.convert(tmp_path / "ck", tmp_path / "none.pt", prefix="nope/")
+
+
+def test_a_failed_conversion_leaves_nothing(tmp_path):
+    tddist.save({"w": torch.ones(3), "z": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "ck")
+    for dst in ("c.safetensors", "hfdir"):
+        with pytest.raises(tddist.InvalidDataError, match="safetensors cannot store"):
+            tddist.convert(tmp_path / "ck", tmp_path / dst, "safetensors")
+        assert not (tmp_path / dst).exists()
+    (tmp_path / "taken.pt").write_bytes(b"mine")
+    with pytest.raises(tddist.TargetError, match="exists"):
+        tddist.convert(tmp_path / "ck", tmp_path / "taken.pt")
+    with pytest.raises(tddist.TargetError, match="not a torch checkpoint"):
+        tddist.convert(tmp_path / "ck", tmp_path / "taken.pt", overwrite=True)
+    assert (tmp_path / "taken.pt").read_bytes() == b"mine"
+    tddist.convert(tmp_path / "ck", tmp_path / "w.pt")
+    tddist.convert(tmp_path / "ck", tmp_path / "w.pt", dtype="float64", overwrite=True)  # same format: replaced
+    assert torch.load(tmp_path / "w.pt", weights_only=True)["w"].dtype == torch.float64
+    assert leftovers(tmp_path / "*") == []
+
+
+def test_pickles_need_allow_pickle(tmp_path):
+    torch.save({"w": torch.ones(2), "when": datetime.date(2024, 1, 2)}, tmp_path / "p.pt")
+    with pytest.raises(tddist.InvalidArgumentError, match="allow_pickle"):
+        tddist.convert(tmp_path / "p.pt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    tddist.convert(tmp_path / "p.pt", tmp_path / "out", allow_pickle=True)
+    with pytest.raises(tddist.InvalidArgumentError, match="pickle"):
+        tddist.load(tmp_path / "out", shard=None)
+    assert tddist.load(tmp_path / "out", shard=None, allow_pickle=True)["when"] == datetime.date(2024, 1, 2)
+
+
+def test_bad_sources_name_the_problem(tmp_path):
+    with pytest.raises(tddist.CheckpointNotFoundError):
+        tddist.convert(tmp_path / "missing.pt", tmp_path / "out")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(tddist.InvalidArgumentError, match="cannot tell the format"):
+        tddist.convert(tmp_path / "notes.txt", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(tddist.InvalidArgumentError, match="without tddist.json"):
+        tddist.convert(tmp_path / "empty", tmp_path / "out")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(tddist.InvalidDataError, match="not a readable safetensors file"):
+        tddist.convert(tmp_path / "bad.safetensors", tmp_path / "out")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "../x.safetensors"}}))
+    with pytest.raises(tddist.InvalidDataError, match="not a .safetensors file beside it"):
+        tddist.convert(tmp_path / "hf", tmp_path / "out")
+    torch.save([torch.ones(2)], tmp_path / "list.pt")
+    with pytest.raises(tddist.InvalidDataError, match="not a dict of tensors"):
+        tddist.convert(tmp_path / "list.pt", tmp_path / "out")
+    with pytest.raises(tddist.InvalidArgumentError, match="floating-point"):
+        tddist.convert(tmp_path / "list.pt", tmp_path / "out", dtype="int8")
+    assert not (tmp_path / "out").exists()
+
+
+_PEAK = r"""
+import sys, tddist, tddist.api, tddist.conversion, tddist.interop.hf, tddist.interop.native
+
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+
+for dst in sys.argv[2:]:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak (VmHWM) starts again from the current RSS
+    before = status("VmRSS:")
+    tddist.convert(sys.argv[1], dst, "safetensors", max_shard_size="64MiB")
+    print(status("VmHWM:") - before)
+"""
+
+LEAF = 64 << 20
+
+
+def test_peak_memory_stays_near_one_leaf(tmp_path):
+    """8 leaves of 64 MiB to safetensors (one file, and shards of 64 MiB): the peak RSS grows by under 3 leaves."""
+    tddist.save({f"l{i}": torch.full((LEAF // 4,), float(i)) for i in range(8)}, tmp_path / "ck")
+    dsts = [str(tmp_path / "one.safetensors"), str(tmp_path / "shards")]
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(tmp_path / "ck"), *dsts], capture_output=True, text=True, cwd=REPO,
+        timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    peaks = dict(zip(["one file", "shards"], map(int, out.stdout.split())))
+    print({k: f"+{v / 2**20:.0f} MiB" for k, v in peaks.items()})
+    assert len(peaks) == 2 and all(0 < p < 3 * LEAF for p in peaks.values()), peaks
+    got = load_file(tmp_path / "shards" / "model-00008-of-00008.safetensors")
+    assert torch.equal(got["l7"], torch.full((LEAF // 4,), 7.0))
+    with safe_open(tmp_path / "one.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor("l3"), torch.full((LEAF // 4,), 3.0))
+
+
+def test_public_functions_are_not_shadowed_by_their_modules():
+    """Importing the modules that define them must not turn tddist.convert/pack/unpack into modules."""
+    import tddist.cli.convert
+    import tddist.cli.pack
+    import tddist.conversion
+    import tddist.packing
+
+    assert all(callable(getattr(tddist, name)) for name in ("convert", "pack", "unpack"))
