@@ -295,7 +295,7 @@ class CheckpointManager:
 
         Raises:
             CheckpointNotFoundError: ``required`` and nothing to restore, or no
-                committed checkpoint of ``step``.
+                committed checkpoint of ``step`` (on every rank).
             IncompatibleCheckpointError: ``state`` does not match the checkpoint,
                 or per-rank state saved on another world size without ``per_rank=``.
             CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
@@ -306,6 +306,10 @@ class CheckpointManager:
             _check_step(step)
         found = self._on_rank0(f"finding the checkpoint to restore in {self.root}", lambda: self._find(step))
         if isinstance(found, str):
+            if step is not None:
+                raise CheckpointNotFoundError(
+                    f"rank {self.comm.rank}: {found}; restore(step={step}) has nothing to load"
+                )
             if required:
                 raise CheckpointNotFoundError(f"rank {self.comm.rank}: {found}; nothing to restore (required=True)")
             if not os.path.isdir(self.root) and self.comm.rank == 0:
