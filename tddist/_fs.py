@@ -15,6 +15,8 @@ import shutil
 from collections.abc import Callable
 from typing import Literal
 
+from ._faults import fault_point
+
 _AT_FDCWD = -100
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -142,14 +144,31 @@ def write_durable(path: str, data: bytes | memoryview, sync: bool = True) -> Non
 
 
 def remove_tree(path: str) -> None:
-    """Remove a file or directory tree, ignoring a path that is already gone."""
+    """Remove a file or directory tree, ignoring a path that is already gone.
+
+    A directory loses its first entry (by name) first, then the rest: the
+    fault point ``discard`` lies between, so tests can crash a removal (of an
+    old checkpoint, say) with part of the tree gone.
+    """
     try:
         if os.path.isdir(path) and not os.path.islink(path):
+            first = min(os.listdir(path), default=None)
+            if first is not None:
+                _remove_entry(os.path.join(path, first))
+            fault_point("discard", 0)
             shutil.rmtree(path)
         else:
+            fault_point("discard", 0)
             os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _remove_entry(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 def is_inside(real_root: str, path: str) -> bool:

@@ -51,6 +51,7 @@ every rank, "0" on rank 0 only):
 ``renamed``   0      the commit rename done; before the parent's fsync
 ``replace``   0      the parent fsynced; the old copy not yet removed
 ``discard``   0      part of the old copy (or of a staging area) removed
+                     (``_fs.remove_tree``, before a file is unlinked)
 ``publish``   0      committed and durable; before the announcement
 ``announce``  all    the decision received; before ``save`` returns
 ============  =====  ==========================================================

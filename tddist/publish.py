@@ -51,11 +51,6 @@ def discard(path: str) -> None:
     It must never stop a commit or keep rank 0 from announcing its decision.
     """
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            first = min(os.listdir(path), default=None)
-            if first is not None:
-                remove_tree(os.path.join(path, first))
-        fault_point("discard", 0)  # part of a directory is gone
         remove_tree(path)
     except OSError as e:
         logger.warning("could not remove %s (%s); tddist.recover will", path, e)
