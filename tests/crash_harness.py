@@ -209,6 +209,7 @@ def rank_main(rank: int, case: Case, target: str, work: Path, cut_path: str) -> 
     timeout = datetime.timedelta(seconds=SAVE_TIMEOUT)
     dist.init_process_group("gloo", init_method=f"file://{work}/store", rank=rank, world_size=2, timeout=timeout)
     tddist.save(shard("old", rank), target, timeout=SAVE_TIMEOUT)
+    dist.barrier()  # no rank arms the fault while the other still opens what the old save committed
     os.environ[ENV] = f"{case.point}:{case.rank}:{case.action}"
     os.environ[POWERCUT_ENV] = cut_path
     os.environ[NO_EXCHANGE_ENV] = "0" if case.exchange else "1"
@@ -304,6 +305,9 @@ def _fork(fn, *args, log: Path | None = None) -> int:
             with contextlib.suppress(Exception):
                 sys.stderr.write(traceback.format_exc())
         finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
             os._exit(code)
     return pid
 
