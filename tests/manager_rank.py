@@ -80,18 +80,33 @@ def role_signal(work: Path, rank: int, world: int) -> dict:
     mgr = CheckpointManager(work / "ckpt", every=20, keep_last=2, async_save=True)
     state = local_state(rank, world, 0)
     in_flight = []
+    signalled = work / "signalled"
     for s in range(1000):
         train(state)
-        time.sleep(0.05)
         pending = mgr._pending
         in_flight.append(pending is not None and not pending[1].done())
-        if mgr.step(s + 1, state) and rank == 0 and not (work / "inflight").exists():
-            (work / ".inflight").write_text(str(s + 1))
-            (work / ".inflight").replace(work / "inflight")
+        started = mgr.step(s + 1, state)
+        if started and not signalled.exists():
+            # the first save is in flight (slowed down by the delay faults): rank 0 says so, and
+            # every rank waits until the test has sent SIGUSR1 to rank 1, so the signal arrives
+            # during this save whatever the machine's load
+            if rank == 0:
+                (work / ".inflight").write_text(str(s + 1))
+                (work / ".inflight").replace(work / "inflight")
+            wait_for(signalled, 90)
         if mgr.should_stop:
             mgr.close()
             return {"stopped": s + 1, "in_flight_at_stop": in_flight[-1], "code": EXIT_PREEMPTED}
     raise AssertionError("no preemption within 1000 steps")
+
+
+def wait_for(path: Path, timeout: float) -> None:
+    """Wait until ``path`` exists; ``timeout`` is only a no-hang bound."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.01)
 
 
 def main() -> None:

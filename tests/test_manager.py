@@ -248,6 +248,7 @@ def test_crashes_retention_and_resume_on_other_world_sizes(tmp_path: Path) -> No
         "spawn", 2, SCRIPT, [str(tmp_path), "crash-write"], tmp_path / "r1", timeout=120, env={"TDDIST_TIMEOUT": "60"}
     )
     assert job.returncodes[1] == -signal.SIGKILL, job.output[-3000:]
+    assert 1 not in job.reports, "rank 1 was killed before it could report"
     assert job.returncodes[0] == 1 and job.reports[0]["error_class"] in ("CommError", "CommTimeoutError"), job.output[
         -3000:
     ]
@@ -260,6 +261,12 @@ def test_crashes_retention_and_resume_on_other_world_sizes(tmp_path: Path) -> No
     )
     assert job.returncodes[0] == -signal.SIGKILL, job.output[-3000:]
     assert job.returncodes[1:] == [1, 1], job.output[-3000:]
+    assert 0 not in job.reports, "rank 0 was killed before it could report"
+    for r in (1, 2):  # rank 0 died in the middle of the commit: each other rank saw it, and said so
+        rep = job.reports.get(r, {})
+        assert rep.get("status") == "failed" and rep.get("error_class") in ("CommError", "CommTimeoutError"), (
+            f"rank {r}: {rep}\n{job.output[-3000:]}"
+        )
     assert steps_in(root) == [5, 6, 7], "step 7 was published before the crash; retention had not run yet"
     for step in (5, 6, 7):
         assert_checkpoint(root, step)
@@ -281,6 +288,7 @@ def test_signal_during_async_save(tmp_path: Path) -> None:
         time.sleep(0.02)
     if marker.exists():
         os.kill(procs[1].pid, signal.SIGUSR1)
+        (tmp_path / "signalled").write_text("")  # the ranks wait for this before their next step
     rcs, output = _communicate(procs, timeout=max(10, deadline - time.monotonic()))
     job = Job(rcs, output, _reports(tmp_path / "reports"))
     assert marker.exists(), f"no save was started\n{output[-3000:]}"
