@@ -71,3 +71,17 @@ def dtensor_local_box(d: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """
     (chunk,) = d.__create_chunk_list__()
     return tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes)
+
+
+def group_is_live(group: Any) -> bool:
+    """Whether the torch.distributed ``group`` is still registered, i.e. not destroyed.
+
+    ``destroy_process_group()`` removes groups from c10d's private registry
+    (``_world.pg_map``); no public call tells whether a group object was
+    destroyed. Where the registry is not found, the group is assumed live.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
+    return True if pg_map is None else group in pg_map
+

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from tensordict import TensorDict
@@ -22,7 +22,7 @@ from . import per_rank as pr
 from ._version import __version__
 from .comm import Communicator, LocalComm, resolve, run_step
 from .commit import two_phase_commit
-from .errors import InvalidArgumentError, TargetError, TddistError
+from .errors import CheckpointChangedError, InvalidArgumentError, TargetError, TddistError
 from .into import fill
 from .layouts.archive import ArchiveWriter
 from .layouts.directory import DirectoryWriter
@@ -63,6 +63,7 @@ def save(
     num_threads: int = 0,
     return_early: bool = False,
     snapshot_budget: int | None = None,
+    async_writer: str = "thread",
     atomic: bool = True,
     metadata: Mapping | None = None,
     copy_existing: bool = False,
@@ -103,6 +104,12 @@ def save(
             buffers of that size while the background writes them, and
             ``save`` returns once its last byte is copied (packed directory
             layout only). See docs/parameters.md.
+        async_writer: with ``return_early``, where the commit runs:
+            "thread" (the default: a worker thread of this process) or
+            "process" (a persistent writer process per rank, fed through
+            shared memory, with its own gloo group; torch.distributed and
+            single processes only, MPI falls back to "thread"). See
+            docs/parameters.md.
         atomic: False writes into the target itself (directories only); the
             manifest is still written last.
         metadata: a JSON-able dict stored in the manifest.
@@ -146,6 +153,11 @@ def save(
     """
     _check_save_args(prefix, num_threads, metadata)
     _check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
+    if async_writer not in ("thread", "process") or (async_writer == "process" and snapshot_budget is not None):
+        raise InvalidArgumentError(
+            f"async_writer={async_writer!r} is not supported: use 'thread' or 'process' (snapshot_budget needs "
+            f"'thread')"
+        )
     options = _save_options(
         prefix, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle, archive,
         compression, layout,
@@ -168,7 +180,11 @@ def save(
     if not return_early:
         return _commit_and_open(c, options, prepare(None), ch.plans)
     options = replace(options, num_threads=max(num_threads, 1))
-    return background.start_save(ch, options, prepare, snapshot_budget, _commit_and_open)
+
+    def open_saved(o: SaveOptions, s: LocalShard) -> TensorDict:
+        return _commit_and_open(c, o, s, ch.plans, open_only=True)
+
+    return background.start_save(ch, options, prepare, snapshot_budget, _commit_and_open, async_writer, open_saved)
 
 
 def _save_options(
@@ -276,8 +292,12 @@ def _commit_and_open(
     shard: LocalShard | Exception,
     cache: PlanCache,
     make_writer: background.WriterFactory | None = None,
+    open_only: bool = False,
 ) -> TensorDict:
-    """Run the two-phase commit with this rank's prepared shard, then map what it saved."""
+    """Run the two-phase commit with this rank's prepared shard, then map what it saved.
+
+    ``open_only``: another process committed it; only map it.
+    """
     if make_writer is None:
         make_writer = ArchiveWriter if options.layout == "archive" else DirectoryWriter
     writer = make_writer(options, c.rank, shard, cache)
@@ -295,15 +315,16 @@ def _commit_and_open(
         )
         return encode(m)
 
-    two_phase_commit(c, writer, build_manifest)
-    writer.committed()
-    logger.info("rank %d: committed %s", c.rank, options.target)
+    if not open_only:
+        two_phase_commit(c, writer, build_manifest)
+        writer.committed()
+        logger.info("rank %d: committed %s", c.rank, options.target)
     assert isinstance(shard, LocalShard)  # the commit raised otherwise
     try:
-        manifest = _read_manifest(options.target)
         own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
         opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
-        return _load_from(manifest, options.target, c, opts, own)
+        with open_checkpoint(options.target) as opened:
+            return _load_from(opened.manifest, options.target, c, opts, own, pinned=opened)
     except TddistError:
         raise
     except OSError as e:  # the file system failed after the commit (an I/O error, a power loss)
@@ -414,13 +435,13 @@ def load(
     raise AssertionError("unreachable")
 
 
+T = TypeVar("T")
+
 #: How often ``load`` reads a checkpoint that an overwrite keeps replacing before it gives up.
 _LOAD_ATTEMPTS = 3
 
 
-def _load_pinned(
-    c: Communicator, target: str, read: Callable[[OpenedCheckpoint], T], alone: bool
-) -> T:
+def _load_pinned(c: Communicator, target: str, read: Callable[[OpenedCheckpoint], T], alone: bool) -> T:
     """Open the checkpoint once and ``read`` it; on several ranks, every rank reads the same generation.
 
     Alone: open, read, close. On several ranks: every rank opens it (or all
@@ -431,16 +452,16 @@ def _load_pinned(
     if alone:
         with open_checkpoint(target) as opened:
             return read(opened)
-    opened = run_step(c, f"opening {target!r}", lambda: open_checkpoint(target))
-    assert opened is not None  # run_step raised on every rank otherwise
-    with opened:
-        generations = c.allgather(opened.generation)
+    pinned = run_step(c, f"opening {target!r}", lambda: open_checkpoint(target))
+    assert pinned is not None  # run_step raised on every rank otherwise
+    with pinned:
+        generations = c.allgather(pinned.generation)
         if len(set(generations)) > 1:
             raise CheckpointChangedError(
                 f"rank {c.rank}: {target!r} was replaced while the ranks opened it ({len(set(generations))} "
                 f"generations among {c.size} ranks); load it again"
             )
-        result = run_step(c, f"load of {target!r}", lambda: read(opened))
+        result = run_step(c, f"load of {target!r}", lambda: read(pinned))
     assert result is not None  # run_step raised on every rank otherwise
     return result
 

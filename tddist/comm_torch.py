@@ -4,10 +4,19 @@ tddist never runs its collectives on the user's group: that group may be NCCL
 (objects would go through the GPU) and its collectives must never interleave
 with ours. A private gloo group with its own timeout is created once per
 parent group and reused.
+
+Lifetime: a gloo group still referenced when the interpreter tears down can
+abort the process ("terminate called without an active exception") while a
+peer that exited first closed its sockets. So at exit, after in-flight saves
+have finished, tddist destroys every group it created, newest first, and the
+default group too if tddist initialised torch.distributed itself. Groups the
+user's ``destroy_process_group()`` already destroyed are only forgotten, and a
+cached group found destroyed is created again on next use.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -17,6 +26,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ._compat import group_is_live
 from .errors import wrap_transport_error
 
 logger = logging.getLogger(__name__)
@@ -24,13 +34,47 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _GROUPS: dict[tuple[int, tuple[int, ...], float, int], TorchComm] = {}
+#: Every gloo group tddist created (cached or duplicated for a background channel), oldest first.
+_CREATED: list[dist.ProcessGroup] = []
+#: Whether tddist initialised the default group itself (it then destroys it at exit).
+_OWNS_DEFAULT = False
 
 
 def init_from_env(timeout: float) -> None:
     """Initialise torch.distributed with gloo from torchrun's environment variables."""
+    global _OWNS_DEFAULT
     if not dist.is_initialized():
         logger.info("initialising torch.distributed (gloo) from the environment")
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        _OWNS_DEFAULT = True
+
+
+def release_groups() -> None:
+    """Destroy every group tddist created, newest first, then the default group if tddist created it.
+
+    Runs at exit (after in-flight saves finished); safe to call again, and
+    after the user destroyed the groups (those are only forgotten).
+    """
+    global _OWNS_DEFAULT
+    groups = list(reversed(_CREATED))
+    _CREATED.clear()
+    _GROUPS.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        _OWNS_DEFAULT = False
+        return
+    for group in groups:
+        if group_is_live(group):
+            try:
+                dist.destroy_process_group(group)
+            except Exception:  # already destroyed through another path; nothing is left to release
+                logger.debug("destroying a tddist gloo group failed", exc_info=True)
+    if _OWNS_DEFAULT:
+        _OWNS_DEFAULT = False
+        logger.info("destroying the default process group that tddist initialised")
+        dist.destroy_process_group()
+
+
+atexit.register(release_groups)  # atexit runs after threading's exit hooks, where in-flight saves finish
 
 
 class TorchComm:
@@ -83,6 +127,8 @@ def torch_comm(group: dist.ProcessGroup | None, timeout: float) -> TorchComm:
     ranks = tuple(dist.get_process_group_ranks(parent))
     key = (id(parent), ranks, round(timeout, 3), os.getpid())
     comm = _GROUPS.get(key)
+    if comm is not None and not group_is_live(comm.group):  # the user destroyed the groups and initialised anew
+        comm = None
     if comm is None:
         comm = TorchComm(_new_gloo_group(ranks, timeout), timeout)
         _GROUPS[key] = comm
@@ -95,7 +141,9 @@ def _new_gloo_group(ranks: tuple[int, ...], timeout: float) -> dist.ProcessGroup
     local = len(ranks) != dist.get_world_size()
     start = time.monotonic()
     try:
-        return dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=local)
+        group = dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=local)
+        _CREATED.append(group)
+        return group
     except Exception as e:  # a peer died or hung while the group was being created
         op = "creating the tddist gloo group"
         raise wrap_transport_error(dist.get_rank(), op, e, time.monotonic() - start, timeout) from e

@@ -17,6 +17,7 @@ from tensordict import NonTensorStack, TensorDictBase, is_tensorclass
 from . import per_rank as pr
 from .errors import IncompatibleCheckpointError, InvalidArgumentError
 from .manifest import Leaf, Manifest
+from .manifest_io import OpenedCheckpoint
 from .plan import LoadReport, check_exclude, compare, in_scope, leaf_box, object_value
 from .reader import read_leaves
 from .sharding import Box, PerRank, full_box
@@ -35,7 +36,15 @@ def _target_box(key: Key, t: Any, leaf: Leaf, shard: ShardRequest, rank: int, si
 
 
 def fill(
-    manifest: Manifest, root: str, target: Any, *, strict: bool, options: LoadOptions, rank: int, size: int
+    manifest: Manifest,
+    root: str,
+    target: Any,
+    *,
+    strict: bool,
+    options: LoadOptions,
+    rank: int,
+    size: int,
+    pinned: OpenedCheckpoint | None = None,
 ) -> LoadReport:
     """Fill ``target`` (TensorDict or nested dict of tensors/DTensors) from the checkpoint at ``root``.
 
@@ -102,7 +111,7 @@ def fill(
             f"fix the target, or pass strict=False to load what matches"
         )
     flat = [(leaf, box) for _k, _t, leaf, boxes, _plain in requests for box in boxes]
-    read = iter(read_leaves(root, manifest, flat, options.num_threads, options.verify))
+    read = iter(read_leaves(pinned or root, manifest, flat, options.num_threads, options.verify))
     with torch.no_grad():
         for key, t, leaf, boxes, plain in requests:
             got = [next(read) for _box in boxes]

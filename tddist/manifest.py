@@ -28,7 +28,7 @@ __all__ = ["Chunk", "Leaf", "Manifest", "ObjectLeaf"]
 
 MAX_ELEMENTS = 1 << 56
 #: The newest format version this tddist reads.
-READS_UP_TO = 2
+READS_UP_TO = 3
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,80 @@ torch. The bytes are untrusted: ``parse_manifest`` validates them.
 from __future__ import annotations
 
 import os
-import stat
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 from . import format as fmt
-from . import manifest_v1, manifest_v2
+from . import manifest_checksum, manifest_v1, manifest_v2
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from .manifest import Manifest, Parser, check_keys, parse_header, parse_objects
+from .pinned import PinnedCheckpoint
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A committed checkpoint opened once: its validated manifest, its generation, and the pinned descriptor.
+
+    Every file a load reads is opened through ``pin``, so manifest and data
+    come from one generation even while an overwrite replaces the checkpoint.
+    Close it (or use it as a context manager) when the data is mapped.
+    """
+
+    pin: PinnedCheckpoint
+    manifest: Manifest
+    #: the manifest's checksum (version 3) or the hash of its bytes: equal generations hold equal data
+    generation: str
+
+    @property
+    def path(self) -> str:
+        return self.pin.path
+
+    def close(self) -> None:
+        self.pin.close()
+
+    def __enter__(self) -> OpenedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_checkpoint(path: str) -> OpenedCheckpoint:
+    """Open the committed checkpoint (directory or archive) at ``path`` once and read its manifest.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``path``.
+        ManifestError: the manifest is not valid JSON, fails its checksum or its validation.
+        CorruptCheckpointError: an archive that is not a readable zip file.
+    """
+    path = os.fspath(path)
+    try:
+        pin = PinnedCheckpoint(path)
+    except CheckpointNotFoundError:
+        raise _not_found(path, "does not exist") from None
+    try:
+        raw, index, where = _archive_manifest(pin) if pin.archive else _directory_manifest(pin)
+        gen, sealed = manifest_checksum.generation(raw, where)
+        try:
+            obj = fmt.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+        except RecursionError:
+            raise ManifestError(f"{where} is JSON nested too deeply to be a tddist manifest; refusing it") from None
+        m = parse_manifest(obj, where=where, index=index)
+        if m.version >= 3 and not sealed:
+            raise ManifestError(
+                f"{where} (format version {m.version}) lacks its manifest_checksum; it was tampered with"
+            )
+        if pin.archive and m.layout != "archive":
+            raise ManifestError(
+                f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
+            )
+        return OpenedCheckpoint(pin, m, gen)  # a directory may hold an extracted archive: the tree is the same
+    except BaseException:
+        pin.close()
+        raise
 
 
 def read_manifest(path: str) -> Manifest:
@@ -29,24 +95,11 @@ def read_manifest(path: str) -> Manifest:
 
     Raises:
         CheckpointNotFoundError: nothing committed is at ``path``.
-        ManifestError: the manifest is not valid JSON or fails validation.
+        ManifestError: the manifest is not valid JSON, fails its checksum or its validation.
         CorruptCheckpointError: an archive that is not a readable zip file.
     """
-    path = os.fspath(path)
-    archive = os.path.isfile(path)
-    raw, index, where = _archive_manifest(path) if archive else _directory_manifest(path)
-    try:
-        obj = fmt.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
-    except RecursionError:
-        raise ManifestError(f"{where} is JSON nested too deeply to be a tddist manifest; refusing it") from None
-    m = parse_manifest(obj, where=where, index=index)
-    if archive and m.layout != "archive":
-        raise ManifestError(
-            f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
-        )
-    return m  # a directory may hold an extracted archive: the tree is the same
+    with open_checkpoint(path) as opened:
+        return opened.manifest
 
 
 #: The largest manifest and index tddist reads (a version-1 manifest of 4,096 ranks x 1,000 leaves
@@ -55,73 +108,33 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_INDEX_BYTES = 16 << 30
 
 
-def _read_regular(path: str, limit: int, what: str) -> bytes | None:
-    """The bytes of the regular file ``path`` (None if it does not exist), read with one bounded read.
-
-    A FIFO, a device, a directory or a symbolic link is refused before it is
-    opened for reading (a FIFO would block, ``/dev/zero`` never ends), as is
-    a file larger than ``limit``.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-        raise ManifestError(f"{what} {path!r} is {kind}; the checkpoint is damaged or was tampered with")
-    if st.st_size > limit:
-        raise ManifestError(f"{what} {path!r} has {st.st_size} bytes, more than tddist reads ({limit}); refusing it")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    try:
-        data = os.read(fd, st.st_size + 1) if st.st_size < (1 << 31) - 1 else _read_all(fd, st.st_size + 1)
-    finally:
-        os.close(fd)
-    if len(data) != st.st_size:
-        raise ManifestError(f"{what} {path!r} changed size while it was read; retry")
-    return data
+def _not_found(path: str, what: str) -> CheckpointNotFoundError:
+    side = fmt.side_entries(path)
+    hint = (
+        f"; leftovers of an interrupted save exist beside it ({len(side)}), run tddist.recover({path!r})"
+        if side
+        else ""
+    )
+    return CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}")
 
 
-def _read_all(fd: int, n: int) -> bytes:
-    parts, got = [], 0
-    while got < n:
-        chunk = os.read(fd, min(n - got, 1 << 30))
-        if not chunk:
-            break
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
-
-
-def _directory_manifest(path: str) -> tuple[bytes, bytes | None, str]:
-    manifest = os.path.join(path, fmt.MANIFEST_NAME)
-    try:
-        raw = _read_regular(manifest, MAX_MANIFEST_BYTES, "manifest")
-    except NotADirectoryError:
-        raw = None
+def _directory_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str]:
+    manifest = os.path.join(pin.path, fmt.MANIFEST_NAME)
+    raw = pin.read_regular(fmt.MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest")
     if raw is None:
-        side = fmt.side_entries(path)
-        hint = (
-            f"; leftovers of an interrupted save exist beside it ({len(side)}), run tddist.recover({path!r})"
-            if side
-            else ""
-        )
-        what = (
-            "does not exist"
-            if not os.path.exists(path)
-            else "has no manifest (it is not a committed tddist checkpoint)"
-        )
-        raise CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}")
-    index = _read_regular(os.path.join(path, fmt.INDEX_NAME), MAX_INDEX_BYTES, "index")
+        raise _not_found(pin.path, "has no manifest (it is not a committed tddist checkpoint)")
+    index = pin.read_regular(fmt.INDEX_NAME, MAX_INDEX_BYTES, "index")
     return raw, index, f"manifest {manifest!r}"  # no index: version 1 (a version-2 manifest without one is refused)
 
 
-def _archive_manifest(path: str) -> tuple[bytes, bytes | None, str]:
-    if not zipfile.is_zipfile(path):
+def _archive_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str]:
+    path = pin.path
+    if not zipfile.is_zipfile(pin.fd_path):
         raise CheckpointNotFoundError(
             f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
         )
     try:
-        with zipfile.ZipFile(path) as zf:
+        with zipfile.ZipFile(pin.fd_path) as zf:
             infos = {zi.filename: zi for zi in zf.infolist()}
             found = fmt.MANIFEST_NAME in infos
             raw = _read_entry(zf, infos[fmt.MANIFEST_NAME], MAX_MANIFEST_BYTES, path) if found else b""

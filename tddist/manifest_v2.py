@@ -29,6 +29,7 @@ from . import format as fmt
 from .chunks import BoxChunks, ReplicaChunks, ShardChunks
 from .errors import ManifestError
 from .manifest import Leaf, Manifest, ObjectLeaf, Parser, add_leaf, parse_nodes
+from .manifest_checksum import seal
 from .sharding import Boxes, PerRank, Placement, Replicate, Shard, box_tiling_problems
 from .types import Key, ManifestFiles
 
@@ -74,7 +75,7 @@ def encode(m: Manifest) -> ManifestFiles:
     index = b"".join(rows + own_rows + sums + boxes)
     obj = {
         "format": fmt.FORMAT_NAME,
-        "version": 2,
+        "version": fmt.FORMAT_VERSION,
         "tddist_version": m.tddist_version,
         "created": m.created,
         "world_size": m.world_size,
@@ -89,7 +90,7 @@ def encode(m: Manifest) -> ManifestFiles:
         "leaves": leaves,
         "objects": [_object_entry(o) for o in m.objects.values()],
     }
-    return ManifestFiles(fmt.dumps(obj), index)
+    return ManifestFiles(seal(fmt.dumps(obj)), index)  # version 3: the checksum of its own bytes first
 
 
 def _object_entry(o: ObjectLeaf) -> dict[str, Any]:

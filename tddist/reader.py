@@ -22,22 +22,30 @@ from .layouts.archive import ArchiveFiles
 from .layouts.directory import DirectoryFiles
 from .locate import Locator
 from .manifest import Chunk, Leaf, Manifest
+from .manifest_io import OpenedCheckpoint
 from .sharding import Box, ReadPiece, plan_reads
 from .types import Key
 
 
-def open_files(path: str) -> ArchiveFiles | DirectoryFiles:
-    """The reader of a checkpoint's files: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``."""
-    return ArchiveFiles(path) if os.path.isfile(path) else DirectoryFiles(path)
+def open_files(checkpoint: str | OpenedCheckpoint) -> ArchiveFiles | DirectoryFiles:
+    """The reader of a checkpoint's files: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``.
+
+    Given an ``OpenedCheckpoint``, the files are read through its pinned
+    descriptor, so they belong to the generation its manifest describes.
+    """
+    if isinstance(checkpoint, str):
+        return ArchiveFiles(checkpoint) if os.path.isfile(checkpoint) else DirectoryFiles(checkpoint)
+    pin = checkpoint.pin
+    return ArchiveFiles(pin.path, opened_as=pin.fd_path) if pin.archive else DirectoryFiles(pin.path, pin)
 
 
 class ChunkSource:
     """Opens (and caches) the chunks of one checkpoint as tensors."""
 
-    def __init__(self, root: str, manifest: Manifest) -> None:
-        self.root = root
+    def __init__(self, checkpoint: str | OpenedCheckpoint, manifest: Manifest) -> None:
+        self.root = checkpoint if isinstance(checkpoint, str) else checkpoint.path
         self.manifest = manifest
-        self.files = open_files(root)
+        self.files = open_files(checkpoint)
         self.locator = Locator(manifest)
         self._maps: dict[tuple[Key, int], torch.Tensor] = {}
         self._verified: set[tuple[Key, int]] = set()
@@ -111,10 +119,19 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
 
 
 def read_leaves(
-    root: str, manifest: Manifest, requests: Iterable[tuple[Leaf, Box]], num_threads: int, verify: bool
+    checkpoint: str | OpenedCheckpoint,
+    manifest: Manifest,
+    requests: Iterable[tuple[Leaf, Box]],
+    num_threads: int,
+    verify: bool,
 ) -> list[torch.Tensor]:
-    """Read every (leaf, box) request, sharing one pool and one set of maps."""
-    source = ChunkSource(root, manifest)
+    """Read every (leaf, box) request, sharing one pool and one set of maps.
+
+    Pass the ``OpenedCheckpoint`` the manifest was read from, so the data
+    comes from the same generation (a path is opened again).
+    """
+    source = ChunkSource(checkpoint, manifest)
+    root = source.root
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
         return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]

@@ -98,3 +98,36 @@ def test_zip_lzma_compressor_payload_reads_back_with_zipfile():
     _compat.write_central_directory(buf, buf.tell(), [zi])
     with zipfile.ZipFile(buf) as zf:
         assert zf.read("x.bin") == payload
+
+
+def test_group_is_live_and_release_at_exit(tmp_path):
+    """group_is_live tells destroyed groups apart; release_groups destroys tddist's groups and the default group
+    tddist initialised, and tolerates groups the user already destroyed (one-rank gloo job)."""
+    code = f"""
+import os, torch.distributed as dist
+os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
+os.environ["TORCH_DIST_INIT_BARRIER"] = "0"
+from tddist import comm, comm_torch
+from tddist._compat import group_is_live
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+c = comm.resolve(None, 30.0)
+assert group_is_live(c.group) and not comm_torch._OWNS_DEFAULT
+dist.destroy_process_group()                      # the user destroys every group, tddist's too
+assert not group_is_live(c.group)
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store2", rank=0, world_size=1)
+c2 = comm.resolve(None, 30.0)                     # a destroyed cached group is created anew
+assert c2.group is not c.group and group_is_live(c2.group)
+c2.barrier()
+comm_torch.release_groups()
+assert not group_is_live(c2.group) and dist.is_initialized()  # the user's default group stays
+dist.destroy_process_group()
+comm_torch._OWNS_DEFAULT = True                   # as after init_from_env
+dist.init_process_group("gloo", init_method="file://{tmp_path}/store3", rank=0, world_size=1)
+comm_torch.release_groups()
+assert not dist.is_initialized()                  # tddist destroyed the default group it owned
+comm_torch.release_groups()                       # idempotent
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"

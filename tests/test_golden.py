@@ -1,4 +1,4 @@
-"""Checkpoints written by earlier tddists (tests/golden/v1, tests/golden/v2) must keep loading, bit for bit.
+"""Checkpoints written by earlier tddists (tests/golden/v1, v2, v3) must keep loading, bit for bit.
 
 Every load test runs on the golden checkpoints of every format version (the
 same recipes wrote them, so the same expected values apply); what a version
@@ -36,18 +36,26 @@ def _load_recipe():
 recipe = _load_recipe()
 V1 = GOLDEN / "v1"
 V2 = GOLDEN / "v2"
-VERSIONS = {1: V1, 2: V2}
+V3 = GOLDEN / "v3"
+VERSIONS = {1: V1, 2: V2, 3: V3}
 #: every golden checkpoint of each version (version 1 had no memmap packing to cover)
 CONTENTS = {
     1: [recipe.SINGLE, recipe.MULTI, recipe.EXTENDED, recipe.EXTENDED_ARCHIVE, recipe.DTENSOR],
     2: list(recipe.BUILDERS),
+    3: list(recipe.BUILDERS),
 }
 #: the checkpoints of the single-rank data (a): each version's, and version 2's memmap packing
-SINGLES = [V1 / recipe.SINGLE, V2 / recipe.SINGLE, V2 / recipe.SINGLE_MEMMAP]
-SINGLE_IDS = ["v1", "v2", "v2-memmap"]
+SINGLES = [
+    V1 / recipe.SINGLE,
+    V2 / recipe.SINGLE,
+    V2 / recipe.SINGLE_MEMMAP,
+    V3 / recipe.SINGLE,
+    V3 / recipe.SINGLE_MEMMAP,
+]
+SINGLE_IDS = ["v1", "v2", "v2-memmap", "v3", "v3-memmap"]
 #: the three-rank checkpoint (b) of each version
-MULTIS = [V1 / recipe.MULTI, V2 / recipe.MULTI]
-MULTI_IDS = ["v1", "v2"]
+MULTIS = [V1 / recipe.MULTI, V2 / recipe.MULTI, V3 / recipe.MULTI]
+MULTI_IDS = ["v1", "v2", "v3"]
 #: version 2's checkpoints and their packing
 V2_PACKING = {
     recipe.SINGLE: "packed",
@@ -134,7 +142,7 @@ def test_single_rank_golden_manifest(path):
     assert m.version == version_of(path) and m.world_size == 1 and m.robust_key is True
     assert m.metadata == recipe.SINGLE_METADATA
     assert m.nodes[("batch",)] == (4,) and m.nodes[("batch", "grid")] == (4, 2)
-    if m.version == 2:  # version 1 lists rows only for nodes without sharded tensors; readers derive them
+    if m.version >= 2:  # version 1 lists rows only for nodes without sharded tensors; readers derive them
         assert m.node_rows == {("batch",): [4], ("batch", ".."): [4], ("batch", "grid"): [4]}
     assert m.leaves[("batch", "..", "x y")].placement == tddist.Shard(0)
     assert m.leaves[("batch", "empty")].shape == (4, 0)
@@ -195,7 +203,7 @@ def test_multi_rank_golden_manifest(path):
     m = tddist.read_manifest(path)
     assert m.version == version_of(path) and m.world_size == recipe.WORLD
     assert m.metadata == recipe.MULTI_METADATA
-    if m.version == 2:
+    if m.version >= 2:
         assert m.node_rows == {("data",): list(recipe.ROWS), ("data", "sub"): list(recipe.ROWS)}
     x = m.leaves[("data", "x")]
     assert x.placement == tddist.Shard(0) and x.shape == (5, 4)
@@ -255,20 +263,21 @@ def test_single_rank_golden_v2_memmap_rank_dir_opens_with_tensordict():
 # --- version 2: the index, the packing, the data files ---------------------------------
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("name", sorted(V2_PACKING))
-def test_v2_golden_index_and_packing(name):
+def test_v2_golden_index_and_packing(name, version):
     """Every version-2 checkpoint has a tddist.idx whose size and xxh3 checksum the JSON gives,
     and the packing it was written with: "packed" (one data file per rank, no rank directory)
     by default, "memmap" (rank directories) for layout="memmap" and for the archive, whose
     index entry comes before the manifest entry."""
-    path = V2 / name
+    path = VERSIONS[version] / name
     files = _files(path)
     manifest = json.loads(files["tddist.json"])
-    assert manifest["version"] == 2 and manifest["packing"] == V2_PACKING[name]
+    assert manifest["version"] == version and manifest["packing"] == V2_PACKING[name]
     index = files["tddist.idx"]
     assert manifest["index"] == {"size": len(index), "checksum": xxhash.xxh3_64_hexdigest(index)}
     m = tddist.read_manifest(path)
-    assert m.version == 2 and m.packing == V2_PACKING[name]
+    assert m.version == version and m.packing == V2_PACKING[name]
     data_files = sorted(f for f in files if f.endswith(".data"))
     rank_dirs = sorted({f.split("/")[0] for f in files if "/" in f})
     ranks = [f"rank-{r:05d}" for r in range(m.world_size)]
@@ -304,12 +313,13 @@ def _checksum(data: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(b"".join(d.to_bytes(8, "big") for d in digests))
 
 
+@pytest.mark.parametrize("version", [2, 3])
 @pytest.mark.parametrize("name", [n for n, p in V2_PACKING.items() if p == "packed"])
-def test_v2_golden_packed_data_files(name):
+def test_v2_golden_packed_data_files(name, version):
     """Each rank's data file holds its chunks in leaf order, each at the next multiple of 64
     bytes, zero-padded, and ends at the last chunk's padded end: the offsets follow from the
     chunk sizes alone (computed here from the specification, not by tddist)."""
-    path = V2 / name
+    path = VERSIONS[version] / name
     m = tddist.read_manifest(path)
     for rank in range(m.world_size):
         data = (path / f"rank-{rank:05d}.data").read_bytes()
@@ -327,10 +337,11 @@ def test_v2_golden_packed_data_files(name):
 
 def test_recipe_still_writes_the_golden_files(tmp_path):
     """Writing the recipe today gives byte-identical data files and index, and the same manifest
-    (all but creation time and writer version): the writer has not drifted from format v2."""
+    (all but creation time, writer version and the manifest's checksum, which covers them): the writer has
+    not drifted from format version 3."""
     for name, write in recipe.BUILDERS.items():
         write(tmp_path / name)
-        golden, fresh = V2 / name, tmp_path / name
+        golden, fresh = V3 / name, tmp_path / name
         g, f = _files(golden), _files(fresh)
         assert sorted(g) == sorted(f), name
         for rel in g:
@@ -338,7 +349,7 @@ def test_recipe_still_writes_the_golden_files(tmp_path):
                 continue
             assert g[rel] == f[rel], (name, rel)
         mg, mf = json.loads(g["tddist.json"]), json.loads(f["tddist.json"])
-        for field in ("created", "tddist_version"):
+        for field in ("created", "tddist_version", "manifest_checksum"):
             del mg[field], mf[field]
         assert mg == mf, name
         if golden.is_file():  # the archive's entries in the same order
@@ -376,9 +387,9 @@ def test_loading_never_modifies_golden_files(version, tmp_path):
 
 # --- (c) non-tensor values, node rows, verbatim keys; (c') the same as an archive; (d) a DTensor ---
 
-EXTENDED = [V / name for V in (V1, V2) for name in (recipe.EXTENDED, recipe.EXTENDED_ARCHIVE)]
-EXTENDED_IDS = ["v1-directory", "v1-archive", "v2-directory", "v2-archive"]
-DTENSORS = [V1 / recipe.DTENSOR, V2 / recipe.DTENSOR]
+EXTENDED = [V / name for V in (V1, V2, V3) for name in (recipe.EXTENDED, recipe.EXTENDED_ARCHIVE)]
+EXTENDED_IDS = [f"v{v}-{kind}" for v in (1, 2, 3) for kind in ("directory", "archive")]
+DTENSORS = [V1 / recipe.DTENSOR, V2 / recipe.DTENSOR, V3 / recipe.DTENSOR]
 
 
 @pytest.mark.parametrize("path", EXTENDED, ids=EXTENDED_IDS)
@@ -410,3 +421,20 @@ def test_dtensor_golden_loads_whole_and_into_plain_tensors(path):
     target = {"w": torch.zeros(5, 3)}
     assert tddist.load(path, into=target).ok
     assert torch.equal(target["w"], recipe.dtensor_global())
+
+
+# --- version 3: the manifest's own checksum -----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(recipe.BUILDERS))
+def test_v3_golden_manifest_checksum(name):
+    """Version 3's tddist.json begins with its own checksum: xxh3-64 of the manifest without that member
+    (computed here from the specification, not by tddist); versions 1 and 2 carry none."""
+    raw = _files(V3 / name)["tddist.json"]
+    prefix = b'{"manifest_checksum":"'
+    assert raw.startswith(prefix) and raw[len(prefix) + 16 : len(prefix) + 18] == b'",'
+    digest = raw[len(prefix) : len(prefix) + 16].decode()
+    assert xxhash.xxh3_64_hexdigest(b"{" + raw[len(prefix) + 18 :]) == digest
+    for old in (V1, V2):
+        if (old / name).exists():
+            assert b"manifest_checksum" not in _files(old / name)["tddist.json"]

@@ -16,9 +16,10 @@ import stat
 import torch
 
 from .. import format as fmt
-from .._fs import fsync_path, is_inside, makedirs_durable, remove_tree, write_durable
+from .._fs import fsync_path, makedirs_durable, remove_tree, write_durable
 from ..errors import CorruptCheckpointError, TargetError
 from ..locate import Location
+from ..pinned import PinnedCheckpoint
 from ..publish import discard, publish
 from ..recovery import is_tddist_dir
 from ..types import Fragment, ManifestFiles, SavePlan, Staging
@@ -102,12 +103,16 @@ class DirectoryWriter(WriterBase):
 
 
 class DirectoryFiles:
-    """The files of a committed directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``)."""
+    """The files of a committed directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``).
 
-    def __init__(self, root: str):
+    Every file is opened through the pinned directory descriptor (see
+    ``pinned.py``): one generation is read whole even while an overwrite
+    replaces the checkpoint, and no name can lead outside it.
+    """
+
+    def __init__(self, root: str, pin: PinnedCheckpoint | None = None):
         self.root = root
-        self.real_root = os.path.realpath(root)
-        self._inside: dict[str, bool] = {}
+        self.pin = pin if pin is not None else PinnedCheckpoint(root)  # kept open while this object lives
         self._maps: dict[str, torch.Tensor] = {}
 
     def span(self, loc: Location) -> torch.Tensor:
@@ -119,28 +124,22 @@ class DirectoryFiles:
             whole = self._maps[loc.relpath] = self.array(loc.relpath, loc.file_size)
         return whole[loc.offset : loc.offset + loc.nbytes]
 
-    def _dir_inside(self, d: str) -> bool:
-        ok = self._inside.get(d)
-        if ok is None:
-            ok = self._inside[d] = is_inside(self.real_root, d)
-        return ok
-
     def array(self, rel: str, nbytes: int) -> torch.Tensor:
         """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""
         path = os.path.join(self.root, rel)
-        if not self._dir_inside(os.path.dirname(path)):
-            raise CorruptCheckpointError(f"file {path!r} resolves outside the checkpoint; refusing it")
+        fd = self.pin.open_file(rel)
+        if fd is None:
+            raise self.pin.missing(rel, "file")
         try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(f"file {path!r} is missing; the checkpoint is damaged") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(
-                f"{path!r} is not a regular file (a symbolic link could point outside the checkpoint); refusing it"
-            )
-        if st.st_size != nbytes:
-            raise CorruptCheckpointError(
-                f"file {path!r} has {st.st_size} bytes, the manifest says {nbytes}; the checkpoint is damaged or "
-                f"truncated"
-            )
-        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path!r} is not a regular file; refusing it")
+            if st.st_size != nbytes:
+                raise CorruptCheckpointError(
+                    f"file {path!r} has {st.st_size} bytes, the manifest says {nbytes}; the checkpoint is damaged or "
+                    f"truncated"
+                )
+            # the descriptor's own inode, whatever is at ``path`` now
+            return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=nbytes, dtype=torch.uint8)
+        finally:
+            os.close(fd)

@@ -1,12 +1,12 @@
-"""Build the golden checkpoints of tddist's on-disk format, version 2 (the version this tddist writes).
+"""Build the golden checkpoints of tddist's on-disk format, version 3 (the version this tddist writes).
 
-    python tests/golden/make_golden.py            # writes tests/golden/v2/<name>/
+    python tests/golden/make_golden.py            # writes tests/golden/v3/<name>/
     python tests/golden/make_golden.py OUT_DIR    # writes OUT_DIR/<name>/ instead
 
 The values come from fixed formulas (no random numbers), so the recipe
 functions below also give the expected values to tests/test_golden.py, for
-every version's golden checkpoints (tests/golden/v1 was written by the same
-recipes, except "single_rank_memmap", which version 1 did not need). An
+every version's golden checkpoints (tests/golden/v1 and v2 were written by the
+same recipes, except "single_rank_memmap", which version 1 did not need). An
 existing golden checkpoint is never overwritten: see README.md beside this file.
 """
 
@@ -27,7 +27,7 @@ from tddist import format as tddist_format
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 #: The format version these recipes write, and where a plain run writes it.
-VERSION = 2
+VERSION = 3
 VERSION_DIR = GOLDEN_DIR / f"v{VERSION}"
 
 #: checkpoint (a): one rank, nested, many dtypes, keys that need escaping
