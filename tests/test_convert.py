@@ -266,3 +266,18 @@ def test_public_functions_are_not_shadowed_by_their_modules():
     import tddist.packing
 
     assert all(callable(getattr(tddist, name)) for name in ("convert", "pack", "unpack"))
+
+
+def test_command_shows_a_bar_on_a_terminal_and_documents_its_json(tmp_path, capsys):
+    from tests.test_cli import _with_tty_stderr, documented_members
+
+    tddist.save({"w": torch.zeros(4 << 20)}, tmp_path / "big")  # 16 MiB
+    rc, shown = _with_tty_stderr(["convert", tmp_path / "big", tmp_path / "big.safetensors"])
+    assert rc == 0 and "convert:" in shown and "%|" in shown, shown
+    assert cli_main(["convert", str(tmp_path / "big.safetensors"), str(tmp_path / "b.pt"), "--json"]) == 0
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert out.err == "" and set(doc) == documented_members()["tddist.convert/1"]
+    assert doc["from"] == "safetensors" and doc["bytes"] == os.path.getsize(tmp_path / "b.pt")
+    assert cli_main(["convert", str(tmp_path / "big"), str(tmp_path / "b.pt")]) == 1  # exists, no --force
+    assert "--force" in capsys.readouterr().err
