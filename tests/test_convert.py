@@ -126,6 +126,16 @@ def test_torch_file_round_trips(tmp_path):
     td = tddist.load(tmp_path / "user", shard=None)
     assert sorted(td.keys()) == ["epoch", "model.w"] and td["epoch"] == 3
 
+    # a tddist value that is a dict stays one value through a flat format
+    cfg = TensorDict(w=torch.ones(1))
+    cfg.set_non_tensor("cfg", {"lr": 0.1, "betas": [0.9, 0.99]})
+    tddist.save(cfg, tmp_path / "cfg")
+    assert list(tddist.read_manifest(tmp_path / "cfg").objects) == [("cfg",)]
+    for flat in ("cfg.pt", "cfg.safetensors"):
+        tddist.convert(tmp_path / "cfg", tmp_path / flat)
+        tddist.convert(tmp_path / flat, tmp_path / f"{flat}.back")
+        assert_td_equal(tddist.load(tmp_path / f"{flat}.back", shard=None), tddist.load(tmp_path / "cfg", shard=None))
+
 
 def test_directory_and_archive_convert_both_ways(tmp_path):
     full = _two_ranks(tmp_path / "ck")

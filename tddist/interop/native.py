@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import torch
+from tensordict import NonTensorData
 
 from ..api import read_manifest, save
 from ..comm import LocalComm
@@ -73,7 +74,7 @@ def write_tddist(
     a ``torch.save`` file are copy-on-write maps, read as they are written.
     """
     items: list[tuple[Key, Any]] = list(sel.leaves())
-    items += list(sel.value_items())
+    items += [(k, NonTensorData(data=v)) for k, v in sel.value_items()]  # a dict value stays one value
     data = nested_dict(items)
     save(
         data,
