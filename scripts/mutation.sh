@@ -23,6 +23,9 @@ mkdir -p "$work"
 git -C "$repo" archive "$commit" | tar -x -C "$work"
 echo "scoring commit $commit in $work"
 cd "$work"
+# pytest's temporary directories stay in the export, apart from other pytest runs on the machine
+mkdir -p "$work/tmp"
+export TMPDIR="$work/tmp"
 start=$(date +%s)
 # mutmut exits non-zero when mutants survive; the score below says how many
 "$venv/mutmut" run --max-children "${MUTATION_JOBS:-2}" >mutmut-run.log 2>&1 || {
