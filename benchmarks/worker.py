@@ -684,6 +684,7 @@ class Job:
         # into the page cache before each of its runs, so it writes data as incompressible as a
         # checkpoint's and its reads cost no disk time.
         src = dd_source(self.path("dd-source"), p.nbytes, self.rank)
+        C.cycle_page_cache(os.path.join(self.path("dd-source"), f"rank-{self.rank:05d}.cycle"), p.nbytes)
         impls.append(
             (
                 "dd conv=fsync",
