@@ -8,7 +8,8 @@ unless ``allow_pickle``, and come out as JSON-able values (tuples as lists).
 Writing is ``dcp.save(..., FileSystemWriter(dst), no_dist=True)`` of a flat
 dict, so ``dcp.load`` opens the result on any number of ranks; a tddist
 export records each name's key parts, and the marker, in the metadata's
-``planner_data``.
+``planner_data``. DCP's ``.metadata`` is a pickle that ``FileSystemReader``
+unpickles, as ``dcp.load`` does: DCP sources must be trusted.
 """
 
 from __future__ import annotations
