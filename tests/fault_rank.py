@@ -34,9 +34,10 @@ every unit serves both layouts unchanged.
       group it used, and that must not leak into the next case.
 
     The parent is the watchdog of its children: it SIGKILLs a unit's child
-    when the peer's child of that unit has reported and ``GRACE`` seconds
-    passed (a hung rank), or at the unit's ``deadline`` (counted from the
-    start of its wave), and records that it did.
+    that the unit made hang (a ``hang`` fault on its rank) once the peer's
+    child of that unit has reported, any other child only at the unit's
+    ``deadline`` (its timeout plus a margin, counted from the start of its
+    wave), and records that it did.
 
     Every child also has the fault point ``reserve`` (see ``reserve_point``).
 
@@ -75,7 +76,6 @@ from tests.helpers import assert_td_equal, leftovers
 #: values, so a mix of both (a partial checkpoint) can never pass for either.
 ROWS = {"old": (2, 2), "new": (3, 2)}
 BASE = {"old": 1000, "new": 5000}
-GRACE = 3.0  # seconds a child may outlive its peer's report before it counts as hung
 
 
 def shard(version: str, rank: int) -> TensorDict:
@@ -227,10 +227,20 @@ def start_unit(rank: int, unit: dict, report_dir: Path) -> int:
     return pid
 
 
-def overdue(unit: dict, since: float, peer_seen: float | None, now: float) -> str | None:
-    """Why the watchdog kills the child of ``unit`` now (started at ``since``), or None."""
-    if peer_seen is not None and now - peer_seen > GRACE:
-        return f"still running {GRACE:.0f}s after the peer reported"
+def made_to_hang(unit: dict, rank: int) -> bool:
+    """True if ``unit`` injects a ``hang`` on ``rank`` (its child then never ends on its own)."""
+    return any(f.split(":")[1:] == [str(rank), "hang"] for f in filter(None, unit.get("fault", "").split(",")))
+
+
+def overdue(unit: dict, rank: int, since: float, peer_seen: float | None, now: float) -> str | None:
+    """Why the watchdog kills the child of ``unit`` now (started at ``since``), or None.
+
+    A child that the unit makes hang is killed as soon as its peer has reported (the
+    peer's outcome is what the unit tests); any other child only when it overran the
+    unit's deadline (its save timeout plus a margin): a no-hang bound, never a race.
+    """
+    if peer_seen is not None and made_to_hang(unit, rank):
+        return "still running after the peer reported (this rank was made to hang)"
     if now - since > float(unit["deadline"]):
         return f"still running after the unit's {unit['deadline']}s deadline"
     return None
@@ -253,7 +263,7 @@ def run_wave(rank: int, units: list[dict], report_dir: Path) -> dict:
             if not done:
                 if name not in peer_seen and (report_dir / f"{name}.rank{1 - rank}.json").exists():
                     peer_seen[name] = now
-                watchdog = overdue(unit, t0, peer_seen.get(name), now)
+                watchdog = overdue(unit, rank, t0, peer_seen.get(name), now)
                 if watchdog is None:
                     continue
                 os.kill(pid, signal.SIGKILL)

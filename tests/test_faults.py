@@ -462,7 +462,9 @@ def kill_outcome(case: Case, tmp_path_factory) -> tuple[dict, Path]:
 def test_kill(case, tmp_path_factory):
     o, target = kill_outcome(case, tmp_path_factory)
     survivor = 1 - case.rank
-    assert o["elapsed"] < SAVE_TIMEOUT, f"rank {survivor} took {o['elapsed']:.1f}s"
+    assert o["elapsed"] <= SAVE_TIMEOUT + MARGIN, f"rank {survivor} hung: {o['elapsed']:.1f}s"
+    # it saw its peer vanish; it did not wait its timeout out
+    assert "CommTimeoutError" not in o.get("mro", []), f"rank {survivor} waited out its timeout:\n{o['msg']}"
     if case.point == "announce":
         # The decision was delivered before the kill: the survivor committed.
         assert o["result"] == "ok", f"rank {survivor}:\n{o.get('traceback')}"
@@ -502,7 +504,8 @@ def test_peer_dies_before_first_save(tmp_path):
     job = run_job("spawn", 2, SCRIPT, ["die_before_save", json.dumps(cfg)], tmp_path / "reports", timeout=JOB_TIMEOUT)
     assert_exits(job, [-signal.SIGKILL, 0])
     o = job.reports[1]["outcome"]
-    assert raised(o) and o["elapsed"] < SAVE_TIMEOUT, o
+    assert raised(o) and o["elapsed"] <= SAVE_TIMEOUT + MARGIN, o  # no hang
+    assert "CommTimeoutError" not in o["mro"], f"rank 1 waited out its timeout instead of seeing rank 0 die: {o}"
     assert_target(target, None)
     assert leftovers(target) == []
     if not raised(o, "CommError"):
@@ -524,7 +527,7 @@ def test_hang(mode, tmp_path_factory):
     assert hung["watchdog"] and "after the peer reported" in hung["watchdog"], hung
     o = child_outcome(res[0], 0)
     assert raised(o, "CommTimeoutError"), o
-    assert HANG_TIMEOUT * 0.5 <= o["elapsed"] <= HANG_TIMEOUT + MARGIN, o["elapsed"]
+    assert o["elapsed"] <= HANG_TIMEOUT + MARGIN, o["elapsed"]  # no hang; the message says which timeout fired
     assert "rank 0" in o["msg"] and f"within {HANG_TIMEOUT}s" in o["msg"], o["msg"]
     left = check_target_and_recover(target, "old")
     print(f"{name}: rank 0 {o['cls']} ({o['elapsed']:.1f}s): {o['msg'][:90]}; target old; leftovers {len(left)}")
@@ -703,7 +706,12 @@ def test_read_only_during_reservation(small_tmpfs):
     problems = [
         f"rank {r}: {o['cls']} after {o['elapsed']:.1f}s: {o['msg'][:300]}"
         for r, o in outcomes.items()
-        if not (raised(o, "TddistError") and o["elapsed"] < SHORT_TIMEOUT and "Read-only file system" in o["msg"])
+        if not (
+            raised(o, "TddistError")
+            and "CommTimeoutError" not in o["mro"]  # told, not left to wait its timeout out
+            and o["elapsed"] <= SHORT_TIMEOUT + MARGIN  # no hang
+            and "Read-only file system" in o["msg"]
+        )
     ]
     if problems:
         raise KnownBug("\n".join(problems))
