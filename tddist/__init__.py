@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (
+    CheckpointChangedError,
     CheckpointNotFoundError,
     CollectiveError,
     CommError,
@@ -114,6 +115,7 @@ __all__ = [
     "SaveInProgressError",
     "RootLockedError",
     "CorruptCheckpointError",
+    "CheckpointChangedError",
     "IncompatibleCheckpointError",
     "CommError",
     "CommTimeoutError",

@@ -41,8 +41,8 @@ VERSIONS = {1: V1, 2: V2, 3: V3}
 #: every golden checkpoint of each version (version 1 had no memmap packing to cover)
 CONTENTS = {
     1: [recipe.SINGLE, recipe.MULTI, recipe.EXTENDED, recipe.EXTENDED_ARCHIVE, recipe.DTENSOR],
-    2: [*recipe.BUILDERS, "per_rank"],  # per_rank: written and tested by tests/test_per_rank_golden.py
-    3: list(recipe.BUILDERS),
+    2: list(recipe.BUILDERS),
+    3: [*recipe.BUILDERS, "per_rank"],  # per_rank: written and tested by tests/test_per_rank_golden.py
 }
 #: the checkpoints of the single-rank data (a): each version's, and version 2's memmap packing
 SINGLES = [
@@ -68,7 +68,7 @@ V2_PACKING = {
 
 
 def version_of(path: Path) -> int:
-    return 1 if path.parent == V1 else 2
+    return next(v for v, root in VERSIONS.items() if path.parent == root)
 
 
 def expected_multi_even(world: int, rank: int) -> TensorDict:

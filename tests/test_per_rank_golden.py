@@ -1,4 +1,4 @@
-"""A golden checkpoint of format version 2 with per-rank state (``tests/golden/v2/per_rank``) must keep loading.
+"""A golden checkpoint of format version 3 with per-rank state (``tests/golden/v3/per_rank``) must keep loading.
 
 Written by ``write_per_rank`` below (two thread ranks, ``tddist.PerRank()`` on a
 tensor leaf and on a node holding non-tensor values) with the tddist that
@@ -18,7 +18,7 @@ import torch
 
 import tddist
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "v2" / "per_rank"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "v3" / "per_rank"
 WORLD = 2
 
 
@@ -49,7 +49,7 @@ def write_per_rank(path) -> None:
 
 def test_per_rank_golden_json_records_the_placement():
     obj = json.loads((GOLDEN / "tddist.json").read_text())
-    assert obj["version"] == 2 and obj["world_size"] == WORLD
+    assert obj["version"] == 3 and obj["world_size"] == WORLD
     leaves = {tuple(e["key"]): e for e in obj["leaves"]}
     assert leaves[("rng",)]["placement"] == {"type": "per_rank"} and leaves[("rng",)]["shape"] == [WORLD, 8]
     assert leaves[("w",)]["placement"] == {"type": "replicate"}
