@@ -226,7 +226,13 @@ def decode_object(enc: object, allow_pickle: bool, where: str) -> Any:
                 f"{where} was saved with pickle; loading it would execute code from the checkpoint. Pass "
                 f"allow_pickle=True only if you trust where the checkpoint comes from"
             )
-        return pickle.loads(base64.b64decode(enc["pickle"]))
+        try:
+            return pickle.loads(base64.b64decode(enc["pickle"], validate=True))
+        except Exception as e:  # binascii.Error, UnpicklingError, a missing class: whatever the bytes raise
+            raise ManifestError(
+                f"{where} cannot be unpickled ({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged, or "
+                f"the value's class cannot be imported here"
+            ) from None
     raise ManifestError(f"{where} has a malformed value {str(enc)[:80]!r}; the checkpoint is damaged")
 
 

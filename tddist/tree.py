@@ -14,7 +14,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
 
 from . import format as fmt
 from ._compat import dtensor_local_box
-from .errors import InvalidArgumentError, InvalidDataError
+from .errors import InvalidArgumentError, InvalidDataError, ManifestError
 from .sharding import Box, Boxes, Placement, Replicate, Shard, consistent_batch
 
 if TYPE_CHECKING:
@@ -239,7 +239,14 @@ def build(
         root = TensorDict(source, batch_size=consistent_batch(batch, shapes), device=device)
         for name, (kind, value) in node_objects[key].items():
             if kind == "stack":
-                root.set(name, NonTensorStack.from_list(value))
+                try:
+                    stack = NonTensorStack.from_list(value)
+                except (RuntimeError, ValueError, TypeError) as e:  # rows that tensordict cannot stack
+                    raise ManifestError(
+                        f"non-tensor stack {list((*key, name))} has rows that cannot be stacked ({str(e)[:200]}); "
+                        f"the checkpoint is damaged"
+                    ) from None
+                root.set(name, stack)
             else:
                 root.set_non_tensor(name, value)
             if share_non_tensor:

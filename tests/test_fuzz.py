@@ -164,7 +164,7 @@ def _verify(path: str) -> str:
 
 def _load(path: str) -> str:
     m = tddist.read_manifest(path)
-    td = tddist.load(path, shard=None, verify=True, num_threads=2)
+    td = tddist.load(path, shard=None, verify=True, num_threads=2, allow_pickle=True)  # seeds hold no code
     for key, leaf in m.leaves.items():  # what loaded is what the manifest describes (checksums: verify=True)
         t = td.get(key)
         assert tuple(t.shape) == leaf.shape and t.dtype == leaf.dtype, (key, t.shape, leaf.shape, t.dtype)
@@ -256,6 +256,12 @@ JSON_VALUES = [
     [2**40, 2**40],
     {"type": "shard", "dim": 0},
     {"type": "boxes"},
+    {"json": [1, 2]},
+    {"json": None},
+    {"pickle": "AAAA"},
+    {"pickle": "gARLAS4="},
+    [{"json": 1}],
+    [[{"json": 1}], [{"json": [1, 2]}]],
 ]
 
 
@@ -727,3 +733,35 @@ def test_truncated_compressed_stream_is_a_corrupt_checkpoint(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError):
         tddist.load(path, shard=None)
+
+
+# --- regressions: what fuzzing found ----------------------------------------------------------------------------
+
+
+def _edited_extended(tmp_path: Path, edit: Callable[[dict], None]) -> Path:
+    """The golden version-2 ``extended`` checkpoint with its manifest JSON edited."""
+    path = _copy(GOLDEN / "v2" / "extended", tmp_path / "ckpt")
+    obj = json.loads((path / fmt.MANIFEST_NAME).read_bytes())
+    edit(obj)
+    (path / fmt.MANIFEST_NAME).write_text(json.dumps(obj))
+    return path
+
+
+def _objects(obj: dict) -> dict[str, dict]:
+    return {o["key"][-1]: o for o in obj["objects"]}
+
+
+def test_regression_stack_rows_tensordict_cannot_stack(tmp_path):
+    """A stack row that is a list (tensordict stacks it as a nested stack, of another length) was a RuntimeError."""
+    path = _edited_extended(tmp_path, lambda obj: _objects(obj)["labels"]["values"][0].__setitem__(0, {"json": [1, 2]}))
+    with pytest.raises(tddist.ManifestError, match=r"non-tensor stack \['labels'\] has rows that cannot be stacked"):
+        tddist.load(path, shard=None)
+
+
+@pytest.mark.parametrize("encoded", ["AAAA", "not base64!", "Y25vX3N1Y2hfbW9kdWxlX3RkZGlzdAp4Ci4="])
+def test_regression_value_that_does_not_unpickle(tmp_path, encoded):
+    """With allow_pickle=True, a pickled value that is not base64, not a pickle, or names a missing global was a
+    raw binascii.Error / UnpicklingError / AttributeError."""
+    path = _edited_extended(tmp_path, lambda obj: _objects(obj)["config"]["values"].__setitem__(0, {"pickle": encoded}))
+    with pytest.raises(tddist.ManifestError, match=r"cannot be unpickled"):
+        tddist.load(path, shard=None, allow_pickle=True)
