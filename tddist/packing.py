@@ -26,10 +26,11 @@ from .layouts.base import meta_files
 from .layouts.directory import DirectoryFiles, check_target
 from .locate import Locator
 from .manifest import Manifest
-from .manifest_io import read_manifest
+from .manifest_io import OpenedCheckpoint, open_checkpoint
 from .manifest_v2 import encode
 from .publish import publish
 from .reader import open_files
+from .sharding import PerRank
 from .types import EncodedObject, Key
 from .zipcodec import (
     entry_rows,
@@ -43,11 +44,12 @@ from .zipcodec import (
 logger = logging.getLogger(__name__)
 
 
-def _files(manifest: Manifest, src: str) -> tuple[dict[str, bytes], dict[str, tuple[torch.Tensor, str]]]:
+def _files(manifest: Manifest, src: OpenedCheckpoint) -> tuple[dict[str, bytes], dict[str, tuple[torch.Tensor, str]]]:
     """meta.json files of every rank directory (bytes), and each chunk's bytes and checksum by entry name.
 
     Entries are named as in the "memmap" layout (one file per chunk), whatever
-    the source's packing: an archive always holds that tree.
+    the source's packing: an archive always holds that tree. The files are
+    read through ``src``'s pinned descriptor: the generation its manifest describes.
     """
     files = open_files(src)
     locator = Locator(manifest)
@@ -77,7 +79,9 @@ def _rank_meta_files(m: Manifest, rank: int) -> dict[str, bytes]:
     for key, leaf in m.leaves.items():
         chunk = leaf.chunk_of_rank(rank)
         if chunk is not None:
-            leaves[key] = (list(chunk.box[1]), leaf.dtype_name)
+            # a per-rank leaf's chunk is row ``rank`` of the stack; the rank saved (and its file holds) the value alone
+            shape = list(chunk.box[1][1:]) if isinstance(leaf.placement, PerRank) else list(chunk.box[1])
+            leaves[key] = (shape, leaf.dtype_name)
     objects = {}
     for key, o in m.objects.items():
         if o.placement == "shard":
@@ -144,9 +148,14 @@ def pack(src: str | os.PathLike, dst: str | os.PathLike, *, compression: Any = N
         InvalidArgumentError: ``compression`` is not supported (or zstandard is not installed).
     """
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    manifest = read_manifest(src)
+    with open_checkpoint(src) as opened:
+        return _pack(opened, dst, compression, num_threads)
+
+
+def _pack(opened: OpenedCheckpoint, dst: str, compression: Any, num_threads: int) -> str:
+    src, manifest = opened.path, opened.manifest
     codec = resolve_compression(compression)
-    metas, leaves = _files(manifest, src)
+    metas, leaves = _files(manifest, opened)
     tensors = {name: data for name, (data, _c) in leaves.items()}
     entries = prepare_entries(metas, tensors, codec, num_threads)
     for e in entries:
@@ -188,8 +197,13 @@ def unpack(src: str | os.PathLike, dst: str | os.PathLike, *, num_threads: int =
         TargetError: ``dst`` is a file, a symbolic link or a directory that is not a tddist checkpoint.
     """
     src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    manifest = read_manifest(src)
-    metas, leaves = _files(manifest, src)
+    with open_checkpoint(src) as opened:
+        return _unpack(opened, dst)
+
+
+def _unpack(opened: OpenedCheckpoint, dst: str) -> str:
+    src, manifest = opened.path, opened.manifest
+    metas, leaves = _files(manifest, opened)
     makedirs_durable(os.path.dirname(dst))
     check_target(dst)
     with staged(dst) as staging:

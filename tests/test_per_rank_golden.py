@@ -47,6 +47,20 @@ def write_per_rank(path) -> None:
         raise errors[0]
 
 
+def test_packed_per_rank_leaf_keeps_each_ranks_shape_in_its_rank_directory(tmp_path):
+    """pack and unpack write each rank directory's meta.json as the rank saved it: a per-rank leaf's own
+    shape (not row ``rank`` of the stack), so TensorDict.load_memmap of a rank directory gives its value."""
+    from tensordict import TensorDict
+
+    tddist.pack(GOLDEN, tmp_path / "a.tdz")
+    tddist.unpack(tmp_path / "a.tdz", tmp_path / "d")
+    for rank in range(WORLD):
+        td = TensorDict.load_memmap(tmp_path / "d" / f"rank-{rank:05d}")
+        assert torch.equal(td["rng"], rng_of(rank)), rank
+    back = tddist.run_threads(WORLD, lambda comm: tddist.load(tmp_path / "a.tdz", comm=comm)["rng"])
+    assert all(torch.equal(b, rng_of(r)) for r, b in enumerate(back))
+
+
 def test_per_rank_golden_json_records_the_placement():
     obj = json.loads((GOLDEN / "tddist.json").read_text())
     assert obj["version"] == 3 and obj["world_size"] == WORLD
