@@ -32,7 +32,7 @@ from functools import partial
 from typing import Any
 
 from ._compat import register_exit_hook
-from .comm import Communicator
+from .comm import DEFAULT_TIMEOUT, Communicator
 from .errors import InvalidArgumentError, SaveInProgressError
 from .layouts.archive import ArchiveWriter
 from .layouts.directory import DirectoryWriter
@@ -40,6 +40,7 @@ from .merge import PlanCache
 from .snapshot import SnapshotBuffers, Snapshotter
 from .stream import Arena, Stream, StreamingWriter, StreamSources
 from .types import LocalShard, SaveOptions
+from .writer_process import ProcessWriter, SaveRequest, supported
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ class Channel:
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
         self._worker: Worker | None = None
+        self._process: ProcessWriter | None = None
+        self._generation = 0  # writer processes started by this channel (their groups' prefixes)
 
     def background_comm(self) -> Communicator:
         """The duplicate communicator used by background commits (collective on first use).
@@ -118,6 +121,19 @@ class Channel:
             self.arena = None  # free the old one first
             self.arena = Arena(budget, pin)
         return self.arena
+
+    def process_writer(self) -> ProcessWriter:
+        """This rank's writer process, started at the first process save and after one broke."""
+        self._ensure_worker()
+        # A writer found dead here is not replaced: this save fails on every rank (its peers lose it),
+        # and every rank replaces its writer at the next save, so the ranks' writers stay one group.
+        if self._process is None or self._process.broken or self._process.peer_died():
+            if self._process is not None:
+                self._process.close()
+            self._generation += 1
+            timeout = float(getattr(self.comm, "timeout", DEFAULT_TIMEOUT))
+            self._process = ProcessWriter(self.comm, timeout, self._generation)
+        return self._process
 
     def _ensure_worker(self) -> Worker:
         if self._worker is None or not self._worker.alive():
@@ -151,6 +167,9 @@ class Channel:
         if self._worker is not None and self._worker.alive():
             self._worker.stop()
         self._worker = None
+        if self._process is not None:
+            self._process.close()
+            self._process = None
 
 
 _channels: dict[int, Channel] = {}
@@ -185,17 +204,39 @@ def channel(comm: Communicator) -> Channel:
 Prepare = Callable[[Snapshotter], LocalShard | Exception]
 WriterFactory = Callable[[SaveOptions, int, LocalShard | Exception, PlanCache], DirectoryWriter | ArchiveWriter]
 Commit = Callable[[Communicator, SaveOptions, LocalShard | Exception, PlanCache, WriterFactory | None], Any]
+OpenSaved = Callable[[SaveOptions, LocalShard], Any]
 
 
-def start_save(ch: Channel, options: SaveOptions, prepare: Prepare, budget: int | None, commit: Commit) -> Future:
+def start_save(
+    ch: Channel,
+    options: SaveOptions,
+    prepare: Prepare,
+    budget: int | None,
+    commit: Commit,
+    writer: str = "thread",
+    open_saved: OpenSaved | None = None,
+) -> Future:
     """Snapshot this rank's data and hand the commit to the worker; return the save's Future.
 
     ``commit(comm, options, shard, cache, writer_factory)`` runs the commit
     (``api``). Without ``budget`` the whole shard is copied into the reusable
     snapshot buffers. With it, a shard of at most ``budget`` bytes is copied
     the same way; a larger one streams through the channel's arena
-    (``stream.py``): this returns only once its last byte is copied.
+    (``stream.py``): this returns only once its last byte is copied. With
+    ``writer="process"`` the shard is copied into the writer process's shared
+    arena and the commit runs there (``writer_process.py``); the worker thread
+    waits for it and maps the result with ``open_saved(options, shard)``.
     """
+    if writer == "process":
+        why = supported(ch.comm)
+        if why is None:
+            assert open_saved is not None
+            pw = ch.process_writer()
+            sources = StreamSources()
+            shard = prepare(sources)
+            request = pw.snapshot(options, shard, sources.sources)
+            return ch.submit(partial(_run_process, pw, request, open_saved, shard))
+        logger.info("rank %d: async_writer='process' falls back to the thread writer: %s", ch.comm.rank, why)
     bg = ch.background_comm()
     if budget is None:
         shard = prepare(ch.buffers)
@@ -258,3 +299,9 @@ def _run_streamed(
         return commit(comm, options, shard, cache, factory)
     finally:
         stream.cancel()  # a caller still copying (the commit failed before writing) stops waiting for slots
+
+
+def _run_process(pw: ProcessWriter, request: SaveRequest, open_saved: OpenSaved, shard: LocalShard | Exception) -> Any:
+    pw.run(request)
+    assert isinstance(shard, LocalShard)  # the commit raised otherwise
+    return open_saved(request.options, shard)

@@ -11,6 +11,7 @@ writes a report through ``tests.launch_util.write_report``.
 from __future__ import annotations
 
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -125,8 +126,64 @@ def scenario_budget_streams(work: Path, comm, rank: int, size: int) -> None:
     assert_td_equal(tddist.load(work / "budget", shard="saved", verify=True), expected, f"rank {rank}: budgeted")
 
 
+def scenario_process_writer_killed(work: Path, comm, rank: int, size: int) -> None:
+    """SIGKILL of the last rank's writer process during a save: every rank's future fails with CommError
+    (no hang), the target keeps the previous checkpoint, and the next process save works again."""
+    if type(comm).__name__ != "TorchComm":  # MPI: the thread writer does the save (docs/parameters.md)
+        out = tddist.save(make(rank, 13), work / "proc", return_early=True, async_writer="process", comm=comm).result(
+            120
+        )
+        assert_td_equal(out, make(rank, 13), f"rank {rank}: process writer falling back to a thread")
+        assert channel(comm)._process is None
+        return
+    import os
+    import signal
+
+    target = work / "killed"
+    tddist.save(make(rank, 10), target)
+    os.environ[_faults.ENV] = ",".join(f"write:{r}:delay" for r in range(size))  # the writers inherit it
+    try:
+        fut = tddist.save(make(rank, 11), target, return_early=True, async_writer="process", comm=comm)
+    finally:
+        del os.environ[_faults.ENV]
+    writer = channel(comm)._process
+    assert writer is not None and writer.alive()
+    if rank == size - 1:
+        time.sleep(0.5)  # the writers are in the commit (each sleeps a second at 'write')
+        os.kill(writer.process.pid, signal.SIGKILL)
+    err = fut.exception(timeout=120)
+    assert isinstance(err, tddist.errors.CommError), repr(err)
+    comm.barrier()
+    assert_td_equal(tddist.load(target, shard="saved", verify=True), make(rank, 10), f"rank {rank}: after the kill")
+    out = tddist.save(make(rank, 12), target, return_early=True, async_writer="process", comm=comm).result(timeout=120)
+    assert_td_equal(out, make(rank, 12), f"rank {rank}: the save after the kill")
+    assert channel(comm)._process is not writer
+
+
+def scenario_process_writer(work: Path, comm, rank: int, size: int) -> None:
+    """The process writer: changes after save returns do not reach the checkpoint; the arena is reused."""
+    if type(comm).__name__ != "TorchComm":  # MPI: the thread writer does the save (docs/parameters.md)
+        out = tddist.save(make(rank, 13), work / "proc", return_early=True, async_writer="process", comm=comm).result(
+            120
+        )
+        assert_td_equal(out, make(rank, 13), f"rank {rank}: process writer falling back to a thread")
+        assert channel(comm)._process is None
+        return
+    td = make(rank, 13)
+    train = Training(comm)
+    for step in range(2):
+        expected = td.clone()
+        fut = tddist.save(td, work / "proc", return_early=True, async_writer="process", comm=comm)
+        td["w"].add_(1.0)
+        assert train.allreduce(1.0) == size
+        assert_td_equal(fut.result(timeout=120), expected, f"rank {rank}: process writer, step {step}")
+        assert_td_equal(tddist.load(work / "proc", shard="saved", verify=True), expected, f"rank {rank}: step {step}")
+
+
 SCENARIOS = [
     scenario_snapshot_and_training,
+    scenario_process_writer_killed,
+    scenario_process_writer,
     scenario_budget_streams,
     scenario_buffers_reused,
     scenario_one_in_flight,

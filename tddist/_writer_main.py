@@ -1,0 +1,8 @@
+"""Entry point of tddist's writer process: ``python -m tddist._writer_main FD SPEC`` (see ``writer_process``)."""
+
+import sys
+
+from tddist.writer_process import serve
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2])
