@@ -129,14 +129,15 @@ def _check_state_equals(state: TensorDict, path: Path, what: str) -> None:
     assert_td_equal(state, tddist.load(path, shard=None), what)
 
 
-def role_load(work: Path, rank: int, world: int) -> None:
+def role_load(work: Path, rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     # batch-sharded TensorDict saved on 4 ranks (uneven, one empty), and on 3 MPI ranks
+    checked = []
     for name, saved_world, offset in (("batch", 4, 0), ("mpi3", 3, 1000)):
-        if not (work / name).exists():
-            continue
+        if not (work / name).exists():  # the save jobs write both: a missing one is an error, never a skip
+            raise FileNotFoundError(f"rank {rank}: source checkpoint {work / name} is missing; did its save job run?")
         expected = global_batch(saved_world, offset)
         mine = tddist.load(work / name)
         part = torch.tensor_split(torch.arange(expected.batch_size[0]), world)[rank]
@@ -147,6 +148,7 @@ def role_load(work: Path, rank: int, world: int) -> None:
         assert_td_equal(by_counts, expected[start : start + counts[rank]], f"{name}: shard=counts")
         from_archive = tddist.load(work / f"{name}.tdz", verify=True)
         assert_td_equal(from_archive, mine, f"{name}.tdz vs the directory checkpoint on {world} ranks")
+        checked.append(name)
     if world == 1:  # an archive written by a single torchrun rank, read back by the test on other world sizes
         tddist.save(global_batch(4, 0), work / "w1.tdz")
 
@@ -163,6 +165,7 @@ def role_load(work: Path, rank: int, world: int) -> None:
     assert report.ok and len(report.loaded) == 5, report
     for key, d in target.items():
         assert torch.equal(d.full_tensor(), GLOBAL), f"DTensor {key} differs after resharding to {world} ranks"
+    checked.append("dt")
 
     # FSDP2 resume: 4 ranks -> this world size (a plain model on one rank)
     fsdp = world > 1
@@ -175,6 +178,8 @@ def role_load(work: Path, rank: int, world: int) -> None:
     _check_state_equals(tddist.get_state(model, optim), work / "fsdp-k", "state right after resume")
     train(model, optim, K_STEPS, N_STEPS)
     _check_state_equals(tddist.get_state(model, optim), work / "fsdp-final", "state after continuing")
+    checked.append("fsdp")
+    return {"checked": checked}
 
 
 ROLES = {"save": role_save, "mpisave": role_mpisave, "load": role_load}
@@ -189,8 +194,8 @@ def main() -> None:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        ROLES[role](work, rank, world)
-        write_report(rank, "ok")
+        result = ROLES[role](work, rank, world) or {}
+        write_report(rank, "ok", **result)
     except Exception:
         write_report(rank, "failed", error=traceback.format_exc())
         raise

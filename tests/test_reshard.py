@@ -28,9 +28,10 @@ def saved(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_load_on_other_world_size(saved: Path, world: int) -> None:
-    run_job("torchrun", world, SCRIPT, [str(saved), "load"], saved / f"reports-load{world}", timeout=240).assert_ok(
-        world
-    )
+    job = run_job("torchrun", world, SCRIPT, [str(saved), "load"], saved / f"reports-load{world}", timeout=240)
+    job.assert_ok(world)
+    for r in range(world):  # every rank checked every source, none was passed over
+        assert job.reports[r]["checked"] == ["batch", "mpi3", "dt", "fsdp"], (r, job.reports[r])
     if world == 1:
         expected = global_batch(4, 0)
         parts = tddist.run_threads(3, lambda c: tddist.load(saved / "w1.tdz", comm=c, verify=True), timeout=60)
