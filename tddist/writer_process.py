@@ -4,8 +4,8 @@ One persistent writer process per rank and channel, started at the first
 such save as ``python -m tddist._writer_main`` (a fresh interpreter, so the
 user's script is not imported again, guarded or not), connected by a socket
 pair. The trainer copies its shard into one shared-memory
-arena (a file in ``/dev/shm`` mapped by both processes and unlinked once the
-writer has mapped it; reused by the next saves while it is large enough) and
+arena (a file in ``/dev/shm`` mapped by both processes; the writer unlinks it as
+soon as it has mapped it, so a killed job leaves no file behind; reused by the next saves while it is large enough) and
 sends the writer a small message over a pipe: the
 options, the shard without its bytes, and where each leaf lies in the arena.
 The writer runs the whole two-phase commit (writes, fsyncs, collectives) in
@@ -173,9 +173,8 @@ class ProcessWriter:
                         f"writer processes"
                     )
             status, error = self.conn.recv()
-            if self.linked and request.arena == self.path:
-                os.unlink(self.path)  # both processes map it: no name needed any more
-                self.linked = False
+            if request.arena == self.path:
+                self.linked = False  # the writer mapped and unlinked it
         except (EOFError, OSError) as e:
             self.broken = True
             if self.store is not None:
@@ -287,6 +286,7 @@ def _attach(path: str, nbytes: int, old: tuple[str, mmap.mmap] | None) -> mmap.m
         return mmap.mmap(fd, nbytes)
     finally:
         os.close(fd)
+        os.unlink(path)  # both processes map it: the name is no longer needed
 
 
 def _rebuild(request: SaveRequest, arena: mmap.mmap | None) -> LocalShard | Exception:

@@ -223,3 +223,25 @@ def test_cuda_snapshot_is_pinned_on_a_side_stream_and_ordered_before_later_updat
     w.add_(1)
     fut.result(60)
     assert (tddist.load(tmp_path / "b", shard=None, verify=True)["w"] == 7).all()
+
+
+def test_process_writer_in_one_process(tmp_path):
+    """async_writer='process' on one process: the writer process commits; the values at the call are saved,
+    the arena is reused by the next save, and its shared file is gone once the writer mapped it."""
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    td = _mixed(1)
+    ch = background.channel(resolve())
+    for step in range(2):
+        expected = td.clone()
+        fut = tddist.save(td, tmp_path / "p", return_early=True, async_writer="process")
+        for v in td.values():
+            v.copy_(torch.zeros_like(v) if v.dtype == torch.bool else v + 1)
+        assert_td_equal(fut.result(120), expected, f"what save returned (step {step})")
+        assert_td_equal(tddist.load(tmp_path / "p", shard=None, verify=True), expected, f"step {step}")
+        writer = ch._process
+        assert writer is not None and writer.alive() and writer.process.pid != os.getpid()
+        if step == 0:
+            first = (writer, writer.path)
+    assert (writer, writer.path) == first  # one writer, one arena
+    if os.path.isdir("/dev/shm"):
+        assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tddist-writer")]
