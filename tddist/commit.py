@@ -128,10 +128,10 @@ def _open(writer: ShardWriter, plans: list[SavePlan]) -> Staging:
 
 
 def _check_plans(plans: list[SavePlan]) -> None:
-    """Every rank must save to the same target, in the same layout and mode."""
+    """Every rank must save to the same target, in the same layout, packing and mode."""
     first = plans[0]
     for r, p in enumerate(plans):
-        for name in ("target", "layout", "atomic"):
+        for name in ("target", "layout", "atomic", "packing"):
             if getattr(p, name) != getattr(first, name):
                 raise InvalidArgumentError(
                     f"the ranks disagree on the save's {name}: rank 0 has {getattr(first, name)!r}, rank {r} has "

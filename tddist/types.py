@@ -179,8 +179,8 @@ class Structure:
 class SavePlan:
     """A rank's contribution to the first round of the commit.
 
-    Rank 0 compares every rank's target, layout and atomicity (they must be
-    equal) and reserves ``region_bytes`` for each rank (archives).
+    Rank 0 compares every rank's target, layout, atomicity and packing (they
+    must be equal) and reserves ``region_bytes`` for each rank (archives).
     """
 
     target: str
@@ -189,6 +189,7 @@ class SavePlan:
     region_bytes: int = 0
     digest: str = ""  # of the rank's Structure
     structure: Structure | None = None  # rank 0's plan only (its own value never leaves it)
+    packing: str = ""  # "packed" or "memmap": ranks of one save must write their chunks alike
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,296 @@
-"""Fast in-process tests of the commit, recovery, reader, writer and manifest guarantees.
+"""Fast in-process tests of the commit, publish, recovery and file-system guarantees.
 
 Written against the mutants that survived ``scripts/mutation.sh``: each test
 asserts a behaviour on real files (thread ranks, one process), never a mock.
 """
 
 from __future__ import annotations
+
+import errno
+import os
+import stat
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist import _fs, recovery
+from tddist import format as fmt
+from tddist._faults import inject, without_exchange
+from tddist.errors import InjectedFault, InvalidArgumentError
+from tddist.publish import publish
+from tests.helpers import leftovers
+
+# --- _fs ------------------------------------------------------------------------------------
+
+
+def test_exchange_swaps_two_entries(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    (a / "f").write_text("A")
+    b.write_text("B")
+    assert _fs.exchange(str(a), str(b)) is True
+    assert a.read_text() == "B" and (b / "f").read_text() == "A"
+
+
+def test_renameat2_errors_carry_errno_and_both_paths(tmp_path):
+    with pytest.raises(FileNotFoundError) as e:
+        _fs.exchange(str(tmp_path / "missing"), str(tmp_path / "also-missing"))
+    assert e.value.errno == errno.ENOENT
+    assert e.value.filename == str(tmp_path / "missing") and e.value.filename2 == str(tmp_path / "also-missing")
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["renameat2", "without-renameat2"])
+def test_rename_noreplace(tmp_path, kernel, monkeypatch):
+    if not kernel:
+        monkeypatch.setattr(_fs, "_libc", False)  # as where the C library cannot be loaded
+        assert _fs.exchange(str(tmp_path), str(tmp_path)) is False
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_text("new")
+    dst.write_text("old")
+    with pytest.raises(FileExistsError) as e:
+        _fs.rename_noreplace(str(src), str(dst))
+    assert e.value.errno == errno.EEXIST
+    assert src.read_text() == "new" and dst.read_text() == "old"
+    dst.unlink()
+    _fs.rename_noreplace(str(src), str(dst))
+    assert dst.read_text() == "new" and not src.exists()
+    # a dangling symbolic link is an existing entry, never replaced
+    src.write_text("newer")
+    os.symlink(tmp_path / "nowhere", dst.with_name("link"))
+    with pytest.raises(FileExistsError):
+        _fs.rename_noreplace(str(src), str(dst.with_name("link")))
+    assert os.path.islink(dst.with_name("link"))
+
+
+def test_kernel_version_comparison():
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    assert _fs._kernel_at_least(major, minor)
+    assert _fs._kernel_at_least(major, 0)
+    assert _fs._kernel_at_least(0, 0)
+    assert not _fs._kernel_at_least(major, minor + 1)
+    assert not _fs._kernel_at_least(major + 1, 0)
+
+
+def test_syncfs_and_fsync_walk(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "e" / "f").write_bytes(b"x")
+    assert _fs.syncfs(str(tmp_path)) is _fs._kernel_at_least(5, 8)
+    _fs.fsync_tree_dirs(str(tmp_path))
+    _fs.fsync_path(str(tmp_path / "d" / "e" / "f"))
+    with pytest.raises(FileNotFoundError):
+        _fs.fsync_path(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError):
+        _fs.syncfs(str(tmp_path / "missing")) if _fs._kernel_at_least(5, 8) else _fs.fsync_path(str(tmp_path / "x"))
+
+
+def test_makedirs_durable(tmp_path):
+    deep = tmp_path / "a" / "b" / "c"
+    _fs.makedirs_durable(str(deep))
+    assert deep.is_dir()
+    _fs.makedirs_durable(str(deep))  # existing: nothing to do
+    _fs.makedirs_durable(str(tmp_path / "a" / "b2"))
+    assert sorted(os.listdir(tmp_path / "a")) == ["b", "b2"]
+
+
+def test_write_durable(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(b"a much longer old content")
+    data = bytes(range(256)) * 1000
+    _fs.write_durable(str(p), memoryview(data))
+    assert p.read_bytes() == data  # whole, and the old content truncated
+    _fs.write_durable(str(p), b"short", sync=False)
+    assert p.read_bytes() == b"short"
+    mode = stat.S_IMODE(os.stat(p).st_mode)
+    assert mode & 0o600 == 0o600 and not mode & 0o111
+
+
+def test_remove_tree(tmp_path):
+    tree = tmp_path / "t"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "f").write_text("x")
+    (tree / "z").write_text("y")
+    _fs.remove_tree(str(tree))
+    assert not tree.exists()
+    _fs.remove_tree(str(tree))  # already gone: nothing
+    f = tmp_path / "file"
+    f.write_text("x")
+    _fs.remove_tree(str(f))
+    assert not f.exists()
+    # a symbolic link to a directory: the link goes, never what it points to
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "data").write_text("precious")
+    os.symlink(keep, tmp_path / "link")
+    _fs.remove_tree(str(tmp_path / "link"))
+    assert not os.path.lexists(tmp_path / "link") and (keep / "data").read_text() == "precious"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _fs.remove_tree(str(empty))
+    assert not empty.exists()
+
+
+def test_remove_tree_fault_strikes_after_the_first_entry(tmp_path):
+    tree = tmp_path / "t"
+    tree.mkdir()
+    for name in ("b", "a", "c"):
+        (tree / name).write_text(name)
+    with inject("discard", 0), pytest.raises(InjectedFault):
+        _fs.remove_tree(str(tree))
+    assert sorted(os.listdir(tree)) == ["b", "c"]  # the first by name went first
+    f = tmp_path / "f"
+    f.write_text("x")
+    with inject("discard", 0), pytest.raises(InjectedFault):
+        _fs.remove_tree(str(f))
+    assert f.exists()
+
+
+def test_is_inside(tmp_path):
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    (tmp_path / "root2").mkdir()
+    real = os.path.realpath(root)
+    assert _fs.is_inside(real, str(root))
+    assert _fs.is_inside(real, str(root / "sub"))
+    assert not _fs.is_inside(real, str(tmp_path / "root2"))  # a common prefix is not inside
+    assert not _fs.is_inside(real, str(tmp_path))
+    os.symlink(tmp_path / "root2", root / "escape")
+    assert not _fs.is_inside(real, str(root / "escape"))
+
+
+# --- publish --------------------------------------------------------------------------------
+
+
+def staged(tmp_path: Path, target: Path, text: str) -> str:
+    s = Path(fmt.staging_path(str(target)))
+    s.mkdir()
+    (s / "content").write_text(text)
+    return str(s)
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "backup"])
+def test_publish(tmp_path, exchange):
+    target = tmp_path / "ckpt"
+    publish(staged(tmp_path, target, "one"), str(target))
+    assert (target / "content").read_text() == "one" and leftovers(target) == []
+    if exchange:
+        publish(staged(tmp_path, target, "two"), str(target))
+    else:
+        with without_exchange():
+            publish(staged(tmp_path, target, "two"), str(target))
+    assert (target / "content").read_text() == "two"
+    assert leftovers(target, strict=True) == []
+
+
+def test_publish_keeps_the_old_checkpoint_if_removing_it_fails(tmp_path):
+    target = tmp_path / "ckpt"
+    publish(staged(tmp_path, target, "one"), str(target))
+    with inject("replace", 0), pytest.raises(InjectedFault):
+        publish(staged(tmp_path, target, "two"), str(target))
+    assert (target / "content").read_text() == "two"  # committed before the fault
+    (old,) = leftovers(target)
+    assert (tmp_path / old / "content").read_text() == "one"
+    assert tddist.recover(target) == [f"removed {tmp_path / old}"]
+
+
+# --- recovery -------------------------------------------------------------------------------
+
+
+def test_is_committed_and_is_tddist_archive(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    assert not recovery.is_committed(str(d))
+    (d / fmt.MANIFEST_NAME).write_text("{}")
+    assert recovery.is_committed(str(d))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / fmt.MANIFEST_NAME).mkdir()  # a directory named like the manifest is not one
+    assert not recovery.is_committed(str(tmp_path / "m"))
+    assert not recovery.is_committed(str(tmp_path / "missing"))
+    z = tmp_path / "a.tdz"
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr("other.json", "{}")
+    assert not recovery.is_tddist_archive(str(z)) and not recovery.is_committed(str(z))
+    with zipfile.ZipFile(z, "w") as zf:
+        zf.writestr(fmt.MANIFEST_NAME, "{}")
+    assert recovery.is_tddist_archive(str(z)) and recovery.is_committed(str(z))
+    (tmp_path / "junk").write_bytes(b"not a zip")
+    assert not recovery.is_tddist_archive(str(tmp_path / "junk"))
+    assert not recovery.is_tddist_archive(str(tmp_path / "missing"))
+    assert not recovery.is_tddist_archive(str(tmp_path))
+
+
+def test_is_tddist_dir(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    assert recovery.is_tddist_dir(str(d))  # empty
+    for name in (fmt.MANIFEST_NAME, fmt.INDEX_NAME, fmt.rank_dir(0), fmt.rank_data_name(3)):
+        (d / name).write_text("")
+    assert recovery.is_tddist_dir(str(d))
+    (d / "notes.txt").write_text("")
+    assert not recovery.is_tddist_dir(str(d))
+    with pytest.raises(OSError):
+        recovery.is_tddist_dir(str(tmp_path / "missing"))
+
+
+def test_recover_removes_staging_and_trash_and_needless_backups(tmp_path):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    made = []
+    for make in (fmt.staging_path, fmt.trash_path, fmt.backup_path):
+        p = Path(make(str(target)))
+        p.mkdir()
+        (p / "f").write_text("x")
+        made.append(p)
+    done = tddist.recover(target)
+    assert sorted(done) == sorted(f"removed {p}" for p in made)
+    assert leftovers(target) == [] and torch.equal(tddist.load(target)["x"], torch.arange(3))
+    assert tddist.recover(target) == []
+
+
+def test_recover_restores_a_backup_to_an_absent_target(tmp_path):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, tmp_path / "old")
+    backup = fmt.backup_path(str(target))
+    os.rename(tmp_path / "old", backup)
+    (Path(fmt.staging_path(str(target)))).mkdir()
+    done = tddist.recover(target)
+    assert f"restored {backup} to {target}" in done and len(done) == 2, done
+    assert torch.equal(tddist.load(target)["x"], torch.arange(3)) and leftovers(target) == []
+
+
+def test_recover_removes_an_uncommitted_backup(tmp_path):
+    target = tmp_path / "ckpt"
+    backup = Path(fmt.backup_path(str(target)))
+    backup.mkdir()
+    (backup / fmt.rank_data_name(0)).write_text("")  # torn: no manifest
+    assert tddist.recover(target) == [f"removed {backup}"]
+    assert not target.exists() and leftovers(target) == []
+
+
+# --- commit ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["target", "atomic", "layout"])
+def test_ranks_that_disagree_are_refused(tmp_path, option):
+    """Rank 2 passes another target, atomicity or packing (``layout=``): every rank is refused, nothing is written.
+
+    (Differing packings once committed a checkpoint without rank 2's data file.)
+    """
+    other = {"target": tmp_path / "other", "atomic": False, "layout": "memmap"}
+
+    def save(c):
+        kw = {"target": tmp_path / "ckpt", "atomic": True, "layout": "packed"}
+        if c.rank == 2:
+            kw[option] = other[option]
+        target = kw.pop("target")
+        return tddist.save(TensorDict(x=torch.full((2, 3), float(c.rank)), batch_size=[2]), target, comm=c, **kw)
+
+    results = tddist.run_threads(3, save, timeout=60)
+    assert all(isinstance(r, InvalidArgumentError) for r in results), results
+    text = str(results[0])
+    assert "rank 2" in text and "every rank must call save with the same path and options" in text, text
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "other").exists()
+    assert leftovers(tmp_path / "ckpt") == [] and leftovers(tmp_path / "other") == []

@@ -117,6 +117,7 @@ class WriterBase:
             region_bytes,
             self.structure.digest,
             self.structure if self.rank == 0 else None,
+            self.options.packing,
         )
 
     def check_reference(self, staging: Staging) -> None:
