@@ -14,7 +14,7 @@ import tddist
 from tddist import background
 from tddist.comm import resolve
 from tddist.stream import MIN_BUDGET
-from tests.helpers import assert_td_equal, leftovers
+from tests.helpers import assert_td_equal, leftovers, require
 
 CODE = r"""
 import os, sys, threading
@@ -191,10 +191,12 @@ def _peak_added(tmp_path, budget: int) -> int:
     return int(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs /proc/self/clear_refs (Linux)")
 def test_snapshot_budget_bounds_peak_rss(tmp_path):
     """48 MiB saved twice with an 8 MiB budget: the peak RSS added (VmHWM after resetting it) stays under
     the budget plus 6 MiB; without a budget the whole-state snapshot shows (the measurement can see it)."""
+    require(
+        "/proc/self/clear_refs", "resets the peak RSS (Linux)", available=os.access("/proc/self/clear_refs", os.W_OK)
+    )
     mib = 1024 * 1024
     budgeted = _peak_added(tmp_path / "b", 8 * mib)
     assert budgeted < 8 * mib + 6 * mib, f"{budgeted / mib:.1f} MiB added with an 8 MiB budget"
@@ -202,10 +204,10 @@ def test_snapshot_budget_bounds_peak_rss(tmp_path):
     assert whole > 45 * mib, f"{whole / mib:.1f} MiB added by whole-state snapshots"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: snapshots of CUDA tensors")
 def test_cuda_snapshot_is_pinned_on_a_side_stream_and_ordered_before_later_updates(tmp_path):
     """A CUDA leaf is copied into a pinned buffer on a side stream; an in-place update queued on the
     current stream right after save returns does not reach the checkpoint (the stream waits on the copy)."""
+    require("cuda", "snapshots of CUDA tensors", available=torch.cuda.is_available())  # may skip in CI: hardware
     torch.cuda.synchronize()
     w = torch.randn(4096, 4096, device="cuda")  # 64 MiB: the copy takes long enough to race with the update
     expected = w.cpu()
