@@ -39,13 +39,15 @@ def main() -> int:
     if not metas:
         print(f"no mutmut results under {args.workdir / 'mutants'}", file=sys.stderr)
         return 2
-    rows, survivors = [], []
+    rows, survivors, unchecked = [], [], 0
     for meta in metas:
         module = str(meta.relative_to(args.workdir / "mutants")).removesuffix(".meta")
         codes = json.loads(meta.read_text())["exit_code_by_key"]
-        killed = sum(status(c) in KILLED for c in codes.values())
-        rows.append((module, killed, len(codes)))
-        survivors += [(name, status(c)) for name, c in sorted(codes.items()) if status(c) not in KILLED]
+        checked = {k: c for k, c in codes.items() if status(c) != "not checked"}  # a run cut short
+        unchecked += len(codes) - len(checked)
+        killed = sum(status(c) in KILLED for c in checked.values())
+        rows.append((module, killed, len(checked)))
+        survivors += [(name, status(c)) for name, c in sorted(checked.items()) if status(c) not in KILLED]
     total_killed, total = sum(r[1] for r in rows), sum(r[2] for r in rows)
     if args.json:
         doc = {
@@ -54,6 +56,7 @@ def main() -> int:
             "killed": total_killed,
             "mutants": total,
             "survivors": [{"mutant": n, "status": s} for n, s in survivors],
+            "not_checked": unchecked,
         }
         print(json.dumps(doc, indent=1))
         return 0
@@ -63,6 +66,8 @@ def main() -> int:
     for module, killed, n in rows:
         print(f"{module:<{width}}  {killed:5d} / {n:5d} killed  {100 * killed / max(n, 1):5.1f}%")
     print(f"{'total':<{width}}  {total_killed:5d} / {total:5d} killed  {100 * total_killed / max(total, 1):5.1f}%")
+    if unchecked:
+        print(f"({unchecked} mutant(s) not checked: the run was cut short; the counts above are of the checked ones)")
     print(f"\n{len(survivors)} survivor(s):")
     for name, st in survivors:
         print(f"  {name}  ({st})")
