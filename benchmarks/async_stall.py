@@ -95,6 +95,9 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     timing = dist.new_group(backend="gloo")
     dcp_pg = dist.new_group(backend="gloo")  # DCP's documentation advises its own group for async_save
+    # One group (so one tddist channel, with its own buffers) per tddist mode: a budgeted save frees the
+    # whole-state buffers of its channel, which would make the next thread save allocate them again.
+    thread_pg, process_pg, budget_pg = (dist.new_group(backend="gloo") for _ in range(3))
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     numel = args.mib * MIB // 4 // N_TENSORS
@@ -132,9 +135,9 @@ def worker(args: argparse.Namespace) -> None:
 
         table = {
             "copy_ floor": lambda: floor() or None,
-            "tddist thread": lambda: tddist.save(td, target(label + "-tt"), return_early=True),
-            "tddist process": lambda: tddist.save(td, target(label + "-tp"), return_early=True, async_writer="process"),
-            "tddist budget/4": lambda: tddist.save(td, target(label + "-tb"), return_early=True, snapshot_budget=budget),
+            "tddist thread": lambda: tddist.save(td, target(label + "-tt"), return_early=True, comm=thread_pg),
+            "tddist process": lambda: tddist.save(td, target(label + "-tp"), return_early=True, async_writer="process", comm=process_pg),
+            "tddist budget/4": lambda: tddist.save(td, target(label + "-tb"), return_early=True, snapshot_budget=budget, comm=budget_pg),
             "dcp THREAD": lambda: dcp.async_save(
                 sd, checkpoint_id=target(label + "-dt"), process_group=dcp_pg, async_checkpointer_type=AsyncCheckpointerType.THREAD
             ),
