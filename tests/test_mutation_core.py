@@ -294,3 +294,23 @@ def test_ranks_that_disagree_are_refused(tmp_path, option):
     assert "rank 2" in text and "every rank must call save with the same path and options" in text, text
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "other").exists()
     assert leftovers(tmp_path / "ckpt") == [] and leftovers(tmp_path / "other") == []
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "non-atomic"])
+def test_an_aborted_save_leaves_the_old_checkpoint_or_a_refused_target(tmp_path, atomic):
+    """A failure after every rank wrote: atomic, the old checkpoint stays and the staging area goes;
+    non-atomic, the target has no manifest, so readers refuse it instead of misreading it."""
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.zeros(3)}, target)
+    with inject("validate", 0):
+        results = tddist.run_threads(
+            2, lambda c: tddist.save({"x": torch.ones(3)}, target, comm=c, atomic=atomic), timeout=60
+        )
+    assert all(isinstance(r, InjectedFault) for r in results), results
+    assert leftovers(target) == []
+    if atomic:
+        assert torch.equal(tddist.load(target, verify=True)["x"], torch.zeros(3))
+    else:
+        assert not (target / fmt.MANIFEST_NAME).exists()
+        with pytest.raises(tddist.CheckpointNotFoundError):
+            tddist.load(target)
