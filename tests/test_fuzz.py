@@ -266,8 +266,10 @@ JSON_VALUES = [
 
 
 def _json_paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    """Every location in ``obj`` (dict keys and list indices), containers included."""
+    """Every location in ``obj`` (dict keys and list indices), containers included, down to depth 64."""
     out = [prefix]
+    if len(prefix) >= 64:
+        return out
     if isinstance(obj, dict):
         for k, v in obj.items():
             out += _json_paths(v, (*prefix, k))
@@ -361,7 +363,12 @@ def rewrite_manifest(raw: bytes, index: bytes | None, data: st.DataObject) -> tu
         index = mutate_index(index, data)
     if index is not None and isinstance(obj.get("index"), dict) and data.draw(st.booleans(), label="fix index"):
         obj["index"] = {"size": len(index), "checksum": xxhash.xxh3_64_hexdigest(index)}
-    body = json.dumps(obj, separators=(",", ":")).encode()
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20000))  # two nestings of 400 stay encodable
+    try:
+        body = json.dumps(obj, separators=(",", ":")).encode()
+    finally:
+        sys.setrecursionlimit(limit)
     return (seal_like(raw, body) if data.draw(st.booleans(), label="reseal") else body), index
 
 
@@ -765,3 +772,17 @@ def test_regression_value_that_does_not_unpickle(tmp_path, encoded):
     path = _edited_extended(tmp_path, lambda obj: _objects(obj)["config"]["values"].__setitem__(0, {"pickle": encoded}))
     with pytest.raises(tddist.ManifestError, match=r"cannot be unpickled"):
         tddist.load(path, shard=None, allow_pickle=True)
+
+
+def test_regression_zip_version_beyond_zipfile(tmp_path):
+    """A central directory asking for a zip version zipfile does not implement ("zip file version 6.4") was a raw
+    NotImplementedError from ArchiveFiles."""
+    from tddist.layouts.archive import ArchiveFiles
+
+    path = _copy(GOLDEN / "v2" / "extended.tdz", tmp_path / "a.tdz")
+    raw = bytearray(path.read_bytes())
+    cd = raw.find(b"PK\x01\x02")
+    struct.pack_into("<H", raw, cd + 6, 64)  # version needed to extract: 6.4
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="not a readable zip archive"):
+        ArchiveFiles(str(path))

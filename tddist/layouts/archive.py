@@ -143,7 +143,7 @@ class ArchiveFiles:
         self.source = source = opened_as or path
         try:
             zf = zipfile.ZipFile(source)
-        except (zipfile.BadZipFile, OSError, ValueError) as e:
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:  # "zip file version"
             raise CorruptCheckpointError(
                 f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
             ) from None
