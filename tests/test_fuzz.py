@@ -130,7 +130,8 @@ def guarded(fn: Callable[[], str]) -> tuple[str, str]:
 def _record(test: str, outcome: str, detail: str) -> None:
     if STATS:
         with open(STATS, "a") as f:
-            f.write(json.dumps({"test": test, "outcome": outcome, "detail": detail[:300]}) + "\n")
+            short = detail[:300] if outcome == "ok" else detail[-300:]  # a traceback's end names the exception
+            f.write(json.dumps({"test": test, "outcome": outcome, "detail": short}) + "\n")
 
 
 def check_target(path: Path, test: str) -> None:
