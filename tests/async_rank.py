@@ -74,10 +74,11 @@ def scenario_snapshot_and_training(work: Path, comm, rank: int, size: int) -> No
 
 def scenario_buffers_reused(work: Path, comm, rank: int, size: int) -> None:
     """A second asynchronous save of the same structure allocates no new snapshot buffers."""
-    ch = channel(comm)
-    tddist.save(make(rank, 1), work / "reuse", return_early=True).result(60)
+    ch = channel(comm)  # the channel these saves use: they pass the same communicator
+    tddist.save(make(rank, 1), work / "reuse", comm=comm, return_early=True).result(60)
     before = ch.buffers.allocations
-    tddist.save(make(rank, 2), work / "reuse", return_early=True).result(60)
+    assert before > 0, "the first asynchronous save allocated no snapshot buffer on this channel"
+    tddist.save(make(rank, 2), work / "reuse", comm=comm, return_early=True).result(60)
     assert ch.buffers.allocations == before, (before, ch.buffers.allocations)
     full = tddist.load(work / "reuse", shard="saved")
     assert torch.equal(full["w"], make(rank, 2)["w"])
