@@ -21,7 +21,7 @@ from .manifest_io import OpenedCheckpoint
 from .plan import LoadReport, check_exclude, compare, in_scope, leaf_box, object_value
 from .reader import read_leaves
 from .sharding import Box, PerRank, full_box
-from .tree import dtensor_box, flatten, is_dtensor
+from .tree import dtensor_box, flatten, is_dtensor, stack_of
 from .types import AllRows, EvenRows, Key, LoadOptions, ShardRequest
 
 
@@ -137,7 +137,7 @@ def fill(
             kind, value = object_value(
                 manifest.objects[key], _rows_of_plain_targets(options.shard), rank, size, options.allow_pickle
             )
-            _set_object(target, key, NonTensorStack.from_list(value) if kind == "stack" else value)
+            _set_object(target, key, stack_of(value, key) if kind == "stack" else value)
             report.loaded.append(key)
     return report
 

@@ -139,7 +139,13 @@ def _archive_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str]:
             found = fmt.MANIFEST_NAME in infos
             raw = _read_entry(zf, infos[fmt.MANIFEST_NAME], MAX_MANIFEST_BYTES, path) if found else b""
             index = _read_entry(zf, infos[fmt.INDEX_NAME], MAX_INDEX_BYTES, path) if fmt.INDEX_NAME in infos else None
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+    except (
+        zipfile.BadZipFile,
+        OSError,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+    ) as e:  # NotImplemented: a zip version
         raise CorruptCheckpointError(
             f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
         ) from None

@@ -239,14 +239,7 @@ def build(
         root = TensorDict(source, batch_size=consistent_batch(batch, shapes), device=device)
         for name, (kind, value) in node_objects[key].items():
             if kind == "stack":
-                try:
-                    stack = NonTensorStack.from_list(value)
-                except (RuntimeError, ValueError, TypeError) as e:  # rows that tensordict cannot stack
-                    raise ManifestError(
-                        f"non-tensor stack {list((*key, name))} has rows that cannot be stacked ({str(e)[:200]}); "
-                        f"the checkpoint is damaged"
-                    ) from None
-                root.set(name, stack)
+                root.set(name, stack_of(value, (*key, name)))
             else:
                 root.set_non_tensor(name, value)
             if share_non_tensor:
@@ -255,3 +248,17 @@ def build(
             children[key[:-1]][key[-1]] = root
     assert root is not None  # ``nodes`` always holds the root key (), built last
     return root
+
+
+def stack_of(rows: list[Any], key: Key) -> NonTensorStack:
+    """The saved rows of the non-tensor stack ``key`` as a ``NonTensorStack``.
+
+    Raises:
+        ManifestError: rows that tensordict cannot stack (a damaged or crafted manifest).
+    """
+    try:
+        return NonTensorStack.from_list(rows)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ManifestError(
+            f"non-tensor stack {list(key)} has rows that cannot be stacked ({str(e)[:200]}); the checkpoint is damaged"
+        ) from None

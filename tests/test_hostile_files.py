@@ -98,3 +98,17 @@ def test_unpack_writes_only_the_entries_of_the_checkpoint(tmp_path):
     assert torch.equal(
         tddist.load(tmp_path / "out", shard=None, verify=True)["x"], torch.arange(4096.0).reshape(1024, 4)
     )
+
+
+def test_archive_needing_an_unknown_zip_version_is_a_corrupt_checkpoint(tmp_path):
+    """A central directory asking for a zip version Python's zipfile does not implement (6.4) is refused as a
+    damaged archive, not a raw NotImplementedError, by load, read_manifest and verify."""
+    target = tmp_path / "a.tdz"
+    tddist.save({"w": torch.arange(10.0)}, str(target))
+    raw = bytearray(target.read_bytes())
+    at = raw.index(b"PK\x01\x02")  # the first central directory header
+    raw[at + 6 : at + 8] = (64).to_bytes(2, "little")  # "version needed to extract": 6.4
+    target.write_bytes(bytes(raw))
+    for read in (tddist.load, tddist.read_manifest):
+        with pytest.raises(tddist.TddistError, match="not a readable zip archive|damaged"):
+            read(str(target))
