@@ -84,4 +84,3 @@ def group_is_live(group: Any) -> bool:
 
     pg_map = getattr(getattr(c10d, "_world", None), "pg_map", None)
     return True if pg_map is None else group in pg_map
-

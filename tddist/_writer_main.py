@@ -2,7 +2,8 @@
 
 import sys
 
+from tddist.api import _commit_and_open
 from tddist.writer_process import serve
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), sys.argv[2])
+    serve(int(sys.argv[1]), sys.argv[2], _commit_and_open)

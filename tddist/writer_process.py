@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any, cast
@@ -229,15 +230,18 @@ class ProcessWriter:
 # --- the writer process ---------------------------------------------------------------------
 
 
-def serve(fd: int, spec: str) -> None:
+def serve(fd: int, spec: str, commit_and_open: Callable[[Communicator, SaveOptions, Any, Any], Any]) -> None:
     """The writer process (``python -m tddist._writer_main FD SPEC``): join the writers' group, then
-    commit each request until told to stop or the trainer is gone."""
+    commit each request until told to stop or the trainer is gone.
+
+    ``commit_and_open`` is ``api._commit_and_open``, passed in by the entry
+    point so that this module (which ``background`` imports) never imports ``api``.
+    """
     conn = Connection(fd)
     s = json.loads(spec)
     rank, size, prefix, timeout = s["rank"], s["size"], s["prefix"], s["timeout"]
     address = tuple(s["address"]) if s["address"] else None
     torch.set_num_threads(1)
-    from .api import _commit_and_open
     from .merge import PlanCache
 
     comm: Communicator
@@ -266,7 +270,7 @@ def serve(fd: int, spec: str) -> None:
             if request.arena and (arena is None or arena[0] != request.arena):
                 arena = (request.arena, _attach(request.arena, request.arena_bytes, arena))
             shard = _rebuild(request, arena[1] if arena else None)
-            _commit_and_open(comm, request.options, shard, cache)
+            commit_and_open(comm, request.options, shard, cache)
             conn.send(("ok", None))
         except Exception as e:
             conn.send(("error", e))
