@@ -60,13 +60,9 @@ def detect_format(path: str | os.PathLike) -> str:
         )
     if not os.path.isfile(p):
         raise CheckpointNotFoundError(f"nothing to convert at {p!r}; check the source path")
-    lower = p.lower()
-    if lower.endswith(fmt.ARCHIVE_SUFFIX):
-        return "tdz"
-    if lower.endswith(_TORCH_SUFFIXES):
-        return "torch"
-    if lower.endswith(_SAFETENSORS_SUFFIX):
-        return "safetensors"
+    by_suffix = _format_of_suffix(p)
+    if by_suffix is not None:
+        return by_suffix
     if zipfile.is_zipfile(p):
         with zipfile.ZipFile(p) as z:
             return "tdz" if fmt.MANIFEST_NAME in z.namelist() else "torch"
@@ -81,14 +77,19 @@ def target_format(dst: str | os.PathLike, to: str | None = None) -> str:
         if to not in FORMATS:
             raise InvalidArgumentError(f"to={to!r} is not a format; use one of {', '.join(FORMATS)}")
         return to
-    lower = os.fspath(dst).lower()
+    return _format_of_suffix(os.fspath(dst)) or "tddist"
+
+
+def _format_of_suffix(path: str) -> str | None:
+    """The file format a path's suffix names (``.tdz``, ``.pt``/``.pth``, ``.safetensors``), or None."""
+    lower = path.lower()
     if lower.endswith(fmt.ARCHIVE_SUFFIX):
         return "tdz"
     if lower.endswith(_TORCH_SUFFIXES):
         return "torch"
     if lower.endswith(_SAFETENSORS_SUFFIX):
         return "safetensors"
-    return "tddist"
+    return None
 
 
 def convert(

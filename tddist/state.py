@@ -92,19 +92,7 @@ def _model_state(
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = TensorDict({"model": TensorDict(dict(model_sd), batch_size=[])}, batch_size=[])
     if optim_sd is not None:
-        per_param = TensorDict({}, batch_size=[])
-        # torch types both entries as one union; "state" maps each parameter's name to its state.
-        per_param_state = cast("dict[str, dict[str, Any]]", optim_sd.get("state", {}))
-        for fqn, entries in per_param_state.items():
-            node = TensorDict({}, batch_size=[])
-            for name, value in entries.items():
-                if isinstance(value, torch.Tensor):
-                    node.set(name, value)
-                else:
-                    node.set_non_tensor(name, _jsonable(value))
-            per_param.set(str(fqn), node)
-        state.set("optim", TensorDict({"state": per_param}, batch_size=[]))
-        state.set_non_tensor(("optim", "param_groups"), _jsonable(optim_sd.get("param_groups", [])))
+        state.set("optim", _optim_node(cast("dict[str, Any]", optim_sd)))
     return state
 
 
@@ -242,6 +230,7 @@ def _state_of_objects(objects: Mapping[str, Any], options: StateDictOptions | No
 def _optim_node(optim_sd: dict[str, Any]) -> TensorDict:
     """An optimizer's state dict as ``{"state": {fqn: {...}}, "param_groups": [...]}`` (JSON hyper-parameters)."""
     per_param = TensorDict({}, batch_size=[])
+    # torch types both entries as one union; "state" maps each parameter's name to its state.
     for fqn, entries in cast("dict[str, dict[str, Any]]", optim_sd.get("state", {})).items():
         node = TensorDict({}, batch_size=[])
         for name, value in entries.items():
