@@ -314,3 +314,64 @@ def test_an_aborted_save_leaves_the_old_checkpoint_or_a_refused_target(tmp_path,
         assert not (target / fmt.MANIFEST_NAME).exists()
         with pytest.raises(tddist.CheckpointNotFoundError):
             tddist.load(target)
+
+
+def test_recover_restores_one_committed_backup_and_removes_the_rest(tmp_path):
+    """Two committed backups of an absent target: one is restored, the other removed, whatever their order."""
+    target = tmp_path / "ckpt"
+    backups = []
+    for value in (1, 2):
+        tddist.save({"x": torch.full((2,), float(value))}, tmp_path / "b")
+        backups.append(Path(fmt.backup_path(str(target))))
+        os.rename(tmp_path / "b", backups[-1])
+    Path(fmt.trash_path(str(target))).mkdir()
+    done = tddist.recover(target)
+    assert len(done) == 3 and sum(line.startswith("restored ") for line in done) == 1, done
+    restored = next(b for b in backups if f"restored {b} to {target}" in done)
+    other = next(b for b in backups if b != restored)
+    assert f"removed {other}" in done
+    assert leftovers(target) == []
+    assert tddist.load(target)["x"][0].item() == (1.0 if restored == backups[0] else 2.0)
+
+
+def memmap_checkpoint(tmp_path: Path) -> Path:
+    ckpt = tmp_path / "m"
+    results = tddist.run_threads(
+        3,
+        lambda c: tddist.save(
+            TensorDict(x=torch.full((2, 3), float(c.rank)), batch_size=[2]), ckpt, comm=c, layout="memmap"
+        ),  # fmt: skip
+        timeout=60,
+    )
+    assert not any(isinstance(r, BaseException) for r in results), results
+    return ckpt
+
+
+def chunk_file(ckpt: Path, rank: int) -> Path:
+    from tddist.locate import Locator
+
+    m = tddist.read_manifest(ckpt)
+    leaf = m.leaves[("x",)]
+    return ckpt / Locator(m).locate(leaf, leaf.chunk_of_rank(rank)).relpath
+
+
+def test_verify_memmap_reports_each_damaged_file(tmp_path):
+    """Layout "memmap": a missing rank directory, a missing, resized or symlinked chunk file, each reported."""
+    import shutil
+
+    from tddist.verify import MISSING, NOT_A_FILE, SIZE, STRUCTURE, verify
+
+    ckpt = memmap_checkpoint(tmp_path)
+    assert verify(ckpt).ok and verify(ckpt, quick=True).ok
+    shutil.rmtree(ckpt / fmt.rank_dir(2))
+    f1 = chunk_file(ckpt, 1)
+    f1.write_bytes(f1.read_bytes() + b"x")
+    for quick in (False, True):
+        got = [(p.kind, p.key, p.rank) for p in verify(ckpt, quick=quick).problems]
+        assert got == [(STRUCTURE, None, 2), (SIZE, ("x",), 1), (MISSING, ("x",), 2)], got
+    f0 = chunk_file(ckpt, 0)
+    f0.unlink()
+    os.symlink(f1, f0)
+    got = [(p.kind, p.rank, p.file) for p in verify(ckpt).problems]
+    assert got[1] == (NOT_A_FILE, 0, str(f0.relative_to(ckpt))), got
+    assert "restore it from a copy" in verify(ckpt).problems[0].message
