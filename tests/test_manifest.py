@@ -82,7 +82,7 @@ def test_merge_computes_global_shapes_and_offsets_in_rank_order():
     """Global dim-0 size is the sum of the ranks' rows; chunks follow rank order, zero-row ranks
     included; replicated leaves keep one chunk, rank 0's."""
     m = merge(three_ranks((3, 0, 2)), metadata={"step": 1})
-    assert m.world_size == 3 and m.version == 2 and m.packing == "packed"
+    assert m.world_size == 3 and m.version == 3 and m.packing == "packed"
     assert m.nodes == {(): (), ("b",): (5,)} and m.node_rows == {("b",): [3, 0, 2]}
     x = m.leaves[("b", "x")]
     assert x.shape == (5, 4) and x.dtype == torch.float32 and x.placement == Shard(0)
@@ -274,7 +274,7 @@ def test_v1_parses_and_reencodes_as_v2():
     assert [c.box for c in m.leaves[("x",)].chunks] == [((0, 0), (3, 4)), ((3, 0), (0, 4)), ((3, 0), (2, 4))]
     files = encode(m)
     again = parse_manifest(fmt.loads(files.manifest), index=files.index)
-    assert again.version == 2 and set(again.leaves) == set(m.leaves)
+    assert again.version == 3 and set(again.leaves) == set(m.leaves)
     for k in m.leaves:
         assert again.leaves[k].chunks == m.leaves[k].chunks
 

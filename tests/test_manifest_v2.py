@@ -31,6 +31,7 @@ import tddist
 import tddist.reader
 from tddist import CorruptCheckpointError, ManifestError
 from tddist import format as fmt
+from tddist.manifest_checksum import seal
 from tddist.manifest_io import parse_manifest
 from tddist.manifest_v2 import encode
 from tests.helpers import assert_td_equal
@@ -104,8 +105,14 @@ def write(path: Path, obj: dict, index: bytes, *, fix_index: bool = True) -> Non
     """Write ``obj`` and ``index``; with ``fix_index`` the JSON's index size and checksum are those of ``index``."""
     if fix_index:
         obj["index"] = {"size": len(index), "checksum": xxhash.xxh3_64_hexdigest(index)}
-    (path / "tddist.json").write_bytes(fmt.dumps(obj))
+    (path / "tddist.json").write_bytes(sealed(obj))
     (path / "tddist.idx").write_bytes(index)
+
+
+def sealed(obj: dict) -> bytes:
+    """``obj`` as a version-3 writer writes it: its own checksum first (a rewritten manifest gets a new one)."""
+    body = {k: v for k, v in obj.items() if k != "manifest_checksum"}
+    return seal(fmt.dumps(body)) if obj.get("version", 0) >= 3 else fmt.dumps(body)
 
 
 def leaf(obj: dict, *key: str) -> dict:
@@ -582,18 +589,26 @@ def _manifest_files(path: Path) -> tuple[bytes, bytes]:
 
 
 def _round_trip(path: Path) -> None:
+    """The manifest parsed and encoded again: the same bytes (a version-2 manifest comes back as version 3:
+    the same members, with the version and the manifest's own checksum of version 3)."""
     raw, index = _manifest_files(path)
     m = parse_manifest(json.loads(raw), index=index)
     files = encode(m)
-    assert files.manifest == raw
+    if m.version == 3:
+        assert files.manifest == raw
+    else:
+        again = json.loads(files.manifest)
+        assert again.pop("manifest_checksum") and again.pop("version") == 3
+        assert files.manifest == sealed({**json.loads(raw), "version": 3})
     assert files.index == index
 
 
 @pytest.mark.parametrize("name", sorted(recipe.BUILDERS))
-def test_encode_parse_reproduces_the_golden_v2_files(name):
+@pytest.mark.parametrize("version", [2, 3])
+def test_encode_parse_reproduces_the_golden_files(name, version):
     """sharded (dim 0 and dim 1, node and own rows), replicated, DTensor boxes, non-tensor values, memmap
     packing, an archive: the parsed manifest encodes back to the same bytes."""
-    _round_trip(GOLDEN / "v2" / name)
+    _round_trip(GOLDEN / f"v{version}" / name)
 
 
 def test_encode_parse_reproduces_fresh_files(tmp_path):
@@ -645,7 +660,7 @@ def test_v1_manifest_reencoded_as_v2_loads_the_same_data(name, tmp_path):
     (path / "tddist.json").write_bytes(files.manifest)
     (path / "tddist.idx").write_bytes(files.index)
     m2 = tddist.read_manifest(path)
-    assert m2.version == 2 and m2.packing == "memmap" and m2.nodes == m.nodes and m2.objects == m.objects
+    assert m2.version == 3 and m2.packing == "memmap" and m2.nodes == m.nodes and m2.objects == m.objects
     for key, lf in m.leaves.items():
         assert m2.leaves[key].chunks == lf.chunks, key
     assert_td_equal(tddist.load(path, shard=None, verify=True), tddist.load(v1, shard=None, verify=True))
@@ -672,7 +687,7 @@ def test_v1_checkpoint_packs_into_a_v2_archive(name, tmp_path):
     same rows bug shows there: packing a version-1 checkpoint must give an archive with the same data."""
     v1 = GOLDEN / "v1" / name
     tddist.pack(v1, tmp_path / "a.tdz")
-    assert tddist.read_manifest(tmp_path / "a.tdz").version == 2
+    assert tddist.read_manifest(tmp_path / "a.tdz").version == 3
     assert_td_equal(tddist.load(tmp_path / "a.tdz", shard=None, verify=True), tddist.load(v1, shard=None))
 
 
