@@ -396,6 +396,9 @@ def load(
         CheckpointNotFoundError: nothing committed is at ``prefix``.
         ManifestError: the manifest is damaged or from a newer tddist.
         CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
+        CheckpointChangedError: another job replaced the checkpoint while it was read, three times in a
+            row (a load reads one checkpoint whole, and retries by itself when an overwrite removed the
+            files it was about to open); load again.
         IncompatibleCheckpointError: ``into`` does not match the checkpoint
             (strict), or per-rank state saved by another number of ranks
             without ``per_rank=``.
