@@ -122,8 +122,12 @@ def _directory_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str
     manifest = os.path.join(pin.path, fmt.MANIFEST_NAME)
     raw = pin.read_regular(fmt.MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest")
     if raw is None:
+        if pin.replaced():  # the old generation's tree was removed between the open and this read
+            raise pin.missing(fmt.MANIFEST_NAME, "the manifest")
         raise _not_found(pin.path, "has no manifest (it is not a committed tddist checkpoint)")
     index = pin.read_regular(fmt.INDEX_NAME, MAX_INDEX_BYTES, "index")
+    if index is None and pin.replaced():
+        raise pin.missing(fmt.INDEX_NAME, "the index")
     return raw, index, f"manifest {manifest!r}"  # no index: version 1 (a version-2 manifest without one is refused)
 
 

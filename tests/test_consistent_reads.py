@@ -163,6 +163,8 @@ def test_multi_rank_load_reads_one_generation(tmp_path):
                     return None
 
             results = tddist.run_threads(2, load)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            assert not errors, f"a load during an overwrite raised {errors[0]!r}"
             if results[0] is None:
                 assert results == [None, None], "ranks must end the same way"
                 continue

@@ -462,12 +462,12 @@ def test_node_rows_in_the_json_are_refused(multi, monkeypatch):
     refused(multi, "lists node rows in the JSON; version 2 keeps them in the index", monkeypatch)
 
 
-@pytest.mark.parametrize("version", [3, 99])
+@pytest.mark.parametrize("version", [4, 99])
 def test_newer_version_is_refused_as_newer(multi, version, monkeypatch):
     obj, index = read(multi)
     obj["version"] = version
     write(multi, obj, index)
-    refused(multi, rf"has format version {version}, newer than this tddist reads \(2\); upgrade tddist", monkeypatch)
+    refused(multi, rf"has format version {version}, newer than this tddist reads \(3\); upgrade tddist", monkeypatch)
 
 
 def test_version_1_manifest_beside_packed_data_is_refused(multi, monkeypatch):
@@ -498,7 +498,7 @@ def archive(tmp_path) -> Path:
 
 def test_archive_says_memmap(archive):
     m = tddist.read_manifest(archive)
-    assert (m.layout, m.packing, m.version) == ("archive", "memmap", 2)
+    assert (m.layout, m.packing, m.version) == ("archive", "memmap", 3)
 
 
 def test_archive_whose_packing_is_packed_is_refused(archive, monkeypatch):
@@ -507,7 +507,7 @@ def test_archive_whose_packing_is_packed_is_refused(archive, monkeypatch):
             return data
         obj = json.loads(data)
         obj["packing"] = "packed"
-        return fmt.dumps(obj)
+        return sealed(obj)
 
     _rewrite_archive(archive, change)
     refused(archive, "is an archive, whose packing must be 'memmap'", monkeypatch)

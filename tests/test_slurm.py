@@ -21,7 +21,7 @@ import pytest
 
 import tddist
 from tests import slurm_util
-from tests.helpers import missing
+from tests.helpers import leftovers, missing
 from tests.launch_util import REPO, _env
 
 pytestmark = pytest.mark.slurm
@@ -153,4 +153,4 @@ def test_template_saves_requeues_and_resumes(runs: dict[str, Run], cluster, name
     final = run.ckpt / f"step-{STEPS:09d}"
     manifest = tddist.read_manifest(final)
     assert manifest.metadata["step"] == STEPS and manifest.world_size == case.resumed_world
-    assert not any(p.name.startswith(".") for p in run.ckpt.iterdir()), "leftovers beside the checkpoints"
+    assert not leftovers(run.ckpt / "*", strict=True), "leftovers beside the checkpoints"
