@@ -127,15 +127,20 @@ def scenario_budget_streams(work: Path, comm, rank: int, size: int) -> None:
     assert_td_equal(tddist.load(work / "budget", shard="saved", verify=True), expected, f"rank {rank}: budgeted")
 
 
+def fell_back_to_threads(work: Path, comm, rank: int) -> bool:
+    """Under MPI the thread writer does a process-writer save (docs/parameters.md): check that, and say so."""
+    if type(comm).__name__ == "TorchComm":
+        return False
+    out = tddist.save(make(rank, 13), work / "proc", return_early=True, async_writer="process", comm=comm).result(120)
+    assert_td_equal(out, make(rank, 13), f"rank {rank}: process writer falling back to a thread")
+    assert channel(comm)._process is None
+    return True
+
+
 def scenario_process_writer_killed(work: Path, comm, rank: int, size: int) -> None:
     """SIGKILL of the last rank's writer process during a save: every rank's future fails with CommError
     (no hang), the target keeps the previous checkpoint, and the next process save works again."""
-    if type(comm).__name__ != "TorchComm":  # MPI: the thread writer does the save (docs/parameters.md)
-        out = tddist.save(make(rank, 13), work / "proc", return_early=True, async_writer="process", comm=comm).result(
-            120
-        )
-        assert_td_equal(out, make(rank, 13), f"rank {rank}: process writer falling back to a thread")
-        assert channel(comm)._process is None
+    if fell_back_to_threads(work, comm, rank):
         return
     import os
     import signal
@@ -163,12 +168,7 @@ def scenario_process_writer_killed(work: Path, comm, rank: int, size: int) -> No
 
 def scenario_process_writer(work: Path, comm, rank: int, size: int) -> None:
     """The process writer: changes after save returns do not reach the checkpoint; the arena is reused."""
-    if type(comm).__name__ != "TorchComm":  # MPI: the thread writer does the save (docs/parameters.md)
-        out = tddist.save(make(rank, 13), work / "proc", return_early=True, async_writer="process", comm=comm).result(
-            120
-        )
-        assert_td_equal(out, make(rank, 13), f"rank {rank}: process writer falling back to a thread")
-        assert channel(comm)._process is None
+    if fell_back_to_threads(work, comm, rank):
         return
     td = make(rank, 13)
     train = Training(comm)
