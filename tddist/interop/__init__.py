@@ -223,3 +223,11 @@ def jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: jsonable(v) for k, v in value.items()}
     return value
+
+
+def pickle_refused(what: str, e: Exception) -> InvalidArgumentError:
+    """The error for a source holding objects that ``torch.load(weights_only=True)`` refuses to unpickle."""
+    return InvalidArgumentError(
+        f"{what} holds objects that torch.load(weights_only=True) refuses ({str(e).splitlines()[0]}); pass "
+        f"allow_pickle=True (--allow-pickle) only if you trust where it comes from"
+    )

@@ -33,8 +33,18 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from ..errors import InvalidArgumentError, InvalidDataError
-from . import EXPORT_MARKER, EXPORT_VERSION, VALUES_FIELD, Key, Selection, TensorEntry, flat_names, jsonable
+from ..errors import InvalidDataError
+from . import (
+    EXPORT_MARKER,
+    EXPORT_VERSION,
+    VALUES_FIELD,
+    Key,
+    Selection,
+    TensorEntry,
+    flat_names,
+    jsonable,
+    pickle_refused,
+)
 
 METADATA_NAME = ".metadata"
 
@@ -123,10 +133,7 @@ class DcpSource:
             with _one_process():
                 dcp.load(state_dict, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=True)
         except pickle.UnpicklingError as e:
-            raise InvalidArgumentError(
-                f"{list(state_dict)[0]!r} in {self.path!r} holds objects that torch.load(weights_only=True) refuses "
-                f"({str(e).splitlines()[0]}); pass allow_pickle=True (--allow-pickle) only if you trust the source"
-            ) from None
+            raise pickle_refused(f"{list(state_dict)[0]!r} in {self.path!r}", e) from None
         except (OSError, RuntimeError, ValueError) as e:
             raise InvalidDataError(f"cannot read {list(state_dict)[0]!r} from {self.path!r}: {e}") from None
         return planner.values

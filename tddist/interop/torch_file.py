@@ -17,8 +17,19 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError, InvalidDataError
-from . import EXPORT_MARKER, EXPORT_VERSION, KEYS_FIELD, Key, Selection, TensorEntry, flat_names, jsonable, split_name
+from ..errors import InvalidDataError
+from . import (
+    EXPORT_MARKER,
+    EXPORT_VERSION,
+    KEYS_FIELD,
+    Key,
+    Selection,
+    TensorEntry,
+    flat_names,
+    jsonable,
+    pickle_refused,
+    split_name,
+)
 
 #: The attribute of the saved dict that marks a tddist export.
 MARKER_ATTR = "_tddist"
@@ -34,10 +45,7 @@ def _load(path: str, allow_pickle: bool) -> Any:
                 raise
             return torch.load(path, **kwargs)  # a legacy (non-zip) file cannot be mapped
     except pickle.UnpicklingError as e:
-        raise InvalidArgumentError(
-            f"{path!r} holds objects that torch.load(weights_only=True) refuses ({str(e).splitlines()[0]}); pass "
-            f"allow_pickle=True (--allow-pickle) only if you trust where the file comes from"
-        ) from None
+        raise pickle_refused(repr(path), e) from None
     except (RuntimeError, EOFError, OSError) as e:
         raise InvalidDataError(f"{path!r} is not a readable torch.save file: {e}; check the file") from None
 
