@@ -28,6 +28,7 @@ from .errors import (
     RootLockedError,
     SaveInProgressError,
     ShardingError,
+    StorageError,
     TargetError,
     TddistError,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "RootLockedError",
     "CorruptCheckpointError",
     "CheckpointChangedError",
+    "StorageError",
     "IncompatibleCheckpointError",
     "CommError",
     "CommTimeoutError",

@@ -22,7 +22,13 @@ from . import per_rank as pr
 from ._version import __version__
 from .comm import Communicator, LocalComm, resolve, run_step
 from .commit import two_phase_commit
-from .errors import CheckpointChangedError, InvalidArgumentError, TargetError, TddistError
+from .errors import (
+    CheckpointChangedError,
+    InvalidArgumentError,
+    StorageError,
+    TargetError,
+    TddistError,
+)
 from .into import fill
 from .layouts.archive import ArchiveWriter
 from .layouts.directory import DirectoryWriter
@@ -325,13 +331,20 @@ def _commit_and_open(
         opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
         with open_checkpoint(options.target) as opened:
             return _load_from(opened.manifest, options.target, c, opts, own, pinned=opened)
+    except StorageError as e:
+        raise _unreadable_after_commit(c.rank, options.target, e) from e
     except TddistError:
         raise
     except OSError as e:  # the file system failed after the commit (an I/O error, a power loss)
-        raise TargetError(
-            f"rank {c.rank}: the save to {options.target!r} was committed and is durable, but opening it to return "
-            f"it failed: {e}; once the file system is readable again, tddist.load reads it"
-        ) from e
+        raise _unreadable_after_commit(c.rank, options.target, e) from e
+
+
+def _unreadable_after_commit(rank: int, target: str, e: OSError | StorageError) -> TargetError:
+    """The error of a save whose commit is durable but whose checkpoint could not be read back (the I/O failed)."""
+    return TargetError(
+        f"rank {rank}: the save to {target!r} was committed and is durable, but opening it to return it failed: "
+        f"{e}; once the file system is readable again, tddist.load reads it"
+    )
 
 
 def load(

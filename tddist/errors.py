@@ -61,6 +61,10 @@ class CheckpointChangedError(TddistError):
     """A checkpoint was replaced by an overwrite while it was being read; loading it again reads the new one whole."""
 
 
+class StorageError(TddistError):
+    """The storage failed under a read (an I/O error such as EIO, a permission denied); the checkpoint may be intact."""
+
+
 class CommError(TddistError):
     """A collective operation failed: a peer died or the transport broke."""
 
@@ -113,6 +117,7 @@ BY_NAME: dict[str, type[TddistError]] = {
         IncompatibleCheckpointError,
         CorruptCheckpointError,
         CheckpointChangedError,
+        StorageError,
         CommError,
         CommTimeoutError,
         CollectiveError,

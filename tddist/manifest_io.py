@@ -16,7 +16,7 @@ from . import format as fmt
 from . import manifest_checksum, manifest_v1, manifest_v2
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from .manifest import Manifest, Parser, check_keys, parse_header, parse_objects
-from .pinned import PinnedCheckpoint
+from .pinned import PinnedCheckpoint, storage_failed
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,10 @@ def _directory_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str
 
 def _archive_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str]:
     path = pin.path
+    try:
+        os.pread(pin.fd, 4, 0)  # is_zipfile would call a file it cannot read "not a zip file"
+    except OSError as e:
+        raise storage_failed(path, e) from e
     if not zipfile.is_zipfile(pin.fd_path):
         raise CheckpointNotFoundError(
             f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
@@ -143,9 +147,10 @@ def _archive_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str]:
             found = fmt.MANIFEST_NAME in infos
             raw = _read_entry(zf, infos[fmt.MANIFEST_NAME], MAX_MANIFEST_BYTES, path) if found else b""
             index = _read_entry(zf, infos[fmt.INDEX_NAME], MAX_INDEX_BYTES, path) if fmt.INDEX_NAME in infos else None
+    except OSError as e:
+        raise storage_failed(path, e) from e
     except (
         zipfile.BadZipFile,
-        OSError,
         ValueError,
         EOFError,
         NotImplementedError,

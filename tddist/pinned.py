@@ -22,7 +22,13 @@ import errno
 import os
 import stat
 
-from .errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from .errors import (
+    CheckpointChangedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    StorageError,
+)
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO must not block the open
@@ -45,6 +51,8 @@ class PinnedCheckpoint:
             raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist") from None
         except NotADirectoryError:
             raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist (a parent is not a directory)") from None
+        except OSError as e:
+            raise storage_failed(path, e) from e
         st = os.fstat(self.fd)
         self.inode = (st.st_dev, st.st_ino)
         self.archive = stat.S_ISREG(st.st_mode)
@@ -84,6 +92,8 @@ class PinnedCheckpoint:
                     f"{what} {shown!r} has {st.st_size} bytes, more than tddist reads ({limit}); refusing it"
                 )
             data = _read_up_to(fd, st.st_size + 1)
+        except OSError as e:
+            raise storage_failed(shown, e) from e
         finally:
             os.close(fd)
         if len(data) != st.st_size:
@@ -115,7 +125,7 @@ class PinnedCheckpoint:
                     f"regular file inside it; "
                     f"refusing it"
                 ) from None
-            raise
+            raise storage_failed(os.path.join(self.path, relpath), e) from e
         finally:
             for fd in fds:
                 os.close(fd)
@@ -152,6 +162,15 @@ class PinnedCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def storage_failed(path: str, e: OSError) -> StorageError:
+    """The error for an I/O failure reading ``path`` of a checkpoint: the storage failed, not the checkpoint."""
+    return StorageError(
+        f"reading {path!r} failed: {e.strerror or e} (errno {e.errno}); the storage failed, which does not mean the "
+        f"checkpoint is damaged: check the file system (its mount, the kernel log, permissions) and load it again "
+        f"once it is readable"
+    )
 
 
 def _read_up_to(fd: int, n: int) -> bytes:

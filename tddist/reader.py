@@ -23,6 +23,7 @@ from .layouts.directory import DirectoryFiles
 from .locate import Locator
 from .manifest import Chunk, Leaf, Manifest
 from .manifest_io import OpenedCheckpoint
+from .pinned import storage_failed
 from .sharding import Box, ReadPiece, plan_reads
 from .types import Key
 
@@ -138,7 +139,7 @@ def read_leaves(
     except OSError as e:
         if e.errno == errno.ENOMEM:
             raise
-        raise CorruptCheckpointError(f"cannot read checkpoint {root!r}: {e}") from e
+        raise storage_failed(root, e) from e
     finally:
         if pool is not None:
             pool.shutdown()

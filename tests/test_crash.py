@@ -140,3 +140,84 @@ def _wait(pid: int, timeout: float) -> tuple[int, int]:
     os.killpg(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     raise AssertionError(f"process {pid} did not end within {timeout}s")
+
+
+@pytest.mark.parametrize("kind", CUT_FS)
+def test_reading_a_failed_file_system_is_a_tddist_error(kind: str, tmp_path: Path) -> None:
+    """Reads from a file system that failed under them (EIO) raise TddistErrors, never torch's RuntimeError.
+
+    A rank that survives a power cut reads the checkpoint it just committed
+    back; a descriptor it opened before the cut must not turn into a
+    RuntimeError from ``torch.from_file`` when it is mapped after.
+    """
+    why = ch.mount_problem()
+    if why:
+        _unavailable(why)
+    ch.warm_up()
+    fs = ch.LoopFS(kind, tmp_path / f"{kind}.img", tmp_path / "mnt")
+    try:
+        fs.create()
+    except RuntimeError as e:
+        _unavailable(f"cannot set up a loop-mounted {kind}: {e}")
+    report = tmp_path / "report.json"
+    try:
+        pid = ch._fork(_read_after_shut_down, str(fs.mnt), str(report), log=tmp_path / "child.log")
+        _pid, status = _wait(pid, 120)
+        log = (tmp_path / "child.log").read_text() if (tmp_path / "child.log").exists() else ""
+        assert os.waitstatus_to_exitcode(status) == 0, f"the reading process failed:\n{log}"
+    finally:
+        fs.destroy()
+    import json
+
+    seen = json.loads(report.read_text())
+    assert seen["map"] == "OSError 5", seen
+    for what in ("load directory", "load archive", "pinned read directory", "pinned read archive"):
+        assert seen[what].startswith("tddist:"), f"{what}: {seen[what]}"
+
+
+def _read_after_shut_down(mnt: str, report: str) -> None:
+    import json
+    import traceback
+
+    import torch
+    from tensordict import TensorDict
+
+    import tddist
+    from tddist._faults import shut_down
+    from tddist.layouts.base import map_copy_on_write
+    from tddist.manifest_io import open_checkpoint
+    from tddist.reader import read_leaves
+    from tddist.sharding import full_box
+
+    td = TensorDict({"w": torch.arange(1 << 16, dtype=torch.float32)}, batch_size=[])
+    targets = {"directory": os.path.join(mnt, "ckpt"), "archive": os.path.join(mnt, "ckpt.tdz")}
+    for target in targets.values():
+        tddist.save(td, target)
+    data_file = next(os.path.join(r, f) for r, _, fs in os.walk(targets["directory"]) for f in fs if f != "tddist.json")
+    opened = {name: open_checkpoint(t) for name, t in targets.items()}
+    fd = os.open(data_file, os.O_RDONLY)
+    shut_down(mnt)
+    seen: dict[str, str] = {}
+
+    def outcome(fn) -> str:
+        try:
+            fn()
+        except tddist.TddistError as e:
+            return f"tddist: {type(e).__name__}: {e}"
+        except OSError as e:
+            return f"OSError {e.errno}" + ("" if fn is map_first_page else f": {traceback.format_exc()}")
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "returned"
+
+    def map_first_page() -> None:
+        map_copy_on_write(f"/proc/self/fd/{fd}", 4096)
+
+    seen["map"] = outcome(map_first_page)
+    for name, target in targets.items():
+        seen[f"load {name}"] = outcome(lambda t=target: tddist.load(t))
+        o = opened[name]
+        requests = [(leaf, full_box(leaf.shape)) for leaf in o.manifest.leaves.values()]
+        seen[f"pinned read {name}"] = outcome(lambda o=o, r=requests: read_leaves(o, o.manifest, r, 1, False))
+    with open(report, "w") as f:
+        json.dump(seen, f)

@@ -23,6 +23,7 @@ from .._fs import makedirs_durable
 from ..checksum import EMPTY, combine_digests
 from ..errors import CorruptCheckpointError, TargetError
 from ..locate import Location
+from ..pinned import storage_failed
 from ..publish import discard, publish
 from ..recovery import is_tddist_archive
 from ..types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
@@ -40,7 +41,7 @@ from ..zipcodec import (
     write_region,
     write_tail_and_directory,
 )
-from .base import WriterBase, node_meta_files
+from .base import WriterBase, map_copy_on_write, node_meta_files
 
 
 def check_archive_target(target: str) -> bool:
@@ -143,16 +144,14 @@ class ArchiveFiles:
         self.source = source = opened_as or path
         try:
             zf = zipfile.ZipFile(source)
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:  # "zip file version"
+        except OSError as e:
+            raise storage_failed(path, e) from e
+        except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as e:  # "zip file version"
             raise CorruptCheckpointError(
                 f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
             ) from None
         size = os.path.getsize(source)
-        self.tensor = (
-            torch.from_file(source, shared=False, size=size, dtype=torch.uint8)
-            if size
-            else torch.empty(0, dtype=torch.uint8)
-        )
+        self.tensor = map_copy_on_write(source, size) if size else torch.empty(0, dtype=torch.uint8)
         self.map = self.tensor.numpy()
         self.entries: dict[str, tuple[int, zipfile.ZipInfo]] = {}
         spans = []

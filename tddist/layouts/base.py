@@ -9,11 +9,13 @@ storage) is a new ``ShardWriter``, not new branches in the commit.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from .. import format as fmt
 from ..checksum import checksum_bytes, tensor_bytes
@@ -36,9 +38,6 @@ from ..types import (
     StoredBytes,
     Structure,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 #: Replicas of at most this many bytes are hashed on every rank and compared with rank 0's copy even without
 #: ``check_replicas``: a small non-batched leaf whose value differs by rank (an RNG state, a step counter) is
@@ -165,6 +164,19 @@ class WriterBase:
         """Remember what this rank sent, once the save is committed (the cached path of the next save)."""
         if self.cache is not None and self.structure is not None:
             self.cache.committed(self.structure.digest, self.boxes)
+
+
+def map_copy_on_write(path: str, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of the file at ``path`` as a uint8 tensor mapped copy-on-write.
+
+    ``torch.from_file`` reports a failing file system (EIO after a power
+    loss, say) as a RuntimeError; this raises it as the OSError it is, so
+    that readers report it as an I/O failure of the checkpoint.
+    """
+    try:
+        return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
+    except RuntimeError as e:
+        raise OSError(errno.EIO, f"cannot map {nbytes} bytes of {path!r}: {e}") from e
 
 
 def _nbytes(t: torch.Tensor) -> int:

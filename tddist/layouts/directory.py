@@ -24,7 +24,7 @@ from ..publish import discard, publish
 from ..recovery import is_tddist_dir
 from ..types import Fragment, ManifestFiles, SavePlan, Staging
 from ..writer import write_packed, write_shard
-from .base import WriterBase
+from .base import WriterBase, map_copy_on_write
 
 
 def check_target(target: str) -> bool:
@@ -140,6 +140,6 @@ class DirectoryFiles:
                     f"truncated"
                 )
             # the descriptor's own inode, whatever is at ``path`` now
-            return torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=nbytes, dtype=torch.uint8)
+            return map_copy_on_write(f"/proc/self/fd/{fd}", nbytes)
         finally:
             os.close(fd)
