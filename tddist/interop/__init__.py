@@ -18,6 +18,7 @@ name stays one flat key.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -123,6 +124,21 @@ class Selection:
         for key, entry in self.tensors:
             yield key, self.read(entry)
 
+    def spilled_leaves(self, directory: str) -> Iterator[tuple[Key, torch.Tensor]]:
+        """Each tensor leaf in turn, for a writer that keeps them all: at most one is held in anonymous memory.
+
+        ``torch.save``, ``dcp.save`` and ``tddist.save`` take every leaf at
+        once. A leaf read into memory (a DCP or safetensors source, a sharded
+        or cast leaf) is written to a file in ``directory`` and handed on as a
+        copy-on-write map of it; a leaf that already is a map of its source
+        file is handed on as it is. Mapped pages are the kernel's page cache,
+        which it reclaims under memory pressure; anonymous memory it cannot.
+        """
+        spill = _Spill(directory)
+        for key, entry in self.tensors:
+            held = spill.hold(self.read(entry))  # the leaf read is freed here, before the next one is read
+            yield key, held
+
     def value_items(self) -> Iterator[tuple[Key, Any]]:
         for key, src_key in self.values:
             yield key, self.source.value(src_key)
@@ -130,6 +146,46 @@ class Selection:
     @property
     def total_bytes(self) -> int:
         return sum(e.nbytes for _k, e in self.tensors)
+
+
+#: Leaves below this size stay in memory when spilled (a file and a mapping each would cost more than they hold).
+SPILL_MIN_BYTES = 1 << 20
+
+
+class _Spill:
+    """Files that hold read leaves out of anonymous memory; each file is unlinked as soon as it is mapped.
+
+    So nothing is left behind, even by a killed process: the kernel frees a
+    spilled leaf's file when its last map goes. Written with ``os.pwrite``
+    (no library streams a tensor to a file without a second copy in memory).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.count = 0
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        from .._memmaps import mapped_file
+
+        nbytes = t.numel() * t.element_size()
+        if nbytes < SPILL_MIN_BYTES or t.device.type != "cpu" or mapped_file(t) is not None:
+            return t
+        flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+        self.count += 1
+        path = os.path.join(self.directory, f".tddist-convert-spill-{os.getpid()}-{self.count}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.unlink(path)
+            view = memoryview(flat)  # type: ignore[arg-type]  # numpy arrays are buffers
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(fd, view[done : done + (1 << 30)], done)
+            mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=nbytes, dtype=torch.uint8)
+        finally:
+            os.close(fd)
+        return mapped.view(t.dtype).view(t.shape)
 
 
 def select(

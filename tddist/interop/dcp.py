@@ -190,7 +190,7 @@ def write_dcp(sel: Selection, path: str) -> None:
     keys = [k for k, _ in sel.tensors] + [k for k, _ in sel.values]
     names, _odd = flat_names(keys)
     state: dict[str, Any] = {}
-    for key, t in sel.leaves():
+    for key, t in sel.spilled_leaves(os.path.dirname(path)):
         state[names[key]] = t
     planner_data: dict[str, Any] = {names[k]: k for k, _ in sel.tensors}
     for key, v in sel.value_items():

@@ -70,10 +70,11 @@ def write_tddist(
 ) -> None:
     """Save the selection as a one-rank tddist checkpoint at ``dst`` (committed atomically by ``save``).
 
-    ``save`` takes every leaf at once: leaves read from a tddist checkpoint or
-    a ``torch.save`` file are copy-on-write maps, read as they are written.
+    ``save`` takes every leaf at once: each leaf is a copy-on-write map (of
+    the source, or of a spill file beside ``dst``), read as it is written
+    (``Selection.spilled_leaves``).
     """
-    items: list[tuple[Key, Any]] = list(sel.leaves())
+    items: list[tuple[Key, Any]] = list(sel.spilled_leaves(os.path.dirname(dst)))
     items += [(k, NonTensorData(data=v)) for k, v in sel.value_items()]  # a dict value stays one value
     data = nested_dict(items)
     save(

@@ -12,6 +12,7 @@ export is one flat ``OrderedDict`` ``{"model.w": tensor, ...}`` (the form
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 from typing import Any
 
@@ -124,13 +125,14 @@ def _holds_tensor(v: Any) -> bool:
 def write_torch(sel: Selection, path: str) -> None:
     """``torch.save`` the selection as one flat dict at ``path``.
 
-    ``torch.save`` takes the whole dict: leaves read from a tddist checkpoint
-    are copy-on-write maps, paged in as they are written.
+    ``torch.save`` takes the whole dict: each leaf is a copy-on-write map
+    (of the source, or of a spill file beside ``path``), paged in as it is
+    written (``Selection.spilled_leaves``).
     """
     keys = [k for k, _ in sel.tensors] + [k for k, _ in sel.values]
     names, odd = flat_names(keys)
     out: collections.OrderedDict[str, Any] = collections.OrderedDict()
-    for key, t in sel.leaves():
+    for key, t in sel.spilled_leaves(os.path.dirname(path)):
         out[names[key]] = t
     for key, v in sel.value_items():
         out[names[key]] = v
