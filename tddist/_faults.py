@@ -17,6 +17,11 @@ set this is one dict lookup. Actions:
 - ``hang``: sleep forever;
 - ``delay``: sleep one second, then go on.
 
+``TDDIST_FAULT_THREAD=<prefix>`` strikes only threads whose name starts with
+``<prefix>`` (the commit of a background save runs on ``tddist-save-rank<r>``),
+so a fault can hit a background commit and not a foreground one of the same
+rank number.
+
 ``TDDIST_NO_EXCHANGE=1`` (or ``without_exchange()`` in-process) makes
 ``publish`` behave as where ``renameat2(RENAME_EXCHANGE)`` is unsupported, so
 an existing checkpoint is replaced through a backup name.
@@ -29,6 +34,7 @@ import fcntl
 import os
 import signal
 import struct
+import threading
 import time
 from collections.abc import Iterator
 
@@ -37,6 +43,7 @@ from .errors import InjectedFault
 ENV = "TDDIST_FAULT"
 POWERCUT_ENV = "TDDIST_POWERCUT_PATH"
 NO_EXCHANGE_ENV = "TDDIST_NO_EXCHANGE"
+THREAD_ENV = "TDDIST_FAULT_THREAD"
 FS_IOC_GOINGDOWN = 0x8004587D  # _IOR('X', 125, __u32), shared by XFS and ext4
 FSOP_GOING_FLAGS_NOLOGFLUSH = 2  # do not flush the log: what was not fsynced is lost
 _injected: dict[tuple[str, int], str] = {}
@@ -57,7 +64,7 @@ def fault_point(point: str, rank: int) -> None:
     action = _injected.get((point, rank))
     if action is None and ENV in os.environ:
         action = _from_env().get((point, rank))
-    if action is None:
+    if action is None or not threading.current_thread().name.startswith(os.environ.get(THREAD_ENV, "")):
         return
     if action == "raise":
         raise InjectedFault(f"rank {rank}: injected failure at commit step {point!r}")
