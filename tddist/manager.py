@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from tensordict import TensorDictBase
 
-from . import root_lock
+from . import promotion, root_lock
 from .api import load, save
-from .comm import decide_on_rank0, resolve
+from .comm import Communicator, agree, collective_error, contribute, decide_on_rank0, resolve, run_step
 from .errors import CheckpointNotFoundError, InvalidArgumentError, TddistError
+from .local_tier import LocalTier, complete_steps, expand
 from .manifest_io import read_manifest
 from .plan import LoadReport
 from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_entries, step_name
@@ -90,25 +91,46 @@ class Restored(int):
 
     Attributes:
         step: the step of the checkpoint loaded, 0 when there was none.
-        path: the checkpoint loaded, or None.
+        path: the checkpoint loaded (with ``tier="local"``, this rank's own
+            part of the node-local copy), or None.
         report: what ``tddist.load(into=...)`` found (loaded, skipped, ...), or None.
+        tier: where it came from: ``"shared"`` (the manager's root),
+            ``"local"`` (the node-local copy, see ``local_dir``), or None
+            when nothing was restored.
     """
 
     step: int
     path: str | None = None
     report: LoadReport | None = None
+    tier: str | None = None
 
-    def __new__(cls, step: int, path: str | None = None, report: LoadReport | None = None) -> Restored:
+    def __new__(
+        cls, step: int, path: str | None = None, report: LoadReport | None = None, tier: str | None = None
+    ) -> Restored:
         return super().__new__(cls, step)
 
     def __repr__(self) -> str:
-        return f"Restored(step={self.step}, path={self.path!r}, report={self.report!r})"
+        return f"Restored(step={self.step}, path={self.path!r}, report={self.report!r}, tier={self.tier!r})"
 
     def __str__(self) -> str:
         return str(self.step)
 
     __format__ = int.__format__
     __hash__ = int.__hash__
+
+
+@dataclass(frozen=True)
+class StepVote:
+    """What each rank tells the others at every ``step()`` (one allgather).
+
+    Attributes:
+        preempt: a preemption was requested on this rank.
+        promotion_done: this rank's promotion in flight has ended (committed or failed);
+            once it has on every rank, every rank takes its outcome at the same step.
+    """
+
+    preempt: bool
+    promotion_done: bool
 
 
 def _state_of(state: Any) -> Any:
@@ -157,6 +179,20 @@ class CheckpointManager:
     None. ``save_kwargs`` go to ``tddist.save`` (``metadata`` is merged with
     the step).
 
+    ``local_dir`` adds a node-local tier (docs/jobs.md, "Node-local tier"):
+    each save first commits every rank's shard to fast storage of its own
+    node, as the one-rank checkpoint ``<local_dir>/step-<step>/rank-<r>-of-<world>``
+    (``{rank}`` in ``local_dir`` is replaced by the rank), and returns once
+    every rank's part is committed; then it is promoted to ``root`` in the
+    background, by a collective ``tddist.save`` of the data mapped back from
+    the local copy (the shared checkpoint commits whole, or not at all).
+    ``restore`` loads each rank's own part when every rank holds its part of
+    the newest step for the same world size, and the shared root otherwise.
+    A failed promotion keeps the local copy and raises, on every rank, from
+    the next ``step()``, ``save()``, ``wait()`` or ``close()``. The newest
+    complete local copy is kept, and older ones until a promotion of them or
+    of a newer step has committed.
+
     Args:
         root: the directory holding the step checkpoints (created by the first save).
         keep_last: how many committed checkpoints to keep (None: all).
@@ -169,6 +205,11 @@ class CheckpointManager:
             name ("USR1", "SIGTERM"), a comma-separated string, a list, or None.
         save_kwargs: keyword arguments of every ``tddist.save``; ``data``,
             ``prefix``, ``comm`` and ``return_early`` are the manager's.
+        local_dir: node-local storage for the local tier (a directory, created
+            when needed; ``{rank}`` is replaced by the rank), or None (save to
+            ``root`` only). Each node may have its own: no rank reads another
+            rank's local files. Not with ``async_save`` (promotions already run
+            in the background).
 
     Attributes:
         should_stop: True once a requested preemption has been saved; the
@@ -176,7 +217,7 @@ class CheckpointManager:
 
     Raises:
         InvalidArgumentError: an invalid ``keep_last``, ``every``,
-            ``preempt_signal`` or ``save_kwargs``.
+            ``preempt_signal``, ``save_kwargs`` or ``local_dir``.
         RootLockedError: another live job holds ``root`` (on every rank; the
             message names its host and pid).
         TddistError: rank 0 could not clean up ``root`` (the same error on
@@ -194,9 +235,15 @@ class CheckpointManager:
         comm: Any = None,
         preempt_signal: Any = signal.SIGUSR1,
         save_kwargs: dict[str, Any] | None = None,
+        local_dir: str | os.PathLike | None = None,
     ) -> None:
         _check_count("keep_last", keep_last, allow_none=True)
         _check_count("every", every, allow_none=True)
+        if local_dir is not None and async_save:
+            raise InvalidArgumentError(
+                "async_save=True with local_dir: the local tier already promotes to the root in the background; "
+                "pass one of them"
+            )
         self.save_kwargs = dict(save_kwargs or {})
         bad = _RESERVED & set(self.save_kwargs)
         if bad:
@@ -208,6 +255,12 @@ class CheckpointManager:
         self._requested = False
         self._pending: tuple[int, Future, float] | None = None
         self._locked = False
+        self._tier = (
+            None if local_dir is None else LocalTier(expand(local_dir, self.comm.rank), self.comm.rank, self.comm.size)
+        )
+        self._promotion: promotion.Promotion | None = None
+        self._newest_local: int | None = None  # the newest complete local copy saved by this manager
+        self._promoted: int | None = None  # the newest step whose promotion committed
         self._handlers = self._install(parse_signals(preempt_signal))
         try:
             done = self._on_rank0("lock and clean-up of " + self.root, self._lock_and_clean)
@@ -288,10 +341,17 @@ class CheckpointManager:
             **load_kwargs: passed to ``tddist.load`` (``strict``, ``verify``,
                 ``keys``, ``exclude``, ``per_rank``, ...).
 
+        With ``local_dir``, the ranks first agree (one allgather) on the steps
+        of which every rank holds its local part for this world size; if the
+        newest of them (or ``step``) is at least as new as the newest shared
+        checkpoint, every rank loads its own part and ``tier`` is "local".
+        If a rank cannot load its part, every rank loads from the shared root.
+
         Returns:
             A ``Restored``: an int equal to the step of the checkpoint loaded
-            (0 if there is none), with its ``path`` and the load's ``report``
-            (what was loaded, skipped, missing or unexpected).
+            (0 if there is none), with its ``path``, the load's ``report``
+            (what was loaded, skipped, missing or unexpected) and the ``tier``
+            it came from.
 
         Raises:
             CheckpointNotFoundError: ``required`` and nothing to restore, or no
@@ -304,8 +364,19 @@ class CheckpointManager:
         """
         if step is not None:
             _check_step(step)
+        complete = complete_steps(self.comm, self._tier) if self._tier is not None else frozenset()
         found = self._on_rank0(f"finding the checkpoint to restore in {self.root}", lambda: self._find(step))
+        local = _pick_local(complete, step, found[1] if isinstance(found, tuple) else None)
+        local_error: TddistError | None = None
+        if local is not None:
+            try:
+                return self._restore_local(state, local, load_kwargs)
+            except TddistError as e:  # the same on every rank: all of them go to the shared root
+                local_error = e
+                logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
         if isinstance(found, str):
+            if local_error is not None:
+                raise local_error
             if step is not None:
                 raise CheckpointNotFoundError(
                     f"rank {self.comm.rank}: {found}; restore(step={step}) has nothing to load"
@@ -318,26 +389,36 @@ class CheckpointManager:
                 logger.info("%s: starting from step 0", found)
             return Restored(0)
         path, at = found
-        objects = _state_of(state)
-        pair = _model_pair(objects)
-        if pair is not None:
-            full = get_state(*pair)
-            report = load(path, comm=self.comm, into=full, **load_kwargs)
-            set_state(pair[0], pair[1], full)
-        elif holds_objects(objects):
-            full = get_state(objects)
-            report = load(path, comm=self.comm, into=full, **load_kwargs)
-            set_state(objects, full)
-        else:
-            report = load(path, comm=self.comm, into=objects, **load_kwargs)
-        assert isinstance(report, LoadReport)  # load(into=...) returns its report
+
+        def shared(into: Any) -> LoadReport:
+            report = load(path, comm=self.comm, into=into, **load_kwargs)
+            assert isinstance(report, LoadReport)  # load(into=...) returns its report
+            return report
+
+        report = _fill(state, shared)
+        self._log_restored(path, at, report)
+        return Restored(at, path, report, "shared")
+
+    def _restore_local(self, state: Any, step: int, load_kwargs: dict[str, Any]) -> Restored:
+        """Every rank loads its own local part of ``step``; the same error on every rank if any rank fails."""
+        tier = self._tier
+        assert tier is not None
+        outcome = contribute(lambda: _fill(state, lambda into: tier.load_into(step, into, load_kwargs)))
+        failures = {r: f for r, f in enumerate(self.comm.allgather(outcome.failure)) if f is not None}
+        if failures:
+            raise collective_error(f"restoring step {step} from the node-local copies", failures)
+        assert outcome.value is not None
+        path = tier.part(step)
+        self._log_restored(path, step, outcome.value)
+        return Restored(step, path, outcome.value, "local")
+
+    def _log_restored(self, path: str, step: int, report: LoadReport) -> None:
         if report.skipped:
             logger.warning(
                 "rank %d: restoring %s left out %s", self.comm.rank, path,
                 "; ".join(f"{'/'.join(k)} ({why})" for k, why in list(report.skipped.items())[:10]),
             )  # fmt: skip
-        logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, at)
-        return Restored(at, path, report)
+        logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, step)
 
     def _find(self, step: int | None) -> tuple[str, int] | str:
         """Rank 0: (path, step) of the checkpoint to restore, or why there is none."""
@@ -373,8 +454,15 @@ class CheckpointManager:
             TddistError: the save failed (the same error on every rank; see ``tddist.save``).
         """
         _check_step(step)
-        self._retire_finished()
-        preempt = any(self.comm.allgather(self._requested))
+        if self._tier is None:
+            self._retire_finished()
+            preempt = any(self.comm.allgather(self._requested))
+        else:
+            done = self._promotion is not None and self._promotion.future.done()
+            votes: list[StepVote] = self.comm.allgather(StepVote(self._requested, done))
+            preempt = any(v.preempt for v in votes)
+            if all(v.promotion_done for v in votes):
+                self.wait()  # every rank takes the promotion's outcome (its error, too) at the same step
         due = preempt or (self.every is not None and step % self.every == 0)
         if due:
             self.save(step, state)  # a callable state is called (the TensorDict built) only here
@@ -389,7 +477,9 @@ class CheckpointManager:
         """Save ``state`` as the checkpoint of ``step`` now (collective), after any save in flight.
 
         Retention runs once it is committed (for an asynchronous save, at the
-        next ``step()``, ``save()`` or ``wait()``).
+        next ``step()``, ``save()`` or ``wait()``). With ``local_dir`` it
+        returns once every rank's local part is committed, and the promotion
+        to ``root`` runs in the background.
 
         Args:
             step: the training step, stored in the checkpoint's metadata.
@@ -412,6 +502,9 @@ class CheckpointManager:
         kwargs = dict(self.save_kwargs)
         metadata = {**(kwargs.pop("metadata", None) or {}), "step": step}
         path, start = self.path(step), time.monotonic()
+        if self._tier is not None:
+            self._save_tiered(step, data, metadata, kwargs, start)
+            return
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
             self._pending = (step, fut, start)
@@ -420,12 +513,49 @@ class CheckpointManager:
         logger.info("rank %d: saved step %d in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain(step)
 
+    def _save_tiered(
+        self, step: int, data: Any, metadata: dict[str, Any], kwargs: dict[str, Any], start: float
+    ) -> None:
+        """Commit every rank's local part, agree that all did, then start the promotion to ``root``."""
+        tier = self._tier
+        assert tier is not None
+        mapped = run_step(
+            self.comm,
+            f"saving step {step} to the node-local tier",
+            lambda: tier.save(data, step, metadata, kwargs),
+        )
+        self._newest_local = step
+        logger.info("rank %d: saved step %d locally in %.2fs", self.comm.rank, step, time.monotonic() - start)
+        self._retain_local()
+        self._promotion = promotion.start(
+            self.comm, step, tier.part(step), self.path(step), mapped, metadata, kwargs, self._prepare_root, start
+        )
+
+    def _prepare_root(self, comm: Communicator) -> None:
+        """(promotion worker, on every rank) Create and lock the root before the first promotion into it."""
+        if self._locked:
+            return
+
+        def make(_none: object) -> None:
+            os.makedirs(self.root, exist_ok=True)
+            root_lock.acquire(self.root)
+
+        decide_on_rank0(comm, "creating and locking " + self.root, make)
+        self._locked = True
+
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise its error (the same on every rank); apply retention.
 
+        With ``local_dir``: wait for the promotion in flight (collective: the
+        ranks agree on its outcome).
+
         Raises:
-            TddistError: the save in flight failed (see ``tddist.save``).
+            TddistError: the save in flight failed (see ``tddist.save``); a
+                failed promotion names its step, and its local copy is kept.
         """
+        if self._tier is not None:
+            self._wait_promotion()
+            return
         if self._pending is None:
             return
         step, fut, start = self._pending
@@ -433,6 +563,26 @@ class CheckpointManager:
         fut.result()
         logger.info("rank %d: saved step %d %.2fs after it started", self.comm.rank, step, time.monotonic() - start)
         self._retain(step)
+
+    def _wait_promotion(self) -> None:
+        p = self._promotion
+        if p is None:
+            return
+        self._promotion = None
+        agree(self.comm, f"the promotion of step {p.step} to {p.target}", p.future.exception())
+        logger.info(
+            "rank %d: promoted step %d %.2fs after it started", self.comm.rank, p.step, time.monotonic() - p.started
+        )
+        self._promoted = p.step
+        self._retain(p.step)
+        self._retain_local()
+
+    def _retain_local(self) -> None:
+        """Drop this rank's local parts older than the newest complete one and no newer than the newest promoted."""
+        if self._tier is None or self._newest_local is None or self._promoted is None:
+            return
+        newest, promoted = self._newest_local, self._promoted
+        self._tier.drop(frozenset(s for s in self._tier.on_disk() if s < newest and s <= promoted))
 
     def request_preemption(self) -> None:
         """Ask the ranks to save and stop at the next ``step()``, as the preemption signal does."""
@@ -505,6 +655,32 @@ class CheckpointManager:
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         self._handlers = {}
+
+
+def _fill(state: Any, load_into: Callable[[Any], LoadReport]) -> LoadReport:
+    """Load into ``state`` (a TensorDict or dict in place, a model pair or objects through get/set_state)."""
+    objects = _state_of(state)
+    pair = _model_pair(objects)
+    if pair is not None:
+        full = get_state(*pair)
+        report = load_into(full)
+        set_state(pair[0], pair[1], full)
+    elif holds_objects(objects):
+        full = get_state(objects)
+        report = load_into(full)
+        set_state(objects, full)
+    else:
+        report = load_into(objects)
+    return report
+
+
+def _pick_local(complete: frozenset[int], step: int | None, shared: int | None) -> int | None:
+    """The local copy to restore: ``step`` if complete; else the newest complete one, unless the shared root has a newer one."""
+    if step is not None:
+        return step if step in complete else None
+    if not complete or (shared is not None and shared > max(complete)):
+        return None
+    return max(complete)
 
 
 def _check_step(step: object) -> None:
