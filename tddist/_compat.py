@@ -67,10 +67,44 @@ def dtensor_local_box(d: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of this rank's local shard of DTensor ``d`` in its global tensor.
 
     ``DTensor.__create_chunk_list__`` is the hook torch.distributed.checkpoint
-    uses for the same purpose; it is not a documented API.
+    uses for the same purpose; it is not a documented API. It costs about
+    0.4 ms a leaf (torch builds an ``arange`` of the sharded dimension), which
+    on a save's blocking path adds up over hundreds of leaves, so the box is
+    cached: it depends only on the global shape, the placements, the mesh's
+    shape and this rank's coordinate in it.
     """
-    (chunk,) = d.__create_chunk_list__()
-    return tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes)
+    mesh = d.device_mesh
+    coordinate = mesh.get_coordinate()
+    cache_key = (
+        tuple(d.shape),
+        tuple(d.placements),
+        tuple(mesh.shape),
+        None if coordinate is None else tuple(coordinate),
+    )
+    box = _LOCAL_BOXES.get(cache_key)
+    if box is None:
+        (chunk,) = d.__create_chunk_list__()
+        box = tuple(int(x) for x in chunk.offsets), tuple(int(x) for x in chunk.sizes)
+        if len(_LOCAL_BOXES) >= _LOCAL_BOXES_MAX:
+            _LOCAL_BOXES.clear()
+        _LOCAL_BOXES[cache_key] = box
+    return box
+
+
+_LOCAL_BOXES: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+_LOCAL_BOXES_MAX = 1 << 16
+
+
+def dtensor_local(d: Any) -> Any:
+    """DTensor ``d``'s local shard, without the autograd node that ``to_local()`` adds.
+
+    ``to_local()`` goes through an autograd Function (about 30 us a call); a
+    save only reads the values, so the local tensor itself is what it needs.
+    ``_local_tensor`` is the attribute ``to_local()`` views; where it is
+    missing (another torch), ``to_local()`` is used.
+    """
+    local = getattr(d, "_local_tensor", None)
+    return local if local is not None else d.to_local()
 
 
 def group_is_live(group: Any) -> bool:

@@ -9,6 +9,7 @@ this process's mappings is the only source that knows all of them.
 from __future__ import annotations
 
 import bisect
+import re
 from typing import NamedTuple
 
 import torch
@@ -22,19 +23,26 @@ class Mapping(NamedTuple):
     path: str
 
 
+#: A line of ``/proc/self/maps`` that maps a file: ``start-end perms offset dev inode   /path``.
+_FILE_LINE = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+ +(/[^\n]*)$", re.MULTILINE)
+
+
 def file_mappings() -> list[Mapping]:
-    """This process's memory maps of regular files, sorted by address (empty where /proc is missing)."""
-    out = []
+    """This process's memory maps of regular files, sorted by address (empty where /proc is missing).
+
+    Parsed with one compiled pattern over the whole text: a save calls this on
+    its blocking path, and a process with torch loaded has hundreds of maps.
+    """
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or not parts[5].startswith("/") or parts[5].startswith(("/dev/", "/memfd:")):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                out.append(Mapping(lo, hi, parts[5].rstrip("\n")))
+        with open("/proc/self/maps", "rb") as f:
+            text = f.read()
     except OSError:
         return []
+    out = [
+        Mapping(int(m.group(1), 16), int(m.group(2), 16), m.group(3).decode(errors="replace"))
+        for m in _FILE_LINE.finditer(text)
+        if not m.group(3).startswith((b"/dev/", b"/memfd:"))
+    ]
     out.sort()
     return out
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from . import format as fmt
+from ._compat import dtensor_local
 from ._memmaps import file_mappings, mapped_file
 from .errors import InvalidDataError
 from .per_rank import check_marked_keys, covered, normalize_overrides, refuse_dtensor, refuse_stack
@@ -86,7 +87,7 @@ def prepare_shard(
 def _check_materialised(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:
     """A tensor on the meta device has a shape but no data: refuse it before anything tries to copy it."""
     for k, t in leaves.items():
-        local: torch.Tensor = cast(Any, t).to_local() if is_dtensor(t) else t
+        local: torch.Tensor = dtensor_local(t) if is_dtensor(t) else t
         if local.is_meta:
             raise InvalidDataError(
                 f"rank {rank}: leaf {list(k)} is a tensor on the meta device (a shape without data, for example "
@@ -98,7 +99,7 @@ def _check_materialised(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:
 def _check_not_mapped(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:
     mappings = file_mappings()
     for k, t in leaves.items():
-        local: torch.Tensor = cast(Any, t).to_local() if is_dtensor(t) else t  # DTensor: its local shard
+        local: torch.Tensor = dtensor_local(t) if is_dtensor(t) else t  # DTensor: its local shard
         path = mapped_file(local, mappings)
         if path is not None:
             raise InvalidDataError(

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ._compat import dtensor_local
 from .sharding import even_split
 from .types import Key
 
@@ -51,7 +52,7 @@ class Snapshotter(Protocol):
 def local_source(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes are saved: a DTensor's local shard, detached, conjugation and negation resolved."""
     if hasattr(t, "to_local") and hasattr(t, "device_mesh"):
-        t = t.to_local()
+        t = dtensor_local(t)
     t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()

@@ -13,7 +13,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_tensorclass
 
 from . import format as fmt
-from ._compat import dtensor_local_box
+from ._compat import dtensor_local, dtensor_local_box
 from .errors import InvalidArgumentError, InvalidDataError, ManifestError
 from .sharding import Box, Boxes, Placement, Replicate, Shard, consistent_batch
 
@@ -121,7 +121,7 @@ def dtensor_box(d: Any, key: Key) -> tuple[Box | None, bool]:
 def local_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with ``t``'s (local) values (a copy only when needed)."""
     if is_dtensor(t):
-        t = t.to_local()
+        t = dtensor_local(t)
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
