@@ -65,7 +65,7 @@ def test_zip64_central_directory():
 
 
 def test_dtensor_local_box(tmp_path):
-    """__create_chunk_list__ of a DTensor on a one-rank gloo mesh gives its local box."""
+    """__create_chunk_list__ of a DTensor on a one-rank gloo mesh gives its local box; the cache keeps shapes apart."""
     code = f"""
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -75,6 +75,10 @@ dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, w
 mesh = init_device_mesh("cpu", (1,))
 d = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
 print(dtensor_local_box(d))
+for shape, dim in (((4, 3), 0), ((6, 3), 0), ((6, 3), 1), ((2, 5, 7), 2)):  # cached: by shape and placements
+    d = distribute_tensor(torch.zeros(shape), mesh, [Shard(dim)])
+    (chunk,) = d.__create_chunk_list__()
+    assert dtensor_local_box(d) == (tuple(chunk.offsets), tuple(chunk.sizes)) == ((0,) * len(shape), shape), shape
 dist.destroy_process_group()
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
