@@ -1,0 +1,157 @@
+"""Reading a committed checkpoint's chunks from object storage with ranged GETs, in parallel.
+
+The object-storage counterpart of ``layouts.directory.DirectoryFiles`` and
+``layouts.archive.ArchiveFiles``: ``reader.ChunkSource`` plans the reads as on
+a file system and asks ``span`` for each chunk's bytes. Before that,
+``prefetch`` fetches every chunk a load needs (only those byte ranges), cut
+into pieces of at most ``PIECE`` bytes, on a thread pool; ``span`` then
+returns them from memory. Sizes are checked against the manifest before a
+chunk is used, as on a file system.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError
+from ..locate import Location
+from ..zipcodec import ALIGN, LOCAL_FMT, LOCAL_SIZE, check_compressed_entry, inflate_into
+from .pin import S3Pin
+
+#: The largest ranged GET; larger chunks are fetched in pieces, in parallel.
+PIECE = 16 << 20
+#: Threads fetching pieces when the load asks for fewer (requests wait on the network, not the CPU).
+MIN_THREADS = 16
+#: The most bytes an archive's local header may have past its fixed part and name: tddist's padding block
+#: (at most 4 + 63 bytes) and a zip64 block (20 bytes), with room to spare.
+EXTRA_SLACK = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Bytes ``[start, stop)`` of one object, and the object's size (None: not known in advance)."""
+
+    key: str
+    start: int
+    stop: int
+    size: int | None
+
+
+class S3Files:
+    """The chunks of one committed checkpoint on object storage, fetched once each."""
+
+    def __init__(self, pin: S3Pin):
+        self.pin = pin
+        self.root = pin.path
+        self._got: dict[Span, torch.Tensor] = {}
+
+    def span(self, loc: Location) -> torch.Tensor:
+        """A chunk's bytes (the uncompressed entry, in an archive) as a uint8 tensor."""
+        if self.pin.archive:
+            return self._entry(loc)
+        return self._fetch([self._dir_span(loc)], None)[0]
+
+    def prefetch(self, locations: Iterable[Location], num_threads: int) -> None:
+        """Fetch every location's bytes now, in parallel, so that ``span`` finds them in memory."""
+        spans = list(dict.fromkeys(self._span(loc) for loc in locations if loc.nbytes))
+        if spans:
+            with ThreadPoolExecutor(max(num_threads, MIN_THREADS), thread_name_prefix="tddist-s3get") as pool:
+                self._fetch(spans, pool)
+
+    def _span(self, loc: Location) -> Span:
+        return self._archive_span(loc) if self.pin.archive else self._dir_span(loc)
+
+    def _dir_span(self, loc: Location) -> Span:
+        return Span(self.pin.data_key(loc.relpath), loc.offset, loc.offset + loc.nbytes, loc.file_size)
+
+    def _archive_span(self, loc: Location) -> Span:
+        zi = self._info(loc)
+        header = zi.header_offset
+        stop = min(self.pin.size, header + LOCAL_SIZE + len(zi.filename.encode()) + EXTRA_SLACK + zi.compress_size)
+        # from the 64-byte boundary below the header: the data (64-byte aligned in tddist's archives) is then
+        # aligned in the buffer too, and viewed as any dtype without a copy
+        return Span(self.pin.url.key, header - header % ALIGN, stop, self.pin.size)
+
+    def _fetch(self, spans: list[Span], pool: ThreadPoolExecutor | None) -> list[torch.Tensor]:
+        """The bytes of each span: from memory, or fetched in pieces (on ``pool`` when given)."""
+        todo = [s for s in spans if s not in self._got]
+        outs = {s: torch.empty(s.stop - s.start, dtype=torch.uint8) for s in todo}
+        pieces = [(s, lo, min(lo + PIECE, s.stop)) for s in todo for lo in range(s.start, s.stop, PIECE)]
+
+        def get(piece: tuple[Span, int, int]) -> None:
+            s, lo, hi = piece
+            data, total = self.pin.get(s.key, lo, hi)
+            if s.size is not None and total != s.size:
+                raise CorruptCheckpointError(
+                    f"object s3://{self.pin.url.bucket}/{s.key} has {total} bytes, the manifest says {s.size}; the "
+                    f"checkpoint is damaged or truncated"
+                )
+            outs[s].numpy()[lo - s.start : hi - s.start] = np.frombuffer(data, dtype=np.uint8)
+
+        if pool is not None and len(pieces) > 1:
+            list(pool.map(get, pieces))
+        else:
+            for p in pieces:
+                get(p)
+        self._got.update(outs)
+        return [self._got[s] for s in spans]
+
+    def _info(self, loc: Location) -> zipfile.ZipInfo:
+        zi = self.pin.entries.get(loc.relpath)
+        if zi is None:
+            raise CorruptCheckpointError(
+                f"archive {self.root!r} has no entry {loc.relpath!r}; the checkpoint is damaged"
+            )
+        if zi.file_size != loc.nbytes:
+            raise CorruptCheckpointError(
+                f"archive {self.root!r}: entry {loc.relpath!r} declares {zi.file_size} bytes, the manifest says "
+                f"{loc.nbytes}"
+            )
+        return zi
+
+    def _entry(self, loc: Location) -> torch.Tensor:
+        """An archive entry's uncompressed bytes: its local header parsed, a stored entry's data viewed, else inflated."""
+        zi, span = self._info(loc), self._archive_span(loc)
+        name = loc.relpath
+        where = f"{self.root!r}: entry {name!r}"
+        raw = self._fetch([span], None)[0]
+        header = zi.header_offset - span.start
+        if len(raw) < header + LOCAL_SIZE:
+            raise CorruptCheckpointError(f"archive {where} has a header past the end of the object")
+        sig, *_rest, name_len, extra_len = struct.unpack_from(LOCAL_FMT, raw.numpy().data, header)
+        if sig != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"archive {where} has a bad local header offset")
+        start = header + LOCAL_SIZE + name_len + extra_len
+        if start + zi.compress_size > len(raw):
+            raise CorruptCheckpointError(f"archive {where} extends past the end of the object (truncated?)")
+        data = raw[start : start + zi.compress_size]
+        if zi.compress_type == zipfile.ZIP_STORED:
+            if zi.compress_size != loc.nbytes:
+                raise CorruptCheckpointError(f"archive {where}: a stored entry with inconsistent sizes")
+            return data if start % ALIGN == 0 else data.clone()  # rewritten by another zip tool: unaligned
+        check_compressed_entry(zi.compress_type, zi.compress_size, loc.nbytes, where)
+        out = torch.empty(loc.nbytes, dtype=torch.uint8)
+        crc = inflate_into(zi.compress_type, _BytesSource(data.numpy().data), out.numpy().data, where)
+        if crc != zi.CRC:
+            raise CorruptCheckpointError(f"archive {where} decompresses to bytes that fail its CRC-32; it is damaged")
+        return out
+
+
+class _BytesSource:
+    """Compressed bytes in memory as the file-like ``read`` that ``zipcodec.inflate_into`` consumes."""
+
+    def __init__(self, data: memoryview):
+        self.data, self.pos, self.end = data, 0, len(data)
+
+    def read(self, n: int = -1) -> bytes:
+        stop = self.end if n < 0 else min(self.end, self.pos + n)
+        out = bytes(self.data[self.pos : stop])
+        self.pos = stop
+        return out
