@@ -17,6 +17,8 @@ from . import manifest_checksum, manifest_v1, manifest_v2
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from .manifest import Manifest, Parser, check_keys, parse_header, parse_objects
 from .pinned import PinnedCheckpoint, storage_failed
+from .s3.pin import S3Pin, open_s3
+from .s3.url import is_s3
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class OpenedCheckpoint:
     Close it (or use it as a context manager) when the data is mapped.
     """
 
-    pin: PinnedCheckpoint
+    pin: PinnedCheckpoint | S3Pin  # S3Pin: a checkpoint on object storage (``s3.pin``)
     manifest: Manifest
     #: the manifest's checksum (version 3) or the hash of its bytes: equal generations hold equal data
     generation: str
@@ -56,32 +58,38 @@ def open_checkpoint(path: str) -> OpenedCheckpoint:
         CorruptCheckpointError: an archive that is not a readable zip file.
     """
     path = os.fspath(path)
+    if is_s3(path):
+        found = open_s3(path, MAX_MANIFEST_BYTES, MAX_INDEX_BYTES)
+        return _opened(found.pin, found.raw, found.index, found.where)
     try:
         pin = PinnedCheckpoint(path)
     except CheckpointNotFoundError:
         raise _not_found(path, "does not exist") from None
     try:
         raw, index, where = _archive_manifest(pin) if pin.archive else _directory_manifest(pin)
-        gen, sealed = manifest_checksum.generation(raw, where)
-        try:
-            obj = fmt.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
-        except RecursionError:
-            raise ManifestError(f"{where} is JSON nested too deeply to be a tddist manifest; refusing it") from None
-        m = parse_manifest(obj, where=where, index=index)
-        if m.version >= 3 and not sealed:
-            raise ManifestError(
-                f"{where} (format version {m.version}) lacks its manifest_checksum; it was tampered with"
-            )
-        if pin.archive and m.layout != "archive":
-            raise ManifestError(
-                f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
-            )
-        return OpenedCheckpoint(pin, m, gen)  # a directory may hold an extracted archive: the tree is the same
+        return _opened(pin, raw, index, where)
     except BaseException:
         pin.close()
         raise
+
+
+def _opened(pin: PinnedCheckpoint | S3Pin, raw: bytes, index: bytes | None, where: str) -> OpenedCheckpoint:
+    """Check the manifest's own checksum, parse and validate it (with its index)."""
+    gen, sealed = manifest_checksum.generation(raw, where)
+    try:
+        obj = fmt.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+    except RecursionError:
+        raise ManifestError(f"{where} is JSON nested too deeply to be a tddist manifest; refusing it") from None
+    m = parse_manifest(obj, where=where, index=index)
+    if m.version >= 3 and not sealed:
+        raise ManifestError(f"{where} (format version {m.version}) lacks its manifest_checksum; it was tampered with")
+    if pin.archive and m.layout != "archive":
+        raise ManifestError(
+            f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
+        )
+    return OpenedCheckpoint(pin, m, gen)  # a directory may hold an extracted archive: the tree is the same
 
 
 def read_manifest(path: str) -> Manifest:

@@ -17,13 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .checksum import EMPTY, combine_digests, hash_blocks
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, InvalidArgumentError
 from .layouts.archive import ArchiveFiles
 from .layouts.directory import DirectoryFiles
-from .locate import Locator
+from .locate import Location, Locator
 from .manifest import Chunk, Leaf, Manifest
 from .manifest_io import OpenedCheckpoint
-from .pinned import storage_failed
+from .pinned import PinnedCheckpoint, storage_failed
+from .s3.files import S3Files
+from .s3.pin import S3Pin
 from .sharding import Box, ReadPiece, plan_reads
 from .types import Key
 
@@ -33,11 +35,21 @@ def open_files(checkpoint: str | OpenedCheckpoint) -> ArchiveFiles | DirectoryFi
 
     Given an ``OpenedCheckpoint``, the files are read through its pinned
     descriptor, so they belong to the generation its manifest describes.
+    (Object storage has its own reader, ``s3.files.S3Files``, see ``chunk_files``.)
     """
     if isinstance(checkpoint, str):
         return ArchiveFiles(checkpoint) if os.path.isfile(checkpoint) else DirectoryFiles(checkpoint)
     pin = checkpoint.pin
+    if not isinstance(pin, PinnedCheckpoint):
+        raise InvalidArgumentError(f"{pin.path!r} is on object storage, which this operation does not support")
     return ArchiveFiles(pin.path, opened_as=pin.fd_path) if pin.archive else DirectoryFiles(pin.path, pin)
+
+
+def chunk_files(checkpoint: str | OpenedCheckpoint) -> ArchiveFiles | DirectoryFiles | S3Files:
+    """The reader of a checkpoint's chunks: on a file system ``open_files``, on object storage ``S3Files``."""
+    if isinstance(checkpoint, OpenedCheckpoint) and isinstance(checkpoint.pin, S3Pin):
+        return S3Files(checkpoint.pin)
+    return open_files(checkpoint)
 
 
 class ChunkSource:
@@ -46,7 +58,7 @@ class ChunkSource:
     def __init__(self, checkpoint: str | OpenedCheckpoint, manifest: Manifest) -> None:
         self.root = checkpoint if isinstance(checkpoint, str) else checkpoint.path
         self.manifest = manifest
-        self.files = open_files(checkpoint)
+        self.files = chunk_files(checkpoint)
         self.locator = Locator(manifest)
         self._maps: dict[tuple[Key, int], torch.Tensor] = {}
         self._verified: set[tuple[Key, int]] = set()
@@ -119,6 +131,16 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
     return out
 
 
+def _needed(source: ChunkSource, requests: list[tuple[Leaf, Box]]) -> list[Location]:
+    """Where the chunks that the requests read lie (those ``read_box`` will ask for)."""
+    out = []
+    for leaf, box in requests:
+        chunks = leaf.overlapping(box)
+        for p in plan_reads(box, [c.box for c in chunks]):
+            out.append(source.locator.locate(leaf, chunks[p.chunk_index]))
+    return out
+
+
 def read_leaves(
     checkpoint: str | OpenedCheckpoint,
     manifest: Manifest,
@@ -133,6 +155,9 @@ def read_leaves(
     """
     source = ChunkSource(checkpoint, manifest)
     root = source.root
+    requests = list(requests)
+    if isinstance(source.files, S3Files):  # every range this load needs, fetched in parallel up front
+        source.files.prefetch(_needed(source, requests), num_threads)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
         return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]

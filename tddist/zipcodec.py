@@ -15,6 +15,7 @@ and views stored leaves without copying.
 from __future__ import annotations
 
 import bz2
+import io
 import lzma
 import os
 import stat
@@ -24,7 +25,7 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import IO, TYPE_CHECKING, Any, cast
+from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 
 from . import format as fmt
 from ._compat import local_header, write_central_directory, zip_lzma_compressor
@@ -279,9 +280,28 @@ def entry_rows(entries: list[Entry]) -> tuple[ArchiveEntryRow, ...]:
 
 def write_tail_and_directory(path: str, end: int, files: dict[str, bytes], rows: list[ArchiveEntryRow]) -> None:
     """(rank 0) Write ``files`` (stored, in order) at ``end``, then the central directory of every entry; fsync."""
+    tail = tail_bytes(end, files, rows)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        done = 0
+        while done < len(tail):
+            done += os.pwrite(fd, memoryview(tail)[done:], end + done)
+        os.ftruncate(fd, end + len(tail))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tail_bytes(end: int, files: dict[str, bytes], rows: list[ArchiveEntryRow]) -> bytes:
+    """What follows the regions, from ``end``: ``files`` as stored entries (in order), then the central
+    directory of every entry (``rows`` and those files) and the end records."""
     tail = prepare_entries(files, {}, Compression(zipfile.ZIP_STORED), 0)
     place_entries(tail, end)
-    write_region(path, tail, 0)
+    out = _ShiftedBuffer(end)
+    for e in tail:
+        out.seek(e.offset)
+        out.write(e.header)
+        out.write(e.data)
     m = tail[-1]
     cd_start = m.offset + len(m.header) + m.csize
     infos = []
@@ -289,10 +309,33 @@ def write_tail_and_directory(path: str, end: int, files: dict[str, bytes], rows:
         zi = _zipinfo(row.name, row.method, row.crc, row.size, row.csize)
         zi.header_offset = row.offset
         infos.append(zi)
-    with open(path, "r+b") as f:
-        write_central_directory(f, cd_start, infos)
-        f.flush()
-        os.fsync(f.fileno())
+    write_central_directory(cast(IO[bytes], out), cd_start, infos)
+    return out.inner.getvalue()
+
+
+class _ShiftedBuffer:
+    """An in-memory file whose first byte is at offset ``base`` of the archive, for zipfile's central directory
+    writer (which seeks to and records absolute offsets); nothing before ``base`` is held."""
+
+    def __init__(self, base: int):
+        self.base, self.inner = base, io.BytesIO()
+
+    def tell(self) -> int:
+        return self.base + self.inner.tell()
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            pos -= self.base
+        return self.base + self.inner.seek(pos, whence)
+
+    def write(self, data: bytes | memoryview) -> int:
+        return self.inner.write(data)
+
+    def truncate(self, size: int | None = None) -> int:
+        return self.base + self.inner.truncate(None if size is None else size - self.base)
+
+    def flush(self) -> None:
+        pass
 
 
 # --- reading ----------------------------------------------------------------------
@@ -304,6 +347,16 @@ STREAM_BLOCK = 4 << 20
 #: is a bomb, refused before any memory is allocated for it.
 DEFLATE_MAX_RATIO = 1032
 KNOWN_METHODS = frozenset(_METHODS.values())
+
+
+class ByteSource(Protocol):
+    """Compressed bytes read in steps (``EntryReader`` from a file; object storage reads from memory);
+    ``pos`` is where the next read starts, ``end`` where the bytes end."""
+
+    pos: int
+    end: int
+
+    def read(self, n: int = -1) -> bytes: ...
 
 
 class EntryReader:
@@ -333,7 +386,7 @@ def check_compressed_entry(method: int, csize: int, size: int, where: str) -> No
         )
 
 
-def inflate_into(method: int, src: EntryReader, out: memoryview, where: str) -> int:
+def inflate_into(method: int, src: ByteSource, out: memoryview, where: str) -> int:
     """Decompress the entry read from ``src`` straight into ``out`` (its declared size), block by block;
     return the CRC-32 of the bytes. Anything more or less than ``len(out)`` bytes, or a damaged stream, is a
     CorruptCheckpointError; decompression stops one byte past the declared size."""
@@ -387,7 +440,7 @@ class _Sink:
         )
 
 
-def _inflate_zlib(src: EntryReader, sink: _Sink) -> None:
+def _inflate_zlib(src: ByteSource, sink: _Sink) -> None:
     d = zlib.decompressobj(-15)
     tail = b""
     while not d.eof:
@@ -401,7 +454,7 @@ def _inflate_zlib(src: EntryReader, sink: _Sink) -> None:
         sink.put(chunk)
 
 
-def _inflate_stream(method: int, src: EntryReader, sink: _Sink, size: int) -> None:
+def _inflate_stream(method: int, src: ByteSource, sink: _Sink, size: int) -> None:
     """bzip2 (concatenated streams allowed) and zip's raw LZMA, through their incremental decompressors."""
     new = bz2.BZ2Decompressor if method == zipfile.ZIP_BZIP2 else lambda: _zip_lzma_decompressor(src, size)
     d: Any = new()
@@ -425,7 +478,7 @@ def _inflate_stream(method: int, src: EntryReader, sink: _Sink, size: int) -> No
         sink.put(chunk)
 
 
-def _zip_lzma_decompressor(src: EntryReader, size: int) -> Any:
+def _zip_lzma_decompressor(src: ByteSource, size: int) -> Any:
     """A raw LZMA1 decompressor from a zip entry's properties header (version, size, properties). The
     dictionary is never larger than the entry needs, whatever the header claims (up to 4 GiB)."""
     head = src.read(4)
@@ -444,7 +497,7 @@ def _zip_lzma_decompressor(src: EntryReader, size: int) -> Any:
     return lzma.LZMADecompressor(lzma.FORMAT_RAW, filters=[filt])
 
 
-def _inflate_zstd(src: EntryReader, sink: _Sink) -> None:
+def _inflate_zstd(src: ByteSource, sink: _Sink) -> None:
     """zstd frames (tddist writes one per 32 MiB piece) decompressed by ``readinto`` straight into ``out``."""
     import zstandard
 
