@@ -41,6 +41,12 @@ from .plan import LoadReport, check_exclude, in_scope, leaf_box, node_rows, obje
 from .prepare import prepare_shard
 from .reader import read_leaves
 from .recovery import recover as _recover
+from .s3 import url as s3_url
+from .s3.archive import S3ArchiveWriter
+from .s3.client import s3_client
+from .s3.directory import S3DirectoryWriter
+from .s3.recovery import recover as s3_recover
+from .s3.url import is_s3
 from .sharding import Box, PerRank
 from .snapshot import Snapshotter
 from .stream import MIN_BUDGET
@@ -159,6 +165,8 @@ def save(
     """
     _check_save_args(prefix, num_threads, metadata)
     _check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
+    if is_s3(prefix):
+        _check_s3(prefix, snapshot_budget, async_writer)
     if async_writer not in ("thread", "process") or (async_writer == "process" and snapshot_budget is not None):
         raise InvalidArgumentError(
             f"async_writer={async_writer!r} is not supported: use 'thread' or 'process' (snapshot_budget needs "
@@ -207,7 +215,11 @@ def _save_options(
     layout: str | None,
 ) -> SaveOptions:
     """The typed options of a save; refuses combinations that cannot work."""
-    target = os.path.abspath(os.fspath(prefix))
+    target = _target(prefix)
+    if is_s3(target) and not atomic:
+        raise InvalidArgumentError(
+            f"atomic=False is not supported on object storage ({target!r}): a save there is always atomic; drop it"
+        )
     if archive is None:
         archive = target.endswith(fmt.ARCHIVE_SUFFIX)
     if archive and not atomic:
@@ -242,6 +254,25 @@ def _save_options(
         compression=resolve_compression(compression) if archive else None,
         packing="memmap" if archive or layout == "memmap" else "packed",
     )
+
+
+def _target(prefix: str | os.PathLike) -> str:
+    """The checkpoint's location: an ``s3://`` URL as given, else an absolute path."""
+    p = os.fspath(prefix)
+    if is_s3(p):
+        s3_url.parse(p)  # refuses a URL that cannot name a checkpoint
+        return p.rstrip("/")
+    return os.path.abspath(p)
+
+
+def _check_s3(prefix: Any, snapshot_budget: int | None, async_writer: str) -> None:
+    """Options object storage does not support are refused up front; boto3 must be installed."""
+    if snapshot_budget is not None or async_writer != "thread":
+        raise InvalidArgumentError(
+            f"{os.fspath(prefix)!r}: snapshot_budget and async_writer='process' are for file systems; on object "
+            f"storage use return_early=True alone"
+        )
+    s3_client()  # raises the error that says how to install boto3, on every rank before any collective
 
 
 def _check_save_args(prefix: Any, num_threads: int, metadata: Mapping[str, Any] | None) -> None:
@@ -304,9 +335,13 @@ def _commit_and_open(
 
     ``open_only``: another process committed it; only map it.
     """
-    if make_writer is None:
-        make_writer = ArchiveWriter if options.layout == "archive" else DirectoryWriter
-    writer = make_writer(options, c.rank, shard, cache)
+    writer: DirectoryWriter | ArchiveWriter | S3DirectoryWriter
+    if make_writer is not None:
+        writer = make_writer(options, c.rank, shard, cache)
+    elif is_s3(options.target):
+        writer = (S3ArchiveWriter if options.layout == "archive" else S3DirectoryWriter)(options, c.rank, shard, cache)
+    else:
+        writer = (ArchiveWriter if options.layout == "archive" else DirectoryWriter)(options, c.rank, shard, cache)
 
     def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
         m = merge_fragments(
@@ -420,7 +455,9 @@ def load(
     """
     _check_int("num_threads", num_threads)
     _check_device(device)
-    target = os.path.abspath(os.fspath(prefix))
+    target = _target(prefix)
+    if is_s3(target):
+        s3_client()
     c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)
     options = LoadOptions(
         shard=shard_request(shard, c.size),
@@ -565,7 +602,7 @@ def read_manifest(prefix: str | os.PathLike) -> Manifest:
         CheckpointNotFoundError: nothing committed is at ``prefix``.
         ManifestError: the manifest is damaged or from a newer tddist.
     """
-    return _read_manifest(os.path.abspath(os.fspath(prefix)))
+    return _read_manifest(_target(prefix))
 
 
 def recover(prefix: str | os.PathLike) -> list[str]:
@@ -584,7 +621,8 @@ def recover(prefix: str | os.PathLike) -> list[str]:
     Raises:
         OSError: a leftover could not be removed (permissions, I/O error).
     """
-    return _recover(os.path.abspath(os.fspath(prefix)))
+    target = _target(prefix)
+    return s3_recover(target) if is_s3(target) else _recover(target)
 
 
 def _check_device(device: Any) -> None:
