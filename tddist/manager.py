@@ -30,7 +30,7 @@ from tensordict import TensorDictBase
 from . import promotion, root_lock
 from .api import load, save
 from .comm import Communicator, agree, collective_error, contribute, decide_on_rank0, resolve, run_step
-from .errors import CheckpointNotFoundError, InvalidArgumentError, TddistError
+from .errors import CheckpointNotFoundError, CommError, InvalidArgumentError, TddistError
 from .local_tier import LocalTier, complete_steps, expand
 from .manifest_io import read_manifest
 from .plan import LoadReport
@@ -492,7 +492,8 @@ class CheckpointManager:
         """
         _check_step(step)
         self.wait()
-        self._ensure_root()
+        if self._tier is None:
+            self._ensure_root()  # with the local tier, the promotion creates it (and fails, not the save)
         objects = _state_of(state)
         pair = _model_pair(objects)
         if pair is not None:
@@ -569,7 +570,16 @@ class CheckpointManager:
         if p is None:
             return
         self._promotion = None
-        agree(self.comm, f"the promotion of step {p.step} to {p.target}", p.future.exception())
+        error = p.future.exception()
+        try:
+            agree(self.comm, f"the promotion of step {p.step} to {p.target}", error)
+        except CommError as e:  # a rank died or hung: name the step, and what this rank's promotion did
+            mine = f"failed ({error})" if error is not None else "committed on this rank"
+            raise type(e)(
+                f"rank {self.comm.rank}: the ranks could not agree on the promotion of step {p.step} to "
+                f"{p.target}: {e}. This rank's promotion {mine}; its node-local copy ({p.local}) is kept",
+                failures=e.failures,
+            ) from e
         logger.info(
             "rank %d: promoted step %d %.2fs after it started", self.comm.rank, p.step, time.monotonic() - p.started
         )
