@@ -2,7 +2,9 @@
 # Mutation testing of the modules that carry tddist's guarantees (mutmut 3; configured in
 # pyproject.toml, [tool.mutmut]). Not part of CI: a run takes tens of minutes on two cores.
 #
-#   scripts/mutation.sh [COMMIT]     score COMMIT (default HEAD), as committed
+#   scripts/mutation.sh [COMMIT] [PATTERN...]
+#       score COMMIT (default HEAD), as committed; PATTERNs (mutmut's mutant names, with
+#       wildcards, e.g. 'tddist.commit.*') check only those mutants
 #
 # The commit is exported (git archive) into a fresh directory, so the working tree, and
 # whatever others are editing in it, is neither read nor disturbed. mutmut copies tddist/
@@ -18,6 +20,7 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$repo/.venv/bin"
 [ -x "$venv/mutmut" ] || { echo "mutmut is not installed: $venv/pip install 'mutmut>=3.8,<4'" >&2; exit 2; }
 commit=$(git -C "$repo" rev-parse --verify "${1:-HEAD}^{commit}")
+shift $(( $# > 0 ? 1 : 0 ))
 work=${MUTATION_DIR:-$(mktemp -d -t tddist-mutation.XXXXXX)}
 mkdir -p "$work"
 git -C "$repo" archive "$commit" | tar -x -C "$work"
@@ -44,7 +47,7 @@ if failed:
     open("pyproject.toml", "w").write(text)
 PY
 # mutmut exits non-zero when mutants survive; the score below says how many
-"$venv/mutmut" run --max-children "${MUTATION_JOBS:-2}" >mutmut-run.log 2>&1 || true
+"$venv/mutmut" run --max-children "${MUTATION_JOBS:-2}" "$@" >mutmut-run.log 2>&1 || true
 if grep -q "failed to collect stats" mutmut-run.log || ! ls mutants/tddist/*.meta >/dev/null 2>&1; then
     tr '\r' '\n' <mutmut-run.log | grep -v "Generating mutants\|Running stats" | tail -40 >&2
     echo "mutmut did not run the mutants (see $work/mutmut-run.log)" >&2
