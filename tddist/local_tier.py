@@ -31,6 +31,7 @@ from .manifest_io import read_manifest
 from .plan import LoadReport
 from .recovery import recover
 from .retention import parse_step, step_name
+from .tree import flatten, is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,14 @@ class LocalTier:
         The maps read the committed local files, so the promotion reads what
         the local copy holds, not the training state (which moves on).
         """
+        _nodes, leaves, _objects = flatten(data)
+        dtensors = [list(k) for k, t in leaves.items() if is_dtensor(t)]
+        if dtensors:
+            raise InvalidArgumentError(
+                f"rank {self.rank}: the node-local tier takes plain tensors, and DTensor leaves such as "
+                f"{dtensors[0]} are a shard of a tensor spread over the ranks; save DTensor state (FSDP2) "
+                f"without local_dir"
+            )
         kwargs = {k: v for k, v in options.items() if k in LOCAL_SAVE_OPTIONS}
         os.makedirs(os.path.dirname(self.part(step)), exist_ok=True)
         return save(data, self.part(step), comm=self._comm, metadata=dict(metadata), copy_existing=True, **kwargs)

@@ -75,6 +75,19 @@ def test_one_process_promotion_is_bit_exact_and_restore_prefers_local(tmp_path: 
         assert mgr.restore(local_state(0, 1, 0), step=4).tier == "shared"  # no local copy of step 4
 
 
+def test_archive_promotion_and_local_restore(tmp_path: Path) -> None:
+    root, local = tmp_path / "shared", tmp_path / "local"
+    kw = {"save_kwargs": {"archive": True, "compression": "deflate"}, "local_dir": local, "preempt_signal": None}
+    with CheckpointManager(root, **kw) as mgr:
+        mgr.save(3, local_state(0, 1, 3))
+    assert_td_equal(tddist.load(root / step_name(3, archive=True), shard=None, verify=True), expected(3), "archive")
+    assert parts(local) == [f"{step_name(3)}/rank-0-of-1"]  # the local copy is a directory (no compression)
+    with CheckpointManager(root, **kw) as mgr:
+        state = local_state(0, 1, 0)
+        assert mgr.restore(state).tier == "local"
+        assert_td_equal(state, local_state(0, 1, 3), "restored")
+
+
 def test_restore_picks_local_then_shared_when_a_part_or_the_world_size_differs(tmp_path: Path) -> None:
     root, local = tmp_path / "shared", str(tmp_path / "node-{rank}")
 
