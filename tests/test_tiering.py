@@ -119,6 +119,23 @@ def test_restore_picks_local_then_shared_when_a_part_or_the_world_size_differs(t
     assert parts(tmp_path / "node-0") == [f"{step_name(6)}/rank-0-of-2"]
 
 
+def test_ranks_of_one_node_may_share_a_local_dir(tmp_path: Path) -> None:
+    root, local = tmp_path / "shared", tmp_path / "node"
+
+    def body(comm):
+        with CheckpointManager(root, every=2, comm=comm, local_dir=local, preempt_signal=None) as mgr:
+            run_steps(mgr, local_state(comm.rank, comm.size, 0), 0, 4)
+        with CheckpointManager(root, comm=comm, local_dir=local, preempt_signal=None) as mgr:
+            state = local_state(comm.rank, comm.size, 0)
+            got = mgr.restore(state)
+            assert_td_equal(state, local_state(comm.rank, comm.size, 4), f"rank {comm.rank}")
+            return int(got), got.tier
+
+    assert tddist.run_threads(2, body) == [(4, "local")] * 2
+    assert parts(local) == [f"{step_name(4)}/rank-{r}-of-2" for r in range(2)]  # step 2 dropped by both ranks
+    assert os.listdir(local) == [step_name(4)]
+
+
 def test_restore_prefers_a_newer_shared_checkpoint_and_a_newer_local_copy(tmp_path: Path) -> None:
     root, local = tmp_path / "shared", str(tmp_path / "node-{rank}")
 
