@@ -520,11 +520,15 @@ class CheckpointManager:
         """Commit every rank's local part, agree that all did, then start the promotion to ``root``."""
         tier = self._tier
         assert tier is not None
-        mapped = run_step(
-            self.comm,
-            f"saving step {step} to the node-local tier",
-            lambda: tier.save(data, step, metadata, kwargs),
-        )
+        what = f"saving step {step} to the node-local tier"
+        try:
+            mapped = run_step(self.comm, what, lambda: tier.save(data, step, metadata, kwargs))
+        except CommError as e:  # a rank died or hung: name the step
+            raise type(e)(
+                f"rank {self.comm.rank}: {what}: the ranks could not agree that every rank committed its part: "
+                f"{e}. The shared root is unchanged, and restore() ignores a local copy that some rank lacks",
+                failures=e.failures,
+            ) from e
         self._newest_local = step
         logger.info("rank %d: saved step %d locally in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain_local()

@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -236,20 +237,36 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
 
 # --- real processes: crashes during promotion, preemption ------------------------------------
 
-#: Where a SIGKILL strikes the promotion of step 20 (a new step directory: no replace, no discard).
-STRIKES = (
-    ("begin", 0),
-    ("prepare", 0),
-    ("midwrite", 1),
-    ("write", 0),
-    ("vote", 1),
-    ("validate", 0),
-    ("manifest", 0),
-    ("renamed", 0),
-    ("publish", 0),
-    ("announce", 1),
-)
 OLD, NEW = 10, 20
+
+
+@dataclass(frozen=True)
+class Strike:
+    """A SIGKILL of ``rank`` at fault point ``point`` while saving step 20: in its promotion, or its local save."""
+
+    point: str
+    rank: int
+    tier: str  # "promotion" (the background commit to the root) or "local" (the rank's one-rank local commit)
+
+    @property
+    def names(self) -> str:
+        """What the error of a rank that survived the strike says."""
+        return "promotion of step 20" if self.tier == "promotion" else "saving step 20 to the node-local tier"
+
+    @property
+    def restored_locally(self) -> int:
+        """The step a restart restores from the local copies: 20 once every rank's part committed."""
+        return NEW if self.tier == "promotion" else OLD
+
+
+#: Every point of the commit, on every rank that passes it, of a promotion to a new step directory (a
+#: fresh target: no replace, no discard); and a local save struck before and after writing.
+STRIKES = tuple(
+    Strike(point, rank, "promotion")
+    for point, ranks in ch.POINTS
+    if point not in ("backup", "replace", "discard", "returned")
+    for rank in ranks
+) + (Strike("begin", 0, "local"), Strike("write", 1, "local"))
 VERSION = {OLD: "old", NEW: "new"}
 
 
@@ -274,26 +291,29 @@ def _report(work: Path, name: str, obj: dict) -> None:
     ch._write_json(work / f"{name}.json", obj)
 
 
-def strike_rank(rank: int, work: Path, point: str, struck: int) -> None:
-    """(forked rank) Save and promote step 10, then save step 20 with a SIGKILL armed in its promotion."""
+def strike_rank(rank: int, work: Path, strike: Strike) -> None:
+    """(forked rank) Save and promote step 10, then save step 20 with a SIGKILL armed."""
     _init(work, "strike", rank)
     mgr = _manager(work, keep_last=None)
     mgr.save(OLD, ch.shard("old", rank))
     mgr.wait()
     mgr.comm.barrier()
-    os.environ[_faults.ENV] = f"{point}:{struck}:kill"
-    os.environ[_faults.THREAD_ENV] = "tddist-save"  # the promotion's worker thread only
+    if strike.tier == "promotion":
+        os.environ[_faults.ENV] = f"{strike.point}:{strike.rank}:kill"
+        os.environ[_faults.THREAD_ENV] = "tddist-save"  # the promotion's worker thread only
+    elif rank == strike.rank:  # the local commit is rank 0 of a one-rank communicator on every rank
+        os.environ[_faults.ENV] = f"{strike.point}:0:kill"
     _report(work, f"strike{rank}", ch._outcome(lambda: (mgr.save(NEW, ch.shard("new", rank)), mgr.close())))
 
 
-def restart_rank(rank: int, work: Path) -> None:
-    """(forked rank) Restore (the local copy of step 20), then without rank 1's local part (the shared root)."""
+def restart_rank(rank: int, work: Path, local: int) -> None:
+    """(forked rank) Restore (the local copy of step ``local``), then without rank 1's local part (the shared root)."""
     _init(work, "restart", rank)
     out: dict = {}
     with _manager(work) as mgr:
-        state = ch.shard("new", rank).zero_()
+        state = ch.shard(VERSION[local], rank).zero_()
         got = mgr.restore(state)
-        out["local"] = [int(got), got.tier, _same(state, ch.shard("new", rank))]
+        out["local"] = [int(got), got.tier, _same(state, ch.shard(VERSION[local], rank))]
     mgr.comm.barrier()
     if rank == 1:
         shutil.rmtree(work / "node-1")
@@ -346,11 +366,13 @@ def _exit_code_of(fn: Callable[..., None], *args: object) -> None:
 def test_sigkill_at_every_step_of_a_promotion(tmp_path: Path) -> None:
     ch.warm_up()
     problems = []
-    for point, struck in STRIKES:
-        work = tmp_path / f"{point}-{struck}"
+    for strike_at in STRIKES:
+        point, struck = strike_at.point, strike_at.rank
+        work = tmp_path / f"{strike_at.tier}-{point}-{struck}"
         work.mkdir()
         case = ch.Case("dir", point, struck, "kill", "disk")
-        codes = run_ranks(strike_rank, work, point, struck)
+        expect = case.expect if strike_at.tier == "promotion" else "old"
+        codes = run_ranks(strike_rank, work, strike_at)
         survivor = 1 - struck
         strike = json.loads((work / f"strike{survivor}.json").read_text()) if codes[survivor] == 0 else {}
         found = []
@@ -358,28 +380,29 @@ def test_sigkill_at_every_step_of_a_promotion(tmp_path: Path) -> None:
             found.append(f"struck rank exited {codes[struck]}")
         if codes[survivor] != 0 or strike.get("result") == "raised" and not strike.get("tddist"):
             found.append(f"survivor exited {codes[survivor]}: {strike}")
-        elif strike.get("result") == "raised" and "promotion of step 20" not in strike.get("msg", ""):
-            found.append(f"the survivor's error does not name the promotion of step 20: {strike}")
+        elif strike.get("result") == "raised" and strike_at.names not in strike.get("msg", ""):
+            found.append(f"the survivor's error does not say {strike_at.names!r}: {strike}")
         if ch.state_of(str(work / "shared" / step_name(OLD))) != "old":
             found.append("the shared step 10 is damaged")
         for r in range(2):
-            part = work / f"node-{r}" / step_name(NEW) / f"rank-{r}-of-2"
-            if not _same(tddist.load(part, verify=True), ch.shard("new", r)):
-                found.append(f"rank {r}'s local copy of step 20 differs")
+            part = work / f"node-{r}" / step_name(strike_at.restored_locally) / f"rank-{r}-of-2"
+            if not _same(tddist.load(part, verify=True), ch.shard(VERSION[strike_at.restored_locally], r)):
+                found.append(f"rank {r}'s local copy of step {strike_at.restored_locally} differs")
         shared = ch.state_of(str(work / "shared" / step_name(NEW)))  # "absent", "new", or damaged
-        codes = run_ranks(restart_rank, work)
+        codes = run_ranks(restart_rank, work, strike_at.restored_locally)
         reports = [json.loads((work / f"restart{r}.json").read_text()) if codes[r] == 0 else {} for r in range(2)]
         if codes != {0: 0, 1: 0}:
             found.append(f"restart exit codes {codes}")
-        if shared not in ({"old": ("absent",), "new": ("new",)}.get(case.expect, ("absent", "new"))):
-            found.append(f"shared step 20 is {shared!r}, expected {case.expect}")
+        if shared not in ({"old": ("absent",), "new": ("new",)}.get(expect, ("absent", "new"))):
+            found.append(f"shared step 20 is {shared!r}, expected {expect}")
         if leftovers(work / "shared" / "*"):
             found.append(f"leftovers in the shared root: {leftovers(work / 'shared' / '*')}")
         for r, rep in enumerate(reports):
             newest = NEW if shared == "new" else OLD
-            if rep.get("local") != [NEW, "local", True] or rep.get("shared") != [newest, "shared", True]:
+            local = [strike_at.restored_locally, "local", True]
+            if rep.get("local") != local or rep.get("shared") != [newest, "shared", True]:
                 found.append(f"restart rank {r}: {rep}")
-        problems += [f"{point}@rank{struck}: {p}" for p in found]
+        problems += [f"{strike_at}: {p}" for p in found]
     assert not problems, "\n".join(problems)
 
 
