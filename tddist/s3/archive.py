@@ -36,7 +36,7 @@ from ..errors import TargetError, TddistError
 from ..layouts.archive import ArchiveWriter
 from ..types import Fragment, ManifestFiles, SavePlan, Staging
 from ..zipcodec import ALIGN, place_entries, tail_bytes
-from .client import client_errors, error_code, is_missing, s3_client, s3_failed
+from .client import bucket_missing, client_errors, error_code, is_missing, no_bucket, s3_client, s3_failed
 from .pin import ARCHIVE_META
 from .upload import MAX_PARTS, MIN_PART, PART_SIZE, Part, Segment, range_bytes, run, split, upload_part
 from .url import parse
@@ -108,7 +108,9 @@ class S3ArchiveWriter(ArchiveWriter):
         return Staging(upload["UploadId"], tuple(starts), end)
 
     def _check_target(self, client: Any) -> None:
-        """An existing object at the key must be a tddist archive (its metadata says so)."""
+        """The bucket must exist; an existing object at the key must be a tddist archive (its metadata says so)."""
+        if bucket_missing(client, self.url.bucket):
+            raise no_bucket("a save to", self.url.url, self.url.bucket, 0, TargetError)
         try:
             head = client.head_object(Bucket=self.url.bucket, Key=self.url.key)
         except client_errors() as e:

@@ -104,10 +104,7 @@ def s3_failed(
     name = type(e).__name__
     if code == "NoSuchBucket":
         bucket = url[len("s3://") :].split("/", 1)[0]
-        return (CheckpointNotFoundError if cls is StorageError else cls)(
-            f"{who}{what} {url!r} failed: the bucket {bucket!r} does not exist at {endpoint()}; create it first "
-            f"(for example: aws s3 mb s3://{bucket}) or fix the URL"
-        )
+        return no_bucket(what, url, bucket, rank, CheckpointNotFoundError if cls is StorageError else cls)
     if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "Forbidden") or name in (
         "NoCredentialsError",
         "PartialCredentialsError",
@@ -124,6 +121,30 @@ def s3_failed(
         )
     detail = f"{code}: {e}" if code else f"{name}: {e}"
     return cls(f"{who}{what} {url!r} failed ({detail}) at {endpoint()}")
+
+
+def bucket_missing(client: Any, bucket: str) -> bool:
+    """Whether ``bucket`` does not exist (a HEAD of the bucket answers 404).
+
+    Asked before a save writes anything, and when a load finds no manifest: some services list a missing
+    bucket as empty, or create it on the first PUT, so its absence is checked, not inferred.
+    """
+    try:
+        client.head_bucket(Bucket=bucket)
+        return False
+    except client_errors() as e:
+        if error_code(e) in ("404", "NoSuchBucket", "NotFound"):
+            return True
+        raise
+
+
+def no_bucket(what: str, url: str, bucket: str, rank: int | None, cls: type[TddistError]) -> TddistError:
+    """The error for a bucket that does not exist."""
+    who = f"rank {rank}: " if rank is not None else ""
+    return cls(
+        f"{who}{what} {url!r} failed: the bucket {bucket!r} does not exist at {endpoint()}; create it first "
+        f"(for example: aws s3 mb s3://{bucket}) or fix the URL"
+    )
 
 
 def client_errors() -> tuple[type[BaseException], ...]:

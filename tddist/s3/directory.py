@@ -33,7 +33,7 @@ from ..errors import TargetError, TddistError
 from ..layouts.base import WriterBase, node_meta_files
 from ..merge import packed_offsets
 from ..types import Fragment, ManifestFiles, SavePlan, Staging, StoredBytes
-from .client import client_errors, is_missing, s3_client, s3_failed
+from .client import bucket_missing, client_errors, is_missing, no_bucket, s3_client, s3_failed
 from .pin import GENERATION_META, GENERATION_PREFIX, is_generation
 from .upload import Segment, run, upload_object
 from .url import S3Url, parse
@@ -69,7 +69,10 @@ def committed_generation(client: Any, url: S3Url) -> str | None:
 
 
 def check_target(client: Any, url: S3Url) -> str | None:
-    """Refuse a prefix holding objects tddist did not write; return the committed generation (None: none)."""
+    """Refuse a missing bucket, or a prefix holding objects tddist did not write; return the committed
+    generation (None: none)."""
+    if bucket_missing(client, url.bucket):
+        raise no_bucket("a save to", url.url, url.bucket, 0, TargetError)
     page = client.list_objects_v2(Bucket=url.bucket, Prefix=url.key + "/", Delimiter="/", MaxKeys=1000)
     names = [o["Key"][len(url.key) + 1 :] for o in page.get("Contents", [])]
     names += [p["Prefix"][len(url.key) + 1 :].rstrip("/") for p in page.get("CommonPrefixes", [])]

@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import format as fmt
 from ..errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
-from .client import client_errors, error_code, is_missing, s3_client, s3_failed
+from .client import bucket_missing, client_errors, error_code, is_missing, no_bucket, s3_client, s3_failed
 from .url import S3Url, parse
 
 #: The metadata member (``x-amz-meta-tddist-generation``) of a directory's manifest object.
@@ -107,6 +107,13 @@ class S3Pin:
         """Nothing is held open (kept for ``OpenedCheckpoint``)."""
 
 
+def _no_bucket(client: Any, url: S3Url) -> bool:
+    try:
+        return bucket_missing(client, url.bucket)
+    except client_errors() as e:
+        raise s3_failed("opening", url.url, e) from e
+
+
 def _total_size(content_range: str, default: int) -> int:
     """The object size from a ``Content-Range: bytes a-b/total`` header."""
     _, _, total = content_range.rpartition("/")
@@ -153,6 +160,8 @@ def _read_object(client: Any, url: S3Url, key: str, limit: int, what: str) -> tu
 
 def _open_directory(url: S3Url, client: Any, max_manifest: int, max_index: int) -> S3Manifest:
     found = _read_object(client, url, url.child(fmt.MANIFEST_NAME), max_manifest, "manifest")
+    if found is None and _no_bucket(client, url):
+        raise no_bucket("opening", url.url, url.bucket, None, CheckpointNotFoundError)
     if found is None:
         raise CheckpointNotFoundError(
             f"checkpoint {url.url!r} has no committed manifest (s3://{url.bucket}/{url.child(fmt.MANIFEST_NAME)}); "
@@ -212,6 +221,8 @@ def _open_archive(url: S3Url, client: Any, max_manifest: int, max_index: int) ->
     try:
         head = client.head_object(Bucket=url.bucket, Key=url.key)
     except client_errors() as e:
+        if is_missing(e) and _no_bucket(client, url):
+            raise no_bucket("opening", url.url, url.bucket, None, CheckpointNotFoundError) from None
         if is_missing(e):
             raise CheckpointNotFoundError(
                 f"checkpoint {url.url!r} does not exist; if a save to it was interrupted, "

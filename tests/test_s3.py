@@ -1,0 +1,343 @@
+"""Checkpoints on S3-compatible object storage, against a real S3 server (SeaweedFS on loopback).
+
+The server is the session fixture ``s3_env`` (tests/conftest.py,
+tests/s3_server.py); each test gets its own prefix in one bucket (SeaweedFS gives every bucket its own
+volumes, so a bucket per test would exhaust them). Multi-rank saves run on
+the thread communicator (``tddist.run_threads``), one job on torchrun (gloo)
+and one with a killed rank on separate processes (``tests/launch_util.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from tensordict import NonTensorData, TensorDict
+
+import tddist
+from tddist._faults import inject
+from tddist.s3.client import s3_client
+from tests.helpers import assert_td_equal
+from tests.launch_util import REPO, run_job
+
+LAYOUTS = ["directory", "archive"]
+BUCKET = "tddist-tests"
+_names = itertools.count()
+
+
+@pytest.fixture
+def s3(s3_env, monkeypatch):
+    """The S3 environment set in this process; returns (client, "BUCKET/PREFIX"), a fresh prefix of the bucket."""
+    for k, v in s3_env.items():
+        monkeypatch.setenv(k, v)
+    client = s3_client()
+    if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=BUCKET)
+    return client, f"{BUCKET}/t{os.getpid()}-{next(_names)}"
+
+
+def url(bucket: str, layout: str, name: str = "ckpt") -> str:
+    return f"s3://{bucket}/run/{name}" + (".tdz" if layout == "archive" else "")
+
+
+def keys(client, where: str) -> list[str]:
+    """The keys under ``where`` ("BUCKET/PREFIX"), relative to the prefix."""
+    return sorted(sizes(client, where))
+
+
+def sizes(client, where: str) -> dict[str, int]:
+    bucket, prefix = where.split("/")
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return {o["Key"][len(prefix) + 1 :]: o["Size"] for page in pages for o in page.get("Contents", [])}
+
+
+def uploads(client, where: str) -> list[str]:
+    """The keys of the unfinished multipart uploads under ``where``, relative to the prefix."""
+    bucket, prefix = where.split("/")
+    found = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])
+    return [u["Key"][len(prefix) + 1 :] for u in found]
+
+
+def sample(rank: int = 0, n: int = 5) -> TensorDict:
+    """Several dtypes, nested nodes (sharded rows under ``batch``), replicated and non-tensor values."""
+    g = torch.Generator().manual_seed(rank)
+    batch = TensorDict(
+        obs=torch.randn(n, 3, generator=g),
+        done=torch.rand(n, generator=g) > 0.5,
+        nested=TensorDict(ids=torch.arange(n) + 10 * rank, half=torch.randn(n, 2, generator=g).bfloat16(),
+                          batch_size=[n]),
+        batch_size=[n],
+    )  # fmt: skip
+    model = TensorDict(w=torch.linspace(0, 1, 7), step=torch.tensor(3))
+    return TensorDict(batch=batch, model=model, tag=NonTensorData("run-1"), batch_size=[])
+
+
+def joined(parts: list[TensorDict]) -> TensorDict:
+    """The global TensorDict of ranks that saved ``parts``: rows concatenated, replicas from rank 0."""
+    out = parts[0].clone()
+    out["batch"] = torch.cat([p["batch"] for p in parts])
+    return out
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "memmap"])
+def test_one_process_round_trip_is_bit_exact(s3, layout):
+    client, bucket = s3
+    target = url(bucket, layout)
+    td = sample()
+    saved = tddist.save(td, target, layout="memmap" if layout == "memmap" else None)
+    assert_td_equal(saved, td, "returned by save")
+    assert_td_equal(tddist.load(target, shard=None, verify=True), td, "loaded")
+    m = tddist.read_manifest(target)
+    assert m.layout == ("archive" if layout == "archive" else "directory") and m.world_size == 1
+    if layout == "archive":
+        assert keys(client, bucket) == ["run/ckpt.tdz"]
+    else:  # the manifest, and under one generation the index and the data
+        found = keys(client, bucket)
+        assert found[-1] == "run/ckpt/tddist.json" and all(k.startswith("run/ckpt/tddist-gen-") for k in found[:-1])
+    assert uploads(client, bucket) == []
+
+
+def test_downloaded_archive_loads_from_a_file(s3, tmp_path):
+    """The object is a .tdz of docs/format.md section 3: a copy on disk loads, verified, with tddist.load."""
+    client, bucket = s3
+    td = sample(n=1_500_000)  # about 30 MiB of rows
+    tddist.save(td, url(bucket, "archive"), compression="zstd")
+    b, prefix = bucket.split("/")
+    client.download_file(b, f"{prefix}/run/ckpt.tdz", str(tmp_path / "copy.tdz"))
+    assert_td_equal(tddist.load(tmp_path / "copy.tdz", shard=None, verify=True), td, "downloaded")
+    assert_td_equal(tddist.load(url(bucket, "archive"), shard=None, verify=True), td, "from S3")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_save_three_ranks_and_one_process_load(s3, layout):
+    _client, bucket = s3
+    target = url(bucket, layout)
+    parts = [sample(0, 4), sample(1, 7)]
+    whole = joined(parts)
+
+    def save(comm):
+        tddist.save(parts[comm.rank], target, comm=comm, num_threads=2)
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(2, save))
+    everything = tddist.load(target, shard=None, verify=True)
+    assert_td_equal(everything, whole, "one process")
+    got = tddist.run_threads(3, lambda comm: tddist.load(target, comm=comm, verify=True))
+    assert not any(isinstance(r, BaseException) for r in got), got
+    rows = torch.tensor_split(torch.arange(11), 3)
+    for r, td in enumerate(got):
+        expected = whole.clone()
+        expected["batch"] = whole["batch"][rows[r]]
+        assert_td_equal(td, expected, f"rank {r} of 3")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_listing_during_a_save_never_shows_a_partial_checkpoint(s3, layout):
+    """Listings taken all through a save (rank 0 waits a second between the votes and the commit): before
+    the commit they show staged data or an open upload but no manifest (directory) and no object (archive);
+    whenever the manifest or the object shows, everything it needs shows too, at its final size."""
+    client, bucket = s3
+    target = url(bucket, layout)
+    seen: list[tuple[dict[str, int], list[str]]] = []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append((sizes(client, bucket), uploads(client, bucket)))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with inject("validate", 0, "delay"):
+            results = tddist.run_threads(2, lambda comm: tddist.save(sample(comm.rank), target, comm=comm))
+    finally:
+        done.set()
+        watcher.join()
+    assert not any(isinstance(r, BaseException) for r in results), results
+    final = sizes(client, bucket)
+    assert uploads(client, bucket) == []
+    if layout == "archive":
+        committed = [listed for listed, _ in seen if "run/ckpt.tdz" in listed]
+        assert all(listed["run/ckpt.tdz"] == final["run/ckpt.tdz"] for listed in committed)
+        in_progress = [listed for listed, ups in seen if "run/ckpt.tdz" in ups]
+        assert in_progress and all("run/ckpt.tdz" not in listed for listed in in_progress)
+    else:
+        manifest = "run/ckpt/tddist.json"
+        needed = {k: v for k, v in final.items() if k != manifest}
+        assert len(needed) == 3  # the index and two data files, of one generation
+        for listed, _ in seen:
+            if manifest in listed:
+                assert all(listed.get(k) == v for k, v in needed.items()), "a partial checkpoint was listed"
+        staged = [listed for listed, _ in seen if manifest not in listed and any(k in listed for k in needed)]
+        assert staged, "no listing was taken while the save was in progress"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_failure_on_one_rank_leaves_nothing_and_keeps_the_old_checkpoint(s3, layout):
+    client, bucket = s3
+    target = url(bucket, layout)
+    old = [sample(0), sample(1)]
+    assert not any(
+        isinstance(r, BaseException) for r in tddist.run_threads(2, lambda c: tddist.save(old[c.rank], target, comm=c))
+    )
+    before = keys(client, bucket)
+    with inject("write", 1, "raise"):
+        results = tddist.run_threads(2, lambda c: tddist.save(sample(c.rank + 5), target, comm=c))
+    assert all(isinstance(r, tddist.errors.InjectedFault) for r in results), results  # every rank, the same error
+    assert keys(client, bucket) == before and uploads(client, bucket) == []  # aborted: nothing staged is left
+    assert_td_equal(tddist.load(target, shard=None, verify=True), joined(old), "the old checkpoint")
+    assert tddist.recover(target) == []
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_killed_rank_leaves_nothing_visible_and_recover_cleans_up(s3, s3_env, layout, tmp_path):
+    """Rank 0 is SIGKILLed after writing its part: nothing is committed, the survivor raises, and the
+    leftovers (staged objects, or the open multipart upload) are there until ``recover`` removes them."""
+    client, bucket = s3
+    target = url(bucket, layout)
+    job = run_job(
+        "spawn", 2, REPO / "tests" / "s3_rank.py", ["crash", bucket, target], tmp_path,
+        timeout=120, env={**s3_env, "TDDIST_FAULT": "write:0:kill"},
+    )  # fmt: skip
+    assert job.returncodes[0] == -9 and job.returncodes[1] == 0, (job.reports, job.output[-3000:])
+    assert job.reports[1]["status"] == "ok" and "Error" in job.reports[1]["error"], job.reports
+    with pytest.raises(tddist.CheckpointNotFoundError):
+        tddist.load(target, shard=None)
+    if layout == "archive":
+        assert keys(client, bucket) == [] and uploads(client, bucket) == ["run/ckpt.tdz"]
+    else:
+        assert any("/tddist-gen-" in k for k in keys(client, bucket))
+        assert not any(k.endswith("tddist.json") for k in keys(client, bucket))
+    done = tddist.recover(target)
+    assert done and keys(client, bucket) == [] and uploads(client, bucket) == [], done
+    assert tddist.recover(target) == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_an_overwrite_keeps_readers_consistent(s3, layout):
+    """Loads running while a writer overwrites the checkpoint get one generation whole (every value equal to
+    that generation's number) or CheckpointChangedError; old generations are deleted after each commit."""
+    client, bucket = s3
+    target = url(bucket, layout)
+
+    def gen(i: int) -> TensorDict:
+        return TensorDict(a=torch.full((64, 1024), float(i)), b=torch.full((8,), float(i)), batch_size=[])
+
+    tddist.save(gen(0), target)
+    stop = threading.Event()
+    written = []
+
+    def overwrite():
+        for i in range(1, 6):
+            tddist.save(gen(i), target)
+            written.append(i)
+        stop.set()
+
+    w = threading.Thread(target=overwrite)
+    w.start()
+    seen, changed = set(), 0
+    try:
+        while not stop.is_set():
+            try:
+                td = tddist.load(target, shard=None, verify=True)
+            except tddist.CheckpointChangedError:
+                changed += 1
+                continue
+            values = torch.cat([td["a"].flatten(), td["b"]]).unique()
+            assert len(values) == 1, f"a load mixed generations: {values}"
+            seen.add(int(values.item()))
+    finally:
+        w.join()
+    assert written == [1, 2, 3, 4, 5] and seen, (written, seen)
+    assert_td_equal(tddist.load(target, shard=None), gen(5), "the last generation")
+    if layout == "directory":  # only the committed generation is left
+        assert len({k.split("/")[2] for k in keys(client, bucket) if "/tddist-gen-" in k}) == 1
+
+
+def test_throttling_503_is_retried(s3):
+    """A 503 SlowDown for the first requests (injected at the transport, before anything is sent) is retried
+    by botocore's standard retry mode, and the save and load succeed."""
+    from botocore.awsrequest import AWSResponse
+
+    client, bucket = s3
+    target = url(bucket, "directory")
+    refused = []
+
+    class Body:
+        def stream(self, **_kw):
+            yield b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+
+    def slow_down(request, **_kw):
+        if len(refused) < 3:
+            refused.append(request.url)
+            return AWSResponse(request.url, 503, {}, Body())
+        return None
+
+    client.meta.events.register_first("before-send.s3", slow_down)
+    try:
+        tddist.save(sample(), target)
+    finally:
+        client.meta.events.unregister("before-send.s3", slow_down)
+    assert len(refused) == 3
+    assert_td_equal(tddist.load(target, shard=None, verify=True), sample(), "after retries")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unreachable_endpoint_missing_bucket_refused_credentials(s3, monkeypatch, layout):
+    """Each is a TddistError on every rank saying what failed and how to fix it."""
+    _client, bucket = s3
+
+    def both_ranks(target: str) -> list:
+        return tddist.run_threads(2, lambda c: tddist.save(sample(c.rank), target, comm=c))
+
+    got = both_ranks(url("tddist-no-such-bucket/x", layout))
+    assert all(isinstance(e, tddist.TargetError) and "does not exist" in str(e) for e in got), got
+    with pytest.raises(tddist.CheckpointNotFoundError, match="does not exist"):
+        tddist.load(url("tddist-no-such-bucket/x", layout), shard=None)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    got = both_ranks(url(bucket, layout))
+    assert all(isinstance(e, tddist.TargetError) and "credentials were refused" in str(e) for e in got), got
+    with pytest.raises(tddist.StorageError, match="credentials were refused"):
+        tddist.load(url(bucket, layout), shard=None)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing listens
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    got = both_ranks(url(bucket, layout))
+    assert all(isinstance(e, tddist.TargetError) and "cannot be reached" in str(e) for e in got), got
+    assert "rank 0" in str(got[0]) and "AWS_ENDPOINT_URL" in str(got[0])
+
+
+def test_without_boto3_tddist_works_and_s3_says_how_to_install():
+    code = (
+        "import sys; sys.modules['boto3'] = None\n"
+        "import torch, tddist\n"
+        "tddist.save({'w': torch.ones(2)}, 'local')\n"
+        "assert torch.equal(tddist.load('local', shard=None)['w'], torch.ones(2))\n"
+        "try:\n"
+        "    tddist.save({'w': torch.ones(2)}, 's3://bucket/key')\n"
+        "except tddist.TddistError as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=os.environ.get("TMPDIR", "/tmp")
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "pip install 'tddist[s3]'" in r.stdout
+
+
+@pytest.mark.multirank
+def test_torchrun_job_saves_and_loads_both_layouts(s3, s3_env, tmp_path):
+    _client, bucket = s3
+    job = run_job(
+        "torchrun", 2, REPO / "tests" / "s3_rank.py", ["roundtrip", bucket], tmp_path, timeout=180, env=s3_env
+    )
+    job.assert_ok(2)
+    assert job.returncodes == [0]
+    full = tddist.load(f"s3://{bucket}/job.tdz", shard=None, verify=True)
+    assert full["batch", "x"].shape == (7, 4) and full["batch", "x"][3:, 0].tolist() == [100.0, 104.0, 108.0, 112.0]
