@@ -55,6 +55,23 @@ class Holding:
     steps: frozenset[int]
 
 
+@dataclass(frozen=True)
+class LocalCopy:
+    """This rank's committed part of one step, read back to be promoted.
+
+    Attributes:
+        step: the training step.
+        path: the part (a one-rank checkpoint).
+        data: its contents, memory-mapped copy-on-write from the part's files.
+        metadata: the metadata it was saved with (the step included).
+    """
+
+    step: int
+    path: str
+    data: Any
+    metadata: Mapping[str, Any]
+
+
 def expand(local_dir: str | os.PathLike, rank: int) -> str:
     """The local directory of ``rank``: ``local_dir`` with ``{rank}`` replaced, made absolute.
 
@@ -110,6 +127,12 @@ class LocalTier:
         kwargs = {k: v for k, v in options.items() if k in LOCAL_SAVE_OPTIONS}
         os.makedirs(os.path.dirname(self.part(step)), exist_ok=True)
         return save(data, self.part(step), comm=self._comm, metadata=dict(metadata), copy_existing=True, **kwargs)
+
+    def read(self, step: int) -> LocalCopy:
+        """This rank's part of ``step``, mapped, with its metadata (to promote a copy a restart found)."""
+        path = self.part(step)
+        data = load(path, comm=self._comm)
+        return LocalCopy(step, path, data, dict(read_manifest(path).metadata))
 
     def held(self) -> frozenset[int]:
         """Steps of which this rank holds a committed part for the current world size.

@@ -189,7 +189,8 @@ class CheckpointManager:
     ``restore`` loads each rank's own part when every rank holds its part of
     the newest step for the same world size, and the shared root otherwise.
     A failed promotion keeps the local copy and raises, on every rank, from
-    the next ``step()``, ``save()``, ``wait()`` or ``close()``. The newest
+    the next ``step()``, ``save()``, ``wait()`` or ``close()``; a ``restore``
+    from a local copy newer than the shared root's newest promotes it again. The newest
     complete local copy is kept, and older ones until a promotion of them or
     of a newer step has committed.
 
@@ -346,6 +347,8 @@ class CheckpointManager:
         newest of them (or ``step``) is at least as new as the newest shared
         checkpoint, every rank loads its own part and ``tier`` is "local".
         If a rank cannot load its part, every rank loads from the shared root.
+        A local copy newer than every shared checkpoint (its promotion failed
+        or was cut off) is then promoted in the background, as a save would.
 
         Returns:
             A ``Restored``: an int equal to the step of the checkpoint loaded
@@ -366,14 +369,19 @@ class CheckpointManager:
             _check_step(step)
         complete = complete_steps(self.comm, self._tier) if self._tier is not None else frozenset()
         found = self._on_rank0(f"finding the checkpoint to restore in {self.root}", lambda: self._find(step))
-        local = _pick_local(complete, step, found[1] if isinstance(found, tuple) else None)
+        shared_step = found[1] if isinstance(found, tuple) else None
+        local = _pick_local(complete, step, shared_step)
         local_error: TddistError | None = None
         if local is not None:
             try:
-                return self._restore_local(state, local, load_kwargs)
+                restored = self._restore_local(state, local, load_kwargs)
             except TddistError as e:  # the same on every rank: all of them go to the shared root
                 local_error = e
                 logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
+            else:
+                if step is None and (shared_step is None or local > shared_step):
+                    self._promote_restored(local)  # its promotion never committed (a crash, a failure)
+                return restored
         if isinstance(found, str):
             if local_error is not None:
                 raise local_error
@@ -411,6 +419,30 @@ class CheckpointManager:
         path = tier.part(step)
         self._log_restored(path, step, outcome.value)
         return Restored(step, path, outcome.value, "local")
+
+    def _promote_restored(self, step: int) -> None:
+        """Promote the local copy just restored, which is newer than the shared root's newest (collective).
+
+        A part that cannot be read back is logged on every rank, and the
+        shared root keeps its older checkpoints: the restore itself succeeded.
+        """
+        tier = self._tier
+        assert tier is not None
+        try:
+            copy = run_step(self.comm, f"reading step {step} back from the node-local tier", lambda: tier.read(step))
+        except CommError:
+            raise
+        except TddistError as e:
+            logger.warning("rank %d: %s; step %d is not promoted to %s", self.comm.rank, e, step, self.root)
+            return
+        assert copy is not None
+        kwargs = {k: v for k, v in self.save_kwargs.items() if k != "metadata"}
+        logger.info("rank %d: promoting the restored local copy of step %d to %s", self.comm.rank, step, self.root)
+        self._newest_local = step
+        self._promotion = promotion.start(
+            self.comm, step, copy.path, self.path(step), copy.data, copy.metadata, kwargs, self._prepare_root,
+            time.monotonic(),
+        )  # fmt: skip
 
     def _log_restored(self, path: str, step: int, report: LoadReport) -> None:
         if report.skipped:

@@ -158,7 +158,9 @@ def test_restore_prefers_a_newer_shared_checkpoint_and_a_newer_local_copy(tmp_pa
     assert tddist.run_threads(2, body) == [(4, "shared", 2, "local")] * 2
 
 
-def test_failed_promotion_to_a_file_is_raised_on_every_rank_and_the_local_copy_stays(tmp_path: Path) -> None:
+def test_failed_promotion_to_a_file_is_raised_on_every_rank_the_local_copy_stays_and_a_restart_promotes_it(
+    tmp_path: Path,
+) -> None:
     root, local = tmp_path / "not-a-dir", str(tmp_path / "node-{rank}")
     root.write_text("a file where the shared root should be")
 
@@ -179,6 +181,19 @@ def test_failed_promotion_to_a_file_is_raised_on_every_rank_and_the_local_copy_s
         assert parts(tmp_path / f"node-{r}") == [f"{step_name(1)}/rank-{r}-of-2"]
         part = tddist.load(tmp_path / f"node-{r}" / step_name(1) / f"rank-{r}-of-2", verify=True)
         assert_td_equal(part, local_state(r, 2, 1), f"rank {r}'s local copy")
+
+    root.unlink()  # the shared root is fixed; a restart resumes from the local copy and promotes it
+
+    def restart(comm):
+        with CheckpointManager(root, comm=comm, local_dir=local, preempt_signal=None) as mgr:
+            state = local_state(comm.rank, comm.size, 0)
+            got = mgr.restore(state)
+            assert_td_equal(state, local_state(comm.rank, comm.size, 1), f"rank {comm.rank}")
+            return int(got), got.tier
+
+    assert tddist.run_threads(2, restart) == [(1, "local")] * 2
+    assert_td_equal(tddist.load(root / step_name(1), shard=None, verify=True), expected(1), "promoted on restart")
+    assert tddist.read_manifest(root / step_name(1)).metadata == {"step": 1}
 
 
 def test_failed_rank_keeps_local_copies_until_a_newer_promotion_commits(tmp_path: Path) -> None:
@@ -307,7 +322,8 @@ def strike_rank(rank: int, work: Path, strike: Strike) -> None:
 
 
 def restart_rank(rank: int, work: Path, local: int) -> None:
-    """(forked rank) Restore (the local copy of step ``local``), then without rank 1's local part (the shared root)."""
+    """(forked rank) Restore the local copy of step ``local`` (and promote it if the root lacks it), then
+    without rank 1's local part (from the shared root)."""
     _init(work, "restart", rank)
     out: dict = {}
     with _manager(work) as mgr:
@@ -397,8 +413,12 @@ def test_sigkill_at_every_step_of_a_promotion(tmp_path: Path) -> None:
             found.append(f"shared step 20 is {shared!r}, expected {expect}")
         if leftovers(work / "shared" / "*"):
             found.append(f"leftovers in the shared root: {leftovers(work / 'shared' / '*')}")
+        # the restart promoted the local copy it restored where the shared root had only older ones
+        newest = strike_at.restored_locally
+        after = ch.state_of(str(work / "shared" / step_name(NEW)))
+        if after != ("new" if newest == NEW else "absent"):
+            found.append(f"after the restart, the shared step 20 is {after!r}")
         for r, rep in enumerate(reports):
-            newest = NEW if shared == "new" else OLD
             local = [strike_at.restored_locally, "local", True]
             if rep.get("local") != local or rep.get("shared") != [newest, "shared", True]:
                 found.append(f"restart rank {r}: {rep}")
