@@ -428,6 +428,7 @@ class CheckpointManager:
         """
         tier = self._tier
         assert tier is not None
+        self.wait()  # a promotion started by an earlier restore: its outcome is taken first
         try:
             copy = run_step(self.comm, f"reading step {step} back from the node-local tier", lambda: tier.read(step))
         except CommError:
