@@ -20,11 +20,11 @@ from .checksum import EMPTY, combine_digests, hash_blocks
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .layouts.archive import ArchiveFiles
 from .layouts.directory import DirectoryFiles
-from .locate import Location, Locator
+from .locate import Locator
 from .manifest import Chunk, Leaf, Manifest
 from .manifest_io import OpenedCheckpoint
 from .pinned import PinnedCheckpoint, storage_failed
-from .s3.files import S3Files
+from .s3.files import ChunkRange, S3Files
 from .s3.pin import S3Pin
 from .sharding import Box, ReadPiece, plan_reads
 from .types import Key
@@ -131,13 +131,23 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
     return out
 
 
-def _needed(source: ChunkSource, requests: list[tuple[Leaf, Box]]) -> list[Location]:
-    """Where the chunks that the requests read lie (those ``read_box`` will ask for)."""
+def _needed(source: ChunkSource, requests: list[tuple[Leaf, Box]], verify: bool) -> list[ChunkRange]:
+    """The bytes of each chunk that the requests read (``read_box`` asks for those chunks): the span from
+    the first to the last byte of each piece, or the whole chunk when it is verified."""
     out = []
     for leaf, box in requests:
         chunks = leaf.overlapping(box)
         for p in plan_reads(box, [c.box for c in chunks]):
-            out.append(source.locator.locate(leaf, chunks[p.chunk_index]))
+            chunk = chunks[p.chunk_index]
+            loc = source.locator.locate(leaf, chunk)
+            if verify or not loc.nbytes:
+                out.append(ChunkRange(loc, 0, loc.nbytes))
+                continue
+            sizes, item = chunk.box[1], loc.nbytes // max(math.prod(chunk.box[1]), 1)
+            strides = [math.prod(sizes[d + 1 :]) * item for d in range(len(sizes))]
+            first = sum(s.start * st for s, st in zip(p.src, strides))
+            last = sum((s.stop - 1) * st for s, st in zip(p.src, strides)) + item
+            out.append(ChunkRange(loc, first, last))
     return out
 
 
@@ -157,7 +167,7 @@ def read_leaves(
     root = source.root
     requests = list(requests)
     if isinstance(source.files, S3Files):  # every range this load needs, fetched in parallel up front
-        source.files.prefetch(_needed(source, requests), num_threads)
+        source.files.prefetch(_needed(source, requests, verify), num_threads)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
         return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]

@@ -44,6 +44,15 @@ class Span:
     size: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRange:
+    """Bytes ``[start, stop)`` of the chunk at ``location`` that a load reads."""
+
+    location: Location
+    start: int
+    stop: int
+
+
 class S3Files:
     """The chunks of one committed checkpoint on object storage, fetched once each."""
 
@@ -51,19 +60,51 @@ class S3Files:
         self.pin = pin
         self.root = pin.path
         self._got: dict[Span, torch.Tensor] = {}
+        self._partial: dict[Location, torch.Tensor] = {}
 
     def span(self, loc: Location) -> torch.Tensor:
-        """A chunk's bytes (the uncompressed entry, in an archive) as a uint8 tensor."""
+        """A chunk's bytes (the uncompressed entry, in an archive) as a uint8 tensor.
+
+        After ``prefetch`` of parts of a chunk, only those parts of the returned
+        buffer hold the chunk's bytes: the load reads nothing else of it.
+        """
         if self.pin.archive:
             return self._entry(loc)
+        part = self._partial.get(loc)
+        if part is not None:
+            return part
         return self._fetch([self._dir_span(loc)], None)[0]
 
-    def prefetch(self, locations: Iterable[Location], num_threads: int) -> None:
-        """Fetch every location's bytes now, in parallel, so that ``span`` finds them in memory."""
-        spans = list(dict.fromkeys(self._span(loc) for loc in locations if loc.nbytes))
-        if spans:
-            with ThreadPoolExecutor(max(num_threads, MIN_THREADS), thread_name_prefix="tddist-s3get") as pool:
-                self._fetch(spans, pool)
+    def prefetch(self, ranges: Iterable[ChunkRange], num_threads: int) -> None:
+        """Fetch the bytes the load will read now, in parallel, so that ``span`` finds them in memory.
+
+        In a directory checkpoint only the ranges are fetched (merged per
+        chunk where they overlap); an archive entry is fetched whole.
+        """
+        ranges = [r for r in ranges if r.stop > r.start]
+        whole = [r.location for r in ranges if self.pin.archive or (r.start, r.stop) == (0, r.location.nbytes)]
+        spans = list(dict.fromkeys(self._span(loc) for loc in whole))
+        parts: dict[Location, list[tuple[int, int]]] = {}
+        full = set(whole)
+        for r in ranges:
+            if r.location not in full:
+                parts.setdefault(r.location, []).append((r.start, r.stop))
+        sub = {}
+        for loc, rs in parts.items():
+            for lo, hi in _merged(rs):
+                s = self._dir_span(loc)
+                sub[Span(s.key, s.start + lo, s.start + hi, s.size)] = (loc, lo)
+        if not spans and not sub:
+            return
+        with ThreadPoolExecutor(max(num_threads, MIN_THREADS), thread_name_prefix="tddist-s3get") as pool:
+            got = self._fetch(spans + list(sub), pool)
+        for (loc, lo), data in zip(sub.values(), got[len(spans) :]):
+            buf = self._partial.get(loc)
+            if buf is None:
+                buf = self._partial[loc] = torch.empty(loc.nbytes, dtype=torch.uint8)
+            buf[lo : lo + len(data)] = data
+        for s in sub:
+            self._got.pop(s, None)  # copied into the chunk's buffer
 
     def _span(self, loc: Location) -> Span:
         return self._archive_span(loc) if self.pin.archive else self._dir_span(loc)
@@ -142,6 +183,17 @@ class S3Files:
         if crc != zi.CRC:
             raise CorruptCheckpointError(f"archive {where} decompresses to bytes that fail its CRC-32; it is damaged")
         return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or touching ranges merged, in order."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
 
 
 class _BytesSource:
