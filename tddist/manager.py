@@ -29,7 +29,7 @@ from tensordict import TensorDictBase
 
 from . import promotion, root_lock
 from .api import load, save
-from .comm import Communicator, agree, collective_error, contribute, decide_on_rank0, resolve, run_step
+from .comm import Communicator, collective_error, contribute, decide_on_rank0, describe, resolve, run_step
 from .errors import CheckpointNotFoundError, CommError, InvalidArgumentError, TddistError
 from .local_tier import LocalTier, complete_steps, expand
 from .manifest_io import read_manifest
@@ -190,9 +190,9 @@ class CheckpointManager:
     the newest step for the same world size, and the shared root otherwise.
     A failed promotion keeps the local copy and raises, on every rank, from
     the next ``step()``, ``save()``, ``wait()`` or ``close()``; a ``restore``
-    from a local copy newer than the shared root's newest promotes it again. The newest
-    complete local copy is kept, and older ones until a promotion of them or
-    of a newer step has committed.
+    from a local copy newer than the shared root's newest promotes it again.
+    The newest complete local copy is kept, and older ones until a promotion
+    of them or of a newer step has committed.
 
     Args:
         root: the directory holding the step checkpoints (created by the first save).
@@ -375,6 +375,8 @@ class CheckpointManager:
         if local is not None:
             try:
                 restored = self._restore_local(state, local, load_kwargs)
+            except CommError:
+                raise
             except TddistError as e:  # the same on every rank: all of them go to the shared root
                 local_error = e
                 logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
@@ -555,13 +557,14 @@ class CheckpointManager:
         assert tier is not None
         what = f"saving step {step} to the node-local tier"
         try:
-            mapped = run_step(self.comm, what, lambda: tier.save(data, step, metadata, kwargs))
-        except CommError as e:  # a rank died or hung: name the step
-            raise type(e)(
-                f"rank {self.comm.rank}: {what}: the ranks could not agree that every rank committed its part: "
-                f"{e}. The shared root is unchanged, and restore() ignores a local copy that some rank lacks",
-                failures=e.failures,
-            ) from e
+            mapped, error = tier.save(data, step, metadata, kwargs), None
+        except Exception as e:  # this rank's vote; every rank raises the agreed error below
+            mapped, error = None, e
+        _agree_naming(
+            self.comm, what, error,
+            lambda e: f"rank {self.comm.rank}: {what}: the ranks could not agree that every rank committed its "
+            f"part: {e}. The shared root is unchanged, and restore() ignores a local copy that some rank lacks",
+        )  # fmt: skip
         self._newest_local = step
         logger.info("rank %d: saved step %d locally in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain_local()
@@ -608,15 +611,12 @@ class CheckpointManager:
             return
         self._promotion = None
         error = p.future.exception()
-        try:
-            agree(self.comm, f"the promotion of step {p.step} to {p.target}", error)
-        except CommError as e:  # a rank died or hung: name the step, and what this rank's promotion did
-            mine = f"failed ({error})" if error is not None else "committed on this rank"
-            raise type(e)(
-                f"rank {self.comm.rank}: the ranks could not agree on the promotion of step {p.step} to "
-                f"{p.target}: {e}. This rank's promotion {mine}; its node-local copy ({p.local}) is kept",
-                failures=e.failures,
-            ) from e
+        mine = f"failed ({error})" if error is not None else "committed on this rank"
+        _agree_naming(
+            self.comm, f"the promotion of step {p.step} to {p.target}", error,
+            lambda e: f"rank {self.comm.rank}: the ranks could not agree on the promotion of step {p.step} to "
+            f"{p.target}: {e}. This rank's promotion {mine}; its node-local copy ({p.local}) is kept",
+        )  # fmt: skip
         logger.info(
             "rank %d: promoted step %d %.2fs after it started", self.comm.rank, p.step, time.monotonic() - p.started
         )
@@ -702,6 +702,20 @@ class CheckpointManager:
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         self._handlers = {}
+
+
+def _agree_naming(
+    comm: Communicator, what: str, error: BaseException | None, broken: Callable[[CommError], str]
+) -> None:
+    """``comm.agree``, except that a transport failure of the agreement itself (a rank died or hung) is
+    re-raised, with its class, as ``broken(error)`` says (naming the step), not as a bare allgather error."""
+    try:
+        statuses = comm.allgather(describe(error) if error is not None else None)
+    except CommError as e:
+        raise type(e)(broken(e), failures=e.failures) from e
+    failures = {r: s for r, s in enumerate(statuses) if s is not None}
+    if failures:
+        raise collective_error(what, failures) from error
 
 
 def _fill(state: Any, load_into: Callable[[Any], LoadReport]) -> LoadReport:

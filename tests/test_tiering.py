@@ -196,6 +196,21 @@ def test_failed_promotion_to_a_file_is_raised_on_every_rank_the_local_copy_stays
     assert tddist.read_manifest(root / step_name(1)).metadata == {"step": 1}
 
 
+def test_a_local_save_failing_on_one_rank_fails_on_every_rank_and_promotes_nothing(tmp_path: Path) -> None:
+    root, local = tmp_path / "shared", str(tmp_path / "node-{rank}")
+    (tmp_path / "node-1").write_text("rank 1's local storage is not a directory")
+
+    def body(comm):
+        with CheckpointManager(root, comm=comm, local_dir=local, preempt_signal=None) as mgr:
+            with pytest.raises(tddist.TddistError) as info:
+                mgr.save(5, local_state(comm.rank, comm.size, 5))
+            return str(info.value)
+
+    for r, msg in enumerate(tddist.run_threads(2, body)):
+        assert isinstance(msg, str) and "saving step 5 to the node-local tier" in msg and "rank 1" in msg, (r, msg)
+    assert not root.exists(), "nothing was promoted"
+
+
 def test_failed_rank_keeps_local_copies_until_a_newer_promotion_commits(tmp_path: Path) -> None:
     root, local = tmp_path / "shared", str(tmp_path / "node-{rank}")
 
