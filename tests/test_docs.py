@@ -167,7 +167,10 @@ def run_bash(block: Block, cwd: Path) -> None:
 
 
 @pytest.mark.parametrize("chain", chains(), ids=lambda c: c.id)
-def test_example(chain: Chain, tmp_path, monkeypatch):
+def test_example(chain: Chain, tmp_path, monkeypatch, request):
+    if any("s3://" in b.body for b in chain.blocks):  # examples on object storage get the test S3 server
+        for name, value in request.getfixturevalue("s3_env").items():
+            monkeypatch.setenv(name, value)
     prepare(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(REPO))
