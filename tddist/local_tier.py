@@ -179,11 +179,12 @@ class LocalTier:
                     remove_tree(os.path.join(step_dir, name))
                 except OSError as e:
                     logger.warning("rank %d: could not delete local part %s: %s", self.rank, name, e)
+                else:
+                    logger.info("rank %d: dropped its local part %s of step %d", self.rank, name, step)
             try:
                 os.rmdir(step_dir)  # only once every rank sharing this directory dropped its part
             except OSError:
                 pass
-            logger.info("rank %d: dropped its local part of step %d", self.rank, step)
 
     def on_disk(self) -> frozenset[int]:
         """Steps with a directory under ``directory`` (whatever they hold)."""
