@@ -101,7 +101,10 @@ def save(
     Args:
         data: this rank's TensorDict, tensorclass or nested dict of tensors,
             DTensors and JSON-able values.
-        prefix: the checkpoint directory, or an archive path ending in ``.tdz``.
+        prefix: the checkpoint directory, or an archive path ending in
+            ``.tdz``; on S3-compatible object storage ``s3://bucket/key`` (a
+            directory) or ``s3://bucket/key.tdz`` (an archive), see
+            docs/object_storage.md (needs ``pip install 'tddist[s3]'``).
         comm: a torch ProcessGroup, an mpi4py communicator or a tddist
             ``Communicator``; None detects it (torch.distributed, MPI,
             torchrun's environment, else one process).
@@ -166,7 +169,7 @@ def save(
     _check_save_args(prefix, num_threads, metadata)
     _check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
     if is_s3(prefix):
-        _check_s3(prefix, snapshot_budget, async_writer)
+        _check_s3(prefix, snapshot_budget, async_writer, archive)
     if async_writer not in ("thread", "process") or (async_writer == "process" and snapshot_budget is not None):
         raise InvalidArgumentError(
             f"async_writer={async_writer!r} is not supported: use 'thread' or 'process' (snapshot_budget needs "
@@ -265,8 +268,14 @@ def _target(prefix: str | os.PathLike) -> str:
     return os.path.abspath(p)
 
 
-def _check_s3(prefix: Any, snapshot_budget: int | None, async_writer: str) -> None:
+def _check_s3(prefix: Any, snapshot_budget: int | None, async_writer: str, archive: bool | None) -> None:
     """Options object storage does not support are refused up front; boto3 must be installed."""
+    url = s3_url.parse(os.fspath(prefix))
+    if archive is not None and archive != url.archive:
+        raise InvalidArgumentError(
+            f"{url.url!r}: on object storage the key's suffix decides the layout (an archive ends in "
+            f"{fmt.ARCHIVE_SUFFIX}, a directory does not); drop archive= or change the key"
+        )
     if snapshot_budget is not None or async_writer != "thread":
         raise InvalidArgumentError(
             f"{os.fspath(prefix)!r}: snapshot_budget and async_writer='process' are for file systems; on object "
@@ -406,7 +415,9 @@ def load(
     runs on its own).
 
     Args:
-        prefix: the checkpoint directory or ``.tdz`` archive.
+        prefix: the checkpoint directory or ``.tdz`` archive, or
+            ``s3://bucket/key[.tdz]`` on object storage (ranged GETs of only
+            the bytes read, in parallel).
         comm: as in ``save``; not needed for ``shard=None``.
         shard: ``"even"``, this rank's even share of the global rows (as
             ``torch.tensor_split`` splits them); ``"saved"``, exactly the rows
@@ -593,7 +604,7 @@ def read_manifest(prefix: str | os.PathLike) -> Manifest:
     """The validated manifest of the checkpoint at ``prefix``, without reading any data.
 
     Args:
-        prefix: the checkpoint directory or ``.tdz`` archive.
+        prefix: the checkpoint directory or ``.tdz`` archive (or ``s3://bucket/key[.tdz]``).
 
     Returns:
         Shapes, dtypes, placements, chunks, world size and metadata.
@@ -612,6 +623,10 @@ def recover(prefix: str | os.PathLike) -> list[str]:
     replaced checkpoint is moved back if a crash left the target without one.
     Run it only when no save to ``prefix`` is in progress.
 
+    On object storage (``s3://bucket/key[.tdz]``) it aborts the key's
+    unfinished multipart uploads and deletes the generations that the
+    committed manifest does not name.
+
     Args:
         prefix: the checkpoint path whose leftovers to remove.
 
@@ -620,6 +635,7 @@ def recover(prefix: str | os.PathLike) -> list[str]:
 
     Raises:
         OSError: a leftover could not be removed (permissions, I/O error).
+        StorageError: on object storage, a request failed.
     """
     target = _target(prefix)
     return s3_recover(target) if is_s3(target) else _recover(target)

@@ -366,3 +366,17 @@ def test_a_load_gets_only_the_bytes_it_reads(s3):
     assert torch.equal(part["x"], rows[100:200]) and torch.equal(verified["x"], rows[100:200])
     assert 100 * 4096 <= data_bytes < 100 * 4096 + 64 * 1024, data_bytes
     assert sum(got) >= 1000 * 4096
+
+
+def test_return_early_and_refused_options(s3):
+    """An asynchronous save commits in the background; options object storage cannot honour are refused."""
+    _client, bucket = s3
+    target = url(bucket, "directory")
+    fut = tddist.save(sample(), target, return_early=True)
+    assert_td_equal(fut.result(timeout=60), sample(), "returned by the future")
+    assert_td_equal(tddist.load(target, shard=None), sample(), "loaded")
+    for kwargs in ({"atomic": False}, {"archive": True}, {"return_early": True, "snapshot_budget": 1 << 30}):
+        with pytest.raises(tddist.InvalidArgumentError):
+            tddist.save(sample(), target, **kwargs)
+    with pytest.raises(tddist.InvalidArgumentError, match="does not name a checkpoint"):
+        tddist.save(sample(), f"s3://{bucket.split('/')[0]}")
