@@ -45,6 +45,7 @@ from .s3 import url as s3_url
 from .s3.archive import S3ArchiveWriter
 from .s3.client import s3_client
 from .s3.directory import S3DirectoryWriter
+from .s3.pin import S3Pin
 from .s3.recovery import recover as s3_recover
 from .s3.url import is_s3
 from .sharding import Box, PerRank
@@ -374,6 +375,8 @@ def _commit_and_open(
         own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
         opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
         with open_checkpoint(options.target) as opened:
+            if isinstance(writer, (S3DirectoryWriter, S3ArchiveWriter)) and isinstance(opened.pin, S3Pin):
+                opened.pin.local = writer.uploaded  # what this rank uploaded is read back from memory
             return _load_from(opened.manifest, options.target, c, opts, own, pinned=opened)
     except StorageError as e:
         raise _unreadable_after_commit(c.rank, options.target, e) from e

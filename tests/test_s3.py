@@ -380,3 +380,23 @@ def test_return_early_and_refused_options(s3):
             tddist.save(sample(), target, **kwargs)
     with pytest.raises(tddist.InvalidArgumentError, match="does not name a checkpoint"):
         tddist.save(sample(), f"s3://{bucket.split('/')[0]}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_returns_its_shard_without_downloading_it(s3, layout):
+    """save returns this rank's shard read back from what it uploaded (a copy in memory), not a download; the
+    returned tensors are not the caller's."""
+    client, bucket = s3
+    td = TensorDict(x=torch.randn(1024, 1024), batch_size=[1024])  # 4 MiB
+    got: list[int] = []
+
+    def count(parsed, **_kw):
+        got.append(int(parsed.get("ContentLength", 0)))
+
+    client.meta.events.register("after-call.s3.GetObject", count)
+    try:
+        saved = tddist.save(td, url(bucket, layout))
+    finally:
+        client.meta.events.unregister("after-call.s3.GetObject", count)
+    assert torch.equal(saved["x"], td["x"]) and saved["x"].data_ptr() != td["x"].data_ptr()
+    assert sum(got) < 128 * 1024, got  # the manifest, the index (and an archive's central directory) only

@@ -85,6 +85,7 @@ class S3ArchiveWriter(ArchiveWriter):
         super().__init__(*args, **kwargs)
         self.url = parse(self.target)
         self.completed_parts: list[dict] = []
+        self.uploaded: dict[tuple[str, int], memoryview] = {}  # (entry, 0) -> uncompressed bytes, see ``S3Pin.local``
 
     def _failed(self, what: str, e: BaseException) -> TddistError:
         return s3_failed(what, self.url.url, e, self.rank, TargetError)
@@ -137,6 +138,7 @@ class S3ArchiveWriter(ArchiveWriter):
                 segments.append(Segment(pos, memoryview(piece)))
                 pos += len(piece)
         starts = [s.offset for s in segments]
+        self.uploaded = {(e.name, 0): e.data for e in self.entries}
         client = s3_client()
         mine = assign_parts(staging.region_starts, staging.end).parts[self.rank]
 

@@ -94,6 +94,7 @@ class S3DirectoryWriter(WriterBase):
         super().__init__(*args, **kwargs)
         self.url = parse(self.target)
         self.old_generation: str | None = None  # rank 0: what the commit replaces
+        self.uploaded: dict[tuple[str, int], memoryview] = {}  # (file, offset) -> bytes, see ``S3Pin.local``
         self.manifest = b""
 
     def _failed(self, what: str, e: BaseException) -> TddistError:
@@ -126,6 +127,7 @@ class S3DirectoryWriter(WriterBase):
                 stored[key] = StoredBytes(int(data.size), checksum_bytes(data))
                 if data.size:
                     segments.append(Segment(int(offset), memoryview(data.data).cast("B")))
+                    self.uploaded[(fmt.rank_data_name(self.rank), int(offset))] = segments[-1].data
             objects.append((fmt.rank_data_name(self.rank), segments, int(end)))
         else:
             for key, t in shard.written().items():
@@ -134,6 +136,7 @@ class S3DirectoryWriter(WriterBase):
                 if data.size:  # a chunk with no elements has no file (as in tensordict)
                     rel = fmt.leaf_relpath(self.rank, key, o.robust_key)
                     objects.append((rel, [Segment(0, memoryview(data.data).cast("B"))], int(data.size)))
+                    self.uploaded[(rel, 0)] = objects[-1][1][0].data
             for rel, raw in node_meta_files(self.rank, shard, o.robust_key).items():
                 objects.append((rel, [Segment(0, memoryview(raw))], len(raw)))
         threads = max(o.num_threads, MIN_THREADS)

@@ -30,7 +30,7 @@ ARCHIVE_META = "tddist-layout"
 GENERATION_PREFIX = "tddist-gen-"
 _GENERATION = re.compile(r"[0-9a-f]{32}")
 #: The part of an archive's end read at once when it is opened (end records and, usually, the central directory).
-TAIL_BYTES = 1 << 20
+TAIL_BYTES = 64 << 10
 
 
 def is_generation(name: str) -> bool:
@@ -49,6 +49,9 @@ class S3Pin:
     size: int = 0  # an archive's object size
     etag: str = ""  # an archive's ETag, sent with If-Match
     entries: dict[str, zipfile.ZipInfo] = field(default_factory=dict)  # an archive's central directory
+    #: bytes this process uploaded to this generation, by (file or entry name, offset): a save reads its own
+    #: shard back from them instead of downloading what it just uploaded
+    local: dict[tuple[str, int], memoryview] = field(default_factory=dict)
 
     @property
     def path(self) -> str:
