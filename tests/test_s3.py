@@ -400,3 +400,18 @@ def test_save_returns_its_shard_without_downloading_it(s3, layout):
         client.meta.events.unregister("after-call.s3.GetObject", count)
     assert torch.equal(saved["x"], td["x"]) and saved["x"].data_ptr() != td["x"].data_ptr()
     assert sum(got) < 128 * 1024, got  # the manifest, the index (and an archive's central directory) only
+
+
+def test_load_into_a_target_reshards_in_place(s3):
+    """load(into=...) fills a target of another world size's shape in place, as on a file system."""
+    _client, bucket = s3
+    target = url(bucket, "archive")
+    parts = [sample(0, 4), sample(1, 7)]
+    assert not any(
+        isinstance(r, BaseException)
+        for r in tddist.run_threads(2, lambda c: tddist.save(parts[c.rank], target, comm=c))
+    )
+    into = joined(parts).apply(torch.zeros_like)
+    report = tddist.load(target, into=into, shard=None, verify=True)
+    assert report.ok, report
+    assert_td_equal(into.exclude("tag"), joined(parts).exclude("tag"), "filled in place")
