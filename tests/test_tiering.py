@@ -115,6 +115,9 @@ def test_restore_picks_local_then_shared_when_a_part_or_the_world_size_differs(t
     assert parts(tmp_path / "node-1") == [f"{step_name(6)}/rank-1-of-2"]
     assert run(2, restore) == [(6, "local")] * 2
     assert run(3, restore) == [(6, "shared")] * 3  # a 2-rank local copy on 3 ranks: resharded from the root
+    data = tmp_path / "node-1" / step_name(6) / "rank-1-of-2" / "rank-00000.data"
+    data.write_bytes(data.read_bytes()[:-4])  # rank 1's part is damaged: every rank loads from the root
+    assert run(2, restore) == [(6, "shared")] * 2
     shutil.rmtree(tmp_path / "node-1")  # rank 1's node lost its disk
     assert run(2, restore) == [(6, "shared")] * 2
     assert parts(tmp_path / "node-0") == [f"{step_name(6)}/rank-0-of-2"]
