@@ -196,28 +196,36 @@ def test_a_failure_on_one_rank_leaves_nothing_and_keeps_the_old_checkpoint(s3, l
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_killed_rank_leaves_nothing_visible_and_recover_cleans_up(s3, s3_env, layout, tmp_path):
-    """Rank 0 is SIGKILLed after writing its part: nothing is committed, the survivor raises, and the
-    leftovers (staged objects, or the open multipart upload) are there until ``recover`` removes them."""
+def test_a_killed_rank_leaves_nothing_visible_and_recover_cleans_up(s3, s3_env, tmp_path):
+    """Rank 0 is SIGKILLed after writing its part (one job per layout, both at once): nothing is committed,
+    the survivor raises, and the leftovers (staged objects, or the open multipart upload) are there until
+    ``recover`` removes them."""
     client, bucket = s3
-    target = url(bucket, layout)
-    job = run_job(
-        "spawn", 2, REPO / "tests" / "s3_rank.py", ["crash", bucket, target], tmp_path,
-        timeout=120, env={**s3_env, "TDDIST_FAULT": "write:0:kill"},
-    )  # fmt: skip
-    assert job.returncodes[0] == -9 and job.returncodes[1] == 0, (job.reports, job.output[-3000:])
-    assert job.reports[1]["status"] == "ok" and "Error" in job.reports[1]["error"], job.reports
-    with pytest.raises(tddist.CheckpointNotFoundError):
-        tddist.load(target, shard=None)
-    if layout == "archive":
-        assert keys(client, bucket) == [] and uploads(client, bucket) == ["run/ckpt.tdz"]
-    else:
-        assert any("/tddist-gen-" in k for k in keys(client, bucket))
-        assert not any(k.endswith("tddist.json") for k in keys(client, bucket))
-    done = tddist.recover(target)
-    assert done and keys(client, bucket) == [] and uploads(client, bucket) == [], done
-    assert tddist.recover(target) == []
+    jobs = {}
+
+    def crash(layout: str) -> None:
+        jobs[layout] = run_job(
+            "spawn", 2, REPO / "tests" / "s3_rank.py", ["crash", bucket, url(bucket, layout)], tmp_path / layout,
+            timeout=120, env={**s3_env, "TDDIST_FAULT": "write:0:kill"},
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=crash, args=(layout,)) for layout in LAYOUTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for layout, job in jobs.items():
+        assert job.returncodes[0] == -9 and job.returncodes[1] == 0, (layout, job.reports, job.output[-3000:])
+        assert job.reports[1]["status"] == "ok" and "Error" in job.reports[1]["error"], job.reports
+        with pytest.raises(tddist.CheckpointNotFoundError):
+            tddist.load(url(bucket, layout), shard=None)
+    listed = keys(client, bucket)
+    assert uploads(client, bucket) == ["run/ckpt.tdz"] and "run/ckpt.tdz" not in listed
+    assert any("/tddist-gen-" in k for k in listed) and not any(k.endswith("tddist.json") for k in listed)
+    for layout in LAYOUTS:
+        assert tddist.recover(url(bucket, layout)), layout
+    assert keys(client, bucket) == [] and uploads(client, bucket) == []
+    assert all(tddist.recover(url(bucket, layout)) == [] for layout in LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
