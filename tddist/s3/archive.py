@@ -20,6 +20,10 @@ and ignore what lies between regions). Steps, on the commit's protocol:
 
 ``abort`` (rank 0, after any failure) aborts the upload; ``recover`` aborts
 the uploads a crash left.
+
+One rank whose region is at most ``PART_SIZE`` needs neither parts nor
+padding: it keeps the archive in memory and ``publish`` uploads it with one
+PUT (``Staging.path`` is then empty).
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class S3ArchiveWriter(ArchiveWriter):
         super().__init__(*args, **kwargs)
         self.url = parse(self.target)
         self.completed_parts: list[dict] = []
+        self.whole = b""  # one small rank: the whole archive, uploaded by ``publish``
         self.uploaded: dict[tuple[str, int], memoryview] = {}  # (entry, 0) -> uncompressed bytes, see ``S3Pin.local``
 
     def _failed(self, what: str, e: BaseException) -> TddistError:
@@ -93,6 +98,12 @@ class S3ArchiveWriter(ArchiveWriter):
     def open(self, plans: list[SavePlan]) -> Staging:
         """(rank 0) Check the key, lay the (padded) regions out, create the multipart upload."""
         client = s3_client()
+        if len(plans) == 1 and plans[0].region_bytes <= PART_SIZE:  # one small rank: one PUT at the commit
+            try:
+                self._check_target(client)
+            except client_errors() as e:
+                raise self._failed("preparing a save to", e) from e
+            return Staging("", (0,), plans[0].region_bytes)
         try:
             self._check_target(client)
             starts, end = [], 0
@@ -139,6 +150,10 @@ class S3ArchiveWriter(ArchiveWriter):
                 pos += len(piece)
         starts = [s.offset for s in segments]
         self.uploaded = {(e.name, 0): e.data for e in self.entries}
+        if not staging.path:  # uploaded whole by publish
+            self.whole = bytes(range_bytes(segments, starts, 0, staging.end))
+            fault_point("midwrite", self.rank)
+            return self._fragment()
         client = s3_client()
         mine = assign_parts(staging.region_starts, staging.end).parts[self.rank]
 
@@ -170,6 +185,9 @@ class S3ArchiveWriter(ArchiveWriter):
         """(rank 0) Upload the tail as the last part; check every part is there with its size."""
         rows = [row for f in fragments for row in f.entries]
         tail = tail_bytes(staging.end, {fmt.INDEX_NAME: manifest.index, fmt.MANIFEST_NAME: manifest.manifest}, rows)
+        if not staging.path:
+            self.whole += tail
+            return
         layout = assign_parts(staging.region_starts, staging.end)
         client = s3_client()
         try:
@@ -197,6 +215,11 @@ class S3ArchiveWriter(ArchiveWriter):
     def publish(self, staging: Staging) -> None:
         """(rank 0) The commit point: complete the upload, and the archive appears under the key whole."""
         try:
+            if not staging.path:
+                s3_client().put_object(
+                    Bucket=self.url.bucket, Key=self.url.key, Body=self.whole, Metadata={ARCHIVE_META: "archive"}
+                )
+                return
             s3_client().complete_multipart_upload(
                 Bucket=self.url.bucket,
                 Key=self.url.key,
@@ -208,6 +231,8 @@ class S3ArchiveWriter(ArchiveWriter):
 
     def abort(self, staging: Staging) -> None:
         """(rank 0) Abort the upload: its parts are discarded, nothing appears under the key; never raises."""
+        if not staging.path:
+            return
         try:
             s3_client().abort_multipart_upload(Bucket=self.url.bucket, Key=self.url.key, UploadId=staging.path)
         except Exception as e:
