@@ -424,3 +424,21 @@ def test_load_into_a_target_reshards_in_place(s3):
     report = tddist.load(target, into=into, shard=None, verify=True)
     assert report.ok, report
     assert_td_equal(into.exclude("tag"), joined(parts).exclude("tag"), "filled in place")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_load_pinned_before_an_overwrite_never_reads_the_new_one(s3, layout):
+    """A load that opened the checkpoint before an overwrite committed reads no byte of the new one: the old
+    generation is gone (directory) or the ETag no longer matches (archive, If-Match): CheckpointChangedError."""
+    from tddist.manifest_io import open_checkpoint
+    from tddist.reader import read_leaves
+
+    _client, bucket = s3
+    target = url(bucket, layout)
+    tddist.save(TensorDict(a=torch.zeros(1000, 100), batch_size=[]), target)
+    with open_checkpoint(target) as opened:
+        tddist.save(TensorDict(a=torch.ones(1000, 100), batch_size=[]), target)
+        leaf = opened.manifest.leaves[("a",)]
+        with pytest.raises(tddist.CheckpointChangedError, match="was replaced while it was being read"):
+            read_leaves(opened, opened.manifest, [(leaf, ((0, 0), (1000, 100)))], 4, True)
+    assert tddist.load(target, shard=None)["a"].eq(1).all()
