@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import local_shards
 from ._fs import remove_tree
 from .api import load, save
 from .comm import Communicator, LocalComm
@@ -31,7 +32,6 @@ from .manifest_io import read_manifest
 from .plan import LoadReport
 from .recovery import recover
 from .retention import parse_step, step_name
-from .tree import flatten, is_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,19 @@ class LocalCopy:
     path: str
     data: Any
     metadata: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Restoring:
+    """What loading a local part did: the load's report, and the DTensor layouts of the state it filled.
+
+    Attributes:
+        report: what ``tddist.load(into=...)`` found.
+        layouts: the state's DTensor leaves (to promote the part again, see ``LocalTier.read``).
+    """
+
+    report: LoadReport
+    layouts: tuple[local_shards.DTensorLayout, ...]
 
 
 def expand(local_dir: str | os.PathLike, rank: int) -> str:
@@ -114,24 +127,23 @@ class LocalTier:
         """Commit this rank's shard as the one-rank checkpoint ``part(step)``; return it memory-mapped.
 
         The maps read the committed local files, so the promotion reads what
-        the local copy holds, not the training state (which moves on).
+        the local copy holds, not the training state (which moves on). A
+        DTensor leaf is saved as this rank's local shard and comes back as a
+        DTensor of the same layout around the map of that shard.
         """
-        _nodes, leaves, _objects = flatten(data)
-        dtensors = [list(k) for k, t in leaves.items() if is_dtensor(t)]
-        if dtensors:
-            raise InvalidArgumentError(
-                f"rank {self.rank}: the node-local tier takes plain tensors, and DTensor leaves such as "
-                f"{dtensors[0]} are a shard of a tensor spread over the ranks; save DTensor state (FSDP2) "
-                f"without local_dir"
-            )
+        plain, layouts = local_shards.split(data)  # a DTensor leaf: this rank's shard of it
         kwargs = {k: v for k, v in options.items() if k in LOCAL_SAVE_OPTIONS}
         os.makedirs(os.path.dirname(self.part(step)), exist_ok=True)
-        return save(data, self.part(step), comm=self._comm, metadata=dict(metadata), copy_existing=True, **kwargs)
+        mapped = save(plain, self.part(step), comm=self._comm, metadata=dict(metadata), copy_existing=True, **kwargs)
+        return local_shards.join(mapped, layouts)
 
-    def read(self, step: int) -> LocalCopy:
-        """This rank's part of ``step``, mapped, with its metadata (to promote a copy a restart found)."""
+    def read(self, step: int, layouts: tuple[local_shards.DTensorLayout, ...]) -> LocalCopy:
+        """This rank's part of ``step``, mapped, with its metadata (to promote a copy a restart found).
+
+        ``layouts``: the DTensor leaves of the state it was restored into, rebuilt around their shards.
+        """
         path = self.part(step)
-        data = load(path, comm=self._comm)
+        data = local_shards.join(load(path, comm=self._comm), layouts)
         return LocalCopy(step, path, data, dict(read_manifest(path).metadata))
 
     def held(self) -> frozenset[int]:
@@ -154,11 +166,12 @@ class LocalTier:
             steps.add(step)
         return frozenset(steps)
 
-    def load_into(self, step: int, into: Any, load_kwargs: Mapping[str, Any]) -> LoadReport:
-        """Fill ``into`` with this rank's part of ``step`` (the rows this rank saved)."""
-        report = load(self.part(step), comm=self._comm, into=into, **load_kwargs)
+    def load_into(self, step: int, into: Any, load_kwargs: Mapping[str, Any]) -> Restoring:
+        """Fill ``into`` with this rank's part of ``step`` (the rows this rank saved; a DTensor's local shard)."""
+        plain, layouts = local_shards.split(into)  # the local tensors of its DTensors, filled in place
+        report = load(self.part(step), comm=self._comm, into=plain, **load_kwargs)
         assert isinstance(report, LoadReport)  # load(into=...) returns its report
-        return report
+        return Restoring(report, layouts)
 
     def drop(self, steps: frozenset[int]) -> None:
         """Delete this rank's parts of ``steps`` (of any world size), and each step directory left empty.

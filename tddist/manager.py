@@ -31,7 +31,8 @@ from . import promotion, root_lock
 from .api import load, save
 from .comm import Communicator, collective_error, contribute, decide_on_rank0, describe, resolve, run_step
 from .errors import CheckpointNotFoundError, CommError, InvalidArgumentError, TddistError
-from .local_tier import LocalTier, complete_steps, expand
+from .local_shards import DTensorLayout
+from .local_tier import LocalTier, Restoring, complete_steps, expand
 from .manifest_io import read_manifest
 from .plan import LoadReport
 from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_entries, step_name
@@ -374,7 +375,7 @@ class CheckpointManager:
         local_error: TddistError | None = None
         if local is not None:
             try:
-                restored = self._restore_local(state, local, load_kwargs)
+                restored, layouts = self._restore_local(state, local, load_kwargs)
             except CommError:
                 raise
             except TddistError as e:  # the same on every rank: all of them go to the shared root
@@ -382,7 +383,7 @@ class CheckpointManager:
                 logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
             else:
                 if step is None and (shared_step is None or local > shared_step):
-                    self._promote_restored(local)  # its promotion never committed (a crash, a failure)
+                    self._promote_restored(local, layouts)  # its promotion never committed (a crash, a failure)
                 return restored
         if isinstance(found, str):
             if local_error is not None:
@@ -409,20 +410,31 @@ class CheckpointManager:
         self._log_restored(path, at, report)
         return Restored(at, path, report, "shared")
 
-    def _restore_local(self, state: Any, step: int, load_kwargs: dict[str, Any]) -> Restored:
-        """Every rank loads its own local part of ``step``; the same error on every rank if any rank fails."""
+    def _restore_local(
+        self, state: Any, step: int, load_kwargs: dict[str, Any]
+    ) -> tuple[Restored, tuple[DTensorLayout, ...]]:
+        """Every rank loads its own local part of ``step``; the same error on every rank if any rank fails.
+
+        Returns what was restored and the layouts of the state's DTensor leaves.
+        """
         tier = self._tier
         assert tier is not None
-        outcome = contribute(lambda: _fill(state, lambda into: tier.load_into(step, into, load_kwargs)))
+        restoring: list[Restoring] = []
+
+        def load_local(into: Any) -> LoadReport:
+            restoring.append(tier.load_into(step, into, load_kwargs))
+            return restoring[-1].report
+
+        outcome = contribute(lambda: _fill(state, load_local))
         failures = {r: f for r, f in enumerate(self.comm.allgather(outcome.failure)) if f is not None}
         if failures:
             raise collective_error(f"restoring step {step} from the node-local copies", failures)
         assert outcome.value is not None
         path = tier.part(step)
         self._log_restored(path, step, outcome.value)
-        return Restored(step, path, outcome.value, "local")
+        return Restored(step, path, outcome.value, "local"), restoring[-1].layouts
 
-    def _promote_restored(self, step: int) -> None:
+    def _promote_restored(self, step: int, layouts: tuple[DTensorLayout, ...]) -> None:
         """Promote the local copy just restored, which is newer than the shared root's newest (collective).
 
         A part that cannot be read back is logged on every rank, and the
@@ -432,7 +444,9 @@ class CheckpointManager:
         assert tier is not None
         self.wait()  # a promotion started by an earlier restore: its outcome is taken first
         try:
-            copy = run_step(self.comm, f"reading step {step} back from the node-local tier", lambda: tier.read(step))
+            copy = run_step(
+                self.comm, f"reading step {step} back from the node-local tier", lambda: tier.read(step, layouts)
+            )
         except CommError:
             raise
         except TddistError as e:

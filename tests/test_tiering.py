@@ -444,6 +444,54 @@ def test_sigkill_at_every_step_of_a_promotion(tmp_path: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+def dtensor_state(rank: int, step: int) -> TensorDict:
+    """A DTensor ``w`` (6 x 4, rows sharded over the 2 ranks) and a replicated ``b``, their values set by ``step``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(24, dtype=torch.float32).view(6, 4) + step
+    w = DTensor.from_local(full[3 * rank : 3 * rank + 3].clone(), mesh, [Shard(0)], run_check=False)
+    return TensorDict(w=w, b=torch.full((2,), float(step)), batch_size=[])
+
+
+def dtensor_rank(rank: int, work: Path) -> None:
+    """(forked rank) Save DTensor state through the local tier; lose the shared copy; restore locally (which
+    promotes it again), then from the root."""
+    _init(work, "dtensor", rank)
+    with _manager(work) as mgr:
+        mgr.save(7, dtensor_state(rank, 7))
+    mgr.comm.barrier()
+    if rank == 0:  # the shared copy is lost: the local restore promotes step 7 again, DTensors whole
+        shutil.rmtree(work / "shared" / step_name(7))
+    out = {}
+    for tier in ("local", "shared"):
+        if tier == "shared" and rank == 1:
+            shutil.rmtree(work / "node-1")
+        mgr.comm.barrier()
+        with _manager(work) as mgr:
+            state = dtensor_state(rank, 0)
+            got = mgr.restore(state)
+            want = torch.arange(24, dtype=torch.float32).view(6, 4) + 7
+            w = state["w"].full_tensor()  # collective: every rank gathers the whole tensor
+            out[tier] = [int(got), got.tier, torch.equal(w, want) and torch.equal(state["b"], torch.full((2,), 7.0))]
+    _report(work, f"dtensor{rank}", out)
+
+
+def test_dtensor_state_is_saved_locally_as_shards_and_promoted_whole(tmp_path: Path) -> None:
+    ch.warm_up()
+    codes = run_ranks(dtensor_rank, tmp_path)
+    assert codes == {0: 0, 1: 0}, codes
+    for r in range(2):
+        report = json.loads((tmp_path / f"dtensor{r}.json").read_text())
+        assert report == {"local": [7, "local", True], "shared": [7, "shared", True]}, (r, report)
+    part = tddist.load(tmp_path / "node-0" / step_name(7) / "rank-0-of-2", verify=True)  # rank 0's shard only
+    assert torch.equal(part["w"], torch.arange(12, dtype=torch.float32).view(3, 4) + 7)
+    full = tddist.load(tmp_path / "shared" / step_name(7), shard=None, verify=True)
+    assert torch.equal(full["w"], torch.arange(24, dtype=torch.float32).view(6, 4) + 7)
+    assert torch.equal(full["b"], torch.full((2,), 7.0))
+
+
 def preempted_rank(rank: int, work: Path) -> None:
     """(forked rank) Train until rank 1 signals itself (SIGUSR1); exit EXIT_PREEMPTED after the final save."""
     _init(work, "preempt", rank)
