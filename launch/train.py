@@ -45,6 +45,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--every", type=int, default=20, help="save every N steps (default: %(default)s)")
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default: %(default)s)")
     p.add_argument("--async-save", action="store_true", help="save in the background (return_early=True)")
+    p.add_argument(
+        "--local-dir",
+        default=None,
+        help="node-local storage ({rank}: the rank): save there first, promote to --ckpt in the background",
+    )
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step, to stand in for a real model")
     p.add_argument(
         "--preempt-signal", default="USR1", help="signal(s) that request a save and stop (default: %(default)s)"
@@ -162,6 +167,7 @@ def main() -> int:
         async_save=args.async_save,
         comm=comm,
         preempt_signal=args.preempt_signal,
+        local_dir=args.local_dir,
     )
     start = mgr.restore(state)
     say(
