@@ -492,6 +492,35 @@ def test_dtensor_state_is_saved_locally_as_shards_and_promoted_whole(tmp_path: P
     assert torch.equal(full["b"], torch.full((2,), 7.0))
 
 
+@pytest.mark.multirank
+def test_torchrun_fsdp2_training_resumes_from_its_local_tier(tmp_path: Path) -> None:
+    """launch/train.py (FSDP2) under torchrun with --local-dir: a second job resumes from the nodes' local copies."""
+    import re
+    import subprocess
+
+    from tests.launch_util import REPO, _communicate, _env
+
+    def job(steps: int) -> str:
+        args = ["--ckpt", str(tmp_path / "ckpt"), "--local-dir", str(tmp_path / "local-{rank}"), "--verbose"]
+        proc = subprocess.Popen(
+            ["bash", str(REPO / "launch" / "torchrun.sh"), *args, "--steps", str(steps), "--every", "4"],
+            env=_env({"PYTHON": sys.executable, "NPROC": "2"}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        rcs, out = _communicate([proc], timeout=240)
+        assert rcs == [0], out[-6000:]
+        return out
+
+    saved = dict(re.findall(r"^saved step=(\d+) digest=(\w+)$", job(8), re.M))
+    out = job(12)
+    assert re.findall(r"^resumed step=(\d+) digest=(\w+)$", out, re.M) == [("8", saved["8"])], out[-4000:]
+    for r in range(2):
+        assert f"rank {r}: resumed from {tmp_path / f'local-{r}' / step_name(8) / f'rank-{r}-of-2'}" in out, out[-4000:]
+    for step in (8, 12):
+        tddist.load(tmp_path / "ckpt" / step_name(step), shard=None, verify=True)  # promoted whole
+    assert parts(tmp_path / "local-1") == [f"{step_name(12)}/rank-1-of-2"]
+
+
 def preempted_rank(rank: int, work: Path) -> None:
     """(forked rank) Train until rank 1 signals itself (SIGUSR1); exit EXIT_PREEMPTED after the final save."""
     _init(work, "preempt", rank)
