@@ -73,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     handler = _LogHandler(logging.WARNING)
     log.addHandler(handler)
     log.setLevel(logging.WARNING)
+    remote = [v for v in vars(args).values() if isinstance(v, str) and v.startswith("s3://")]
+    if remote and args.command not in ("info", "recover"):
+        sys.stderr.write(
+            f"tddist {args.command}: {remote[0]} is on object storage, which only 'tddist info' and 'tddist recover' "
+            f"support; verify a checkpoint there with tddist.load(path, shard=None, verify=True)\n"
+        )
+        return EXIT_PROBLEM
     try:
         status = args.run(args)
         sys.stdout.flush()

@@ -44,6 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(run=run)
 
 
+def _is_archive(path: str) -> bool:
+    """A file (on a file system), or an ``s3://`` key ending in .tdz (one object)."""
+    return os.path.isfile(path) or (path.startswith("s3://") and path.endswith(fmt.ARCHIVE_SUFFIX))
+
+
 def _read(path: str) -> Manifest:
     try:
         return read_manifest(path)
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             {
                 "path": args.path,
                 "format_version": m.version,
-                "layout": "archive" if os.path.isfile(args.path) else "directory",
+                "layout": "archive" if _is_archive(args.path) else "directory",
                 "packing": m.packing,
                 "tddist_version": m.tddist_version,
                 "created": m.created or None,
@@ -155,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             },
         )
         return 0
-    archive = os.path.isfile(args.path)
+    archive = _is_archive(args.path)
     layout = "archive" if archive else "directory"
     age = inventory.describe(args.path)
     when = m.created or "an unknown time"
