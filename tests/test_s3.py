@@ -442,3 +442,17 @@ def test_a_load_pinned_before_an_overwrite_never_reads_the_new_one(s3, layout):
         with pytest.raises(tddist.CheckpointChangedError, match="was replaced while it was being read"):
             read_leaves(opened, opened.manifest, [(leaf, ((0, 0), (1000, 100)))], 4, True)
     assert tddist.load(target, shard=None)["a"].eq(1).all()
+
+
+def test_cli_info_and_recover_on_s3_others_refuse(s3, capsys):
+    from tddist.cli import main
+
+    _client, bucket = s3
+    for layout in LAYOUTS:
+        tddist.save(sample(), url(bucket, layout))
+        assert main(["info", url(bucket, layout)]) == 0
+        assert f"tddist checkpoint, {layout}" in capsys.readouterr().out
+        assert main(["recover", url(bucket, layout)]) == 0
+        assert "nothing to recover" in capsys.readouterr().out
+    assert main(["verify", url(bucket, "directory")]) == 1
+    assert "only 'tddist info' and 'tddist recover' support" in capsys.readouterr().err
