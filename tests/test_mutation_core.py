@@ -296,6 +296,51 @@ def test_ranks_that_disagree_are_refused(tmp_path, option):
     assert leftovers(tmp_path / "ckpt") == [] and leftovers(tmp_path / "other") == []
 
 
+def test_a_rank_with_other_keys_is_told_which(tmp_path):
+    """Rank 1 saves an extra key: every rank is refused with rank 1's own account of the difference, naming the key
+    (rank 0 hands the differing rank its structure with the staging area), and nothing is written."""
+
+    def save(c):
+        data = {"w": torch.zeros(4)} | ({"extra": torch.ones(2)} if c.rank == 1 else {})
+        return tddist.save(data, tmp_path / "ckpt", comm=c)
+
+    results = tddist.run_threads(2, save, timeout=60)
+    assert all(isinstance(r, tddist.ShardingError) for r in results), results
+    text = str(results[0])
+    assert "rank 0 and rank 1 save different keys" in text and "only on rank 1: [\"'extra'\"]" in text, text
+    assert not (tmp_path / "ckpt").exists() and leftovers(tmp_path / "ckpt") == []
+
+
+def test_a_target_that_cannot_be_prepared_is_named(tmp_path):
+    """The staging area cannot be created (the parent is a file): a TargetError naming the target, on every rank."""
+    (tmp_path / "file").write_text("x")
+    target = tmp_path / "file" / "ckpt"
+    results = tddist.run_threads(2, lambda c: tddist.save({"w": torch.zeros(2)}, target, comm=c), timeout=60)
+    assert all(isinstance(r, tddist.TargetError) for r in results), results
+    assert str(target) in str(results[1]), results[1]
+
+
+@pytest.mark.parametrize(
+    "point, rank",
+    [("begin", 0), ("begin", 1), ("prepare", 0), ("write", 0), ("write", 1), ("vote", 0), ("vote", 1),
+     ("validate", 0), ("manifest", 0), ("publish", 0)],
+)  # fmt: skip
+def test_each_fault_point_strikes_the_rank_it_names(tmp_path, point, rank):
+    """A fault injected at a commit step on one rank fails the save there (the name and the rank of every
+    ``fault_point`` call of the commit are what the crash and fault tests aim at); before the commit point the old
+    checkpoint stays; after it the new one is there (``publish``; ``vote`` on rank 1 strikes once its vote reached
+    rank 0, which commits)."""
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.zeros(3)}, target)
+    with inject(point, rank):  # where the other rank waits for the struck one, it waits out this timeout
+        results = tddist.run_threads(2, lambda c: tddist.save({"x": torch.ones(3)}, target, comm=c), timeout=5)
+    assert isinstance(results[rank], InjectedFault), results
+    assert f"commit step {point!r}" in str(results[rank]), results[rank]
+    assert all(isinstance(r, tddist.TddistError) for r in results), results
+    want = torch.ones(3) if (point, rank) in (("publish", 0), ("vote", 1)) else torch.zeros(3)
+    assert torch.equal(tddist.load(target, verify=True)["x"], want)
+
+
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "non-atomic"])
 def test_an_aborted_save_leaves_the_old_checkpoint_or_a_refused_target(tmp_path, atomic):
     """A failure after every rank wrote: atomic, the old checkpoint stays and the staging area goes;
