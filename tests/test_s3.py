@@ -456,3 +456,27 @@ def test_cli_info_and_recover_on_s3_others_refuse(s3, capsys):
         assert "nothing to recover" in capsys.readouterr().out
     assert main(["verify", url(bucket, "directory")]) == 1
     assert "only 'tddist info' and 'tddist recover' support" in capsys.readouterr().err
+
+
+def test_an_archive_completed_whose_answer_was_lost_is_committed(s3):
+    """The service completes the multipart upload but the answer is lost (a connection closed after the
+    request, injected after the call): rank 0 finds the object is its upload (the multipart ETag of its parts)
+    and the save succeeds on every rank instead of reporting a failure of a committed checkpoint."""
+    from botocore.exceptions import ConnectionClosedError
+
+    client, bucket = s3
+    target = url(bucket, "archive")
+    lost = []
+
+    def lose_answer(**_kw):
+        if not lost:
+            lost.append(True)
+            raise ConnectionClosedError(endpoint_url="injected")
+
+    client.meta.events.register("after-call.s3.CompleteMultipartUpload", lose_answer)
+    try:
+        results = tddist.run_threads(2, lambda c: tddist.save(sample(c.rank), target, comm=c))
+    finally:
+        client.meta.events.unregister("after-call.s3.CompleteMultipartUpload", lose_answer)
+    assert lost and not any(isinstance(r, BaseException) for r in results), results
+    assert_td_equal(tddist.load(target, shard=None, verify=True), joined([sample(0), sample(1)]), "committed")

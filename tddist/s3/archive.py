@@ -28,6 +28,7 @@ PUT (``Staging.path`` is then empty).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -227,7 +228,21 @@ class S3ArchiveWriter(ArchiveWriter):
                 MultipartUpload={"Parts": self.completed_parts},
             )
         except client_errors() as e:
+            if self._completed():  # the service completed it, the answer was lost: it is committed
+                logger.warning("rank 0: completing %s reported %s, but the archive is there whole", self.url.url, e)
+                return
             raise self._failed("completing the upload of", e) from e
+
+    def _completed(self) -> bool:
+        """Whether the object at the key is this upload (its ETag is the multipart ETag of these parts: the MD5
+        of the parts' MD5s and their count, as S3 and the services that follow it compute it)."""
+        digests = b"".join(bytes.fromhex(p["ETag"].strip('"')) for p in self.completed_parts)
+        expected = f'"{hashlib.md5(digests).hexdigest()}-{len(self.completed_parts)}"'
+        try:
+            head = s3_client().head_object(Bucket=self.url.bucket, Key=self.url.key)
+        except Exception:
+            return False
+        return bool(head.get("ETag") == expected)
 
     def abort(self, staging: Staging) -> None:
         """(rank 0) Abort the upload: its parts are discarded, nothing appears under the key; never raises."""
