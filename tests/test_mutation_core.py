@@ -420,3 +420,31 @@ def test_verify_memmap_reports_each_damaged_file(tmp_path):
     got = [(p.kind, p.rank, p.file) for p in verify(ckpt).problems]
     assert got[1] == (NOT_A_FILE, 0, str(f0.relative_to(ckpt))), got
     assert "restore it from a copy" in verify(ckpt).problems[0].message
+
+
+# --- reader ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_threads", [0, 3])
+@pytest.mark.parametrize("layout", ["packed", "memmap", "archive"])
+def test_reads_across_chunks_with_and_without_threads(tmp_path, layout, num_threads):
+    """Three ranks save rows of a leaf; loads that cross their chunks (whole, and a middle slice on 2 ranks) are
+    exact, verified or not, with the copy done serially or by a pool (one piece, several pieces, an empty box)."""
+    full = torch.arange(9 * 4, dtype=torch.float32).reshape(9, 4)
+    target = tmp_path / ("ckpt.tdz" if layout == "archive" else "ckpt")
+    kw = {} if layout == "archive" else {"layout": layout}
+
+    def save(c):
+        rows = full[c.rank * 3 : (c.rank + 1) * 3]
+        return tddist.save(TensorDict(x=rows, e=torch.zeros(3, 0), batch_size=[3]), target, comm=c, **kw)
+
+    assert not any(isinstance(r, Exception) for r in tddist.run_threads(3, save, timeout=60))
+    for verify in (False, True):
+        whole = tddist.load(target, shard=None, num_threads=num_threads, verify=verify)
+        assert torch.equal(whole["x"], full) and whole["e"].shape == (9, 0)
+        parts = tddist.run_threads(
+            2, lambda c: tddist.load(target, comm=c, num_threads=num_threads, verify=verify)["x"].clone(), timeout=60
+        )
+        assert torch.equal(torch.cat(parts), full), parts
+        one = tddist.load(target, shard=None, keys=["x"], num_threads=num_threads, verify=verify)
+        assert torch.equal(one["x"][3:6], full[3:6])
