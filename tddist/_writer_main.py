@@ -3,7 +3,9 @@
 import sys
 
 from tddist.api import _commit_and_open
+from tddist.background import yield_cpu_to_training
 from tddist.writer_process import serve
 
 if __name__ == "__main__":
+    yield_cpu_to_training()  # the whole writer process: it writes, hashes and commits in the background
     serve(int(sys.argv[1]), sys.argv[2], _commit_and_open)

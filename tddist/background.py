@@ -69,6 +69,7 @@ class Worker:
         self._queue.put(None)
 
     def _run(self) -> None:
+        yield_cpu_to_training()
         while True:
             job = self._queue.get()
             if job is None:
@@ -83,6 +84,28 @@ class Worker:
             else:
                 fut.set_result(result)
             del job, fut, fn  # drop the save's references before waiting for the next one
+
+
+#: How much lower than the training's the background saves' CPU priority is (``nice`` steps, 0-19). Writing,
+#: hashing and committing in the background compete with the training loop for cores; where cores are short
+#: (ranks that share them, a Python-heavy step), the scheduler then gives the training first call. An idle core
+#: still runs the background at full speed, so a save's completion is delayed only while the training is busy.
+BACKGROUND_NICENESS = 10
+
+
+def yield_cpu_to_training() -> None:
+    """Lower the calling thread's CPU priority by ``BACKGROUND_NICENESS`` (threads it starts inherit it).
+
+    Linux keeps a nice value per thread, so this leaves the training thread
+    untouched; raising it needs no privilege. Elsewhere, or where refused, the
+    priority stays as it is.
+    """
+    try:
+        tid = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + BACKGROUND_NICENESS))
+    except (AttributeError, OSError) as e:
+        logger.debug("background saves keep the training's CPU priority: %s", e)
 
 
 class Channel:

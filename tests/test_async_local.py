@@ -227,6 +227,18 @@ def test_cuda_snapshot_is_pinned_on_a_side_stream_and_ordered_before_later_updat
     assert (tddist.load(tmp_path / "b", shard=None, verify=True)["w"] == 7).all()
 
 
+def test_background_saves_run_below_the_trainings_cpu_priority(tmp_path):
+    """The worker thread of return_early saves (and the threads it starts) runs at a higher nice value than the
+    training thread, whose own priority is untouched; the writer process is checked below."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    fut = tddist.save({"w": torch.zeros(1000)}, tmp_path / "ckpt", return_early=True)
+    fut.result()
+    worker = background.channel(resolve())._worker
+    assert worker is not None and worker.thread.native_id is not None
+    assert os.getpriority(os.PRIO_PROCESS, worker.thread.native_id) == min(19, mine + background.BACKGROUND_NICENESS)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine
+
+
 def test_process_writer_in_one_process(tmp_path):
     """async_writer='process' on one process: the writer process commits; the values at the call are saved,
     the arena is reused by the next save, and its shared file is gone once the writer mapped it."""
@@ -245,5 +257,7 @@ def test_process_writer_in_one_process(tmp_path):
         if step == 0:
             first = (writer, writer.path)
     assert (writer, writer.path) == first  # one writer, one arena
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, writer.process.pid) == min(19, mine + background.BACKGROUND_NICENESS)
     if os.path.isdir("/dev/shm"):
         assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tddist-writer")]
