@@ -87,11 +87,12 @@ def start(root: Path, volume_mib: int = 1024, timeout: float = 90.0) -> Server:
     }
     config.write_text(json.dumps({"identities": [identity]}))
     (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, iceberg, metrics) = free_ports(10)
+    # -s3.port.lance=0: the Lance listener's fixed default port (9101) would fail a second server on the machine
     cmd = [
         weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
         f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.port.iceberg={iceberg}",
+        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.port.iceberg={iceberg}", "-s3.port.lance=0",
         f"-metricsPort={metrics}", f"-s3.config={config}", f"-master.volumeSizeLimitMB={volume_mib}",
         "-volume.max=0",
     ]  # fmt: skip
