@@ -71,36 +71,44 @@ class S3Files:
         mine = self.pin.local.get((loc.relpath, loc.offset))
         if mine is not None and len(mine) == loc.nbytes:  # a copy: the caller's tensors stay its own
             return torch.frombuffer(bytearray(mine), dtype=torch.uint8)
-        if self.pin.archive:
-            return self._entry(loc)
         part = self._partial.get(loc)
         if part is not None:
             return part
+        if self.pin.archive:
+            return self._entry(loc)
         return self._fetch([self._dir_span(loc)], None)[0]
 
     def prefetch(self, ranges: Iterable[ChunkRange], num_threads: int) -> None:
         """Fetch the bytes the load will read now, in parallel, so that ``span`` finds them in memory.
 
-        In a directory checkpoint only the ranges are fetched (merged per
-        chunk where they overlap); an archive entry is fetched whole.
+        Only the ranges are fetched (merged per chunk where they overlap),
+        from a directory's data objects and from an archive's stored entries
+        (after their local headers, which say where the data begins); a
+        compressed archive entry is fetched whole, to be inflated.
         """
         local = self.pin.local
         ranges = [r for r in ranges if r.stop > r.start and (r.location.relpath, r.location.offset) not in local]
-        whole = [r.location for r in ranges if self.pin.archive or (r.start, r.stop) == (0, r.location.nbytes)]
+        whole = [
+            r.location
+            for r in ranges
+            if (r.start, r.stop) == (0, r.location.nbytes)
+            or (self.pin.archive and self._info(r.location).compress_type != zipfile.ZIP_STORED)
+        ]
         spans = list(dict.fromkeys(self._span(loc) for loc in whole))
         parts: dict[Location, list[tuple[int, int]]] = {}
         full = set(whole)
         for r in ranges:
             if r.location not in full:
                 parts.setdefault(r.location, []).append((r.start, r.stop))
-        sub = {}
-        for loc, rs in parts.items():
-            for lo, hi in _merged(rs):
-                s = self._dir_span(loc)
-                sub[Span(s.key, s.start + lo, s.start + hi, s.size)] = (loc, lo)
-        if not spans and not sub:
+        if not spans and not parts:
             return
         with ThreadPoolExecutor(max(num_threads, MIN_THREADS), thread_name_prefix="tddist-s3get") as pool:
+            data_spans = self._stored_data_spans(list(parts), pool) if self.pin.archive else {}
+            sub = {}
+            for loc, rs in parts.items():
+                s = data_spans[loc] if self.pin.archive else self._dir_span(loc)
+                for lo, hi in _merged(rs):
+                    sub[Span(s.key, s.start + lo, s.start + hi, s.size)] = (loc, lo)
             got = self._fetch(spans + list(sub), pool)
         for (loc, lo), data in zip(sub.values(), got[len(spans) :]):
             buf = self._partial.get(loc)
@@ -109,6 +117,42 @@ class S3Files:
             buf[lo : lo + len(data)] = data
         for s in sub:
             self._got.pop(s, None)  # copied into the chunk's buffer
+
+    def _stored_data_spans(self, locs: list[Location], pool: ThreadPoolExecutor) -> dict[Location, Span]:
+        """Where the data of each stored archive entry lies in the archive object, from its local header.
+
+        The central directory gives where an entry's local header begins, not
+        how long its extra field is (tddist pads it to align the data), so the
+        headers are fetched first: a small ranged GET each, in parallel.
+        """
+        heads = {loc: self._header_span(self._info(loc)) for loc in locs}
+        got = self._fetch(list(dict.fromkeys(heads.values())), pool)
+        raws = dict(zip(dict.fromkeys(heads.values()), got))
+        out = {}
+        for loc, head in heads.items():
+            zi = self._info(loc)
+            start = head.start + self._data_offset(raws[head], zi.header_offset - head.start, loc.relpath)
+            if zi.compress_size != loc.nbytes or start + loc.nbytes > self.pin.size:
+                raise CorruptCheckpointError(
+                    f"archive {self.root!r}: stored entry {loc.relpath!r} has inconsistent sizes or extends past the "
+                    f"end of the object; the checkpoint is damaged"
+                )
+            out[loc] = Span(self.pin.url.key, start, start + loc.nbytes, self.pin.size)
+        return out
+
+    def _header_span(self, zi: zipfile.ZipInfo) -> Span:
+        stop = min(self.pin.size, zi.header_offset + LOCAL_SIZE + len(zi.filename.encode()) + EXTRA_SLACK)
+        return Span(self.pin.url.key, zi.header_offset, stop, self.pin.size)
+
+    def _data_offset(self, raw: torch.Tensor, header: int, name: str) -> int:
+        """Where an entry's data begins in ``raw``, which holds its local header from offset ``header``."""
+        where = f"{self.root!r}: entry {name!r}"
+        if len(raw) < header + LOCAL_SIZE:
+            raise CorruptCheckpointError(f"archive {where} has a header past the end of the object")
+        sig, *_rest, name_len, extra_len = struct.unpack_from(LOCAL_FMT, raw.numpy().data, header)
+        if sig != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"archive {where} has a bad local header offset")
+        return header + LOCAL_SIZE + name_len + extra_len
 
     def _span(self, loc: Location) -> Span:
         return self._archive_span(loc) if self.pin.archive else self._dir_span(loc)
@@ -167,13 +211,7 @@ class S3Files:
         name = loc.relpath
         where = f"{self.root!r}: entry {name!r}"
         raw = self._fetch([span], None)[0]
-        header = zi.header_offset - span.start
-        if len(raw) < header + LOCAL_SIZE:
-            raise CorruptCheckpointError(f"archive {where} has a header past the end of the object")
-        sig, *_rest, name_len, extra_len = struct.unpack_from(LOCAL_FMT, raw.numpy().data, header)
-        if sig != b"PK\x03\x04":
-            raise CorruptCheckpointError(f"archive {where} has a bad local header offset")
-        start = header + LOCAL_SIZE + name_len + extra_len
+        start = self._data_offset(raw, zi.header_offset - span.start, name)
         if start + zi.compress_size > len(raw) and span.start + start + zi.compress_size <= self.pin.size:
             # a longer extra field than tddist writes (another zip tool rewrote the archive): fetch the rest
             span = Span(span.key, span.start, span.start + start + zi.compress_size, span.size)
