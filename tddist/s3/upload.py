@@ -64,7 +64,7 @@ def split(start: int, stop: int, part_size: int, first_number: int) -> list[Part
 
 
 def upload_part(client: Any, bucket: str, key: str, upload_id: str, part: Part, body: bytes | bytearray) -> dict:
-    r = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=part.number, Body=bytes(body))
+    r = client.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=part.number, Body=body)
     return {"PartNumber": part.number, "ETag": r["ETag"]}
 
 
@@ -88,7 +88,7 @@ def upload_object(
     starts = [s.offset for s in segments]
     extra = {"Metadata": metadata} if metadata else {}
     if size <= PART_SIZE:
-        client.put_object(Bucket=bucket, Key=key, Body=bytes(range_bytes(segments, starts, 0, size)), **extra)
+        client.put_object(Bucket=bucket, Key=key, Body=range_bytes(segments, starts, 0, size), **extra)
         return
     upload_id = client.create_multipart_upload(Bucket=bucket, Key=key, **extra)["UploadId"]
     try:
