@@ -95,15 +95,7 @@ def test_crash(case: ch.Case, results: dict[str, ch.Result | str]) -> None:
 @pytest.mark.parametrize("kind", CUT_FS)
 def test_power_cut_loses_what_was_not_fsynced(kind: str, tmp_path: Path) -> None:
     """The power cut is real: a file fsynced before it survives the remount, one written after it does not."""
-    why = ch.mount_problem()
-    if why:
-        _unavailable(why)
-    ch.warm_up()
-    fs = ch.LoopFS(kind, tmp_path / f"{kind}.img", tmp_path / "mnt")
-    try:
-        fs.create()
-    except RuntimeError as e:
-        _unavailable(f"cannot set up a loop-mounted {kind}: {e}")
+    fs = _mounted(kind, tmp_path)
     try:
         kept, lost = fs.mnt / "fsynced", fs.mnt / "not-fsynced"
         pid = ch._fork(_write_then_cut, str(kept), str(lost), str(fs.mnt))
@@ -114,6 +106,20 @@ def test_power_cut_loses_what_was_not_fsynced(kind: str, tmp_path: Path) -> None
         assert not lost.exists() or lost.stat().st_size == 0, "a file never fsynced survived the power cut"
     finally:
         fs.destroy()
+
+
+def _mounted(kind: str, tmp_path: Path) -> ch.LoopFS:
+    """A fresh loop-mounted ``kind`` file system under ``tmp_path`` (skip, or fail under CI, where none can be)."""
+    why = ch.mount_problem()
+    if why:
+        _unavailable(why)
+    ch.warm_up()
+    fs = ch.LoopFS(kind, tmp_path / f"{kind}.img", tmp_path / "mnt")
+    try:
+        fs.create()
+    except RuntimeError as e:
+        _unavailable(f"cannot set up a loop-mounted {kind}: {e}")
+    return fs
 
 
 def _write_then_cut(kept: str, lost: str, mnt: str) -> None:
@@ -150,15 +156,7 @@ def test_reading_a_failed_file_system_is_a_tddist_error(kind: str, tmp_path: Pat
     back; a descriptor it opened before the cut must not turn into a
     RuntimeError from ``torch.from_file`` when it is mapped after.
     """
-    why = ch.mount_problem()
-    if why:
-        _unavailable(why)
-    ch.warm_up()
-    fs = ch.LoopFS(kind, tmp_path / f"{kind}.img", tmp_path / "mnt")
-    try:
-        fs.create()
-    except RuntimeError as e:
-        _unavailable(f"cannot set up a loop-mounted {kind}: {e}")
+    fs = _mounted(kind, tmp_path)
     report = tmp_path / "report.json"
     try:
         pid = ch._fork(_read_after_shut_down, str(fs.mnt), str(report), log=tmp_path / "child.log")

@@ -116,6 +116,10 @@ class ArchiveWriter(WriterBase):
         self.check_reference(staging)
         place_entries(self.entries, staging.region_start(self.rank))
         write_region(staging.path, self.entries, self.options.num_threads, self.rank)
+        return self.entries_fragment()
+
+    def entries_fragment(self) -> Fragment:
+        """This rank's vote: each written leaf's stored size and checksum (from its entry), and the entry rows."""
         by_name = {e.name: e for e in self.entries}
         stored = {}
         for key in self.local_shard().written():

@@ -154,7 +154,7 @@ class S3ArchiveWriter(ArchiveWriter):
         if not staging.path:  # uploaded whole by publish
             self.whole = bytes(range_bytes(segments, starts, 0, staging.end))
             fault_point("midwrite", self.rank)
-            return self._fragment()
+            return self.entries_fragment()
         client = s3_client()
         mine = assign_parts(staging.region_starts, staging.end).parts[self.rank]
 
@@ -168,19 +168,7 @@ class S3ArchiveWriter(ArchiveWriter):
             run(tasks, min(max(self.options.num_threads, THREADS), len(tasks)))
         except client_errors() as e:
             raise self._failed("uploading to", e) from e
-        return self._fragment()
-
-    def _fragment(self) -> Fragment:
-        from ..checksum import EMPTY, combine_digests
-        from ..types import StoredBytes
-        from ..zipcodec import entry_rows
-
-        by_name = {e.name: e for e in self.entries}
-        stored = {}
-        for key in self.local_shard().written():
-            e = by_name.get(self.names.get(key, ""))
-            stored[key] = StoredBytes(len(e.data), combine_digests(e.digests)) if e else StoredBytes(0, EMPTY)
-        return self.fragment(stored, entry_rows(self.entries))
+        return self.entries_fragment()
 
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
         """(rank 0) Upload the tail as the last part; check every part is there with its size."""
