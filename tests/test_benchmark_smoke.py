@@ -1,5 +1,5 @@
-"""The benchmark suite runs end to end: ``benchmarks/run.py --quick`` (a few MB, one repeat,
-worlds 1 and 2, every scenario once) exits 0, prints its table and writes valid JSON
+"""The benchmarks run end to end: ``benchmarks/run.py --quick`` (a few MB, one repeat, worlds 1 and 2,
+every scenario once) and ``benchmarks/s3.py --quick`` exit 0, print their tables and write valid JSON
 holding every scenario. Timings are not checked here."""
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from types import ModuleType
 
 import pytest
 
+from tests.helpers import require
+
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "benchmarks" / "run.py"
+S3 = REPO / "benchmarks" / "s3.py"
 TIMEOUT = 300  # a no-hang limit: the run takes 35-90 s alone, over 3 minutes on a busy shared machine
 
 
@@ -23,10 +26,9 @@ TIMEOUT = 300  # a no-hang limit: the run takes 35-90 s alone, over 3 minutes on
 MANIFEST = {"manifest write", "manifest write cached", "manifest open saved", "manifest open whole"}
 
 
-@pytest.mark.multirank
-def test_quick_benchmark_run(tmp_path: Path) -> None:
-    out = tmp_path / "results.json"
-    cmd = [sys.executable, str(RUN), "--quick", "--out", str(out), "--dir", str(tmp_path / "work")]
+def _run_quick(script: Path, out: Path, work: Path) -> str:
+    """Run ``script --quick`` (its output JSON to ``out``), within the no-hang limit; its standard output."""
+    cmd = [sys.executable, str(script), "--quick", "--out", str(out), "--dir", str(work)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
@@ -36,8 +38,15 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"benchmarks/run.py --quick exceeded {TIMEOUT}s\n{stderr[-4000:]}")
+        pytest.fail(f"{script.name} --quick exceeded {TIMEOUT}s\n{stderr[-4000:]}")
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return stdout
+
+
+@pytest.mark.multirank
+def test_quick_benchmark_run(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    stdout = _run_quick(RUN, out, tmp_path / "work")
 
     assert "| scenario | N | impl | metric | median |" in stdout, stdout[-3000:]
     assert "## Targets" in stdout
@@ -66,6 +75,42 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
     for scen in expected - MANIFEST:
         impls = {r["impl"] for r in result["records"] if r.get("scenario") == scen and "impl" in r}
         assert any(i.startswith("tddist") for i in impls) and len(impls) >= 2, (scen, impls)
+
+
+@pytest.mark.multirank
+def test_quick_s3_benchmark(tmp_path: Path) -> None:
+    """``benchmarks/s3.py --quick`` (8 MiB, worlds 1 and 2, one repeat, its own SeaweedFS on loopback) prints a
+    table per world size and the targets, and its JSON holds every implementation; resharding loads GET the
+    rank's rows (and, from an archive, the last 64 KiB read when it is opened, and the entries' local headers)."""
+    from tests import s3_server
+
+    require("weed", "SeaweedFS for the object-storage benchmark", available=s3_server.weed_binary() is not None)
+    require("s3fs", "DCP's FsspecWriter on S3 (the dev and test extras have it)", available=_has("s3fs"))
+    out = tmp_path / "s3.json"
+    stdout = _run_quick(S3, out, tmp_path / "work")
+    for world in (1, 2):
+        assert f"### N={world}:" in stdout, stdout[-3000:]
+    assert "| load 1->2 | tddist dir |" in stdout and "## Targets" in stdout
+
+    result = json.loads(out.read_text())
+    assert [j["world"] for j in result["jobs"]] == [1, 2]
+    for job in result["jobs"]:
+        assert set(job["save"]) == {"tddist dir", "tddist tdz", "dcp fsspec", "boto3 upload_fileobj"}
+        assert set(job["load"]) == {"tddist dir", "tddist tdz", "dcp fsspec"}
+        assert all(len(rows) == 1 for rows in job["save"].values())
+    reshard = result["jobs"][1]["reshard"]
+    assert (reshard["from"], reshard["to"]) == (1, 2)
+    need = reshard["needed_per_rank"]
+    for impl, slack in (("tddist dir", 64 * 1024), ("tddist tdz", 128 * 1024)):
+        gets = [g["tddist"][0] for g in reshard["impls"][impl][0]["per_rank"]]
+        assert all(n <= g <= n + slack for g, n in zip(gets, need)), (impl, gets, need)
+    assert all(g["s3fs"][0] > 0 for g in reshard["impls"]["dcp fsspec"][0]["per_rank"])
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _bench_modules(root: Path) -> tuple[ModuleType, ModuleType]:
