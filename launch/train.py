@@ -149,6 +149,13 @@ def digest(model, optim) -> str:
     return h.hexdigest()[:16]
 
 
+def print_line(text: str) -> None:
+    """Print ``text`` and its newline in one write, flushed: the ranks share one output file (a job's log), and
+    ``print`` writes the newline separately, so another rank's line could land between the two."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -157,7 +164,7 @@ def main() -> int:
     comm = init_distributed()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    say = print if rank == 0 else (lambda *a, **k: None)
+    say = print_line if rank == 0 else (lambda *a, **k: None)
     model, optim = build(world)
     state = (model, optim)
     mgr = CheckpointManager(
@@ -171,32 +178,31 @@ def main() -> int:
     )
     start = mgr.restore(state)
     say(
-        f"train: {world} rank(s), {'MPI' if under_mpi() else 'torch'} launch, steps {start}..{args.steps}, checkpoints in {mgr.root}",
-        flush=True,
+        f"train: {world} rank(s), {'MPI' if under_mpi() else 'torch'} launch, steps {start}..{args.steps}, checkpoints in {mgr.root}"
     )
     if start:
-        say(f"resumed step={start} digest={digest(model, optim)}", flush=True)
+        say(f"resumed step={start} digest={digest(model, optim)}")
     code, at, saved = 0, start, start
     for step in range(start, args.steps):
         loss = train_step(model, optim, step, rank, world)
         time.sleep(args.step_time)
         at = step + 1
         if at % args.log_every == 0:
-            say(f"step={at} loss={loss:.5f}", flush=True)
+            say(f"step={at} loss={loss:.5f}")
         if mgr.step(at, state):
             saved = at
-            say(f"saved step={at} digest={digest(model, optim)}", flush=True)
+            say(f"saved step={at} digest={digest(model, optim)}")
         if mgr.should_stop:
-            say(f"preempted at step={at}: exiting with {EXIT_PREEMPTED}", flush=True)
+            say(f"preempted at step={at}: exiting with {EXIT_PREEMPTED}")
             code = EXIT_PREEMPTED
             break
     else:
         if saved != at:
             mgr.save(at, state)
         mgr.wait()
-        say(f"done step={at} digest={digest(model, optim)}", flush=True)
+        say(f"done step={at} digest={digest(model, optim)}")
     mgr.close()
-    print(f"rank {rank}/{world}: exit {code} at step={at}", flush=True)
+    print_line(f"rank {rank}/{world}: exit {code} at step={at}")
     if dist.is_initialized():
         dist.destroy_process_group()
     if comm is not None:  # MPI: finalize, so that the exit status is not turned into an abort
