@@ -24,6 +24,14 @@ RENAME_EXCHANGE = 2
 _libc: ctypes.CDLL | Literal[False] | None = None  # False: tried, and it cannot be loaded
 
 
+def pwrite_all(fd: int, data: memoryview, at: int, step: int = 1 << 30) -> None:
+    """Write all of ``data`` at offset ``at`` of ``fd``: positioned writes of at most ``step`` bytes, until done
+    (a write may write less than asked; Linux writes at most about 2 GiB at once)."""
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + step], at + done)
+
+
 def _load_libc() -> ctypes.CDLL | None:
     """The C library through ctypes, or None where it cannot be loaded."""
     global _libc

@@ -24,7 +24,7 @@ import torch
 
 from . import format as fmt
 from ._faults import fault_point
-from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_durable
+from ._fs import fsync_path, fsync_tree_dirs, pwrite_all, syncfs, write_durable
 from .checksum import EMPTY, block_digest, combine_digests, tensor_bytes
 from .layouts.base import node_meta_files
 from .merge import packed_offsets
@@ -64,7 +64,7 @@ class _FileJob:
         lo = index * fmt.CHECKSUM_BLOCK
         block = self.data[lo : lo + fmt.CHECKSUM_BLOCK]
         self.digests[index] = block_digest(block)
-        _pwrite_all(self.fd, block, lo)
+        pwrite_all(self.fd, block, lo, _WRITE_STEP)
         with self.lock:
             self.remaining -= 1
             last = self.remaining == 0
@@ -234,7 +234,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
 
 def _put(fd: int, digests: list[int], index: int, block: memoryview, at: int) -> None:
     digests[index] = block_digest(block)
-    _pwrite_all(fd, block, at)
+    pwrite_all(fd, block, at, _WRITE_STEP)
 
 
 def _put_batch(fd: int, batch: list[tuple[int, memoryview]]) -> None:
@@ -244,10 +244,4 @@ def _put_batch(fd: int, batch: list[tuple[int, memoryview]]) -> None:
     buf = bytearray(end - start)
     for offset, view in batch:
         buf[offset - start : offset - start + len(view)] = view
-    _pwrite_all(fd, memoryview(buf), start)
-
-
-def _pwrite_all(fd: int, data: memoryview, at: int) -> None:
-    pos = 0
-    while pos < len(data):
-        pos += os.pwrite(fd, data[pos : pos + _WRITE_STEP], at + pos)
+    pwrite_all(fd, memoryview(buf), start, _WRITE_STEP)

@@ -30,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 from . import format as fmt
 from ._compat import local_header, write_central_directory, zip_lzma_compressor
 from ._faults import fault_point
+from ._fs import pwrite_all
 from .checksum import block_digest, tensor_bytes
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .types import ArchiveEntryRow, Compression
@@ -258,9 +259,7 @@ def write_region(path: str, entries: list[Entry], num_threads: int, rank: int = 
                 fault_point("midwrite", rank)
                 return
             pos, view = task
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], pos + done)
+            pwrite_all(fd, view, pos)
 
         if num_threads > 1 and len(tasks) > 1:
             with ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-zipw") as ex:
@@ -283,9 +282,7 @@ def write_tail_and_directory(path: str, end: int, files: dict[str, bytes], rows:
     tail = tail_bytes(end, files, rows)
     fd = os.open(path, os.O_WRONLY)
     try:
-        done = 0
-        while done < len(tail):
-            done += os.pwrite(fd, memoryview(tail)[done:], end + done)
+        pwrite_all(fd, memoryview(tail), end)
         os.ftruncate(fd, end + len(tail))
         os.fsync(fd)
     finally:

@@ -157,7 +157,7 @@ class _Spill:
 
     So nothing is left behind, even by a killed process: the kernel frees a
     spilled leaf's file when its last map goes. Written with ``os.pwrite``
-    (no library streams a tensor to a file without a second copy in memory).
+    (``_fs.pwrite_all``: no library streams a tensor to a file without a second copy in memory).
     """
 
     def __init__(self, directory: str) -> None:
@@ -167,6 +167,7 @@ class _Spill:
     def hold(self, t: torch.Tensor) -> torch.Tensor:
         import torch
 
+        from .._fs import pwrite_all
         from .._memmaps import mapped_file
 
         nbytes = t.numel() * t.element_size()
@@ -178,10 +179,7 @@ class _Spill:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.unlink(path)
-            view = memoryview(flat)  # type: ignore[arg-type]  # numpy arrays are buffers
-            done = 0
-            while done < nbytes:
-                done += os.pwrite(fd, view[done : done + (1 << 30)], done)
+            pwrite_all(fd, memoryview(flat), 0)  # type: ignore[arg-type]  # numpy arrays are buffers
             mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=nbytes, dtype=torch.uint8)
         finally:
             os.close(fd)
