@@ -5,13 +5,21 @@ tddist never runs its collectives on the user's group: that group may be NCCL
 with ours. A private gloo group with its own timeout is created once per
 parent group and reused.
 
-Lifetime: a gloo group still referenced when the interpreter tears down can
-abort the process ("terminate called without an active exception") while a
-peer that exited first closed its sockets. So at exit, after in-flight saves
-have finished, tddist destroys every group it created, newest first, and the
-default group too if tddist initialised torch.distributed itself. Groups the
-user's ``destroy_process_group()`` already destroyed are only forgotten, and a
-cached group found destroyed is created again on next use.
+Lifetime: a gloo worker thread frees a finished collective's tensors after the
+waiting thread has returned, and freeing a tensor that has a Python object
+takes the interpreter lock. When the interpreter is already finalizing (the
+collective was the last thing a rank did), the worker thread is ended inside
+that destructor and the process aborts ("terminate called without an active
+exception", SIGABRT). ``destroy_process_group`` does not stop the workers;
+only freeing the group does, and torch frees it with the interpreter lock
+released, joining its worker threads. So at exit, after in-flight saves have
+finished and while the interpreter is still whole, tddist destroys every group
+it created (newest first) and drops every reference it holds to them,
+``TorchComm.group`` included: the group is freed there and its workers have
+finished before finalization starts. The default group is destroyed too if
+tddist initialised torch.distributed itself. Groups the user's
+``destroy_process_group()`` already destroyed are only freed, and a cached
+group found destroyed is created again on next use.
 """
 
 from __future__ import annotations
@@ -21,13 +29,14 @@ import datetime
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from ._compat import group_is_live
-from .errors import wrap_transport_error
+from .errors import CommError, wrap_transport_error
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +47,8 @@ _GROUPS: dict[tuple[int, tuple[int, ...], float, int], TorchComm] = {}
 _CREATED: list[dist.ProcessGroup] = []
 #: Whether tddist initialised the default group itself (it then destroys it at exit).
 _OWNS_DEFAULT = False
+#: Every TorchComm of this process; at exit each one lets go of its group (see the module's docstring).
+_COMMS: weakref.WeakSet[TorchComm] = weakref.WeakSet()
 
 
 def init_from_env(timeout: float) -> None:
@@ -56,18 +67,23 @@ def release_groups() -> None:
     after the user destroyed the groups (those are only forgotten).
     """
     global _OWNS_DEFAULT
+    for comm in list(_COMMS):
+        comm.release()
     groups = list(reversed(_CREATED))
     _CREATED.clear()
     _GROUPS.clear()
-    if not (dist.is_available() and dist.is_initialized()):
-        _OWNS_DEFAULT = False
-        return
-    for group in groups:
-        if group_is_live(group):
+    initialized = dist.is_available() and dist.is_initialized()
+    while groups:
+        group = groups.pop(0)
+        if initialized and group_is_live(group):
             try:
                 dist.destroy_process_group(group)
             except Exception:  # already destroyed through another path; nothing is left to release
                 logger.debug("destroying a tddist gloo group failed", exc_info=True)
+        del group  # the last reference: torch frees the group here, joining its worker threads
+    if not initialized:
+        _OWNS_DEFAULT = False
+        return
     if _OWNS_DEFAULT:
         _OWNS_DEFAULT = False
         logger.info("destroying the default process group that tddist initialised")
@@ -81,10 +97,25 @@ class TorchComm:
     """Collectives over a private gloo process group."""
 
     def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
-        self.group = group
+        self._group: dist.ProcessGroup | None = group
         self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        _COMMS.add(self)
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The gloo group the collectives run on."""
+        if self._group is None:
+            raise CommError(
+                f"rank {self.rank}: tddist's gloo group was released because the interpreter is exiting; "
+                f"save or load before the end of the program (not from an atexit handler or a finalizer)"
+            )
+        return self._group
+
+    def release(self) -> None:
+        """Let go of the group (at exit), so that torch can free it and join its worker threads."""
+        self._group = None
 
     def _run(self, op: str, fn: Callable[[], T]) -> T:
         start = time.monotonic()

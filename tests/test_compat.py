@@ -106,14 +106,19 @@ def test_zip_lzma_compressor_payload_reads_back_with_zipfile():
 
 def test_group_is_live_and_release_at_exit(tmp_path):
     """group_is_live tells destroyed groups apart; release_groups destroys tddist's groups and the default group
-    tddist initialised, and tolerates groups the user already destroyed (one-rank gloo job)."""
+    tddist initialised, tolerates groups the user already destroyed, and frees every group it created: their gloo
+    worker threads are joined before the interpreter finalizes (a worker still freeing a collective's tensors then
+    aborts the process). One-rank gloo job; threads counted in /proc/self/task."""
     code = f"""
 import os, torch.distributed as dist
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
 os.environ["TORCH_DIST_INIT_BARRIER"] = "0"
 from tddist import comm, comm_torch
 from tddist._compat import group_is_live
+from tddist.errors import CommError
+threads = lambda: len(os.listdir("/proc/self/task"))
 dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+before = threads()                                # the user's default group and its threads
 c = comm.resolve(None, 30.0)
 assert group_is_live(c.group) and not comm_torch._OWNS_DEFAULT
 dist.destroy_process_group()                      # the user destroys every group, tddist's too
@@ -121,9 +126,17 @@ assert not group_is_live(c.group)
 dist.init_process_group("gloo", init_method="file://{tmp_path}/store2", rank=0, world_size=1)
 c2 = comm.resolve(None, 30.0)                     # a destroyed cached group is created anew
 assert c2.group is not c.group and group_is_live(c2.group)
+c2.allgather({{"x": 1}})
 c2.barrier()
+assert threads() > before                         # tddist's gloo group runs its own threads
 comm_torch.release_groups()
-assert not group_is_live(c2.group) and dist.is_initialized()  # the user's default group stays
+assert threads() == before, (threads(), before)  # both tddist groups freed at exit: their workers joined
+try:
+    c2.group
+    raise AssertionError("a released communicator still hands out its group")
+except CommError as e:
+    assert "exiting" in str(e)
+assert dist.is_initialized()                      # the user's default group stays
 dist.destroy_process_group()
 comm_torch._OWNS_DEFAULT = True                   # as after init_from_env
 dist.init_process_group("gloo", init_method="file://{tmp_path}/store3", rank=0, world_size=1)
