@@ -209,6 +209,8 @@ class ProcessWriter:
                 self.process.wait(30)
             except (OSError, subprocess.TimeoutExpired):
                 self.process.kill()
+            if self.process.returncode:
+                logger.warning("the tddist writer process %d exited with %s", self.process.pid, self.process.returncode)
         self.conn.close()
         self._release()
 
@@ -277,6 +279,11 @@ def serve(fd: int, spec: str, commit_and_open: Callable[[Communicator, SaveOptio
             if isinstance(e, CommError):  # the group lost a peer: leave it, so the other writers see it at once
                 break
     conn.close()
+    if size > 1:  # free the group before the interpreter finalizes (why: comm_torch's docstring)
+        import torch.distributed as dist
+
+        del comm
+        dist.destroy_process_group()
 
 
 def _attach(path: str, nbytes: int, old: tuple[str, mmap.mmap] | None) -> mmap.mmap:

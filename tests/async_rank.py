@@ -179,6 +179,11 @@ def scenario_process_writer(work: Path, comm, rank: int, size: int) -> None:
         assert train.allreduce(1.0) == size
         assert_td_equal(fut.result(timeout=120), expected, f"rank {rank}: process writer, step {step}")
         assert_td_equal(tddist.load(work / "proc", shard="saved", verify=True), expected, f"rank {rank}: step {step}")
+    writer = channel(comm)._process
+    assert writer is not None
+    writer.close()  # the writer's group is freed before it exits: it ends with 0, not with gloo's abort at exit
+    assert writer.process.returncode == 0, f"rank {rank}: the writer process exited with {writer.process.returncode}"
+    channel(comm)._process = None
 
 
 SCENARIOS = [
