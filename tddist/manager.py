@@ -456,10 +456,10 @@ class CheckpointManager:
         kwargs = {k: v for k, v in self.save_kwargs.items() if k != "metadata"}
         logger.info("rank %d: promoting the restored local copy of step %d to %s", self.comm.rank, step, self.root)
         self._newest_local = step
-        self._promotion = promotion.start(
-            self.comm, step, copy.path, self.path(step), copy.data, copy.metadata, kwargs, self._prepare_root,
-            time.monotonic(),
-        )  # fmt: skip
+        request = promotion.PromotionRequest(
+            step, copy.path, self.path(step), copy.data, dict(copy.metadata), kwargs, self._prepare_root
+        )
+        self._promotion = promotion.start(self.comm, request, time.monotonic())
 
     def _log_restored(self, path: str, step: int, report: LoadReport) -> None:
         if report.skipped:
@@ -582,9 +582,10 @@ class CheckpointManager:
         self._newest_local = step
         logger.info("rank %d: saved step %d locally in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain_local()
-        self._promotion = promotion.start(
-            self.comm, step, tier.part(step), self.path(step), mapped, metadata, kwargs, self._prepare_root, start
+        request = promotion.PromotionRequest(
+            step, tier.part(step), self.path(step), mapped, dict(metadata), dict(kwargs), self._prepare_root
         )
+        self._promotion = promotion.start(self.comm, request, start)
 
     def _prepare_root(self, comm: Communicator) -> None:
         """(promotion worker, on every rank) Create and lock the root before the first promotion into it."""

@@ -54,48 +54,57 @@ class Promotion:
 PrepareRoot = Callable[[Communicator], None]
 
 
-def start(
-    comm: Communicator,
-    step: int,
-    local: str,
-    target: str,
-    data: Any,
-    metadata: Mapping[str, Any],
-    save_kwargs: Mapping[str, Any],
-    prepare_root: PrepareRoot,
-    started: float,
-) -> Promotion:
-    """Hand the promotion of ``step`` to ``comm``'s background worker and return at once (collective).
+@dataclass(frozen=True)
+class PromotionRequest:
+    """What to promote and how: the manager's side of ``start``.
 
-    ``data`` is this rank's shard mapped from its local part. A save in
-    flight on ``comm`` (the manager's previous promotion, or the caller's own
-    ``return_early`` save) is waited for first, as ``tddist.save`` does.
+    Attributes:
+        step: the training step.
+        local: this rank's committed local part.
+        target: the shared checkpoint to write.
+        data: this rank's shard, mapped from its local part.
+        metadata: the checkpoint's user metadata.
+        save_kwargs: the manager's other ``tddist.save`` options.
+        prepare_root: run first on every rank (creates and locks the root).
+    """
+
+    step: int
+    local: str
+    target: str
+    data: Any = field(compare=False)
+    metadata: Mapping[str, Any]
+    save_kwargs: Mapping[str, Any]
+    prepare_root: PrepareRoot = field(compare=False)
+
+
+def start(comm: Communicator, request: PromotionRequest, started: float) -> Promotion:
+    """Hand the promotion of ``request.step`` to ``comm``'s background worker and return at once (collective).
+
+    A save in flight on ``comm`` (the manager's previous promotion, or the
+    caller's own ``return_early`` save) is waited for first, as
+    ``tddist.save`` does. ``started`` is when the local save began.
     """
     ch = background.channel(comm)
     bg = ch.background_comm()  # collective on first use; also starts the worker thread
-    ch.wait_idle(True, target)
-    job = partial(_promote, bg, step, local, target, data, dict(metadata), dict(save_kwargs), prepare_root)
-    return Promotion(step, local, target, ch.submit(job), started)
+    ch.wait_idle(True, request.target)
+    future = ch.submit(partial(_promote, bg, request))
+    return Promotion(request.step, request.local, request.target, future, started)
 
 
-def _promote(
-    comm: Communicator,
-    step: int,
-    local: str,
-    target: str,
-    data: Any,
-    metadata: dict[str, Any],
-    save_kwargs: dict[str, Any],
-    prepare_root: PrepareRoot,
-) -> None:
-    """(worker thread) Prepare the root and save the local copy's data to ``target``; errors name the step."""
+def _promote(comm: Communicator, request: PromotionRequest) -> None:
+    """(worker thread) Prepare the root and save the local copy's data to the target; errors name the step."""
     begin = time.monotonic()
     try:
-        prepare_root(comm)
-        save(data, target, comm=comm, copy_existing=True, metadata=metadata, **save_kwargs)
+        request.prepare_root(comm)
+        save(
+            request.data, request.target, comm=comm, copy_existing=True, metadata=dict(request.metadata),
+            **request.save_kwargs,
+        )  # fmt: skip
     except Exception as e:
-        raise failure(comm.rank, step, local, target, e) from e
-    logger.info("rank %d: promoted step %d to %s in %.2fs", comm.rank, step, target, time.monotonic() - begin)
+        raise failure(comm.rank, request.step, request.local, request.target, e) from e
+    logger.info(
+        "rank %d: promoted step %d to %s in %.2fs", comm.rank, request.step, request.target, time.monotonic() - begin
+    )
 
 
 def failure(rank: int, step: int, local: str, target: str, e: BaseException) -> TddistError:
