@@ -35,10 +35,12 @@ from ._compat import register_exit_hook
 from .comm import DEFAULT_TIMEOUT, Communicator
 from .errors import InvalidArgumentError, SaveInProgressError
 from .layouts.archive import ArchiveWriter
+from .layouts.base import REPLICA_DIGEST_BYTES
 from .layouts.directory import DirectoryWriter
 from .merge import PlanCache
+from .s3.url import is_s3
 from .snapshot import SnapshotBuffers, Snapshotter
-from .stream import Arena, Stream, StreamingWriter, StreamSources
+from .stream import Arena, Stream, StreamingWriter, StreamSources, pipeline_slot, whole_state_budget
 from .types import LocalShard, SaveOptions
 from .writer_process import ProcessWriter, SaveRequest, supported
 
@@ -114,7 +116,8 @@ class Channel:
     def __init__(self, comm: Communicator):
         self.comm = comm
         self.buffers = SnapshotBuffers()
-        self.arena: Arena | None = None  # the slots of budgeted saves (stream.py)
+        self.arena: Arena | None = None  # the slots of streamed saves (stream.py)
+        self.arena_allocations = 0  # how many arenas this channel allocated (a reused one is not counted again)
         self.plans = PlanCache()  # the cached path of the next save's merge (see merge.py)
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
@@ -138,12 +141,14 @@ class Channel:
         self._ensure_worker()
         return self._bg_comm
 
-    def arena_for(self, budget: int, pin: bool) -> Arena:
-        """The reusable slots of a budgeted save (re-allocated only when the budget or pinning changes)."""
-        if self.arena is None or self.arena.budget != budget or self.arena.pinned != pin:
+    def arena_for(self, budget: int, pin: bool, slot: int | None = None) -> Arena:
+        """The reusable slots of a streamed save (re-allocated only when the budget, slots or pinning change)."""
+        a = self.arena
+        if a is None or a.budget != budget or a.pinned != pin or (slot is not None and a.slot_bytes != slot):
             self.arena = None  # free the old one first
-            self.arena = Arena(budget, pin)
-        return self.arena
+            a = self.arena = Arena(budget, pin, slot)
+            self.arena_allocations += 1
+        return a
 
     def process_writer(self) -> ProcessWriter:
         """This rank's writer process, started at the first process save and after one broke."""
@@ -261,7 +266,7 @@ def start_save(
             return ch.submit(partial(_run_process, pw, request, open_saved, shard))
         logger.info("rank %d: async_writer='process' falls back to the thread writer: %s", ch.comm.rank, why)
     bg = ch.background_comm()
-    if budget is None:
+    if budget is None and not pipelines(options):
         shard = prepare(ch.buffers)
         return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
     sources = StreamSources()
@@ -269,18 +274,25 @@ def start_save(
     if isinstance(shard, Exception):
         return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
     total = sum(t.numel() * t.element_size() for t in sources.sources.values())
-    if total <= budget:
-        ch.arena = None
+    on_gpu = any(t.device.type != "cpu" for t in sources.sources.values())
+    if (budget is None and on_gpu) or (budget is not None and total <= budget):
+        ch.arena = None  # a whole snapshot (GPU leaves: pinned buffers, copies on a side stream)
         shard = _snapshot_into(ch.buffers, shard, sources)
         return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
-    ch.buffers.retain_only(set())  # the budget bounds what async saving holds: no whole-state buffers beside it
+    ch.buffers.retain_only(set())  # the arena holds the state: no whole-state buffers beside it
+    shard = _copy_hashed_replicas(shard, sources)
     written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
-    pin = any(t.device.type == "cuda" for _k, t in written)
-    stream = Stream(ch.arena_for(budget, pin), written, ch.comm.rank)
-    logger.info(
-        "rank %d: %d bytes to save exceed snapshot_budget=%d; streaming them through %d slots of %d bytes",
-        ch.comm.rank, stream.nbytes, budget, stream.arena.nslots, stream.arena.slot_bytes,
-    )  # fmt: skip
+    if budget is None:
+        # The whole state fits in the arena, so the caller never waits for a slot; the worker writes each
+        # slot as soon as it is copied, so the save completes about when the last copy's slot is written.
+        slot = pipeline_slot(written)
+        stream = Stream(ch.arena_for(whole_state_budget(written, slot), False, slot), written, ch.comm.rank)
+    else:
+        stream = Stream(ch.arena_for(budget, on_gpu), written, ch.comm.rank)
+        logger.info(
+            "rank %d: %d bytes to save exceed snapshot_budget=%d; streaming them through %d slots of %d bytes",
+            ch.comm.rank, stream.nbytes, budget, stream.arena.nslots, stream.arena.slot_bytes,
+        )  # fmt: skip
 
     def factory(o: SaveOptions, rank: int, s: LocalShard | Exception, cache: PlanCache) -> DirectoryWriter:
         return StreamingWriter(o, rank, s, cache, stream)
@@ -288,6 +300,34 @@ def start_save(
     fut = ch.submit(partial(_run_streamed, stream, commit, bg, options, shard, ch.plans, factory))
     stream.produce()
     return fut
+
+
+def pipelines(options: SaveOptions) -> bool:
+    """Whether a save without ``snapshot_budget`` is copied into the channel's arena while it is written.
+
+    Only the packed directory layout can write a slot before the whole state
+    is copied (``stream.py``); an archive, ``layout="memmap"``, object storage
+    and ``check_replicas`` (which compares the replicas' snapshots) copy the
+    whole state first.
+    """
+    return (
+        options.layout == "directory"
+        and options.packing == "packed"
+        and not options.check_replicas
+        and not is_s3(options.target)
+    )
+
+
+def _copy_hashed_replicas(shard: LocalShard, sources: StreamSources) -> LocalShard:
+    """Copy now the small replicas this rank does not write: its vote hashes them for rank 0 to compare
+    (``ShardWriter.fragment``); only written leaves go through the stream's slots."""
+    items = tuple(
+        replace(i, tensor=sources.sources[i.key].clone())
+        if not i.writes and i.dtensor is None and i.tensor.numel() * i.tensor.element_size() <= REPLICA_DIGEST_BYTES
+        else i
+        for i in shard.items
+    )
+    return replace(shard, items=items)
 
 
 def _snapshot_into(buffers: SnapshotBuffers, shard: LocalShard, sources: StreamSources) -> LocalShard:

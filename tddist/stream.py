@@ -60,14 +60,41 @@ class StreamSources:
         pass
 
 
-class Arena:
-    """The host memory of budgeted saves: ``nslots`` slots of ``slot_bytes``, at most ``budget`` bytes in all.
+#: The slot size of a pipelined whole-state save: the writer starts once the first slot is copied.
+PIPELINE_SLOT = 4 * 1024 * 1024
 
-    One per channel, allocated at the first budgeted save and reused by the next ones.
+
+def whole_state_budget(items: list[tuple[Key, torch.Tensor]], slot: int) -> int:
+    """An arena budget of ``slot``-sized slots that holds every byte of ``items`` as packed, padding included.
+
+    A slot closes early when the padding before the next leaf does not fit in
+    it (less than ``PACK_ALIGN`` bytes lost), so one spare slot per
+    ``slot // PACK_ALIGN`` leaves, and one more, cover every layout.
+    """
+    sizes = np.array([t.numel() * t.element_size() for _k, t in items], dtype=np.int64)
+    _offsets, end = packed_offsets(sizes)
+    nslots = -(-int(end) // slot) + len(items) * fmt.PACK_ALIGN // slot + 2
+    return nslots * slot
+
+
+def pipeline_slot(items: list[tuple[Key, torch.Tensor]]) -> int:
+    """The slot size of a pipelined save of ``items``: ``PIPELINE_SLOT``, or less for a small state
+    (a quarter of it, so that the writer still starts before the copy ends; never under ``PACK_ALIGN``)."""
+    nbytes = sum(t.numel() * t.element_size() for _k, t in items)
+    quarter = -(-nbytes // 4 // fmt.PACK_ALIGN) * fmt.PACK_ALIGN
+    return max(fmt.PACK_ALIGN, min(PIPELINE_SLOT, quarter))
+
+
+class Arena:
+    """The host memory of streamed saves: ``nslots`` slots of ``slot_bytes``, at most ``budget`` bytes in all.
+
+    One per channel, allocated at the first streamed save and reused by the next ones. ``slot`` fixes
+    the slot size (a pipelined whole-state save); by default it is a checksum block or half the budget.
     """
 
-    def __init__(self, budget: int, pin: bool = False) -> None:
-        slot = min(fmt.CHECKSUM_BLOCK, budget // 2 // fmt.PACK_ALIGN * fmt.PACK_ALIGN)
+    def __init__(self, budget: int, pin: bool = False, slot: int | None = None) -> None:
+        if slot is None:
+            slot = min(fmt.CHECKSUM_BLOCK, budget // 2 // fmt.PACK_ALIGN * fmt.PACK_ALIGN)
         self.budget = budget
         self.slot_bytes = slot
         self.nslots = budget // slot

@@ -73,15 +73,17 @@ def scenario_snapshot_and_training(work: Path, comm, rank: int, size: int) -> No
 
 
 def scenario_buffers_reused(work: Path, comm, rank: int, size: int) -> None:
-    """A second asynchronous save of the same structure allocates no new snapshot buffers."""
+    """A second asynchronous save of the same structure allocates no new memory: a packed directory is
+    copied into the channel's arena while it is written, an archive into per-leaf snapshot buffers."""
     ch = channel(comm)  # the channel these saves use: they pass the same communicator
-    tddist.save(make(rank, 1), work / "reuse", comm=comm, return_early=True).result(60)
-    before = ch.buffers.allocations
-    assert before > 0, "the first asynchronous save allocated no snapshot buffer on this channel"
-    tddist.save(make(rank, 2), work / "reuse", comm=comm, return_early=True).result(60)
-    assert ch.buffers.allocations == before, (before, ch.buffers.allocations)
-    full = tddist.load(work / "reuse", shard="saved")
-    assert torch.equal(full["w"], make(rank, 2)["w"])
+    for target, count in (("reuse", lambda: ch.arena_allocations), ("reuse.tdz", lambda: ch.buffers.allocations)):
+        tddist.save(make(rank, 1), work / target, comm=comm, return_early=True).result(60)
+        before = count()
+        assert before > 0, f"the first asynchronous save to {target} allocated nothing on this channel"
+        tddist.save(make(rank, 2), work / target, comm=comm, return_early=True).result(60)
+        assert count() == before, (target, before, count())
+        full = tddist.load(work / target, shard="saved")
+        assert torch.equal(full["w"], make(rank, 2)["w"])
 
 
 def scenario_one_in_flight(work: Path, comm, rank: int, size: int) -> None:
@@ -125,6 +127,27 @@ def scenario_budget_streams(work: Path, comm, rank: int, size: int) -> None:
     out = fut.result(timeout=120)
     assert_td_equal(out, expected, f"rank {rank}: what the budgeted save returned")
     assert_td_equal(tddist.load(work / "budget", shard="saved", verify=True), expected, f"rank {rank}: budgeted")
+
+
+def scenario_streamed_with_replicas(work: Path, comm, rank: int, size: int) -> None:
+    """Streamed saves (through a budget, and a whole state pipelined through the arena) of state that
+    holds replicated leaves, which only rank 0 writes: the other ranks still hash their small replicas
+    for rank 0 to compare, and the checkpoint holds every value as of the call."""
+    rows = 1024 + 64 * rank
+    td = TensorDict(
+        w=torch.arange(rows * 1024, dtype=torch.float32).view(rows, 1024) + rank,  # 4 MiB and more, sharded
+        lr=torch.tensor(0.5),  # replicated, small: hashed by every rank
+        emb=torch.arange(300_000, dtype=torch.float32),  # replicated, over the hashed size
+    )
+    for budget in (1024 * 1024, None):
+        expected = td.clone()
+        target = work / f"replicas-{budget}"
+        fut = tddist.save(td, target, return_early=True, snapshot_budget=budget, placements={"w": tddist.Shard(0)})
+        td.apply_(lambda t: t.add_(1))
+        out = fut.result(timeout=120)
+        assert_td_equal(out, expected, f"rank {rank}: what the streamed save returned (budget {budget})")
+        back = tddist.load(target, shard="saved", verify=True)
+        assert_td_equal(back, expected, f"rank {rank}: streamed save with replicas (budget {budget})")
 
 
 def fell_back_to_threads(work: Path, comm, rank: int) -> bool:
@@ -191,6 +214,7 @@ SCENARIOS = [
     scenario_process_writer_killed,
     scenario_process_writer,
     scenario_budget_streams,
+    scenario_streamed_with_replicas,
     scenario_buffers_reused,
     scenario_one_in_flight,
     scenario_failure_fails_every_future,
