@@ -27,7 +27,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -46,7 +46,18 @@ from .writer_process import ProcessWriter, SaveRequest, supported
 
 logger = logging.getLogger(__name__)
 
-_Job = tuple[Future, Callable[[], Any]]
+
+#: How long stopping a worker waits for its thread to end (its queue is empty by then: only the job's clean-up).
+STOP_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A submitted save: its function, the caller's Future (the value) and the channel's (only the outcome)."""
+
+    fn: Callable[[], Any]
+    future: Future
+    done: Future
 
 
 class Worker:
@@ -62,13 +73,26 @@ class Worker:
         """False in a forked child (threads do not survive ``fork``) or once stopped."""
         return self.pid == os.getpid() and self.thread.is_alive()
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        fut: Future = Future()
-        self._queue.put((fut, fn))
-        return fut
+    def submit(self, fn: Callable[[], Any]) -> tuple[Future, Future]:
+        """Queue ``fn``; return its Future and a second one that carries only its outcome (None or the error).
+
+        Only the caller holds the value (a saved TensorDict maps the checkpoint's files): the worker and
+        the channel keep neither, so the maps go when the caller drops them, not at some later save.
+        """
+        job = _Job(fn, Future(), Future())
+        self._queue.put(job)
+        return job.future, job.done
 
     def stop(self) -> None:
+        """Let the thread end once its queue is empty, and wait for it (a few seconds at most).
+
+        Joined, so that it never runs during the interpreter's finalization: a thread that frees a
+        tensor then is ended inside torch's destructor and the process aborts ("terminate called
+        without an active exception").
+        """
         self._queue.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(STOP_TIMEOUT)
 
     def _run(self) -> None:
         yield_cpu_to_training()
@@ -76,16 +100,22 @@ class Worker:
             job = self._queue.get()
             if job is None:
                 return
-            fut, fn = job
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn()
-            except BaseException as e:  # the caller sees it through the future
-                fut.set_exception(e)
-            else:
-                fut.set_result(result)
-            del job, fut, fn  # drop the save's references before waiting for the next one
+            _run_job(job)
+            del job  # nothing of the save stays referenced while the worker waits for the next one
+
+
+def _run_job(job: _Job) -> None:
+    if not job.future.set_running_or_notify_cancel():
+        job.done.set_result(None)
+        return
+    try:
+        value = job.fn()
+    except BaseException as e:  # the caller sees it through the future
+        job.future.set_exception(e)
+        job.done.set_exception(e)
+    else:
+        job.future.set_result(value)
+        job.done.set_result(None)
 
 
 #: How much lower than the training's the background saves' CPU priority is (``nice`` steps, 0-19). Writing,
@@ -186,9 +216,8 @@ class Channel:
             pass
 
     def submit(self, fn: Callable[[], Any]) -> Future:
-        """Hand ``fn`` to the worker thread; its Future becomes the pending save."""
-        fut = self._ensure_worker().submit(fn)
-        self.pending = fut
+        """Hand ``fn`` to the worker thread; return its Future (its outcome becomes the pending save)."""
+        fut, self.pending = self._ensure_worker().submit(fn)
         return fut
 
     def stop(self) -> None:

@@ -266,3 +266,25 @@ def test_process_writer_in_one_process(tmp_path):
     assert os.getpriority(os.PRIO_PROCESS, writer.process.pid) == min(19, mine + background.BACKGROUND_NICENESS)
     if os.path.isdir("/dev/shm"):
         assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("tddist-writer")]
+
+
+def test_the_saved_tensordict_is_held_only_by_the_caller(tmp_path):
+    """Once the caller drops the future and what it returned, no map of the checkpoint's files is left in the
+    process (the worker and the channel keep neither): the maps go when the caller lets go of them, not in
+    the middle of a later save, where unmapping them cost that save about 20 ms for 64 MiB."""
+    td = _mixed(5)
+    fut = tddist.save(td, tmp_path / "held", return_early=True)
+    out = fut.result(120)
+    assert_td_equal(out, td, "what save returned")
+    data_files = {os.path.realpath(p) for p in (tmp_path / "held").rglob("*") if p.is_file()}
+
+    def mapped() -> set[str]:
+        with open("/proc/self/maps") as f:
+            return {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6} & data_files
+
+    assert mapped(), "the saved TensorDict maps the checkpoint's data file (the check can see a map)"
+    del fut, out
+    import gc
+
+    gc.collect()
+    assert not mapped(), f"still mapped after the caller dropped the result: {sorted(mapped())}"
