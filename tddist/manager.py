@@ -11,6 +11,10 @@ ranks exchange their flags (one small allgather), so a signal delivered to
 any rank makes every rank save at the same step, wait for the save, and then
 ``should_stop`` is True. The training script exits with ``EXIT_PREEMPTED``.
 See docs/jobs.md.
+
+The signal handlers are in ``preemption_signals.py``, how a user's state is
+read and filled in ``train_state.py``, and the node-local tier (``local_dir``)
+in ``tiered.py``; ``parse_signals`` is importable from here too.
 """
 
 from __future__ import annotations
@@ -19,30 +23,24 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-from tensordict import TensorDictBase
-
-from . import promotion, root_lock
+from . import root_lock
 from .api import load, save
-from .comm import Communicator, collective_error, contribute, decide_on_rank0, describe, resolve, run_step
+from .comm import Communicator, decide_on_rank0, resolve
 from .errors import CheckpointNotFoundError, CommError, InvalidArgumentError, TddistError
-from .local_shards import DTensorLayout
-from .local_tier import LocalTier, Restoring, complete_steps, expand
 from .manifest_io import read_manifest
 from .plan import LoadReport
+from .preemption_signals import PreemptionSignals, parse_signals
 from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_entries, step_name
-from .state import get_state, holds_objects, set_state
+from .tiered import SharedRoot, TieredSaves, pick_local
+from .train_state import data_to_save, fill
 
 if TYPE_CHECKING:
-    from types import FrameType, TracebackType
-
-    #: What ``signal.signal`` returns and accepts: a handler, SIG_DFL/SIG_IGN, or None.
-    _Handler = Callable[[int, FrameType | None], Any] | int | None
+    from types import TracebackType
 
 logger = logging.getLogger(__name__)
 
@@ -53,26 +51,6 @@ _RESERVED = frozenset({"return_early", "comm", "prefix", "data"})
 #: Exit status of a training process that stopped because it was preempted
 #: (``EX_TEMPFAIL``: "try again later"). Job scripts requeue on it.
 EXIT_PREEMPTED = 75
-
-
-def parse_signals(spec: Any) -> list[signal.Signals]:
-    """Signals from a signal, a name ("USR1", "SIGTERM"), a comma-separated string, a list of these, or None."""
-    if spec is None:
-        return []
-    if isinstance(spec, str):
-        spec = [s for s in spec.split(",") if s.strip()]
-    items = [spec] if isinstance(spec, int) else list(spec)
-    try:
-        return [_signal(s) for s in items]
-    except (AttributeError, TypeError, ValueError):
-        raise InvalidArgumentError(f"preempt_signal={spec!r}: expected a signal, several, or None") from None
-
-
-def _signal(item: str | int) -> signal.Signals:
-    if isinstance(item, str):
-        name = item.strip().upper()
-        return getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name)
-    return signal.Signals(item)
 
 
 def _check_count(name: str, value: object, allow_none: bool) -> None:
@@ -132,22 +110,6 @@ class StepVote:
 
     preempt: bool
     promotion_done: bool
-
-
-def _state_of(state: Any) -> Any:
-    """The state itself, or what a callable state returns (called only when the state is needed)."""
-    if callable(state) and not isinstance(state, (torch.nn.Module, Mapping, TensorDictBase, tuple, list)):
-        return state()
-    return state
-
-
-def _model_pair(state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | None] | None:
-    """(model, optimizer or None) if ``state`` is a module or a (module, optimizer) pair, else None."""
-    if isinstance(state, torch.nn.Module):
-        return state, None
-    if isinstance(state, (tuple, list)) and len(state) == 2 and isinstance(state[0], torch.nn.Module):
-        return state[0], state[1]
-    return None
 
 
 class CheckpointManager:
@@ -257,17 +219,16 @@ class CheckpointManager:
         self._requested = False
         self._pending: tuple[int, Future, float] | None = None
         self._locked = False
-        self._tier = (
-            None if local_dir is None else LocalTier(expand(local_dir, self.comm.rank), self.comm.rank, self.comm.size)
+        self._tiered = (
+            None
+            if local_dir is None
+            else TieredSaves(self.comm, local_dir, SharedRoot(self.root, self.path, self._prepare_root, self._retain))
         )
-        self._promotion: promotion.Promotion | None = None
-        self._newest_local: int | None = None  # the newest complete local copy saved by this manager
-        self._promoted: int | None = None  # the newest step whose promotion committed
-        self._handlers = self._install(parse_signals(preempt_signal))
+        self._signals = PreemptionSignals(parse_signals(preempt_signal), self.request_preemption)
         try:
             done = self._on_rank0("lock and clean-up of " + self.root, self._lock_and_clean)
         except BaseException:
-            self._uninstall()
+            self._signals.uninstall()
             raise
         self._locked = done is not None
         if done and self.comm.rank == 0:
@@ -368,23 +329,27 @@ class CheckpointManager:
         """
         if step is not None:
             _check_step(step)
-        complete = complete_steps(self.comm, self._tier) if self._tier is not None else frozenset()
+        tiered = self._tiered
+        complete = tiered.complete() if tiered is not None else frozenset()
         found = self._on_rank0(f"finding the checkpoint to restore in {self.root}", lambda: self._find(step))
         shared_step = found[1] if isinstance(found, tuple) else None
-        local = _pick_local(complete, step, shared_step)
+        local = pick_local(complete, step, shared_step)
         local_error: TddistError | None = None
         if local is not None:
+            assert tiered is not None  # pick_local picks from the complete local steps only
             try:
-                restored, layouts = self._restore_local(state, local, load_kwargs)
+                restored = tiered.restore(state, local, load_kwargs)
             except CommError:
                 raise
             except TddistError as e:  # the same on every rank: all of them go to the shared root
                 local_error = e
                 logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
             else:
+                self._log_restored(restored.path, restored.step, restored.report)
                 if step is None and (shared_step is None or local > shared_step):
-                    self._promote_restored(local, layouts)  # its promotion never committed (a crash, a failure)
-                return restored
+                    # its promotion never committed (a crash, a failure)
+                    tiered.promote_restored(local, restored.layouts, self.save_kwargs)
+                return Restored(restored.step, restored.path, restored.report, "local")
         if isinstance(found, str):
             if local_error is not None:
                 raise local_error
@@ -406,60 +371,9 @@ class CheckpointManager:
             assert isinstance(report, LoadReport)  # load(into=...) returns its report
             return report
 
-        report = _fill(state, shared)
+        report = fill(state, shared)
         self._log_restored(path, at, report)
         return Restored(at, path, report, "shared")
-
-    def _restore_local(
-        self, state: Any, step: int, load_kwargs: dict[str, Any]
-    ) -> tuple[Restored, tuple[DTensorLayout, ...]]:
-        """Every rank loads its own local part of ``step``; the same error on every rank if any rank fails.
-
-        Returns what was restored and the layouts of the state's DTensor leaves.
-        """
-        tier = self._tier
-        assert tier is not None
-        restoring: list[Restoring] = []
-
-        def load_local(into: Any) -> LoadReport:
-            restoring.append(tier.load_into(step, into, load_kwargs))
-            return restoring[-1].report
-
-        outcome = contribute(lambda: _fill(state, load_local))
-        failures = {r: f for r, f in enumerate(self.comm.allgather(outcome.failure)) if f is not None}
-        if failures:
-            raise collective_error(f"restoring step {step} from the node-local copies", failures)
-        assert outcome.value is not None
-        path = tier.part(step)
-        self._log_restored(path, step, outcome.value)
-        return Restored(step, path, outcome.value, "local"), restoring[-1].layouts
-
-    def _promote_restored(self, step: int, layouts: tuple[DTensorLayout, ...]) -> None:
-        """Promote the local copy just restored, which is newer than the shared root's newest (collective).
-
-        A part that cannot be read back is logged on every rank, and the
-        shared root keeps its older checkpoints: the restore itself succeeded.
-        """
-        tier = self._tier
-        assert tier is not None
-        self.wait()  # a promotion started by an earlier restore: its outcome is taken first
-        try:
-            copy = run_step(
-                self.comm, f"reading step {step} back from the node-local tier", lambda: tier.read(step, layouts)
-            )
-        except CommError:
-            raise
-        except TddistError as e:
-            logger.warning("rank %d: %s; step %d is not promoted to %s", self.comm.rank, e, step, self.root)
-            return
-        assert copy is not None
-        kwargs = {k: v for k, v in self.save_kwargs.items() if k != "metadata"}
-        logger.info("rank %d: promoting the restored local copy of step %d to %s", self.comm.rank, step, self.root)
-        self._newest_local = step
-        request = promotion.PromotionRequest(
-            step, copy.path, self.path(step), copy.data, dict(copy.metadata), kwargs, self._prepare_root
-        )
-        self._promotion = promotion.start(self.comm, request, time.monotonic())
 
     def _log_restored(self, path: str, step: int, report: LoadReport) -> None:
         if report.skipped:
@@ -503,11 +417,11 @@ class CheckpointManager:
             TddistError: the save failed (the same error on every rank; see ``tddist.save``).
         """
         _check_step(step)
-        if self._tier is None:
+        if self._tiered is None:
             self._retire_finished()
             preempt = any(self.comm.allgather(self._requested))
         else:
-            done = self._promotion is not None and self._promotion.future.done()
+            done = self._tiered.promotion_done()
             votes: list[StepVote] = self.comm.allgather(StepVote(self._requested, done))
             preempt = any(v.preempt for v in votes)
             if all(v.promotion_done for v in votes):
@@ -541,19 +455,14 @@ class CheckpointManager:
         """
         _check_step(step)
         self.wait()
-        if self._tier is None:
+        if self._tiered is None:
             self._ensure_root()  # with the local tier, the promotion creates it (and fails, not the save)
-        objects = _state_of(state)
-        pair = _model_pair(objects)
-        if pair is not None:
-            data = get_state(*pair)
-        else:
-            data = get_state(objects) if holds_objects(objects) else objects
+        data = data_to_save(state)
         kwargs = dict(self.save_kwargs)
         metadata = {**(kwargs.pop("metadata", None) or {}), "step": step}
         path, start = self.path(step), time.monotonic()
-        if self._tier is not None:
-            self._save_tiered(step, data, metadata, kwargs, start)
+        if self._tiered is not None:
+            self._tiered.save(step, data, metadata, kwargs, start)
             return
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
@@ -562,30 +471,6 @@ class CheckpointManager:
         save(data, path, comm=self.comm, metadata=metadata, **kwargs)
         logger.info("rank %d: saved step %d in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain(step)
-
-    def _save_tiered(
-        self, step: int, data: Any, metadata: dict[str, Any], kwargs: dict[str, Any], start: float
-    ) -> None:
-        """Commit every rank's local part, agree that all did, then start the promotion to ``root``."""
-        tier = self._tier
-        assert tier is not None
-        what = f"saving step {step} to the node-local tier"
-        try:
-            mapped, error = tier.save(data, step, metadata, kwargs), None
-        except Exception as e:  # this rank's vote; every rank raises the agreed error below
-            mapped, error = None, e
-        _agree_naming(
-            self.comm, what, error,
-            lambda e: f"rank {self.comm.rank}: {what}: the ranks could not agree that every rank committed its "
-            f"part: {e}. The shared root is unchanged, and restore() ignores a local copy that some rank lacks",
-        )  # fmt: skip
-        self._newest_local = step
-        logger.info("rank %d: saved step %d locally in %.2fs", self.comm.rank, step, time.monotonic() - start)
-        self._retain_local()
-        request = promotion.PromotionRequest(
-            step, tier.part(step), self.path(step), mapped, dict(metadata), dict(kwargs), self._prepare_root
-        )
-        self._promotion = promotion.start(self.comm, request, start)
 
     def _prepare_root(self, comm: Communicator) -> None:
         """(promotion worker, on every rank) Create and lock the root before the first promotion into it."""
@@ -609,8 +494,8 @@ class CheckpointManager:
             TddistError: the save in flight failed (see ``tddist.save``); a
                 failed promotion names its step, and its local copy is kept.
         """
-        if self._tier is not None:
-            self._wait_promotion()
+        if self._tiered is not None:
+            self._tiered.wait()
             return
         if self._pending is None:
             return
@@ -619,32 +504,6 @@ class CheckpointManager:
         fut.result()
         logger.info("rank %d: saved step %d %.2fs after it started", self.comm.rank, step, time.monotonic() - start)
         self._retain(step)
-
-    def _wait_promotion(self) -> None:
-        p = self._promotion
-        if p is None:
-            return
-        self._promotion = None
-        error = p.future.exception()
-        mine = f"failed ({error})" if error is not None else "committed on this rank"
-        _agree_naming(
-            self.comm, f"the promotion of step {p.step} to {p.target}", error,
-            lambda e: f"rank {self.comm.rank}: the ranks could not agree on the promotion of step {p.step} to "
-            f"{p.target}: {e}. This rank's promotion {mine}; its node-local copy ({p.local}) is kept",
-        )  # fmt: skip
-        logger.info(
-            "rank %d: promoted step %d %.2fs after it started", self.comm.rank, p.step, time.monotonic() - p.started
-        )
-        self._promoted = p.step
-        self._retain(p.step)
-        self._retain_local()
-
-    def _retain_local(self) -> None:
-        """Drop this rank's local parts older than the newest complete one and no newer than the newest promoted."""
-        if self._tier is None or self._newest_local is None or self._promoted is None:
-            return
-        newest, promoted = self._newest_local, self._promoted
-        self._tier.drop(frozenset(s for s in self._tier.on_disk() if s < newest and s <= promoted))
 
     def request_preemption(self) -> None:
         """Ask the ranks to save and stop at the next ``step()``, as the preemption signal does."""
@@ -661,7 +520,7 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
-            self._uninstall()
+            self._signals.uninstall()
             self._unlock()
 
     def _unlock(self) -> None:
@@ -678,7 +537,7 @@ class CheckpointManager:
         if exc_type is None:
             self.close()
         else:  # an in-flight save still completes (and keeps the lock): the interpreter waits for it at exit
-            self._uninstall()
+            self._signals.uninstall()
 
     # --- internals ---------------------------------------------------------------------
 
@@ -700,63 +559,6 @@ class CheckpointManager:
     def _on_rank0(self, what: str, fn: Callable[[], R]) -> R:
         """Run ``fn`` on rank 0 and broadcast its result, or raise its error on every rank."""
         return decide_on_rank0(self.comm, what, lambda _none: fn())
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.request_preemption()  # only a flag: the ranks agree at the next step()
-
-    def _install(self, signals: Iterable[signal.Signals]) -> dict[signal.Signals, _Handler]:
-        previous: dict[signal.Signals, _Handler] = {}
-        for sig in signals:
-            try:
-                previous[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread
-                logger.warning("cannot handle %s outside the main thread; use request_preemption()", sig.name)
-        return previous
-
-    def _uninstall(self) -> None:
-        for sig, handler in self._handlers.items():
-            signal.signal(sig, handler)
-        self._handlers = {}
-
-
-def _agree_naming(
-    comm: Communicator, what: str, error: BaseException | None, broken: Callable[[CommError], str]
-) -> None:
-    """``comm.agree``, except that a transport failure of the agreement itself (a rank died or hung) is
-    re-raised, with its class, as ``broken(error)`` says (naming the step), not as a bare allgather error."""
-    try:
-        statuses = comm.allgather(describe(error) if error is not None else None)
-    except CommError as e:
-        raise type(e)(broken(e), failures=e.failures) from e
-    failures = {r: s for r, s in enumerate(statuses) if s is not None}
-    if failures:
-        raise collective_error(what, failures) from error
-
-
-def _fill(state: Any, load_into: Callable[[Any], LoadReport]) -> LoadReport:
-    """Load into ``state`` (a TensorDict or dict in place, a model pair or objects through get/set_state)."""
-    objects = _state_of(state)
-    pair = _model_pair(objects)
-    if pair is not None:
-        full = get_state(*pair)
-        report = load_into(full)
-        set_state(pair[0], pair[1], full)
-    elif holds_objects(objects):
-        full = get_state(objects)
-        report = load_into(full)
-        set_state(objects, full)
-    else:
-        report = load_into(objects)
-    return report
-
-
-def _pick_local(complete: frozenset[int], step: int | None, shared: int | None) -> int | None:
-    """The local copy to restore: ``step`` if complete; else the newest complete one, unless the shared root has a newer one."""
-    if step is not None:
-        return step if step in complete else None
-    if not complete or (shared is not None and shared > max(complete)):
-        return None
-    return max(complete)
 
 
 def _check_step(step: object) -> None:
