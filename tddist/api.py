@@ -1,4 +1,4 @@
-"""Public entry points: argument checks, choosing the communicator, delegating.
+"""Public entry points: choosing the communicator and delegating (the arguments are checked by ``arguments``).
 
 No I/O happens here; ``commit`` runs the protocol, ``writer`` and ``reader``
 touch files.
@@ -17,9 +17,9 @@ import torch
 from tensordict import TensorDict
 
 from . import background
-from . import format as fmt
 from . import per_rank as pr
 from ._version import __version__
+from .arguments import check_budget, check_device, check_int, check_s3, check_save_args, save_options, target_of
 from .comm import Communicator, LocalComm, resolve, run_step
 from .commit import two_phase_commit
 from .errors import (
@@ -41,7 +41,6 @@ from .plan import LoadReport, check_exclude, in_scope, leaf_box, node_rows, obje
 from .prepare import prepare_shard
 from .reader import read_leaves
 from .recovery import recover as _recover
-from .s3 import url as s3_url
 from .s3.archive import S3ArchiveWriter
 from .s3.client import s3_client
 from .s3.directory import S3DirectoryWriter
@@ -50,7 +49,6 @@ from .s3.recovery import recover as s3_recover
 from .s3.url import is_s3
 from .sharding import Box, PerRank
 from .snapshot import Snapshotter
-from .stream import MIN_BUDGET
 from .tree import build, normalize_keys, select
 from .types import (
     Fragment,
@@ -62,7 +60,6 @@ from .types import (
     SaveOptions,
     Structure,
 )
-from .zipcodec import resolve_compression
 
 logger = logging.getLogger(__name__)
 
@@ -167,16 +164,16 @@ def save(
             the previous checkpoint or, if rank 0 committed, the new one.
         CollectiveError: ranks failed with different errors.
     """
-    _check_save_args(prefix, num_threads, metadata)
-    _check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
+    check_save_args(prefix, num_threads, metadata)
+    check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
     if is_s3(prefix):
-        _check_s3(prefix, snapshot_budget, async_writer, archive)
+        check_s3(prefix, snapshot_budget, async_writer, archive)
     if async_writer not in ("thread", "process") or (async_writer == "process" and snapshot_budget is not None):
         raise InvalidArgumentError(
             f"async_writer={async_writer!r} is not supported: use 'thread' or 'process' (snapshot_budget needs "
             f"'thread')"
         )
-    options = _save_options(
+    options = save_options(
         prefix, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle, archive,
         compression, layout,
     )  # fmt: skip
@@ -203,134 +200,6 @@ def save(
         return _commit_and_open(c, o, s, ch.plans, open_only=True)
 
     return background.start_save(ch, options, prepare, snapshot_budget, _commit_and_open, async_writer, open_saved)
-
-
-def _save_options(
-    prefix: str | os.PathLike,
-    metadata: Mapping | None,
-    robust_key: bool,
-    num_threads: int,
-    check_replicas: bool,
-    atomic: bool,
-    share_non_tensor: bool,
-    allow_pickle: bool,
-    archive: bool | None,
-    compression: Any,
-    layout: str | None,
-) -> SaveOptions:
-    """The typed options of a save; refuses combinations that cannot work."""
-    target = _target(prefix)
-    if is_s3(target) and not atomic:
-        raise InvalidArgumentError(
-            f"atomic=False is not supported on object storage ({target!r}): a save there is always atomic; drop it"
-        )
-    if archive is None:
-        archive = target.endswith(fmt.ARCHIVE_SUFFIX)
-    if archive and not atomic:
-        raise InvalidArgumentError(
-            "atomic=False is not supported for archives: an archive is always written whole to a staging "
-            "file and renamed; drop atomic=False or save a directory"
-        )
-    if not archive and compression is not None:
-        raise InvalidArgumentError(
-            f"compression={compression!r} needs an archive: pass archive=True or a prefix ending in .tdz"
-        )
-    if layout not in (None, "packed", "memmap"):
-        raise InvalidArgumentError(
-            f"layout={layout!r} is not supported; use 'packed' (one data file per rank, the default) or 'memmap' "
-            f"(one file per leaf, loadable with TensorDict.load_memmap)"
-        )
-    if archive and layout == "packed":
-        raise InvalidArgumentError(
-            "layout='packed' is for directories: an archive stores one entry per leaf (layout 'memmap'); "
-            "drop layout= or save a directory"
-        )
-    return SaveOptions(
-        target=target,
-        layout="archive" if archive else "directory",
-        metadata=dict(metadata or {}),
-        robust_key=robust_key,
-        num_threads=num_threads,
-        check_replicas=check_replicas,
-        atomic=atomic,
-        share_non_tensor=share_non_tensor,
-        allow_pickle=allow_pickle,
-        compression=resolve_compression(compression) if archive else None,
-        packing="memmap" if archive or layout == "memmap" else "packed",
-    )
-
-
-def _target(prefix: str | os.PathLike) -> str:
-    """The checkpoint's location: an ``s3://`` URL as given, else an absolute path."""
-    p = os.fspath(prefix)
-    if is_s3(p):
-        s3_url.parse(p)  # refuses a URL that cannot name a checkpoint
-        return p.rstrip("/")
-    return os.path.abspath(p)
-
-
-def _check_s3(prefix: Any, snapshot_budget: int | None, async_writer: str, archive: bool | None) -> None:
-    """Options object storage does not support are refused up front; boto3 must be installed."""
-    url = s3_url.parse(os.fspath(prefix))
-    if archive is not None and archive != url.archive:
-        raise InvalidArgumentError(
-            f"{url.url!r}: on object storage the key's suffix decides the layout (an archive ends in "
-            f"{fmt.ARCHIVE_SUFFIX}, a directory does not); drop archive= or change the key"
-        )
-    if snapshot_budget is not None or async_writer != "thread":
-        raise InvalidArgumentError(
-            f"{os.fspath(prefix)!r}: snapshot_budget and async_writer='process' are for file systems; on object "
-            f"storage use return_early=True alone"
-        )
-    s3_client()  # raises the error that says how to install boto3, on every rank before any collective
-
-
-def _check_save_args(prefix: Any, num_threads: int, metadata: Mapping[str, Any] | None) -> None:
-    if prefix is None:
-        raise InvalidArgumentError(
-            "save(prefix=None) is not supported: tensordict would write into the TensorDict's own memmap "
-            "directory or anonymous memory, which no other rank can see; pass the checkpoint path"
-        )
-    _check_int("num_threads", num_threads)
-    if metadata is not None:
-        try:
-            fmt.dumps(dict(metadata))
-        except (TypeError, ValueError) as e:
-            raise InvalidArgumentError(f"metadata must be a JSON-able dict: {e}") from None
-        if not _str_keys(dict(metadata)):
-            raise InvalidArgumentError(
-                "metadata must be a JSON-able dict: every dict key must be a str (JSON would turn other keys "
-                "into strings, and keys such as 1 and '1' into one)"
-            )
-
-
-def _check_budget(
-    budget: int | None, return_early: bool, check_replicas: bool, archive: bool | None, layout: str | None, prefix: Any
-) -> None:
-    if budget is None:
-        return
-    if type(budget) is not int or budget < MIN_BUDGET:
-        raise InvalidArgumentError(f"snapshot_budget must be an int of at least {MIN_BUDGET} bytes, got {budget!r}")
-    if not return_early:
-        raise InvalidArgumentError("snapshot_budget bounds the snapshot of return_early=True; pass return_early=True")
-    if check_replicas:
-        raise InvalidArgumentError(
-            "snapshot_budget cannot be combined with check_replicas=True (replicas are not snapshotted when the "
-            "data is streamed); drop one of them"
-        )
-    if archive or (archive is None and os.fspath(prefix).endswith(fmt.ARCHIVE_SUFFIX)) or layout == "memmap":
-        raise InvalidArgumentError(
-            "snapshot_budget needs the packed directory layout (an archive hashes and compresses every entry "
-            "before writing, and layout='memmap' writes a file per leaf); save a directory with the default layout"
-        )
-
-
-def _str_keys(value: Any) -> bool:
-    if isinstance(value, Mapping):
-        return all(type(k) is str and _str_keys(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return all(_str_keys(v) for v in value)
-    return True
 
 
 def _commit_and_open(
@@ -467,9 +336,9 @@ def load(
         InvalidArgumentError: an invalid ``shard``, ``keys``, ``exclude``,
             ``per_rank`` or ``device`` (CUDA asked for where it is not available).
     """
-    _check_int("num_threads", num_threads)
-    _check_device(device)
-    target = _target(prefix)
+    check_int("num_threads", num_threads)
+    check_device(device)
+    target = target_of(prefix)
     if is_s3(target):
         s3_client()
     c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)
@@ -616,7 +485,7 @@ def read_manifest(prefix: str | os.PathLike) -> Manifest:
         CheckpointNotFoundError: nothing committed is at ``prefix``.
         ManifestError: the manifest is damaged or from a newer tddist.
     """
-    return _read_manifest(_target(prefix))
+    return _read_manifest(target_of(prefix))
 
 
 def recover(prefix: str | os.PathLike) -> list[str]:
@@ -640,28 +509,5 @@ def recover(prefix: str | os.PathLike) -> list[str]:
         OSError: a leftover could not be removed (permissions, I/O error).
         StorageError: on object storage, a request failed.
     """
-    target = _target(prefix)
+    target = target_of(prefix)
     return s3_recover(target) if is_s3(target) else _recover(target)
-
-
-def _check_device(device: Any) -> None:
-    """A device that cannot be used fails here, before anything is read, with a TddistError."""
-    if device is None:
-        return
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise InvalidArgumentError(
-            f"device={device!r} is not a torch device ({e}); use None, 'cpu' or 'cuda:N'"
-        ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgumentError(
-            f"device={device!r}: CUDA is not available in this process (torch {torch.__version__} "
-            f"{'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); load with device=None (or "
-            f"'cpu') and move the tensors later, or run where a GPU is visible"
-        )
-
-
-def _check_int(name: str, value: Any) -> None:
-    if type(value) is not int or value < 0:
-        raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")

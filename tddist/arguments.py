@@ -1,0 +1,178 @@
+"""The arguments of ``save`` and ``load``: checked and normalised before any collective.
+
+Every rank checks its own arguments the same way, so a bad argument fails
+every rank with the same ``InvalidArgumentError`` before any rank waits for
+another; ``save_options`` turns a save's keyword arguments into the typed
+``SaveOptions`` that the commit and the layouts use.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from . import format as fmt
+from .errors import InvalidArgumentError
+from .s3 import url as s3_url
+from .s3.client import s3_client
+from .s3.url import is_s3
+from .stream import MIN_BUDGET
+from .types import SaveOptions
+from .zipcodec import resolve_compression
+
+
+def save_options(
+    prefix: str | os.PathLike,
+    metadata: Mapping | None,
+    robust_key: bool,
+    num_threads: int,
+    check_replicas: bool,
+    atomic: bool,
+    share_non_tensor: bool,
+    allow_pickle: bool,
+    archive: bool | None,
+    compression: Any,
+    layout: str | None,
+) -> SaveOptions:
+    """The typed options of a save; refuses combinations that cannot work."""
+    target = target_of(prefix)
+    if is_s3(target) and not atomic:
+        raise InvalidArgumentError(
+            f"atomic=False is not supported on object storage ({target!r}): a save there is always atomic; drop it"
+        )
+    if archive is None:
+        archive = target.endswith(fmt.ARCHIVE_SUFFIX)
+    if archive and not atomic:
+        raise InvalidArgumentError(
+            "atomic=False is not supported for archives: an archive is always written whole to a staging "
+            "file and renamed; drop atomic=False or save a directory"
+        )
+    if not archive and compression is not None:
+        raise InvalidArgumentError(
+            f"compression={compression!r} needs an archive: pass archive=True or a prefix ending in .tdz"
+        )
+    if layout not in (None, "packed", "memmap"):
+        raise InvalidArgumentError(
+            f"layout={layout!r} is not supported; use 'packed' (one data file per rank, the default) or 'memmap' "
+            f"(one file per leaf, loadable with TensorDict.load_memmap)"
+        )
+    if archive and layout == "packed":
+        raise InvalidArgumentError(
+            "layout='packed' is for directories: an archive stores one entry per leaf (layout 'memmap'); "
+            "drop layout= or save a directory"
+        )
+    return SaveOptions(
+        target=target,
+        layout="archive" if archive else "directory",
+        metadata=dict(metadata or {}),
+        robust_key=robust_key,
+        num_threads=num_threads,
+        check_replicas=check_replicas,
+        atomic=atomic,
+        share_non_tensor=share_non_tensor,
+        allow_pickle=allow_pickle,
+        compression=resolve_compression(compression) if archive else None,
+        packing="memmap" if archive or layout == "memmap" else "packed",
+    )
+
+
+def target_of(prefix: str | os.PathLike) -> str:
+    """The checkpoint's location: an ``s3://`` URL as given, else an absolute path."""
+    p = os.fspath(prefix)
+    if is_s3(p):
+        s3_url.parse(p)  # refuses a URL that cannot name a checkpoint
+        return p.rstrip("/")
+    return os.path.abspath(p)
+
+
+def check_s3(prefix: Any, snapshot_budget: int | None, async_writer: str, archive: bool | None) -> None:
+    """Options object storage does not support are refused up front; boto3 must be installed."""
+    url = s3_url.parse(os.fspath(prefix))
+    if archive is not None and archive != url.archive:
+        raise InvalidArgumentError(
+            f"{url.url!r}: on object storage the key's suffix decides the layout (an archive ends in "
+            f"{fmt.ARCHIVE_SUFFIX}, a directory does not); drop archive= or change the key"
+        )
+    if snapshot_budget is not None or async_writer != "thread":
+        raise InvalidArgumentError(
+            f"{os.fspath(prefix)!r}: snapshot_budget and async_writer='process' are for file systems; on object "
+            f"storage use return_early=True alone"
+        )
+    s3_client()  # raises the error that says how to install boto3, on every rank before any collective
+
+
+def check_save_args(prefix: Any, num_threads: int, metadata: Mapping[str, Any] | None) -> None:
+    """``prefix`` names a checkpoint, ``num_threads`` is a count, ``metadata`` is JSON-able with str keys."""
+    if prefix is None:
+        raise InvalidArgumentError(
+            "save(prefix=None) is not supported: tensordict would write into the TensorDict's own memmap "
+            "directory or anonymous memory, which no other rank can see; pass the checkpoint path"
+        )
+    check_int("num_threads", num_threads)
+    if metadata is not None:
+        try:
+            fmt.dumps(dict(metadata))
+        except (TypeError, ValueError) as e:
+            raise InvalidArgumentError(f"metadata must be a JSON-able dict: {e}") from None
+        if not _str_keys(dict(metadata)):
+            raise InvalidArgumentError(
+                "metadata must be a JSON-able dict: every dict key must be a str (JSON would turn other keys "
+                "into strings, and keys such as 1 and '1' into one)"
+            )
+
+
+def check_budget(
+    budget: int | None, return_early: bool, check_replicas: bool, archive: bool | None, layout: str | None, prefix: Any
+) -> None:
+    """``snapshot_budget`` is a byte count of at least ``MIN_BUDGET``, with ``return_early`` and a packed directory."""
+    if budget is None:
+        return
+    if type(budget) is not int or budget < MIN_BUDGET:
+        raise InvalidArgumentError(f"snapshot_budget must be an int of at least {MIN_BUDGET} bytes, got {budget!r}")
+    if not return_early:
+        raise InvalidArgumentError("snapshot_budget bounds the snapshot of return_early=True; pass return_early=True")
+    if check_replicas:
+        raise InvalidArgumentError(
+            "snapshot_budget cannot be combined with check_replicas=True (replicas are not snapshotted when the "
+            "data is streamed); drop one of them"
+        )
+    if archive or (archive is None and os.fspath(prefix).endswith(fmt.ARCHIVE_SUFFIX)) or layout == "memmap":
+        raise InvalidArgumentError(
+            "snapshot_budget needs the packed directory layout (an archive hashes and compresses every entry "
+            "before writing, and layout='memmap' writes a file per leaf); save a directory with the default layout"
+        )
+
+
+def _str_keys(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        return all(type(k) is str and _str_keys(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_str_keys(v) for v in value)
+    return True
+
+
+def check_device(device: Any) -> None:
+    """A device that cannot be used fails here, before anything is read, with a TddistError."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidArgumentError(
+            f"device={device!r} is not a torch device ({e}); use None, 'cpu' or 'cuda:N'"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError(
+            f"device={device!r}: CUDA is not available in this process (torch {torch.__version__} "
+            f"{'has no CUDA support' if torch.version.cuda is None else 'sees no GPU'}); load with device=None (or "
+            f"'cpu') and move the tensors later, or run where a GPU is visible"
+        )
+
+
+def check_int(name: str, value: Any) -> None:
+    """``value`` is a non-negative int (a bool is not)."""
+    if type(value) is not int or value < 0:
+        raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
