@@ -175,7 +175,7 @@ class Channel:
         """The reusable slots of a streamed save (re-allocated only when the budget, slots or pinning change)."""
         a = self.arena
         if a is None or a.budget != budget or a.pinned != pin or (slot is not None and a.slot_bytes != slot):
-            self.arena = None  # free the old one first
+            self.arena = a = None  # free the old one first (a budget bounds the memory)
             a = self.arena = Arena(budget, pin, slot)
             self.arena_allocations += 1
         return a
