@@ -35,7 +35,7 @@ from ._compat import register_exit_hook
 from .comm import DEFAULT_TIMEOUT, Communicator
 from .errors import InvalidArgumentError, SaveInProgressError
 from .layouts.archive import ArchiveWriter
-from .layouts.base import REPLICA_DIGEST_BYTES
+from .layouts.base import hashes_replica
 from .layouts.directory import DirectoryWriter
 from .merge import PlanCache
 from .s3.url import is_s3
@@ -309,7 +309,7 @@ def start_save(
         shard = _snapshot_into(ch.buffers, shard, sources)
         return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
     ch.buffers.retain_only(set())  # the arena holds the state: no whole-state buffers beside it
-    shard = _copy_hashed_replicas(shard, sources)
+    shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
     written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
     if budget is None:
         # The whole state fits in the arena, so the caller never waits for a slot; the worker writes each
@@ -347,13 +347,11 @@ def pipelines(options: SaveOptions) -> bool:
     )
 
 
-def _copy_hashed_replicas(shard: LocalShard, sources: StreamSources) -> LocalShard:
-    """Copy now the small replicas this rank does not write: its vote hashes them for rank 0 to compare
-    (``ShardWriter.fragment``); only written leaves go through the stream's slots."""
+def _copy_hashed_replicas(shard: LocalShard, sources: StreamSources, check_replicas: bool) -> LocalShard:
+    """Copy now the replicas this rank does not write but its vote hashes (``hashes_replica``): only
+    written leaves go through the stream's slots."""
     items = tuple(
-        replace(i, tensor=sources.sources[i.key].clone())
-        if not i.writes and i.dtensor is None and i.tensor.numel() * i.tensor.element_size() <= REPLICA_DIGEST_BYTES
-        else i
+        replace(i, tensor=sources.sources[i.key].clone()) if hashes_replica(i, check_replicas) else i
         for i in shard.items
     )
     return replace(shard, items=items)

@@ -32,6 +32,7 @@ from ..types import (
     LayoutName,
     LocalShard,
     ManifestFiles,
+    SaveItem,
     SaveOptions,
     SavePlan,
     Staging,
@@ -140,7 +141,7 @@ class WriterBase:
             s = stored.get(item.key)
             if s is not None:
                 sums.append(int_checksum(s.checksum))
-            elif not item.writes and (check or (item.dtensor is None and _nbytes(item.tensor) <= REPLICA_DIGEST_BYTES)):
+            elif hashes_replica(item, check):
                 sums.append(int_checksum(checksum_bytes(tensor_bytes(item.tensor))))
             else:
                 sums.append(0)
@@ -177,6 +178,14 @@ def map_copy_on_write(path: str, nbytes: int) -> torch.Tensor:
         return torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
     except RuntimeError as e:
         raise OSError(errno.EIO, f"cannot map {nbytes} bytes of {path!r}: {e}") from e
+
+
+def hashes_replica(item: SaveItem, check_replicas: bool) -> bool:
+    """Whether this rank's vote hashes ``item``, a replica it does not write, for rank 0 to compare
+    (``ShardWriter.fragment``): every such replica with ``check_replicas``, else the small plain ones."""
+    return not item.writes and (
+        check_replicas or (item.dtensor is None and _nbytes(item.tensor) <= REPLICA_DIGEST_BYTES)
+    )
 
 
 def _nbytes(t: torch.Tensor) -> int:
