@@ -101,9 +101,10 @@ class Arena:
         self.pinned = pin
         self.memory = torch.empty(self.nslots * slot, dtype=torch.uint8, pin_memory=pin)
         self._view = self.memory.numpy().data
+        self._slots = self.memory.view(self.nslots, slot).unbind() if self.nslots else ()  # made once: reused by every save
 
     def slot(self, i: int) -> torch.Tensor:
-        return self.memory[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+        return self._slots[i]
 
     def slot_view(self, i: int, nbytes: int) -> memoryview:
         lo = i * self.slot_bytes
@@ -184,7 +185,7 @@ class Stream:
                     mem[fill : fill + gap].zero_()
                     fill += gap
                 k = min(n - pos, size - fill, (pos // cb + 1) * cb - pos)  # a piece stays in one checksum block
-                mem[fill : fill + k].copy_(src[pos : pos + k])
+                mem[fill : fill + k].copy_(src if k == n else src[pos : pos + k])
                 pieces.append((idx, pos, fill, k))
                 fill += k
                 pos += k

@@ -590,3 +590,39 @@ def test_returned_tensors_are_copy_on_write(ckpt):
     assert snapshot(ckpt) == after_save
     assert_td_equal(tddist.load(ckpt, shard=None, verify=True), sample_td())
     assert {k for k in before if k.endswith(".memmap")} == {k for k in after_save if k.endswith(".memmap")}
+
+
+def _mapped_by(kind: str, path) -> torch.Tensor:
+    """A float32 tensor of 256 values whose memory maps ``path``, made the way ``kind`` names."""
+    import mmap
+
+    import numpy as np
+    from tensordict import MemoryMappedTensor
+
+    path.write_bytes(bytes(1024))
+    if kind == "from_file":
+        return torch.from_file(str(path), shared=True, size=256)
+    if kind == "numpy.memmap":
+        return torch.from_numpy(np.memmap(path, dtype=np.float32, mode="r+"))
+    if kind == "frombuffer":
+        with open(path, "r+b") as f:
+            return torch.frombuffer(mmap.mmap(f.fileno(), 1024), dtype=torch.float32)
+    return MemoryMappedTensor.from_filename(str(path), dtype=torch.float32, shape=torch.Size([256]))
+
+
+@pytest.mark.parametrize("kind", ["from_file", "numpy.memmap", "frombuffer", "MemoryMappedTensor"])
+def test_every_way_of_mapping_a_file_is_refused(tmp_path, kind):
+    """The check that skips reading /proc/self/maps for torch's own allocations still sees every mapped leaf:
+    torch.from_file, a numpy.memmap, torch.frombuffer over an mmap and a MemoryMappedTensor, also as a view."""
+    from tddist._memmaps import allocated_by_torch
+
+    mapped = _mapped_by(kind, tmp_path / "leaf.bin")
+    assert not allocated_by_torch(mapped) and not allocated_by_torch(mapped[8:])
+    assert allocated_by_torch(torch.zeros(256)) and allocated_by_torch(torch.zeros(2**21)[8:])
+    for i, leaf in enumerate((mapped, mapped[8:].reshape(8, 31))):
+        data = TensorDict({"plain": torch.zeros(3), "mapped": leaf}, [])
+        with pytest.raises(InvalidDataError, match=r"leaf \['mapped'\] is memory-mapped from .*leaf.bin.*copy_existing"):
+            tddist.save(data, tmp_path / f"ck{i}", return_early=True).result()
+        assert not (tmp_path / f"ck{i}").exists()
+        out = tddist.save(data, tmp_path / f"ck{i}", copy_existing=True)
+        assert torch.equal(out["mapped"], leaf)
