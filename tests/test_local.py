@@ -621,7 +621,9 @@ def test_every_way_of_mapping_a_file_is_refused(tmp_path, kind):
     assert allocated_by_torch(torch.zeros(256)) and allocated_by_torch(torch.zeros(2**21)[8:])
     for i, leaf in enumerate((mapped, mapped[8:].reshape(8, 31))):
         data = TensorDict({"plain": torch.zeros(3), "mapped": leaf}, [])
-        with pytest.raises(InvalidDataError, match=r"leaf \['mapped'\] is memory-mapped from .*leaf.bin.*copy_existing"):
+        with pytest.raises(
+            InvalidDataError, match=r"leaf \['mapped'\] is memory-mapped from .*leaf.bin.*copy_existing"
+        ):
             tddist.save(data, tmp_path / f"ck{i}", return_early=True).result()
         assert not (tmp_path / f"ck{i}").exists()
         out = tddist.save(data, tmp_path / f"ck{i}", copy_existing=True)
