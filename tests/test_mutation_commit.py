@@ -208,3 +208,418 @@ def test_declared_per_rank_values_keep_their_declaration(tmp_path):
     assert m.objects[("sampler", "epoch")].declared is True
     assert m.objects[("sampler", "epoch")].placement == "per_rank"
     assert m.objects[("free", "host")].declared is False
+
+
+# --- _fs: renameat2, the C library, writes and fsyncs ----------------------------------------
+
+
+@pytest.fixture
+def fsynced(monkeypatch) -> list[int]:
+    """The inodes fsynced from now on (each fsync still happens)."""
+    inodes: list[int] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        inodes.append(os.fstat(fd).st_ino)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return inodes
+
+
+def ino(path) -> int:
+    return os.stat(path).st_ino
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_pwrite_all_writes_every_step_at_its_offset(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(b"-" * 20)
+    fd = os.open(p, os.O_RDWR)
+    try:
+        _fs.pwrite_all(fd, memoryview(b"abcdefghij"), 4, step=3)
+        _fs.pwrite_all(fd, memoryview(b"XY"), 0)
+        _fs.pwrite_all(fd, memoryview(b""), 19, step=1)
+    finally:
+        os.close(fd)
+    assert p.read_bytes() == b"XY--abcdefghij------"
+
+
+def test_the_c_library_is_loaded_once_and_cached(monkeypatch):
+    monkeypatch.setattr(_fs, "_libc", None)
+    libc = _fs._load_libc()
+    assert libc is not None and hasattr(libc, "renameat2") and _fs._libc is libc
+    assert _fs._load_libc() is libc
+
+
+def test_a_c_library_that_cannot_be_loaded_is_tried_once(tmp_path, monkeypatch):
+    """Where the C library cannot be loaded: no renameat2, no syncfs, a plain check-then-rename, and the loader is
+    not tried again."""
+    tries = []
+
+    def cannot_load(*args, **kwargs):
+        tries.append(args)
+        raise OSError("no C library here")
+
+    monkeypatch.setattr(_fs, "_libc", None)
+    monkeypatch.setattr(ctypes, "CDLL", cannot_load)
+    assert _fs._load_libc() is None and _fs._libc is False
+    assert _fs._load_libc() is None and len(tries) == 1
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").write_text("b")
+    assert _fs.exchange(str(tmp_path / "a"), str(tmp_path / "b")) is False
+    assert _fs.syncfs(str(tmp_path)) is False
+    assert (tmp_path / "a").read_text() == "a" and len(tries) == 1
+    with pytest.raises(FileExistsError) as e:
+        _fs.rename_noreplace(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert e.value.errno == errno.EEXIST and e.value.strerror == "target exists"
+    assert e.value.filename == str(tmp_path / "b")
+    _fs.rename_noreplace(str(tmp_path / "a"), str(tmp_path / "c"))
+    assert (tmp_path / "c").read_text() == "a" and not (tmp_path / "a").exists()
+
+
+def test_renameat2_with_flags_the_kernel_refuses_is_unsupported(tmp_path):
+    """EINVAL (here: two flags that exclude each other) means 'unsupported here': False, nothing moved."""
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").write_text("b")
+    both = _fs.RENAME_NOREPLACE | _fs.RENAME_EXCHANGE
+    assert _fs.renameat2(str(tmp_path / "a"), str(tmp_path / "b"), both) is False
+    assert (tmp_path / "a").read_text() == "a" and (tmp_path / "b").read_text() == "b"
+
+
+def test_renameat2_on_relative_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("a").write_text("a")
+    Path("b").write_text("b")
+    assert _fs.exchange("a", "b") is True
+    assert Path("a").read_text() == "b" and Path("b").read_text() == "a"
+    _fs.rename_noreplace("a", "c")
+    assert Path("c").read_text() == "b" and not Path("a").exists()
+
+
+def fake_rename_libc(errno_: int) -> SimpleNamespace:
+    """A C library whose renameat2 fails with ``errno_``; ``.calls`` records its arguments."""
+    calls: list[tuple] = []
+
+    def renameat2(*args) -> int:
+        calls.append(args)
+        ctypes.set_errno(errno_)
+        return -1
+
+    return SimpleNamespace(renameat2=renameat2, calls=calls)
+
+
+@pytest.mark.parametrize("err", [errno.ENOSYS, errno.ENOTSUP, errno.EINVAL])
+def test_renameat2_unsupported_by_the_kernel_or_file_system(tmp_path, monkeypatch, err):
+    """ENOSYS (old kernel), ENOTSUP/EINVAL (file system): False, and rename_noreplace falls back to a check and a
+    rename."""
+    libc = fake_rename_libc(err)
+    monkeypatch.setattr(_fs, "_libc", libc)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    Path(a).write_text("a")
+    assert _fs.exchange(a, b) is False
+    assert libc.calls == [(_fs._AT_FDCWD, os.fsencode(a), _fs._AT_FDCWD, os.fsencode(b), _fs.RENAME_EXCHANGE)]
+    _fs.rename_noreplace(a, b)
+    assert Path(b).read_text() == "a" and not Path(a).exists()
+    assert libc.calls[-1][-1] == _fs.RENAME_NOREPLACE
+
+
+def test_renameat2_failing_otherwise_raises_with_both_paths(tmp_path, monkeypatch):
+    monkeypatch.setattr(_fs, "_libc", fake_rename_libc(errno.EXDEV))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with pytest.raises(OSError) as e:
+        _fs.rename_noreplace(a, b)
+    assert (e.value.errno, e.value.strerror, e.value.filename, e.value.filename2) == (
+        errno.EXDEV,
+        os.strerror(errno.EXDEV),
+        a,
+        b,
+    )
+
+
+def test_fsync_path_and_write_durable_fsync_what_they_name(tmp_path, fsynced):
+    (tmp_path / "d").mkdir()
+    before = open_fds()
+    _fs.fsync_path(str(tmp_path / "d"))
+    assert fsynced == [ino(tmp_path / "d")] and open_fds() == before
+    fsynced.clear()
+    _fs.write_durable(str(tmp_path / "f"), b"data")
+    assert fsynced == [ino(tmp_path / "f")] and open_fds() == before
+    _fs.write_durable(str(tmp_path / "g"), b"data", sync=False)
+    assert fsynced == [ino(tmp_path / "f")] and (tmp_path / "g").read_bytes() == b"data"
+
+
+def test_fsync_tree_dirs_fsyncs_every_directory(tmp_path, fsynced):
+    (tmp_path / "t" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "t" / "c").mkdir()
+    (tmp_path / "t" / "a" / "f").write_text("x")
+    _fs.fsync_tree_dirs(str(tmp_path / "t"))
+    dirs = [tmp_path / "t", tmp_path / "t" / "a", tmp_path / "t" / "a" / "b", tmp_path / "t" / "c"]
+    assert sorted(fsynced) == sorted(ino(d) for d in dirs)
+
+
+def test_makedirs_durable_fsyncs_the_parent_of_every_directory_it_creates(tmp_path, fsynced):
+    (tmp_path / "a").mkdir()
+    _fs.makedirs_durable(str(tmp_path / "a" / "b" / "c"))
+    assert (tmp_path / "a" / "b" / "c").is_dir()
+    assert fsynced == [ino(tmp_path / "a"), ino(tmp_path / "a" / "b")]
+    fsynced.clear()
+    _fs.makedirs_durable(str(tmp_path / "a" / "b"))
+    assert fsynced == []
+
+
+# --- publish: every fault point of the three ways to publish ----------------------------------
+
+
+def staged_checkpoint(target: Path, text: str) -> str:
+    """A staging entry beside ``target`` that ``recover`` takes for a committed checkpoint holding ``text``."""
+    s = Path(fmt.staging_path(str(target)))
+    s.mkdir()
+    (s / fmt.MANIFEST_NAME).write_text(text)
+    return str(s)
+
+
+def content(path: Path) -> str:
+    return (path / fmt.MANIFEST_NAME).read_text()
+
+
+def side_kinds(target: Path) -> list[tuple[str, str]]:
+    """(kind, content) of every leftover beside ``target``."""
+    return [(kind, content(Path(p))) for kind, p in fmt.side_entries(str(target))]
+
+
+def test_publish_onto_an_absent_target_is_durable_at_renamed(tmp_path, fsynced):
+    from tddist._faults import inject
+    from tddist.errors import InjectedFault
+    from tddist.publish import publish
+
+    target = tmp_path / "ckpt"
+    with inject("renamed", 0), pytest.raises(InjectedFault, match="'renamed'"):
+        publish(staged_checkpoint(target, "one"), str(target))
+    assert content(target) == "one" and side_kinds(target) == [] and fsynced == []
+    target2 = tmp_path / "ckpt2"
+    publish(staged_checkpoint(target2, "one"), str(target2))
+    assert content(target2) == "one" and fsynced == [ino(tmp_path)]
+
+
+def test_publish_by_exchange_struck_at_renamed(tmp_path):
+    """The exchange is the commit: struck right after it, the new checkpoint is in place and the old one waits at
+    the staging name (never at a backup name), for recover to remove."""
+    from tddist._faults import inject
+    from tddist.errors import InjectedFault
+    from tddist.publish import publish
+
+    target = tmp_path / "ckpt"
+    publish(staged_checkpoint(target, "one"), str(target))
+    with inject("renamed", 0), pytest.raises(InjectedFault, match="'renamed'"):
+        publish(staged_checkpoint(target, "two"), str(target))
+    assert content(target) == "two" and side_kinds(target) == [("staging", "one")]
+    assert len(tddist.recover(target)) == 1 and side_kinds(target) == [] and content(target) == "two"
+
+
+@pytest.mark.parametrize("point", ["renamed", "replace"])
+def test_publish_through_a_backup_struck_after_the_commit(tmp_path, point):
+    """Without RENAME_EXCHANGE, struck after the second rename: the new checkpoint is in place, the old one at the
+    backup name; recover removes it (the target is committed), it never restores it."""
+    from tddist._faults import inject, without_exchange
+    from tddist.errors import InjectedFault
+    from tddist.publish import publish
+
+    target = tmp_path / "ckpt"
+    publish(staged_checkpoint(target, "one"), str(target))
+    with without_exchange(), inject(point, 0), pytest.raises(InjectedFault, match=f"'{point}'"):
+        publish(staged_checkpoint(target, "two"), str(target))
+    assert content(target) == "two" and side_kinds(target) == [("backup", "one")]
+    (done,) = tddist.recover(target)
+    assert done.startswith("removed ") and side_kinds(target) == [] and content(target) == "two"
+
+
+def test_publish_through_a_backup_struck_between_the_renames(tmp_path, fsynced):
+    """Struck at ``backup``: the target is absent, the old checkpoint at the backup name (its rename fsynced);
+    recover puts it back."""
+    from tddist._faults import inject, without_exchange
+    from tddist.errors import InjectedFault
+    from tddist.publish import publish
+
+    target = tmp_path / "ckpt"
+    publish(staged_checkpoint(target, "one"), str(target))
+    fsynced.clear()
+    with without_exchange(), inject("backup", 0), pytest.raises(InjectedFault, match="'backup'"):
+        publish(staged_checkpoint(target, "two"), str(target))
+    assert not target.exists() and fsynced == [ino(tmp_path)]
+    assert sorted(side_kinds(target)) == [("backup", "one"), ("staging", "two")]
+    done = tddist.recover(target)
+    assert len(done) == 2 and done[0].startswith("restored "), done
+    assert content(target) == "one" and side_kinds(target) == []
+
+
+# --- recovery -------------------------------------------------------------------------------
+
+
+def test_recover_removes_a_committed_backup_beside_a_committed_target(tmp_path, fsynced):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    tddist.save({"x": torch.arange(5)}, tmp_path / "old")
+    backup = fmt.backup_path(str(target))
+    os.rename(tmp_path / "old", backup)
+    fsynced.clear()
+    assert tddist.recover(target) == [f"removed {backup}"]
+    assert not os.path.exists(backup) and torch.equal(tddist.load(target)["x"], torch.arange(3))
+    assert fsynced == []
+
+
+def test_recover_restoring_a_backup_fsyncs_the_parent(tmp_path, fsynced):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, tmp_path / "old")
+    backup = fmt.backup_path(str(target))
+    os.rename(tmp_path / "old", backup)
+    fsynced.clear()
+    assert tddist.recover(target) == [f"restored {backup} to {target}"]
+    assert fsynced == [ino(tmp_path)]
+
+
+@pytest.mark.parametrize("occupant", ["file", "foreign-dir"])
+def test_recover_keeps_the_backup_and_goes_on_with_the_rest(tmp_path, occupant):
+    """A committed backup beside a target occupied by a foreign file or directory: kept, and the other leftovers
+    after it are still removed."""
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, tmp_path / "old")
+    backup = fmt.backup_path(str(target))
+    os.rename(tmp_path / "old", backup)
+    if occupant == "file":
+        target.write_text("mine")
+    else:
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    trash, staging = Path(fmt.trash_path(str(target))), Path(fmt.staging_path(str(target)))
+    trash.mkdir()
+    staging.mkdir()
+    done = tddist.recover(target)
+    assert len(done) == 3 and done[0].startswith(f"kept {backup}: it holds the only committed checkpoint"), done
+    assert sorted(done[1:]) == sorted([f"removed {trash}", f"removed {staging}"])
+    assert not trash.exists() and not staging.exists()
+    assert (target.read_text() if occupant == "file" else (target / "notes.txt").read_text()) == "mine"
+    assert torch.equal(tddist.load(backup)["x"], torch.arange(3))
+
+
+# --- commit ---------------------------------------------------------------------------------
+
+
+def test_a_rank_lost_after_the_commit_is_told_apart_from_one_lost_before(tmp_path):
+    """Rank 1 fails once its vote reached rank 0: rank 0 commits, cannot announce, and says it committed. Rank 1
+    failing before the first round: rank 0's error says nothing of a commit, and nothing is written."""
+    from tddist._faults import inject
+    from tddist.errors import CommError, InjectedFault
+
+    target = tmp_path / "ckpt"
+    with inject("vote", 1):
+        r0, r1 = tddist.run_threads(2, lambda c: tddist.save({"x": torch.ones(3)}, target, comm=c), timeout=1)
+    assert isinstance(r0, CommError) and isinstance(r1, InjectedFault), (r0, r1)
+    assert f"rank 0 had already committed {str(target)!r}: it holds the new checkpoint" in str(r0), r0
+    assert isinstance(r0.__cause__, CommError)
+    assert torch.equal(tddist.load(target)["x"], torch.ones(3))
+    other = tmp_path / "other"
+    with inject("begin", 1):
+        r0, r1 = tddist.run_threads(2, lambda c: tddist.save({"x": torch.ones(3)}, other, comm=c), timeout=1)
+    assert isinstance(r0, CommError) and isinstance(r1, InjectedFault), (r0, r1)
+    assert "already committed" not in str(r0) and not other.exists()
+
+
+def test_a_save_struck_at_prepare_removes_its_staging_area(tmp_path):
+    from tddist._faults import inject
+    from tddist.errors import InjectedFault
+
+    target = tmp_path / "ckpt"
+    with inject("prepare", 0):
+        results = tddist.run_threads(2, lambda c: tddist.save({"x": torch.ones(3)}, target, comm=c), timeout=60)
+    assert isinstance(results[0], InjectedFault), results
+    assert not target.exists() and fmt.side_entries(str(target)) == []
+
+
+# --- manifest_io: reading the manifest through the pinned directory ---------------------------
+
+
+def test_a_manifest_or_index_that_is_not_a_file_is_named(tmp_path):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    os.unlink(target / fmt.INDEX_NAME)
+    (target / fmt.INDEX_NAME).mkdir()
+    with pytest.raises(ManifestError) as e:
+        tddist.read_manifest(target)
+    assert str(e.value).startswith(f"index {str(target / fmt.INDEX_NAME)!r} is not a regular file"), e.value
+    os.unlink(target / fmt.MANIFEST_NAME)
+    (target / fmt.MANIFEST_NAME).mkdir()
+    with pytest.raises(ManifestError) as e:
+        tddist.read_manifest(target)
+    assert str(e.value).startswith(f"manifest {str(target / fmt.MANIFEST_NAME)!r} is not a regular file"), e.value
+
+
+def replace_dir(target: Path, tmp_path: Path) -> None:
+    """Commit another directory at ``target`` (the pinned one moves away, as an overwrite's exchange does)."""
+    os.rename(target, tmp_path / "moved")
+    target.mkdir()
+
+
+@pytest.mark.parametrize("name", [fmt.MANIFEST_NAME, fmt.INDEX_NAME])
+def test_a_file_gone_from_a_replaced_checkpoint_is_a_change_not_damage(tmp_path, name):
+    from tddist.errors import CheckpointChangedError
+
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    what = "the manifest" if name == fmt.MANIFEST_NAME else "the index"
+    with PinnedCheckpoint(str(target)) as pin:
+        os.unlink(target / name)
+        replace_dir(target, tmp_path)
+        with pytest.raises(CheckpointChangedError) as e:
+            manifest_io._directory_manifest(pin)
+    assert f"was replaced while it was being read ({what} of the old one is gone)" in str(e.value), e.value
+
+
+def test_a_pinned_checkpoint_reads_its_own_generation_after_a_replace(tmp_path):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    raw, index = (target / fmt.MANIFEST_NAME).read_bytes(), (target / fmt.INDEX_NAME).read_bytes()
+    with PinnedCheckpoint(str(target)) as pin:
+        replace_dir(target, tmp_path)
+        assert manifest_io._directory_manifest(pin) == (raw, index, f"manifest {str(target / fmt.MANIFEST_NAME)!r}")
+
+
+def test_a_missing_index_of_a_checkpoint_in_place_is_left_to_the_parser(tmp_path):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    os.unlink(target / fmt.INDEX_NAME)
+    with PinnedCheckpoint(str(target)) as pin:
+        raw, index, _where = manifest_io._directory_manifest(pin)
+    assert index is None and raw == (target / fmt.MANIFEST_NAME).read_bytes()
+    with pytest.raises(ManifestError, match=rf"has no index \({fmt.INDEX_NAME}\)"):
+        tddist.read_manifest(target)
+
+
+def test_generation_is_the_manifest_checksum_or_the_hash_of_an_unsealed_manifest(tmp_path):
+    import xxhash
+
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    raw = (target / fmt.MANIFEST_NAME).read_bytes()
+    obj = json.loads(raw)
+    with manifest_io.open_checkpoint(str(target)) as opened:
+        assert opened.generation == obj["manifest_checksum"] and opened.manifest.version == 3
+        assert opened.path == str(target)
+    del obj["manifest_checksum"]
+    unsealed = fmt.dumps(obj)
+    (target / fmt.MANIFEST_NAME).write_bytes(unsealed)
+    with pytest.raises(ManifestError, match="format version 3.* lacks its manifest_checksum"):
+        tddist.read_manifest(target)
+    obj["version"] = 2
+    (target / fmt.MANIFEST_NAME).write_bytes(fmt.dumps(obj))
+    with manifest_io.open_checkpoint(str(target)) as opened:
+        assert opened.generation == xxhash.xxh3_64_hexdigest(fmt.dumps(obj)) and opened.manifest.version == 2
+
+
+def test_parse_manifest_names_the_manifest_by_default():
+    with pytest.raises(ManifestError) as e:
+        manifest_io.parse_manifest({"format": "other"})
+    assert str(e.value).startswith("manifest has format 'other', expected "), e.value
