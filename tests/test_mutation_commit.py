@@ -623,3 +623,256 @@ def test_parse_manifest_names_the_manifest_by_default():
     with pytest.raises(ManifestError) as e:
         manifest_io.parse_manifest({"format": "other"})
     assert str(e.value).startswith("manifest has format 'other', expected "), e.value
+
+
+# --- manifest: the parts of the validation every version shares ------------------------------
+
+WHERE = "m.json"
+DAMAGED = "; the checkpoint is damaged or was tampered with (restore it from a copy)"
+
+
+def refused_as(why: str):
+    """pytest.raises for the ManifestError of ``Parser(WHERE)`` failing with exactly ``why``."""
+    import re
+
+    return pytest.raises(ManifestError, match="^" + re.escape(f"{WHERE} {why}{DAMAGED}") + "$")
+
+
+def header(**changes) -> dict:
+    obj = {
+        "format": fmt.FORMAT_NAME,
+        "version": 3,
+        "world_size": 2,
+        "layout": "directory",
+        "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
+    }
+    obj.update(changes)
+    return {k: v for k, v in obj.items() if v is not None}
+
+
+def test_parse_header_reads_every_member_and_its_defaults():
+    from tddist.manifest import Parser, parse_header
+
+    m = parse_header(Parser(WHERE), header())
+    assert (m.version, m.world_size, m.layout, m.robust_key, m.metadata, m.created, m.tddist_version) == (
+        3,
+        2,
+        "directory",
+        True,
+        {},
+        "",
+        "",
+    )
+    full = header(
+        version=1, world_size=1, layout="archive", robust_key=False, metadata={"a": 1}, created="c", tddist_version="v"
+    )
+    m = parse_header(Parser(WHERE), full)
+    assert (m.version, m.world_size, m.layout, m.robust_key, m.metadata, m.created, m.tddist_version) == (
+        1,
+        1,
+        "archive",
+        False,
+        {"a": 1},
+        "c",
+        "v",
+    )
+    assert (m.nodes, m.leaves) == ({}, {})
+
+
+@pytest.mark.parametrize(
+    "changes, why",
+    [
+        ({"format": "tddist2"}, "has format 'tddist2', expected 'tddist'"),
+        ({"version": "3"}, "has no integer 'version'"),
+        ({"version": 0}, "has invalid version 0"),
+        ({"world_size": 0}, "has invalid world_size 0"),
+        ({"world_size": True}, "has invalid world_size True"),
+        ({"layout": "tar"}, "has unknown layout 'tar'"),
+        ({"robust_key": 1}, "has a non-boolean 'robust_key'"),
+        ({"metadata": []}, "has non-object 'metadata'"),
+    ],
+)
+def test_parse_header_refusals(changes, why):
+    from tddist.manifest import Parser, parse_header
+
+    with refused_as(why):
+        parse_header(Parser(WHERE), header(**changes))
+
+
+def test_parse_header_refuses_a_newer_version_only():
+    from tddist.manifest import READS_UP_TO, Parser, parse_header
+
+    assert parse_header(Parser(WHERE), header(version=READS_UP_TO)).version == READS_UP_TO
+    with pytest.raises(ManifestError) as e:
+        parse_header(Parser(WHERE), header(version=READS_UP_TO + 1))
+    assert str(e.value) == (
+        f"{WHERE} has format version {READS_UP_TO + 1}, newer than this tddist reads ({READS_UP_TO}); "
+        f"upgrade tddist to load it"
+    )
+
+
+def test_parser_shape_bounds():
+    from tddist.manifest import MAX_ELEMENTS, Parser
+
+    p = Parser(WHERE)
+    assert p.shape([], "s") == () and p.shape([0, 3], "s") == (0, 3)
+    assert p.shape([1] * 64, "s") == (1,) * 64
+    assert p.shape([MAX_ELEMENTS - 1], "s") == (MAX_ELEMENTS - 1,)
+    assert p.shape([2**28, 2**28 - 1], "s") == (2**28, 2**28 - 1)
+    for bad in ([1] * 65, [MAX_ELEMENTS], [-1], [True], [2.0], "ab", None):
+        with refused_as(f"has invalid s {bad!r}"):
+            p.shape(bad, "s")
+    with refused_as(f"has absurd s {[2**28, 2**28]!r}"):
+        p.shape([2**28, 2**28], "s")
+
+
+def test_parser_key_and_list_of():
+    from tddist.manifest import Parser
+
+    p = Parser(WHERE)
+    assert p.key([], allow_empty=True) == () and p.key(["a", "b"], allow_empty=False) == ("a", "b")
+    assert p.key(["a"], allow_empty=True) == ("a",)
+    for bad, allow in (([], False), (None, True), (["a", 1], True), ("a", False), ([None], True)):
+        with refused_as(f"has an invalid key {bad!r}"):
+            p.key(bad, allow_empty=allow)
+    assert p.list_of({"nodes": [1]}, "nodes") == [1]
+    with refused_as("has no list 'nodes'"):
+        p.list_of({"nodes": {}}, "nodes")
+
+
+def empty_manifest(world: int = 2):
+    from tddist.manifest import Manifest
+
+    return Manifest(world_size=world, nodes={}, leaves={})
+
+
+def test_parse_nodes_with_version_1_rows():
+    from tddist.manifest import Parser, parse_nodes
+
+    m = empty_manifest()
+    obj = {
+        "nodes": [
+            {"key": [], "batch_size": [3], "rows": [3, 0]},
+            {"key": ["a"], "batch_size": []},
+            {"key": ["a", "b"], "batch_size": [2, 5], "rows": [1, 1]},
+        ]
+    }
+    parse_nodes(Parser(WHERE), obj, m)
+    assert m.nodes == {(): (3,), ("a",): (), ("a", "b"): (2, 5)}
+    assert m.node_rows == {(): [3, 0], ("a", "b"): [1, 1]}
+
+
+@pytest.mark.parametrize(
+    "nodes, why",
+    [
+        ([1], "has a node that is not an object"),
+        ([{"key": [], "batch_size": []}, {"key": [], "batch_size": []}], "lists node () twice"),
+        ([{"key": [], "batch_size": []}, {"key": ["a", "b"], "batch_size": []}],
+         "has node ('a', 'b') whose parent node is not listed (before it)"),
+        ([{"key": [], "batch_size": [3], "rows": [3]}], "has invalid rows [3] for node ()"),
+        ([{"key": [], "batch_size": [3], "rows": [4, -1]}], "has invalid rows [4, -1] for node ()"),
+        ([{"key": [], "batch_size": [3], "rows": [True, 2]}], "has invalid rows [True, 2] for node ()"),
+        ([{"key": [], "batch_size": [3], "rows": [1, 1]}], "has invalid rows [1, 1] for node ()"),
+        ([{"key": [], "batch_size": [], "rows": [0, 0]}], "has invalid rows [0, 0] for node ()"),
+        ([{"key": [], "batch_size": [3], "rows": "3,0"}], "has invalid rows '3,0' for node ()"),
+    ],
+)  # fmt: skip
+def test_parse_nodes_refusals(nodes, why):
+    from tddist.manifest import Parser, parse_nodes
+
+    with refused_as(why):
+        parse_nodes(Parser(WHERE), {"nodes": nodes}, empty_manifest())
+
+
+def objects_manifest():
+    m = empty_manifest()
+    m.nodes = {(): (), ("n",): ()}
+    m.leaves = {("t",): None}  # only the key matters to parse_objects
+    return m
+
+
+def test_parse_objects_of_every_placement():
+    from tddist.manifest import ObjectLeaf, Parser, parse_objects
+
+    m = objects_manifest()
+    objs = [
+        {"key": ["r"], "placement": "replicate", "values": [5]},
+        {"key": ["n", "p"], "placement": "per_rank", "values": [1, 2], "declared": True},
+        {"key": ["q"], "placement": "per_rank", "values": [1, 2], "declared": False},
+        {"key": ["s"], "placement": "shard", "values": [[1], []]},
+    ]
+    parse_objects(Parser(WHERE), {"objects": objs}, m)
+    assert m.objects == {
+        ("r",): ObjectLeaf(("r",), "replicate", [5], False),
+        ("n", "p"): ObjectLeaf(("n", "p"), "per_rank", [1, 2], True),
+        ("q",): ObjectLeaf(("q",), "per_rank", [1, 2], False),
+        ("s",): ObjectLeaf(("s",), "shard", [[1], []], False),
+    }
+    m = objects_manifest()
+    parse_objects(Parser(WHERE), {}, m)  # no member: no objects
+    assert m.objects == {}
+
+
+@pytest.mark.parametrize(
+    "objects, why",
+    [
+        ({}, "has a non-list 'objects'"),
+        ([1], "has a non-tensor entry that is not an object"),
+        ([{"key": [], "placement": "replicate", "values": [1]}], "has an invalid key []"),
+        ([{"key": ["a"], "placement": "replicate", "values": [1]}] * 2, "lists ('a',) twice"),
+        ([{"key": ["t"], "placement": "replicate", "values": [1]}], "lists ('t',) twice"),
+        ([{"key": ["n"], "placement": "replicate", "values": [1]}], "lists ('n',) twice"),
+        ([{"key": ["m", "a"], "placement": "replicate", "values": [1]}],
+         "has non-tensor entry ('m', 'a') whose parent node is not listed"),
+        ([{"key": ["a"], "placement": "stack", "values": [1, 2]}], "has non-tensor entry ('a',) with unknown placement 'stack'"),
+        ([{"key": ["a"], "placement": "replicate", "values": [1, 2]}], "has non-tensor entry ('a',) with the wrong number of values"),
+        ([{"key": ["a"], "placement": "per_rank", "values": [1]}], "has non-tensor entry ('a',) with the wrong number of values"),
+        ([{"key": ["a"], "placement": "shard", "values": [[1], [2], [3]]}], "has non-tensor entry ('a',) with the wrong number of values"),
+        ([{"key": ["a"], "placement": "per_rank", "values": "ab"}], "has non-tensor entry ('a',) with the wrong number of values"),
+        ([{"key": ["a"], "placement": "shard", "values": [[1], 2]}], "has non-tensor stack ('a',) with non-list values"),
+        ([{"key": ["a"], "placement": "replicate", "values": [1], "declared": True}],
+         "has non-tensor entry ('a',) with an invalid 'declared' True (only true on a per_rank entry)"),
+        ([{"key": ["a"], "placement": "per_rank", "values": [1, 2], "declared": 1}],
+         "has non-tensor entry ('a',) with an invalid 'declared' 1 (only true on a per_rank entry)"),
+        ([{"key": ["a"], "placement": "per_rank", "values": [1, 2], "declared": None}],
+         "has non-tensor entry ('a',) with an invalid 'declared' None (only true on a per_rank entry)"),
+    ],
+)  # fmt: skip
+def test_parse_objects_refusals(objects, why):
+    from tddist.manifest import Parser, parse_objects
+
+    with refused_as(why):
+        parse_objects(Parser(WHERE), {"objects": objects}, objects_manifest())
+
+
+def test_verbatim_keys_of_non_tensor_values_must_be_file_names():
+    from tddist.manifest import Parser, check_keys, parse_objects
+
+    m = objects_manifest()
+    parse_objects(Parser(WHERE), {"objects": [{"key": ["n", "a/b"], "placement": "replicate", "values": [1]}]}, m)
+    m.leaves = {}
+    check_keys(Parser(WHERE), m)  # robust keys: any key
+    m.robust_key = False
+    with pytest.raises(ManifestError, match=r"has key \['n', 'a/b'\], unusable as a file name with robust_key=false"):
+        check_keys(Parser(WHERE), m)
+    del m.objects[("n", "a/b")]
+    check_keys(Parser(WHERE), m)
+
+
+def test_rows_of_falls_back_to_a_leaf_sharded_along_dim_0(tmp_path):
+    """A node without recorded rows (a version-1 manifest) takes them from a leaf under it sharded along dim 0,
+    never from one sharded along another dim."""
+    target = tmp_path / "ckpt"
+
+    def save(c):
+        state = {"a": torch.zeros(2, 3 - c.rank), "b": torch.zeros(c.rank + 1), "w": torch.ones(2)}
+        return tddist.save(state, target, comm=c, placements={"a": tddist.Shard(1), "b": tddist.Shard(0)})
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(2, save, timeout=60))
+    m = tddist.read_manifest(target)
+    assert list(m.leaves)[:2] == [("a",), ("b",)] and m.rows_of(()) == [1, 2]
+    m.node_rows[()] = [2, 1]
+    assert m.rows_of(()) == [2, 1]
+    assert m.rows_of(("other",)) is None
+    m.leaves.pop(("b",))
+    assert m.rows_of(("x",)) is None and m.node_rows.pop(()) and m.rows_of(()) is None
