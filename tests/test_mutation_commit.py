@@ -876,3 +876,85 @@ def test_rows_of_falls_back_to_a_leaf_sharded_along_dim_0(tmp_path):
     assert m.rows_of(("other",)) is None
     m.leaves.pop(("b",))
     assert m.rows_of(("x",)) is None and m.node_rows.pop(()) and m.rows_of(()) is None
+
+
+# --- manifest_v2: the version-2 body -----------------------------------------------------------
+
+
+@pytest.fixture
+def v2_files(tmp_path) -> tuple[dict, bytes]:
+    """The parsed JSON and the index of a two-rank checkpoint: a batched node (rows 1, 2), a replicated leaf, a
+    per-rank leaf."""
+    target = tmp_path / "ckpt"
+
+    def save(c):
+        from tensordict import TensorDict
+
+        td = TensorDict(
+            batch=TensorDict(x=torch.zeros(c.rank + 1, 3), batch_size=[c.rank + 1]),
+            w=torch.ones(2),
+            g=torch.full((4,), float(c.rank)),
+            batch_size=[],
+        )
+        return tddist.save(td, target, comm=c, placements={"g": tddist.PerRank()})
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(2, save, timeout=60))
+    return json.loads((target / fmt.MANIFEST_NAME).read_bytes()), (target / fmt.INDEX_NAME).read_bytes()
+
+
+def v2_leaf(obj: dict, *key: str) -> dict:
+    return next(e for e in obj["leaves"] if tuple(e["key"]) == key)
+
+
+def test_v2_body_parses_and_keeps_its_structure_digest(v2_files):
+    obj, index = v2_files
+    m = manifest_io.parse_manifest(obj, where=WHERE, index=index)
+    assert m.structure_digest == obj["structure_digest"] and len(m.structure_digest) <= 64
+    assert m.packing == obj["packing"] and m.node_rows == {("batch",): [1, 2]}
+    assert isinstance(m.leaves[("g",)].placement, tddist.PerRank) and m.leaves[("g",)].shape == (2, 4)
+    obj["structure_digest"] = "f" * 64
+    assert manifest_io.parse_manifest(obj, where=WHERE, index=index).structure_digest == "f" * 64
+
+
+@pytest.mark.parametrize(
+    "tamper, why",
+    [
+        (lambda o: o.update(structure_digest=5), "has an invalid structure_digest"),
+        (lambda o: o.update(structure_digest="f" * 65), "has an invalid structure_digest"),
+        (lambda o: o.update(nodes=[], leaves=[]), "has no root node (key [])"),
+        (lambda o: o.update(leaves=[1]), "has a leaf that is not an object"),
+        (lambda o: v2_leaf(o, "w").update(dtype="float128"), "leaf ('w',) has unknown dtype 'float128'"),
+        (lambda o: v2_leaf(o, "w").update(placement={"type": "stripe"}),
+         "leaf ('w',) has unknown placement {'type': 'stripe'}"),
+        (lambda o: v2_leaf(o, "w").update(placement="replicate"), "leaf ('w',) has unknown placement 'replicate'"),
+        (lambda o: v2_leaf(o, "batch", "x").update(placement={"type": "shard", "dim": 2}),
+         "leaf ('batch', 'x') is sharded on invalid dim 2"),
+        (lambda o: v2_leaf(o, "batch", "x").update(placement={"type": "shard", "dim": -1}),
+         "leaf ('batch', 'x') is sharded on invalid dim -1"),
+        (lambda o: v2_leaf(o, "batch", "x").update(placement={"type": "shard", "dim": True}),
+         "leaf ('batch', 'x') is sharded on invalid dim True"),
+        (lambda o: v2_leaf(o, "g").update(shape=[3, 4]),
+         "per-rank leaf ('g',) has shape [3, 4], which does not start with 2 ranks"),
+        (lambda o: v2_leaf(o, "g").update(shape=[]), "per-rank leaf ('g',) has shape [], which does not start with 2 ranks"),
+    ],
+)  # fmt: skip
+def test_v2_body_refusals(v2_files, tamper, why):
+    obj, index = v2_files
+    tamper(obj)
+    with refused_as(why):
+        manifest_io.parse_manifest(obj, where=WHERE, index=index)
+
+
+def test_a_version_1_manifest_without_rows_cannot_be_written_as_version_2():
+    from tddist.manifest_v2 import encode
+
+    cs = "0123456789abcdef"
+    obj = header(
+        version=1,
+        nodes=[{"key": [], "batch_size": [4]}],
+        leaves=[{"key": ["w"], "dtype": "int64", "shape": [5], "placement": {"type": "replicate"}, "chunks": [[0, 40, cs]]}],
+    )  # fmt: skip
+    m = manifest_io.parse_manifest(obj, where=WHERE)
+    assert m.rows_of(()) is None
+    with pytest.raises(ManifestError, match=r"node \[\] has batch dims but the checkpoint does not record its rows"):
+        encode(m)
