@@ -958,3 +958,46 @@ def test_a_version_1_manifest_without_rows_cannot_be_written_as_version_2():
     assert m.rows_of(()) is None
     with pytest.raises(ManifestError, match=r"node \[\] has batch dims but the checkpoint does not record its rows"):
         encode(m)
+
+
+# --- commit: the plans, and the announcement ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option, value, said",
+    [
+        ("layout", "memmap", "packing: rank 0 has 'packed', rank 1 has 'memmap'"),
+        ("atomic", False, "atomic: rank 0 has True, rank 1 has False"),
+        ("archive", True, "layout: rank 0 has 'directory', rank 1 has 'archive'"),
+    ],
+)
+def test_rank_1_disagreeing_is_compared_with_rank_0(tmp_path, option, value, said):
+    """The refusal names the option and both ranks' values, rank 0's first."""
+    from tddist.errors import InvalidArgumentError
+
+    target = tmp_path / "ckpt"
+
+    def save(c):
+        kw = {option: value} if c.rank == 1 else {}
+        return tddist.save({"x": torch.ones(2)}, target, comm=c, **kw)
+
+    results = tddist.run_threads(2, save, timeout=60)
+    assert all(isinstance(r, InvalidArgumentError) for r in results), results
+    assert f"the ranks disagree on the save's {said}; every rank must call save" in str(results[0]), results[0]
+    assert not target.exists() and fmt.side_entries(str(target)) == []
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_struck_at_announce_fails_after_the_commit(tmp_path, rank):
+    """``announce`` strikes once the decision arrived: that rank fails, the other returns, the new checkpoint is
+    committed."""
+    from tddist._faults import inject
+    from tddist.errors import InjectedFault
+
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.zeros(3)}, target)
+    with inject("announce", rank):
+        results = tddist.run_threads(2, lambda c: tddist.save({"x": torch.ones(3)}, target, comm=c), timeout=60)
+    assert isinstance(results[rank], InjectedFault) and "'announce'" in str(results[rank]), results
+    assert not isinstance(results[1 - rank], BaseException), results
+    assert torch.equal(tddist.load(target, verify=True)["x"], torch.ones(3)) and fmt.side_entries(str(target)) == []
