@@ -1001,3 +1001,55 @@ def test_a_rank_struck_at_announce_fails_after_the_commit(tmp_path, rank):
     assert isinstance(results[rank], InjectedFault) and "'announce'" in str(results[rank]), results
     assert not isinstance(results[1 - rank], BaseException), results
     assert torch.equal(tddist.load(target, verify=True)["x"], torch.ones(3)) and fmt.side_entries(str(target)) == []
+
+
+# --- what publish and recover log: the paths they act on (the wording is not pinned) ------------
+
+
+def logged(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+
+def test_a_removal_that_fails_is_logged_with_its_path_and_does_not_raise(tmp_path, caplog):
+    import logging
+
+    from tddist.publish import discard
+
+    (tmp_path / "file").write_text("x")
+    bad = tmp_path / "file" / "old"  # a path under a regular file: unlink fails with ENOTDIR
+    with caplog.at_level(logging.INFO, logger="tddist"):
+        discard(str(bad))
+    (message,) = logged(caplog, logging.WARNING)
+    assert str(bad) in message and os.strerror(errno.ENOTDIR) in message, message
+    assert (tmp_path / "file").read_text() == "x"
+
+
+def test_replacing_through_a_backup_is_logged_with_the_target(tmp_path, caplog):
+    import logging
+
+    from tddist._faults import without_exchange
+    from tddist.publish import publish
+
+    target = tmp_path / "ckpt"
+    publish(staged_checkpoint(target, "one"), str(target))
+    with caplog.at_level(logging.INFO, logger="tddist"), without_exchange():
+        publish(staged_checkpoint(target, "two"), str(target))
+    assert any(str(target) in m for m in logged(caplog, logging.INFO)), caplog.records
+    assert content(target) == "two" and side_kinds(target) == []
+
+
+def test_recover_logs_what_it_removes_and_keeps(tmp_path, caplog):
+    import logging
+
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, tmp_path / "old")
+    backup = fmt.backup_path(str(target))
+    os.rename(tmp_path / "old", backup)
+    target.write_text("mine")
+    trash = fmt.trash_path(str(target))
+    os.mkdir(trash)
+    with caplog.at_level(logging.INFO, logger="tddist"):
+        tddist.recover(target)
+    (warning,) = logged(caplog, logging.WARNING)
+    assert backup in warning and str(target) in warning, warning
+    assert any(trash in m for m in logged(caplog, logging.INFO)), caplog.records
