@@ -12,6 +12,8 @@ their kind, leaf, rank, file, offset and message, in their documented order.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -323,6 +325,60 @@ def test_one_missing_data_file(tmp_path):
         Problem(NOT_A_FILE, None, 0, fmt.rank_data_name(0), not_a_file + "; restore the checkpoint from a copy"),
         Problem(MISSING, None, 1, fmt.rank_data_name(1), msg),
     )
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+@contextlib.contextmanager
+def permissions_enforced():
+    """File permissions apply to the calling thread, as to any user: root's override is off meanwhile.
+
+    Capabilities are per thread on Linux: only this thread loses CAP_DAC_OVERRIDE
+    and CAP_DAC_READ_SEARCH (kept in its permitted set, so they come back after).
+    """
+    if os.geteuid() != 0:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    version3 = 0x20080522
+    saved = (_CapData * 2)()
+    if libc.capget(ctypes.byref(_CapHeader(version3, 0)), saved) != 0:
+        pytest.skip(f"capget failed: {os.strerror(ctypes.get_errno())}")
+    lowered = (_CapData * 2)()
+    ctypes.memmove(lowered, saved, ctypes.sizeof(saved))
+    lowered[0].effective &= ~((1 << 1) | (1 << 2))  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+    if libc.capset(ctypes.byref(_CapHeader(version3, 0)), lowered) != 0:
+        pytest.skip(f"capset failed: {os.strerror(ctypes.get_errno())}")
+    try:
+        yield
+    finally:
+        assert libc.capset(ctypes.byref(_CapHeader(version3, 0)), saved) == 0
+
+
+def test_a_data_file_that_cannot_be_stated(tmp_path):
+    """A checkpoint directory its reader may not search: each data file is unreadable, named with the error."""
+    ckpt = save(tmp_path / "ckpt")
+    m = tddist.read_manifest(ckpt)
+    os.chmod(ckpt, 0o600)  # read, but not search: no file in it can be stat'ed
+    try:
+        with permissions_enforced():
+            reports = [verify_manifest(ckpt, m, quick=quick, num_threads=1) for quick in (True, False)]
+    finally:
+        os.chmod(ckpt, 0o700)
+    expected = []
+    for rank in range(3):
+        full = os.path.join(str(ckpt), fmt.rank_data_name(rank))
+        message = f"cannot stat data file {full!r} of rank {rank}: [Errno 13] Permission denied: {full!r}; {HELD[rank]}"
+        expected.append(Problem(UNREADABLE, None, rank, fmt.rank_data_name(rank), message))
+    for report in reports:
+        assert report.problems == tuple(expected), report.problems
+    assert verify(ckpt).ok
 
 
 def test_packed_chunk_problems_follow_the_manifest_order_after_the_bad_files(tmp_path):
