@@ -2,6 +2,275 @@
 
 Written against the mutants that survived ``scripts/mutation.sh``: each test
 asserts a behaviour on real files (thread ranks, one process).
+
+- ``reader._needed``: the byte range of each chunk a request reads (what a
+  load from object storage fetches up front), checked against the bytes of
+  real data files: it starts at the first byte of the request's first element
+  in the chunk and stops after its last element's last byte (the whole chunk
+  when the load verifies).
+- ``writer``: what ``write_leaves`` reports it stored, each file closed once
+  its last block is written and closed after a failure, a save of many files
+  on a system without ``syncfs`` (each file fsynced by a walk of the rank's
+  directory), verbatim key names, and nothing written to the working
+  directory.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist import _fs, reader, writer
+from tddist import format as fmt
+from tddist.checksum import EMPTY, combine_digests, hash_blocks
+from tddist.locate import Locator
+from tddist.s3.files import ChunkRange
+from tddist.types import StoredBytes
+from tests.helpers import assert_td_equal
+
+# --- reader._needed: the bytes of each chunk a request reads ------------------------------
+
+ROWS = (2, 1, 3)  # rows per rank: rank 1 holds one row (a chunk of one element for ``d``)
+
+
+def rank_rows(rank: int) -> TensorDict:
+    """Rank ``rank``'s rows of four leaves, of item sizes 1, 2, 4 and 8, of 4, 3, 2 and 1 dimensions."""
+    n = ROWS[rank]
+    return TensorDict(
+        h=torch.arange(n * 24, dtype=torch.int16).view(n, 4, 2, 3) + 1000 * rank,
+        u8=torch.arange(n * 15, dtype=torch.uint8).view(n, 5, 3) + 50 * rank,
+        f=torch.arange(n * 6, dtype=torch.float32).view(n, 6) + 100 * rank,
+        d=torch.arange(n, dtype=torch.float64) + 10 * rank,
+        batch_size=[n],
+    )
+
+
+@pytest.fixture(scope="module")
+def rows_checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("needed") / "ckpt"
+    results = tddist.run_threads(3, lambda c: tddist.save(rank_rows(c.rank), path, comm=c), timeout=60)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    return path
+
+
+def boxes(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Boxes of a leaf of ``shape`` (6 rows over 3 chunks): whole, first row, last row, one element of the
+    one-row chunk, and a box over every chunk that leaves out the first and last index of each inner dimension."""
+    nd = len(shape)
+    inner_lo = tuple(1 if s > 2 else 0 for s in shape[1:])
+    inner_size = tuple(s - 2 if s > 2 else s for s in shape[1:])
+    return [
+        ((0,) * nd, shape),
+        ((0,) * nd, (1, *shape[1:])),
+        ((5, *(0,) * (nd - 1)), (1, *shape[1:])),
+        ((2, *(s - 1 for s in shape[1:])), (1,) * nd),
+        ((1, *inner_lo), (4, *inner_size)),
+        ((3, *(0,) * (nd - 1)), (3, *inner_size)),
+    ]
+
+
+def expected_range(chunk_box, box, itemsize: int) -> tuple[int, int]:
+    """Bytes [start, stop) of a chunk from its first to its last element inside ``box`` (row-major)."""
+    (co, cs), (bo, bs) = chunk_box, box
+    first = [max(c, b) - c for c, b in zip(co, bo)]
+    last = [min(c + n, b + m) - 1 - c for c, n, b, m in zip(co, cs, bo, bs)]
+    flat_first = flat_last = 0
+    for f, la, n in zip(first, last, cs):
+        flat_first, flat_last = flat_first * n + f, flat_last * n + la
+    return flat_first * itemsize, (flat_last + 1) * itemsize
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_needed_ranges_hold_exactly_the_requested_elements(rows_checkpoint, verify):
+    """Every (leaf, box) request of one call: one range per chunk the box overlaps, in order, whose bytes in the
+    data file run from the box's first element in that chunk to its last one (the whole chunk when verified)."""
+    m = tddist.read_manifest(rows_checkpoint)
+    source = reader.ChunkSource(str(rows_checkpoint), m)
+    locator = Locator(m)
+    requests = [(leaf, box) for leaf in m.leaves.values() for box in boxes(leaf.shape)]
+    got = reader._needed(source, requests, verify)
+
+    want = []
+    for leaf, box in requests:
+        for chunk in leaf.overlapping(box):
+            loc = locator.locate(leaf, chunk)
+            start, stop = (0, loc.nbytes) if verify else expected_range(chunk.box, box, leaf.dtype.itemsize)
+            want.append(ChunkRange(loc, start, stop))
+    assert got == want
+    assert all(type(r.start) is int and type(r.stop) is int for r in got)
+
+    # the bytes themselves: what the rank saved, from the first to the last wanted element of its chunk
+    files: dict[str, bytes] = {}
+    ranges = iter(got)
+    for leaf, box in requests:
+        for chunk in leaf.overlapping(box):
+            r = next(ranges)
+            if r.location.relpath not in files:
+                files[r.location.relpath] = (rows_checkpoint / r.location.relpath).read_bytes()
+            raw = files[r.location.relpath][r.location.offset + r.start : r.location.offset + r.stop]
+            span = torch.frombuffer(bytearray(raw), dtype=leaf.dtype)
+            saved = rank_rows(chunk.rank)[leaf.key]
+            local = tuple(slice(max(c, b) - c, min(c + n, b + s) - c) for c, n, b, s in zip(*chunk.box, *box))
+            wanted = saved[local].reshape(-1)  # values are distinct within a chunk
+            if verify:
+                assert torch.equal(span, saved.reshape(-1)), (leaf.key, box, chunk.rank)
+            else:
+                flat = saved.reshape(-1)
+                lo = r.start // leaf.dtype.itemsize
+                assert torch.equal(span, flat[lo : lo + span.numel()]), (leaf.key, box, chunk.rank)
+                assert span[0] == wanted[0] and span[-1] == wanted[-1], (leaf.key, box, chunk.rank)
+
+
+def test_needed_of_a_one_element_chunk_and_of_no_request(rows_checkpoint):
+    """Rank 1's chunk of ``d`` is one float64: its range is its 8 bytes; no requests need no bytes."""
+    m = tddist.read_manifest(rows_checkpoint)
+    source = reader.ChunkSource(str(rows_checkpoint), m)
+    leaf = m.leaves[("d",)]
+    (r,) = reader._needed(source, [(leaf, ((2,), (1,)))], False)
+    assert (r.start, r.stop) == (0, 8) and r.location.nbytes == 8
+    raw = (rows_checkpoint / r.location.relpath).read_bytes()[r.location.offset : r.location.offset + 8]
+    assert np.frombuffer(raw, dtype=np.float64).tolist() == [10.0]
+    assert reader._needed(source, [], False) == [] and reader._needed(source, [], True) == []
+
+
+# --- writer ---------------------------------------------------------------------------------
+
+
+def checksum(t: torch.Tensor) -> str:
+    return combine_digests(hash_blocks(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()))
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+def test_write_leaves_reports_what_it_stored(tmp_path, num_threads):
+    """Each leaf's byte count and checksum, a file of exactly its bytes; an empty leaf: 0 bytes, EMPTY, no file."""
+    leaves = [
+        writer.LeafToWrite(("a",), torch.arange(10, dtype=torch.int32)),
+        writer.LeafToWrite(("n", "e"), torch.zeros(0, 3)),
+        writer.LeafToWrite(("n", "b"), torch.full((2, 2), 0.5, dtype=torch.float64)),
+    ]
+    got = writer.write_leaves(str(tmp_path), 2, leaves, True, num_threads)
+    assert got == {
+        ("a",): StoredBytes(40, checksum(leaves[0].tensor)),
+        ("n", "e"): StoredBytes(0, EMPTY),
+        ("n", "b"): StoredBytes(32, checksum(leaves[2].tensor)),
+    }
+    for leaf in (leaves[0], leaves[2]):
+        written = (tmp_path / fmt.leaf_relpath(2, leaf.key)).read_bytes()
+        assert written == leaf.tensor.numpy().tobytes()
+    assert not (tmp_path / fmt.leaf_relpath(2, ("n", "e"))).exists()
+    assert sorted(os.listdir(tmp_path / fmt.rank_dir(2))) == ["a.memmap", "n"]
+
+
+def test_a_file_job_closes_its_file_once_its_last_block_is_written(tmp_path):
+    data = np.arange(1000, dtype=np.int64).view(np.uint8)  # bytes, as write_leaves passes them
+    job = writer._FileJob(str(tmp_path / "f"), data)
+    assert job.nblocks == 1 and job.remaining == 1 and job.fd >= 0
+    job.write_block(0)
+    assert job.remaining == 0 and job.fd == -1  # closed (and fsynced) by its last block
+    assert (tmp_path / "f").read_bytes() == data.tobytes()
+    job.close()  # nothing left to close
+    assert job.fd == -1
+
+    unfinished = writer._FileJob(str(tmp_path / "g"), data, sync=False)
+    fd = unfinished.fd
+    assert (tmp_path / "g").stat().st_size == data.nbytes  # space reserved up front
+    unfinished.close()
+    assert unfinished.fd == -1
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    unfinished.close()  # a second close closes nothing
+    assert unfinished.fd == -1
+    with pytest.raises(FileExistsError):  # never an existing file
+        writer._FileJob(str(tmp_path / "f"), data)
+    assert (tmp_path / "f").read_bytes() == data.tobytes()
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_write_leaves_closes_every_file_when_one_cannot_be_created(tmp_path):
+    """The second leaf's file exists already: its FileExistsError is raised, and the first file is closed."""
+    existing = tmp_path / fmt.leaf_relpath(0, ("b",))
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes(b"old")
+    leaves = [writer.LeafToWrite(("a",), torch.ones(4)), writer.LeafToWrite(("b",), torch.ones(4))]
+    before = open_fds()
+    with pytest.raises(FileExistsError):
+        writer.write_leaves(str(tmp_path), 0, leaves, True, 2)
+    assert open_fds() == before
+    assert existing.read_bytes() == b"old"
+
+
+def many_leaves(rank: int) -> TensorDict:
+    """More files than ``writer._MANY_FILES``: a save syncs them all at once rather than one by one."""
+    return TensorDict({f"x{i}": torch.full((2, 3), float(100 * rank + i)) for i in range(70)}, batch_size=[2])
+
+
+def snapshot(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): os.readlink(p) if p.is_symlink() else "" for p in sorted(path.rglob("*"))}
+
+
+def test_many_files_without_syncfs_are_fsynced_in_the_checkpoint(tmp_path, monkeypatch):
+    """Where syncfs is missing (no C library), a save of many files fsyncs every file of its rank directory,
+    found under the checkpoint, never relative to the working directory (which holds a rank-named directory
+    with a dangling link here, left untouched)."""
+    monkeypatch.setattr(_fs, "_libc", False)
+    assert not _fs.syncfs(str(tmp_path))
+    cwd = tmp_path / "cwd"
+    (cwd / fmt.rank_dir(0)).mkdir(parents=True)
+    os.symlink(tmp_path / "nowhere", cwd / fmt.rank_dir(0) / "x0.memmap")
+    before = snapshot(cwd)
+    monkeypatch.chdir(cwd)
+    target = tmp_path / "ckpt"
+    assert len(many_leaves(0).keys()) > writer._MANY_FILES
+    tddist.save(many_leaves(0), target, layout="memmap")
+    assert snapshot(cwd) == before
+    assert_td_equal(tddist.load(target, verify=True), many_leaves(0), "many files")
+
+
+def test_fsync_files_walks_every_file_under_a_directory(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "f").write_bytes(b"1")
+    (tmp_path / "d" / "e" / "g").write_bytes(b"2")
+    writer._fsync_files(str(tmp_path / "d"))
+    os.symlink(tmp_path / "nowhere", tmp_path / "d" / "e" / "dangling")
+    with pytest.raises(FileNotFoundError):  # every entry is opened, down to the deepest
+        writer._fsync_files(str(tmp_path / "d"))
+
+
+@pytest.mark.parametrize("robust_key", [True, False], ids=["robust", "verbatim"])
+def test_memmap_save_names_files_by_key_and_writes_only_under_the_target(tmp_path, monkeypatch, robust_key):
+    """Layout "memmap", two ranks: each rank directory is a tensordict memmap of the rank's rows (with a meta.json
+    per node), the key "a b" named verbatim or percent-encoded as asked, and the working directory stays empty."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    target = tmp_path / "ckpt"
+
+    def data(rank: int) -> TensorDict:
+        return TensorDict(
+            {"a b": torch.arange(6).view(2, 3) + 10 * rank, "n": {"y": torch.ones(2, 2, dtype=torch.int8) * rank}},
+            batch_size=[2],
+        )
+
+    def save(c):
+        return tddist.save(data(c.rank), target, comm=c, layout="memmap", robust_key=robust_key, num_threads=2)
+
+    results = tddist.run_threads(2, save, timeout=60)
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert os.listdir(cwd) == []
+    name = "a b.memmap" if not robust_key else "a%20b.memmap"
+    for rank in range(2):
+        rank_dir = target / fmt.rank_dir(rank)
+        assert sorted(os.listdir(rank_dir)) == sorted([name, "meta.json", "n"]), os.listdir(rank_dir)
+        assert sorted(os.listdir(rank_dir / "n")) == ["meta.json", "y.memmap"]
+        assert (rank_dir / name).read_bytes() == data(rank)["a b"].numpy().tobytes()
+        assert_td_equal(TensorDict.load_memmap(rank_dir).to_tensordict(), data(rank), f"rank {rank} as a memmap")
+    assert_td_equal(tddist.load(target, shard=None, verify=True), torch.cat([data(0), data(1)]), "the whole")
