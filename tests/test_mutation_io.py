@@ -18,6 +18,8 @@ asserts a behaviour on real files (thread ranks, one process).
 from __future__ import annotations
 
 import os
+import threading
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from tensordict import TensorDict
 import tddist
 from tddist import _fs, reader, writer
 from tddist import format as fmt
+from tddist._memmaps import allocated_by_torch
 from tddist.checksum import EMPTY, combine_digests, hash_blocks
 from tddist.locate import Locator
 from tddist.s3.files import ChunkRange
@@ -274,3 +277,227 @@ def test_memmap_save_names_files_by_key_and_writes_only_under_the_target(tmp_pat
         assert (rank_dir / name).read_bytes() == data(rank)["a b"].numpy().tobytes()
         assert_td_equal(TensorDict.load_memmap(rank_dir).to_tensordict(), data(rank), f"rank {rank} as a memmap")
     assert_td_equal(tddist.load(target, shard=None, verify=True), torch.cat([data(0), data(1)]), "the whole")
+
+
+def test_run_all_runs_in_order_here_or_on_named_threads_and_raises_the_first_error():
+    """Serially (0 or 1 thread, or a single task) in this thread, in order; else on ``tddist-write`` threads.
+    An error: the first in task order is raised, after every task ran or was cancelled."""
+    here = threading.current_thread().name
+    for num_threads, ntasks in ((0, 3), (1, 3), (4, 1)):
+        ran: list[tuple[int, str]] = []
+        writer._run_all(
+            [partial(lambda i: ran.append((i, threading.current_thread().name)), i) for i in range(ntasks)], num_threads
+        )
+        assert ran == [(i, here) for i in range(ntasks)]
+    names: list[str] = []
+    barrier = threading.Barrier(2, timeout=10)  # two tasks meet: they run on two threads at once
+
+    def meet():
+        barrier.wait()
+        names.append(threading.current_thread().name)
+
+    writer._run_all([meet, meet], 2)
+    assert len(names) == 2 and all(n.startswith("tddist-write") for n in names) and names[0] != names[1], names
+
+    first, second = ValueError("first"), KeyError("second")
+    raised_second = threading.Event()
+
+    def slow_first():
+        raised_second.wait(10)
+        raise first
+
+    def quick_second():
+        raised_second.set()
+        raise second
+
+    with pytest.raises(ValueError) as e:  # the first task's error, though the second one's came first
+        writer._run_all([slow_first, quick_second], 2)
+    assert e.value is first
+    ran = []
+    with pytest.raises(KeyError):  # serially, the tasks after the failing one never run
+        writer._run_all([lambda: ran.append(0), quick_second, lambda: ran.append(2)], 1)
+    assert ran == [0]
+
+
+# --- reading: one map per file, a view where a box lies in one chunk, exact errors ---------
+
+
+def two_leaves() -> TensorDict:
+    return TensorDict(a=torch.arange(6.0).view(2, 3), b=torch.arange(4, dtype=torch.int64).view(2, 2), batch_size=[2])
+
+
+@pytest.mark.parametrize("layout", ["packed", "memmap"])
+def test_a_box_in_one_chunk_is_a_view_of_its_files_one_map(tmp_path, layout):
+    """Packed: both leaves are views of one copy-on-write map of the rank's data file (mapped once); memmap: each
+    leaf maps its own file. A box across chunks is a fresh tensor of exactly its bytes."""
+    target = tmp_path / "ckpt"
+    tddist.save(two_leaves(), target, layout=layout)
+    got = tddist.load(target, shard=None, num_threads=2)
+    assert_td_equal(got, two_leaves(), layout)
+    a, b = got["a"].untyped_storage(), got["b"].untyped_storage()
+    if layout == "packed":
+        size = (target / fmt.rank_data_name(0)).stat().st_size
+        assert a.data_ptr() == b.data_ptr() and a.nbytes() == size
+        assert got["b"].data_ptr() - b.data_ptr() == 64  # after "a" (24 bytes), aligned
+    else:
+        assert a.data_ptr() != b.data_ptr() and (a.nbytes(), b.nbytes()) == (24, 32)
+
+    def save(c):
+        return tddist.save(two_leaves() if c.rank == 0 else two_leaves() + 100, target, comm=c, layout=layout)
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(2, save, timeout=60))
+    whole = tddist.load(target, shard=None, num_threads=2)
+    assert torch.equal(whole["a"], torch.cat([two_leaves()["a"], two_leaves()["a"] + 100]))
+    assert whole["a"].untyped_storage().nbytes() == 48  # copied from two chunks
+    rows = tddist.load(target, shard=(2, 4))
+    assert torch.equal(rows["b"], two_leaves()["b"] + 100)
+    assert not allocated_by_torch(rows["b"]) and allocated_by_torch(whole["b"])  # a view of the map, a copy
+
+
+def test_a_chunk_is_verified_once_per_source(tmp_path):
+    """``ChunkSource.verify`` hashes a chunk once: the map it verified, changed in memory afterwards (copy-on-write:
+    never in the file), is not hashed again; a fresh source verifies the file's own bytes."""
+    target = tmp_path / "ckpt"
+    tddist.save(two_leaves(), target)
+    m = tddist.read_manifest(target)
+    leaf = m.leaves[("a",)]
+    chunk = leaf.chunk_of_rank(0)
+    source = reader.ChunkSource(str(target), m)
+    source.verify(leaf, chunk, None)
+    source.tensor(leaf, chunk).add_(1)
+    source.verify(leaf, chunk, None)
+    fresh = reader.ChunkSource(str(target), m)
+    fresh.verify(leaf, chunk, None)
+    assert torch.equal(fresh.tensor(leaf, chunk), two_leaves()["a"])
+    changed = reader.ChunkSource(str(target), m)
+    changed.tensor(leaf, chunk).add_(1)
+    with pytest.raises(tddist.CorruptCheckpointError, match="checksum mismatch"):
+        changed.verify(leaf, chunk, None)
+
+
+def test_checksum_mismatch_names_file_checkpoint_leaf_rank_and_both_checksums(tmp_path):
+    target = tmp_path / "ckpt"
+    tddist.save(two_leaves(), target, layout="memmap")
+    m = tddist.read_manifest(target)
+    chunk = m.leaves[("b",)].chunk_of_rank(0)
+    rel = fmt.leaf_relpath(0, ("b",))
+    damaged = two_leaves()["b"].clone()
+    damaged[1, 1] = 7
+    (target / rel).write_bytes(damaged.numpy().tobytes())
+    want = (
+        f"checksum mismatch in {rel!r} of {str(target)!r} (leaf ('b',), rank 0): expected {chunk.checksum}, found "
+        f"{checksum(damaged)}; the data is corrupted, restore it from another checkpoint"
+    )
+    for num_threads in (0, 2):
+        with pytest.raises(tddist.CorruptCheckpointError) as e:
+            tddist.load(target, shard=None, verify=True, num_threads=num_threads)
+        assert str(e.value) == want
+    assert torch.equal(tddist.load(target, shard=None)["b"], damaged)  # unverified, the bytes as they are
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "directory"])
+def test_a_damaged_chunk_file_is_named_with_its_leaf_and_rank(tmp_path, damage):
+    target = tmp_path / "ckpt"
+    results = tddist.run_threads(
+        2, lambda c: tddist.save(two_leaves(), target, comm=c, layout="memmap", check_replicas=False), timeout=60
+    )
+    assert not any(isinstance(r, BaseException) for r in results), results
+    rel = fmt.leaf_relpath(1, ("a",))
+    path = target / rel
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-1])
+        why = f"file {str(path)!r} has 23 bytes, the manifest says 24; the checkpoint is damaged or truncated"
+    elif damage == "missing":
+        path.unlink()
+        why = f"file {str(path)!r} is missing; the checkpoint is damaged"
+    else:
+        path.unlink()
+        path.mkdir()
+        why = f"{str(path)!r} is not a regular file; refusing it"
+    with pytest.raises(tddist.CorruptCheckpointError) as e:
+        tddist.load(target, shard=None)
+    assert str(e.value) == f"leaf ('a',) (written by rank 1): {why}"
+    assert torch.equal(tddist.load(target, shard=(0, 2), keys="b")["b"], two_leaves()["b"])  # the rest reads
+
+
+# --- the directory layout -------------------------------------------------------------------
+
+
+def test_check_target_refusals_and_what_it_finds(tmp_path):
+    from tddist.layouts.directory import check_target
+
+    assert check_target(str(tmp_path / "absent")) is False
+    (tmp_path / "empty").mkdir()
+    assert check_target(str(tmp_path / "empty")) is True
+    tddist.save(two_leaves(), tmp_path / "ckpt")
+    assert check_target(str(tmp_path / "ckpt")) is True
+    os.symlink(tmp_path / "ckpt", tmp_path / "link")
+    (tmp_path / "file").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    refusals = {
+        "link": "is a symbolic link; pass the real path or another target",
+        "file": "is an existing file, not a checkpoint directory; choose another path (it was left untouched)",
+        "fifo": "exists and is not a directory; choose another path",
+        "foreign": "is a non-empty directory that is not a tddist checkpoint; tddist never deletes foreign data: "
+        "choose another path or empty it yourself",
+    }
+    for name, why in refusals.items():
+        with pytest.raises(tddist.TargetError) as e:
+            check_target(str(tmp_path / name))
+        assert str(e.value) == f"target {str(tmp_path / name)!r} {why}"
+    assert (tmp_path / "foreign" / "notes.txt").read_text() == "mine"
+
+
+def test_a_non_atomic_save_replaces_every_entry_of_the_old_checkpoint(tmp_path):
+    """Non-atomic, three ranks then two: the old manifest, rank directory 2 and a leftover file go; the parent
+    directories of a new target are created."""
+    target = tmp_path / "deep" / "er" / "ckpt"
+
+    def save(world: int, layout: str):
+        def fn(c):
+            data = two_leaves() + 10 * c.rank + world
+            return tddist.save(data, target, comm=c, layout=layout, atomic=False)
+
+        results = tddist.run_threads(world, fn, timeout=60)
+        assert not any(isinstance(r, BaseException) for r in results), results
+
+    save(3, "memmap")
+    assert sorted(os.listdir(target)) == sorted([fmt.MANIFEST_NAME, fmt.INDEX_NAME, *map(fmt.rank_dir, range(3))])
+    (target / fmt.rank_data_name(7)).write_bytes(b"stale")
+    save(2, "memmap")
+    assert sorted(os.listdir(target)) == sorted([fmt.MANIFEST_NAME, fmt.INDEX_NAME, *map(fmt.rank_dir, range(2))])
+    save(2, "packed")
+    assert sorted(os.listdir(target)) == sorted([fmt.MANIFEST_NAME, fmt.INDEX_NAME, *map(fmt.rank_data_name, range(2))])
+    want = torch.cat([two_leaves() + 2, two_leaves() + 12])
+    assert_td_equal(tddist.load(target, shard=None, verify=True), want, "the second save")
+    assert os.listdir(tmp_path) == ["deep"] and os.listdir(tmp_path / "deep" / "er") == ["ckpt"]
+
+
+def test_open_files_reads_a_directory_or_an_archive_by_path_or_opened(tmp_path):
+    from tddist.layouts.archive import ArchiveFiles
+    from tddist.layouts.directory import DirectoryFiles
+    from tddist.manifest_io import open_checkpoint
+
+    tddist.save(two_leaves(), tmp_path / "d")
+    tddist.save(two_leaves(), tmp_path / "a.tdz", archive=True)
+    for name, kind in (("d", DirectoryFiles), ("a.tdz", ArchiveFiles)):
+        path = str(tmp_path / name)
+        by_path = reader.open_files(path)
+        assert type(by_path) is kind and type(reader.chunk_files(path)) is kind
+        with open_checkpoint(path) as opened:
+            files = reader.open_files(opened)
+            assert type(files) is kind and type(reader.chunk_files(opened)) is kind
+            if kind is DirectoryFiles:
+                assert files.root == path and files.pin is opened.pin
+            else:
+                assert files.path == path and files.source == opened.pin.fd_path
+            got = reader.read_leaves(
+                opened,
+                opened.manifest,
+                [(leaf, ((0, 0), leaf.shape)) for leaf in opened.manifest.leaves.values()],
+                1,
+                True,
+            )
+            assert [torch.equal(g, two_leaves()[k]) for g, k in zip(got, ("a", "b"))] == [True, True]
