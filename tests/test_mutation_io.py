@@ -501,3 +501,49 @@ def test_open_files_reads_a_directory_or_an_archive_by_path_or_opened(tmp_path):
                 True,
             )
             assert [torch.equal(g, two_leaves()[k]) for g, k in zip(got, ("a", "b"))] == [True, True]
+
+
+# --- packed writing: small chunks batched, large ones in blocks ------------------------------
+
+
+def mixed_sizes(rank: int) -> TensorDict:
+    """Small chunks around a large one (at least ``writer._SMALL`` bytes), then enough small ones for several
+    batches of ``writer._WRITE_STEP`` bytes, then one more small one."""
+    big = writer._SMALL // 4 + 3
+    small_rows = (writer._SMALL - 64) // 8
+    leaves = {
+        "a": torch.arange(3, dtype=torch.float32) + rank,
+        "b": torch.arange(big, dtype=torch.float32).view(1, big) + rank,
+        "c": torch.arange(5, dtype=torch.int16) - rank,
+    }
+    for i in range(9):
+        leaves[f"s{i}"] = torch.full((1, small_rows), i + 0.5 + rank, dtype=torch.float64)
+    leaves["z"] = torch.tensor([7 + rank], dtype=torch.uint8)
+    return TensorDict({k: v.reshape(1, -1) for k, v in leaves.items()}, batch_size=[1])
+
+
+def test_packed_chunks_large_and_small_are_all_written_where_readers_look(tmp_path):
+    """Each chunk's bytes lie at the offset readers derive (a batch of small chunks never spans, nor zeroes, the large
+    one); the file ends after the last chunk, padded to the alignment."""
+    target = tmp_path / "ckpt"
+    tddist.save(mixed_sizes(1), target, num_threads=3)
+    assert_td_equal(tddist.load(target, verify=True), mixed_sizes(1), "mixed sizes")
+    m = tddist.read_manifest(target)
+    data = (target / fmt.rank_data_name(0)).read_bytes()
+    loc = Locator(m)
+    for key, leaf in m.leaves.items():
+        where = loc.locate(leaf, leaf.chunk_of_rank(0))
+        assert data[where.offset : where.offset + where.nbytes] == mixed_sizes(1)[key].numpy().tobytes(), key
+    assert (len(data), where.nbytes) == (where.file_size, 1) and where.offset + 64 == where.file_size  # "z" is last
+
+
+def test_the_midwrite_fault_strikes_the_rank_it_names(tmp_path):
+    from tddist._faults import inject
+    from tddist.errors import InjectedFault
+
+    target = tmp_path / "ckpt"
+    with inject("midwrite", 1):
+        results = tddist.run_threads(2, lambda c: tddist.save(two_leaves(), target, comm=c), timeout=10)
+    assert isinstance(results[1], InjectedFault) and "commit step 'midwrite'" in str(results[1]), results
+    assert all(isinstance(r, tddist.TddistError) for r in results), results
+    assert not target.exists()
