@@ -547,3 +547,31 @@ def test_the_midwrite_fault_strikes_the_rank_it_names(tmp_path):
     assert isinstance(results[1], InjectedFault) and "commit step 'midwrite'" in str(results[1]), results
     assert all(isinstance(r, tddist.TddistError) for r in results), results
     assert not target.exists()
+
+
+def test_an_empty_chunk_is_an_empty_tensor_of_its_shape_and_dtype(tmp_path):
+    target = tmp_path / "ckpt"
+    tddist.save(TensorDict(e=torch.zeros(2, 0, dtype=torch.int16), batch_size=[2]), target)
+    m = tddist.read_manifest(target)
+    leaf = m.leaves[("e",)]
+    chunk = leaf.chunk_of_rank(0)
+    assert chunk.nbytes == 0
+    source = reader.ChunkSource(str(target), m)
+    t = source.tensor(leaf, chunk)
+    assert t.shape == (2, 0) and t.dtype == torch.int16
+    assert source.tensor(leaf, chunk) is t  # made once
+    source.verify(leaf, chunk, None)
+    got = tddist.load(target, verify=True, num_threads=2)["e"]
+    assert got.shape == (2, 0) and got.dtype == torch.int16
+
+
+def test_a_threaded_load_leaves_no_reading_thread_behind(tmp_path):
+    target = tmp_path / "ckpt"
+
+    def save(c):
+        return tddist.save(two_leaves() + c.rank, target, comm=c)
+
+    assert not any(isinstance(r, BaseException) for r in tddist.run_threads(3, save, timeout=60))
+    got = tddist.load(target, shard=None, num_threads=4)
+    assert torch.equal(got["b"], torch.cat([two_leaves()["b"] + r for r in range(3)]))
+    assert [t.name for t in threading.enumerate() if t.name.startswith("tddist-read")] == []
