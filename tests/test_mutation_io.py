@@ -575,3 +575,21 @@ def test_a_threaded_load_leaves_no_reading_thread_behind(tmp_path):
     got = tddist.load(target, shard=None, num_threads=4)
     assert torch.equal(got["b"], torch.cat([two_leaves()["b"] + r for r in range(3)]))
     assert [t.name for t in threading.enumerate() if t.name.startswith("tddist-read")] == []
+
+
+def test_object_storage_chunks_have_their_own_reader_and_no_file_reader(tmp_path):
+    """A checkpoint opened on object storage (no request is sent here): its chunks are read by ``S3Files``, and
+    operations that need files refuse it, naming it."""
+    from tddist.errors import InvalidArgumentError
+    from tddist.manifest_io import OpenedCheckpoint
+    from tddist.s3.files import S3Files
+    from tddist.s3.pin import S3Pin
+    from tddist.s3.url import parse
+
+    tddist.save(two_leaves(), tmp_path / "d")
+    opened = OpenedCheckpoint(S3Pin(parse("s3://bucket/ckpt"), None, False), tddist.read_manifest(tmp_path / "d"), "g")
+    files = reader.chunk_files(opened)
+    assert type(files) is S3Files and files.pin is opened.pin
+    with pytest.raises(InvalidArgumentError) as e:
+        reader.open_files(opened)
+    assert str(e.value) == "'s3://bucket/ckpt' is on object storage, which this operation does not support"
