@@ -473,6 +473,14 @@ def test_a_non_atomic_save_replaces_every_entry_of_the_old_checkpoint(tmp_path):
     want = torch.cat([two_leaves() + 2, two_leaves() + 12])
     assert_td_equal(tddist.load(target, shard=None, verify=True), want, "the second save")
     assert os.listdir(tmp_path) == ["deep"] and os.listdir(tmp_path / "deep" / "er") == ["ckpt"]
+    # a torn target (no manifest), and an empty directory, are replaced as well
+    os.unlink(target / fmt.MANIFEST_NAME)
+    save(1, "memmap")
+    assert sorted(os.listdir(target)) == sorted([fmt.MANIFEST_NAME, fmt.INDEX_NAME, fmt.rank_dir(0)])
+    for name in os.listdir(target):
+        _fs.remove_tree(str(target / name))
+    save(1, "packed")
+    assert_td_equal(tddist.load(target, verify=True), two_leaves() + 1, "saved into an empty directory")
 
 
 def test_open_files_reads_a_directory_or_an_archive_by_path_or_opened(tmp_path):
