@@ -18,6 +18,7 @@ asserts a behaviour on real files (thread ranks, one process).
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from functools import partial
 from pathlib import Path
@@ -364,6 +365,7 @@ def test_a_chunk_is_verified_once_per_source(tmp_path):
     chunk = leaf.chunk_of_rank(0)
     source = reader.ChunkSource(str(target), m)
     source.verify(leaf, chunk, None)
+    assert source.tensor(leaf, chunk) is source.tensor(leaf, chunk)  # made once
     source.tensor(leaf, chunk).add_(1)
     source.verify(leaf, chunk, None)
     fresh = reader.ChunkSource(str(target), m)
@@ -538,6 +540,9 @@ def test_packed_chunks_large_and_small_are_all_written_where_readers_look(tmp_pa
     assert_td_equal(tddist.load(target, verify=True), mixed_sizes(1), "mixed sizes")
     m = tddist.read_manifest(target)
     data = (target / fmt.rank_data_name(0)).read_bytes()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE((target / fmt.rank_data_name(0)).stat().st_mode) == 0o644 & ~umask
     loc = Locator(m)
     for key, leaf in m.leaves.items():
         where = loc.locate(leaf, leaf.chunk_of_rank(0))
