@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
-from .errors import BY_NAME, CollectiveError, CommTimeoutError, InvalidArgumentError, TddistError
+from .errors import BY_NAME, CollectiveError, CommError, CommTimeoutError, InvalidArgumentError, TddistError
 from .types import Contribution, Decision, Failure
 
 logger = logging.getLogger(__name__)
@@ -131,13 +131,69 @@ class LocalComm:
 
 
 class _ThreadGroup:
-    def __init__(self, size: int, timeout: float) -> None:
+    """The shared state of a group of thread-ranks: the exchange slots and a barrier per collective step.
+
+    The barrier is written here rather than taken from ``threading.Barrier``: a
+    rank whose function raised has left the group for good, and its peers
+    must be told at once (as a real transport tells them that a peer's
+    connection closed) instead of waiting their timeout out. ``Barrier.abort``
+    cannot do that safely: it also fails waiters that the last arrival had
+    already released but that had not woken up yet.
+    """
+
+    def __init__(self, size: int, timeout: float, departed: dict[int, str] | None = None) -> None:
         self.size = size
         self.timeout = timeout
         self.slots: list[Any] = [None] * size
-        self.barrier = threading.Barrier(size)
         self.dups: list[_ThreadGroup] = []
         self.lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._arrived = 0
+        self._generation = 0
+        self._timed_out = False
+        self._departed = {} if departed is None else departed  # rank -> why it left; shared with the dups
+
+    def dup(self) -> _ThreadGroup:
+        """A new group of the same ranks (a rank that left this one has left it too)."""
+        return _ThreadGroup(self.size, self.timeout, self._departed)
+
+    def step(self) -> str | None:
+        """Wait until every rank has arrived; None, or why the step cannot complete.
+
+        A step that times out breaks the group: every later step fails at once, as
+        with ``threading.Barrier``.
+        """
+        with self._cond:
+            gen = self._generation
+            if not self._timed_out and not self._departed:
+                self._arrived += 1
+                if self._arrived == self.size:
+                    self._arrived, self._generation = 0, gen + 1
+                    self._cond.notify_all()
+                    return None
+                completed = self._cond.wait_for(
+                    lambda: self._generation != gen or self._timed_out or bool(self._departed), self.timeout
+                )
+                if self._generation != gen:
+                    return None
+                if not completed:
+                    self._timed_out = True
+                    self._cond.notify_all()
+            if self._departed:
+                rank, why = min(self._departed.items())
+                return f"its peer thread-rank {rank} left the group ({why})"
+            return "timeout"
+
+    def depart(self, rank: int, why: str) -> None:
+        """Rank ``rank`` will take no further step, here or in any dup (its function raised): fail the
+        steps that wait for it."""
+        with self._cond:
+            self._departed[rank] = why
+            self._cond.notify_all()
+        with self.lock:
+            dups = list(self.dups)
+        for d in dups:
+            d.depart(rank, why)
 
 
 class ThreadComm:
@@ -147,7 +203,9 @@ class ThreadComm:
     here also works across processes. Make the ranks with ``create`` (or run
     a function on them with ``run_threads``); each thread uses its own.
     A collective that some rank does not reach within the group's timeout
-    raises ``CommTimeoutError`` on the others.
+    raises ``CommTimeoutError`` on the others; one that waits for a rank whose
+    function raised (in ``run_threads``) raises ``CommError`` at once, as a
+    real transport reports a peer that went away.
 
     Args:
         group: The group's shared state (from ``create``).
@@ -175,14 +233,19 @@ class ThreadComm:
         return [ThreadComm(group, r) for r in range(size)]
 
     def _wait(self, op: str) -> None:
-        try:
-            self._g.barrier.wait(self._g.timeout)
-        except threading.BrokenBarrierError:
+        why = self._g.step()
+        if why is None:
+            return
+        outcome = (
+            "during a save, the target holds the previous checkpoint or, if rank 0 committed before the "
+            "failure, the new one"
+        )
+        if why == "timeout":
             raise CommTimeoutError(
                 f"rank {self.rank}: {op} did not complete within {self._g.timeout:.0f}s (another thread-rank "
-                f"failed or hung); during a save, the target holds the previous checkpoint or, if rank 0 "
-                f"committed before the failure, the new one"
-            ) from None
+                f"failed or hung); {outcome}"
+            )
+        raise CommError(f"rank {self.rank}: {op} cannot complete: {why}; {outcome}")
 
     def _exchange(self, obj: Any, op: str) -> list[Any]:
         self._g.slots[self.rank] = pickle.dumps(obj)
@@ -228,7 +291,7 @@ class ThreadComm:
         """See ``Communicator.dup``: the n-th ``dup`` of each rank joins the same new group."""
         with self._g.lock:
             if len(self._g.dups) <= self._ndups:
-                self._g.dups.append(_ThreadGroup(self.size, self._g.timeout))
+                self._g.dups.append(self._g.dup())
             group = self._g.dups[self._ndups]
         self._ndups += 1
         return ThreadComm(group, self.rank)
@@ -244,7 +307,8 @@ def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.
 
     A way to run collective code (``save``, ``load``) on several ranks in one
     process, for tests and examples. An exception is returned, not raised, so
-    the caller sees every rank's outcome.
+    the caller sees every rank's outcome; a rank that raised has left the
+    group, so the collectives that wait for it fail at once with ``CommError``.
 
     Args:
         size: The number of ranks (threads).
@@ -265,6 +329,7 @@ def run_threads(size: int, fn: Callable[[ThreadComm], Any], timeout: float = 60.
             results[c.rank] = fn(c)
         except BaseException as e:  # reported to the caller as a value
             results[c.rank] = e
+            c._g.depart(c.rank, f"{type(e).__name__}: {e}")  # its peers stop waiting for it
 
     threads = [threading.Thread(target=body, args=(c,), name=f"tddist-rank{c.rank}") for c in comms]
     for t in threads:

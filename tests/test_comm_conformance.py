@@ -86,3 +86,46 @@ class TestMPIComm(JobCommTests):
     launcher = "mpiexec"
     kind = "mpi"
     comm_class = "MPIComm"
+
+
+def test_a_thread_rank_that_raised_has_left_the_group():
+    """In ``run_threads`` a rank whose function raised is gone, as a process that exited: the collectives
+    that wait for it, on its communicator and on every dup (made before or after), fail at once with
+    ``CommError`` naming it, not after the group's timeout; a step the others had completed before it
+    left still returns, and a rank that only returned early leaves the others to their timeout."""
+    import time
+
+    from tddist import CommError, CommTimeoutError, run_threads
+
+    def fn(comm):
+        early = comm.dup()
+        assert comm.allgather(comm.rank) == [0, 1, 2]  # completed by every rank before rank 2 leaves
+        if comm.rank == 2:
+            raise ValueError("rank 2 gave up")
+        late = comm.dup()
+        out = {}
+        for name, c in (("comm", comm), ("early dup", early), ("late dup", late)):
+            t0 = time.monotonic()
+            try:
+                c.allgather(comm.rank)
+            except CommError as e:
+                out[name] = (type(e), str(e), time.monotonic() - t0)
+        return out
+
+    results = run_threads(3, fn, timeout=60)
+    assert isinstance(results[2], ValueError)
+    for rank in (0, 1):
+        assert set(results[rank]) == {"comm", "early dup", "late dup"}, results[rank]
+        for cls, text, elapsed in results[rank].values():
+            assert cls is CommError and elapsed < 30, (cls, elapsed)
+            assert f"rank {rank}: allgather cannot complete: its peer thread-rank 2 left the group" in text, text
+            assert "ValueError: rank 2 gave up" in text, text
+
+    def returns_early(comm):
+        if comm.rank == 0:
+            comm.barrier()
+
+    t0 = time.monotonic()
+    results = run_threads(2, returns_early, timeout=1)
+    assert isinstance(results[0], CommTimeoutError) and results[1] is None, results
+    assert time.monotonic() - t0 >= 1.0

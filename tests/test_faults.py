@@ -407,6 +407,14 @@ def test_raise_gloo_contract(case, tmp_path_factory):
 _threads: dict = {}
 
 
+class _Left(Exception):
+    """A thread-rank's save raised: carries its outcome out of ``run_threads``."""
+
+    def __init__(self, outcome: dict) -> None:
+        super().__init__(outcome["msg"])
+        self.outcome = outcome
+
+
 def thread_case(case: Case, tmp_path_factory) -> tuple[dict[int, dict], Path]:
     if case not in _threads:
         target = tmp_path_factory.mktemp(f"thr-{case.id}") / case.target_name
@@ -414,10 +422,16 @@ def thread_case(case: Case, tmp_path_factory) -> tuple[dict[int, dict], Path]:
             save_old(target)
 
         def save_new(c):
-            return outcome_of(lambda: save_version("new", str(target), c.rank, comm=c))
+            o = outcome_of(lambda: save_version("new", str(target), c.rank, comm=c))
+            if o["result"] != "ok":
+                raise _Left(o)  # as a process that raised exits: its peers see it leave
+            return o
 
         with reserve_point(), inject(case.point, case.rank, "raise"):
-            out = tddist.run_threads(2, save_new, timeout=raise_timeout(case))
+            out = [
+                r.outcome if isinstance(r, _Left) else r
+                for r in tddist.run_threads(2, save_new, timeout=raise_timeout(case))
+            ]
         for o in out:
             o["leftovers"] = leftovers(target)
         _threads[case] = (dict(enumerate(out)), target)
