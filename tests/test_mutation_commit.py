@@ -1053,3 +1053,52 @@ def test_recover_logs_what_it_removes_and_keeps(tmp_path, caplog):
     (warning,) = logged(caplog, logging.WARNING)
     assert backup in warning and str(target) in warning, warning
     assert any(trash in m for m in logged(caplog, logging.INFO)), caplog.records
+
+
+# --- manifest_io: every refusal of a read names the manifest ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        (lambda raw: raw[1:], "is not valid JSON"),
+        (lambda raw: b"[" * 100_000 + b"]" * 100_000, "is JSON nested too deeply to be a tddist manifest"),
+        (lambda raw: raw.replace(b'"world_size":1', b'"world_size":2'), "fails its own checksum"),
+        (lambda raw: raw.replace(b'"format":"tddist"', b'"format":"other"').replace(b"manifest_checksum", b"x"),
+         "has format 'other'"),
+    ],
+)  # fmt: skip
+def test_a_refused_manifest_is_named_by_its_path(tmp_path, damage, why):
+    target = tmp_path / "ckpt"
+    tddist.save({"x": torch.arange(3)}, target)
+    path = target / fmt.MANIFEST_NAME
+    raw = path.read_bytes()
+    assert b'"world_size":1' in raw and b'"format":"tddist"' in raw
+    path.write_bytes(damage(raw))
+    with pytest.raises(ManifestError) as e:
+        tddist.read_manifest(target)
+    assert str(e.value).startswith(f"manifest {str(path)!r} {why}"), e.value
+
+
+def test_an_archive_whose_manifest_declares_a_directory_is_refused(tmp_path):
+    """The layout in an archive's manifest must be "archive" (an extracted archive, a directory, may say so)."""
+    from tddist.manifest_checksum import seal
+
+    src, path = tmp_path / "a.tdz", tmp_path / "b.tdz"
+    tddist.save({"x": torch.arange(3)}, src, archive=True)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(path, "w") as zout:
+        for zi in zin.infolist():
+            data = zin.read(zi)
+            if zi.filename == fmt.MANIFEST_NAME:
+                obj = json.loads(data)
+                assert obj["layout"] == "archive"
+                del obj["manifest_checksum"]
+                obj["layout"] = "directory"
+                data = seal(fmt.dumps(obj))
+            zout.writestr(zi.filename, data, compress_type=zipfile.ZIP_STORED)
+    with pytest.raises(ManifestError) as e:
+        tddist.read_manifest(path)
+    assert str(e.value).startswith(f"manifest of archive {str(path)!r} declares layout 'directory', but the checkpoint")
+    with zipfile.ZipFile(src) as zf:  # extracted: a directory holding the archive's tree, which says "archive"
+        zf.extractall(tmp_path / "d")
+    assert tddist.read_manifest(tmp_path / "d").layout == "archive"
