@@ -1102,3 +1102,31 @@ def test_an_archive_whose_manifest_declares_a_directory_is_refused(tmp_path):
     with zipfile.ZipFile(src) as zf:  # extracted: a directory holding the archive's tree, which says "archive"
         zf.extractall(tmp_path / "d")
     assert tddist.read_manifest(tmp_path / "d").layout == "archive"
+
+
+def test_a_file_that_is_no_tddist_archive_is_named(tmp_path):
+    junk, other = tmp_path / "junk.tdz", tmp_path / "other.zip"
+    junk.write_bytes(b"not a zip at all")
+    with pytest.raises(CheckpointNotFoundError) as e:
+        tddist.read_manifest(junk)
+    assert str(e.value) == (
+        f"{str(junk)!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
+    )
+    with zipfile.ZipFile(other, "w") as zf:
+        zf.writestr("readme.txt", "hello")
+    with pytest.raises(CheckpointNotFoundError) as e:
+        tddist.read_manifest(other)
+    assert str(e.value) == f"archive {str(other)!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
+
+
+@pytest.mark.parametrize("name", [fmt.MANIFEST_NAME, fmt.INDEX_NAME])
+def test_a_compressed_manifest_or_index_entry_names_the_archive(tmp_path, name):
+    src, path = tmp_path / "a.tdz", tmp_path / "b.tdz"
+    tddist.save({"x": torch.arange(3)}, src, archive=True)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(path, "w") as zout:
+        for zi in zin.infolist():
+            method = zipfile.ZIP_DEFLATED if zi.filename == name else zipfile.ZIP_STORED
+            zout.writestr(zi.filename, zin.read(zi), compress_type=method)
+    with pytest.raises(ManifestError) as e:
+        tddist.read_manifest(path)
+    assert str(e.value).startswith(f"archive {str(path)!r}: entry {name!r} is compressed (method 8)"), e.value
