@@ -14,7 +14,9 @@
 #
 # Environment: MUTATION_DIR (where to export; default a new temporary directory, kept so
 # that `mutmut show NAME` / `mutmut browse` can be run there afterwards), MUTATION_JOBS
-# (parallel mutants, default 2).
+# (parallel mutants, default 2), MUTATION_SEED (the directory of an earlier run: its killed
+# mutants whose function is unchanged count as killed without running again, since tests are
+# only ever added; every other verdict, timeouts included, is checked again).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$repo/.venv/bin"
@@ -46,6 +48,23 @@ if failed:
     text = text.replace("pytest_add_cli_args = [", "pytest_add_cli_args = [" + extra, 1)
     open("pyproject.toml", "w").write(text)
 PY
+if [ -n "${MUTATION_SEED:-}" ]; then
+    # mutmut keeps a mutant's verdict while its function's code is unchanged (the hash in the
+    # .meta file); the seed's verdicts other than "killed" are cleared so that they run again
+    "$venv/python" - "$MUTATION_SEED" <<'PY'
+import json, sys
+from pathlib import Path
+seed, kept = Path(sys.argv[1]) / "mutants", 0
+for meta in seed.rglob("*.py.meta"):
+    data = json.loads(meta.read_text())
+    data["exit_code_by_key"] = {k: (c if c in (1, 3) else None) for k, c in data["exit_code_by_key"].items()}
+    kept += sum(c is not None for c in data["exit_code_by_key"].values())
+    out = Path("mutants") / meta.relative_to(seed)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data))
+print(f"seeded from {seed.parent}: {kept} killed mutant(s) kept where their function is unchanged")
+PY
+fi
 # mutmut exits non-zero when mutants survive; the score below says how many
 "$venv/mutmut" run --max-children "${MUTATION_JOBS:-2}" "$@" >mutmut-run.log 2>&1 || true
 if grep -q "failed to collect stats" mutmut-run.log || ! ls mutants/tddist/*.meta >/dev/null 2>&1; then
