@@ -699,6 +699,14 @@ def test_parse_header_refusals(changes, why):
         parse_header(Parser(WHERE), header(**changes))
 
 
+@pytest.mark.parametrize("obj", [[1], "tddist", None, 3])
+def test_parse_header_refuses_what_is_not_an_object(obj):
+    from tddist.manifest import Parser, parse_header
+
+    with refused_as("is not a JSON object"):
+        parse_header(Parser(WHERE), obj)
+
+
 def test_parse_header_refuses_a_newer_version_only():
     from tddist.manifest import READS_UP_TO, Parser, parse_header
 
