@@ -518,7 +518,7 @@ def test_open_files_reads_a_directory_or_an_archive_by_path_or_opened(tmp_path):
 
 def mixed_sizes(rank: int) -> TensorDict:
     """Small chunks around a large one (at least ``writer._SMALL`` bytes), then enough small ones for several
-    batches of ``writer._WRITE_STEP`` bytes, then one more small one."""
+    batches of ``writer._WRITE_STEP`` bytes, then two more small ones."""
     big = writer._SMALL // 4 + 3
     small_rows = (writer._SMALL - 64) // 8
     leaves = {
@@ -529,6 +529,7 @@ def mixed_sizes(rank: int) -> TensorDict:
     for i in range(9):
         leaves[f"s{i}"] = torch.full((1, small_rows), i + 0.5 + rank, dtype=torch.float64)
     leaves["z"] = torch.tensor([7 + rank], dtype=torch.uint8)
+    leaves["zz"] = torch.tensor([-1, rank], dtype=torch.int16)  # a last batch of two chunks, far into the file
     return TensorDict({k: v.reshape(1, -1) for k, v in leaves.items()}, batch_size=[1])
 
 
@@ -547,7 +548,7 @@ def test_packed_chunks_large_and_small_are_all_written_where_readers_look(tmp_pa
     for key, leaf in m.leaves.items():
         where = loc.locate(leaf, leaf.chunk_of_rank(0))
         assert data[where.offset : where.offset + where.nbytes] == mixed_sizes(1)[key].numpy().tobytes(), key
-    assert (len(data), where.nbytes) == (where.file_size, 1) and where.offset + 64 == where.file_size  # "z" is last
+    assert (len(data), where.nbytes) == (where.file_size, 4) and where.offset + 64 == where.file_size  # "zz" is last
 
 
 def test_the_midwrite_fault_strikes_the_rank_it_names(tmp_path):
