@@ -232,16 +232,20 @@ def pool_threads(names: set[str]) -> set[str]:
 
 
 def test_a_chunk_of_several_blocks_is_hashed_by_the_pool(tmp_path):
-    """num_threads > 1: a chunk of two checksum blocks is hashed on the pool's threads; 1: on the caller's."""
-    n = (fmt.CHECKSUM_BLOCK + fmt.CHECKSUM_BLOCK // 2) // 4  # one and a half blocks of float32: two blocks
+    """num_threads > 1: a chunk of several checksum blocks is hashed on a pool of at most num_threads threads
+    (2 by default); 1: on the caller's thread only."""
+    n = (2 * fmt.CHECKSUM_BLOCK + fmt.CHECKSUM_BLOCK // 2) // 4  # two and a half blocks of float32: three blocks
     ckpt = tmp_path / "big"
     tddist.save(TensorDict(big=torch.ones(n), batch_size=[]), ckpt)
     total = 4 * n
-    for threads, pooled in ((2, True), (3, True), (1, False)):
-        report, ticks, names = verify_watching(ckpt, num_threads=threads)
+    two = {"tddist-verify_0", "tddist-verify_1"}
+    for kwargs, allowed in (({}, two), ({"num_threads": 2}, two), ({"num_threads": 3}, {*two, "tddist-verify_2"})):
+        report, ticks, names = verify_watching(ckpt, **kwargs)
         assert report.ok and report.nbytes == total
-        assert ticks == [fmt.CHECKSUM_BLOCK, total - fmt.CHECKSUM_BLOCK], ticks
-        assert bool(pool_threads(names)) is pooled, (threads, names)
+        assert ticks == [fmt.CHECKSUM_BLOCK, fmt.CHECKSUM_BLOCK, total - 2 * fmt.CHECKSUM_BLOCK], ticks
+        assert pool_threads(names) and pool_threads(names) <= allowed, (kwargs, names)
+    report, ticks, names = verify_watching(ckpt, num_threads=1)
+    assert report.ok and len(ticks) == 3 and not pool_threads(names), names
     # the pool is shut down when verify returns
     assert not pool_threads({t.name for t in threading.enumerate()})
     report, ticks, names = verify_watching(ckpt, quick=True)
@@ -403,6 +407,21 @@ def test_packed_chunk_problems_follow_the_manifest_order_after_the_bad_files(tmp
         checksum_message(B, 1, "'rank-00001.data', offset 64, 6 bytes", checksum_of(ckpt, B, 1)), b1.message
     ), b1.message
     assert rows_of(verify(ckpt, quick=True).problems) == [(MISSING, None, 0, fmt.rank_data_name(0), None)]
+
+
+def test_a_rank_without_a_chunk_of_a_leaf_still_has_its_next_leaves_checked(tmp_path):
+    """A replica first in the manifest: the ranks that did not write it still have their other chunks checked."""
+    ckpt = tmp_path / "ckpt"
+
+    def first_a_replica(c):
+        data = TensorDict(r=torch.arange(3.0), s=TensorDict(a=torch.full((2, 2), c.rank), batch_size=[2]))
+        return tddist.save(data, ckpt, comm=c)
+
+    assert not [r for r in tddist.run_threads(2, first_a_replica, timeout=60) if isinstance(r, BaseException)]
+    assert list(tddist.read_manifest(ckpt).leaves) == [R, A]
+    assert verify(ckpt).ok
+    flip_chunk(ckpt, A, 1, 0)
+    assert rows_of(verify(ckpt).problems) == [(CHECKSUM, A, 1, fmt.rank_data_name(1), 0)]
 
 
 def test_a_one_byte_chunk_is_not_empty(tmp_path):
