@@ -653,3 +653,40 @@ def test_a_damaged_compressed_entry_is_unreadable(tmp_path):
     assert (problem.kind, problem.key, problem.rank, problem.file, problem.offset) == (UNREADABLE, A, 0, name, None)
     prefix = f"leaf ['s', 'a'] (written by rank 0): archive {str(ckpt)!r}: entry {name!r} "
     assert problem.message.startswith(prefix) and "damaged" in problem.message, problem.message
+
+
+def test_an_archive_that_becomes_unreadable_while_it_is_checked(tmp_path):
+    """Its permissions are taken away after the first chunk (from the progress callback): each later
+    compressed entry, read from the file again, cannot be read; every one is reported, none stops the check."""
+    ckpt = save(tmp_path / "ckpt.tdz", rows=(2, 1), compression="deflate")
+    with zipfile.ZipFile(ckpt) as zf:
+        compressed = {zi.filename for zi in zf.infolist() if zi.compress_type != zipfile.ZIP_STORED}
+    first = "rank-00000/s/a.memmap"
+    later = [(key, rank) for key in (A, B, U) for rank in (0, 1) if (key, rank) != (A, 0)] + [(R, 0)]
+
+    def name(key, rank):
+        return "/".join([fmt.rank_dir(rank), *key[:-1], key[-1] + ".memmap"])
+
+    assert first in compressed and all(name(k, r) in compressed for k, r in later), compressed
+
+    def take_permissions_away(_n: int) -> None:
+        os.chmod(ckpt, 0)
+
+    try:
+        with permissions_enforced():
+            report = verify(ckpt, num_threads=1, progress=take_permissions_away)
+    finally:
+        os.chmod(ckpt, 0o600)
+    expected = tuple(
+        Problem(
+            UNREADABLE,
+            key,
+            rank,
+            name(key, rank),
+            f"leaf {list(key)} (written by rank {rank}): cannot read {name(key, rank)!r}: [Errno 13] Permission "
+            f"denied: {str(ckpt)!r}",
+        )
+        for key, rank in later
+    )
+    assert report.problems == expected, report.problems
+    assert verify(ckpt).ok
