@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -607,3 +608,49 @@ def test_object_storage_chunks_have_their_own_reader_and_no_file_reader(tmp_path
     with pytest.raises(InvalidArgumentError) as e:
         reader.open_files(opened)
     assert str(e.value) == "'s3://bucket/ckpt' is on object storage, which this operation does not support"
+
+
+class RecordingPool(ThreadPoolExecutor):
+    """A real thread pool that records how it was made and how often its ``map`` ran."""
+
+    made: list[RecordingPool] = []
+
+    def __init__(self, max_workers=None, thread_name_prefix=""):
+        super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
+        self.args, self.maps, self.shut = (max_workers, thread_name_prefix), 0, False
+        RecordingPool.made.append(self)
+
+    def shutdown(self, *args, **kwargs):
+        self.shut = True
+        super().shutdown(*args, **kwargs)
+
+    def map(self, fn, *iterables, **kwargs):
+        self.maps += 1
+        return super().map(fn, *iterables, **kwargs)
+
+
+@pytest.mark.parametrize("num_threads", [0, 1, 2, 3])
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_a_load_with_threads_shares_one_named_pool_for_copies_and_hashes(tmp_path, monkeypatch, num_threads, verify):
+    """``num_threads`` > 1: one pool of that many ``tddist-read`` threads copies every box of more than one piece and
+    hashes every chunk verified (once each); 0 or 1: no pool. The results are the same."""
+    target = tmp_path / "ckpt"
+    assert not any(
+        isinstance(r, BaseException)
+        for r in tddist.run_threads(3, lambda c: tddist.save(two_leaves() + 10 * c.rank, target, comm=c), timeout=60)
+    )
+    monkeypatch.setattr(reader, "ThreadPoolExecutor", RecordingPool)
+    RecordingPool.made = []
+    m = tddist.read_manifest(target)
+    leaf = m.leaves[("a",)]
+    requests = [(leaf, ((0, 0), (6, 3))), (leaf, ((1, 1), (2, 2))), (leaf, ((2, 0), (2, 3)))]  # 3, 2 and 1 pieces
+    got = reader.read_leaves(str(target), m, requests, num_threads, verify)
+    whole = torch.cat([two_leaves()["a"] + 10 * r for r in range(3)])
+    assert [g.tolist() for g in got] == [whole.tolist(), whole[1:3, 1:3].tolist(), whole[2:4].tolist()]
+    if num_threads <= 1:
+        assert RecordingPool.made == []
+        return
+    (pool,) = RecordingPool.made
+    assert pool.args == (num_threads, "tddist-read")
+    assert pool.maps == 2 + (3 if verify else 0)  # the copies of two boxes; the hashes of three chunks
+    assert pool.shut
