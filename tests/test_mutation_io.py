@@ -643,10 +643,13 @@ def test_a_load_with_threads_shares_one_named_pool_for_copies_and_hashes(tmp_pat
     RecordingPool.made = []
     m = tddist.read_manifest(target)
     leaf = m.leaves[("a",)]
-    requests = [(leaf, ((0, 0), (6, 3))), (leaf, ((1, 1), (2, 2))), (leaf, ((2, 0), (2, 3)))]  # 3, 2 and 1 pieces
+    # 3, 2 and 1 pieces, and one element
+    requests = [(leaf, ((0, 0), (6, 3))), (leaf, ((1, 1), (2, 2))), (leaf, ((2, 0), (2, 3))), (leaf, ((3, 1), (1, 1)))]
     got = reader.read_leaves(str(target), m, requests, num_threads, verify)
     whole = torch.cat([two_leaves()["a"] + 10 * r for r in range(3)])
-    assert [g.tolist() for g in got] == [whole.tolist(), whole[1:3, 1:3].tolist(), whole[2:4].tolist()]
+    want = [whole, whole[1:3, 1:3], whole[2:4], whole[3:4, 1:2]]
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [allocated_by_torch(g) for g in got] == [True, True, False, False]  # copied, or views of the map
     if num_threads <= 1:
         assert RecordingPool.made == []
         return
