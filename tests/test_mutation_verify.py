@@ -246,10 +246,18 @@ def test_a_chunk_of_several_blocks_is_hashed_by_the_pool(tmp_path):
         assert pool_threads(names) and pool_threads(names) <= allowed, (kwargs, names)
     report, ticks, names = verify_watching(ckpt, num_threads=1)
     assert report.ok and len(ticks) == 3 and not pool_threads(names), names
+    names = set()
+    verify_manifest(ckpt, tddist.read_manifest(ckpt), progress=lambda n: names.update(map(str, threading.enumerate())))
+    assert {n for n in two if n in " ".join(names)} and "tddist-verify_2" not in " ".join(names)  # 2 by default
     # the pool is shut down when verify returns
     assert not pool_threads({t.name for t in threading.enumerate()})
     report, ticks, names = verify_watching(ckpt, quick=True)
     assert report.ok and ticks == [] and report.mode == "quick"
+    # a chunk of two blocks is hashed by the pool too
+    n2 = (fmt.CHECKSUM_BLOCK + fmt.CHECKSUM_BLOCK // 2) // 4
+    tddist.save(TensorDict(big=torch.ones(n2), batch_size=[]), tmp_path / "two")
+    report, ticks, names = verify_watching(tmp_path / "two", num_threads=2)
+    assert report.ok and len(ticks) == 2 and pool_threads(names), names
 
 
 def test_chunks_of_one_block_are_hashed_by_the_caller(tmp_path):
