@@ -30,7 +30,7 @@ from . import format as fmt
 from ._fs import is_inside
 from .checksum import EMPTY, block_digest, blocks, combine_digests
 from .chunks import BoxChunks
-from .errors import CorruptCheckpointError, InvalidArgumentError
+from .errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 from .locate import Location, Locator
 from .manifest import Chunk, Leaf, Manifest
 from .manifest_io import read_manifest
@@ -460,8 +460,9 @@ class _Check:
                 self.tick(len(view))
         except CorruptCheckpointError as e:
             return Problem(UNREADABLE, leaf.key, chunk.rank, loc.relpath, f"{_where(leaf, chunk)}: {e}", offset)
-        except OSError as e:
-            if e.errno == errno.ENOMEM:
+        except (OSError, StorageError) as e:  # a directory's reader wraps a failed open in StorageError
+            cause = e if isinstance(e, OSError) else e.__cause__
+            if isinstance(cause, OSError) and cause.errno == errno.ENOMEM:
                 raise
             return Problem(
                 UNREADABLE,

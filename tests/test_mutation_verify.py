@@ -698,3 +698,29 @@ def test_an_archive_that_becomes_unreadable_while_it_is_checked(tmp_path):
     )
     assert report.problems == expected, report.problems
     assert verify(ckpt).ok
+
+
+@pytest.mark.parametrize("layout", ["memmap", "packed"])
+def test_a_file_that_cannot_be_opened_is_unreadable_and_the_check_goes_on(tmp_path, layout):
+    """A leaf file or data file that exists with the right size but cannot be opened (permission denied, an
+    I/O error) is reported as unreadable, and the other files are still checked: ``verify`` does not stop
+    with the reader's ``StorageError``."""
+    ckpt = tmp_path / "ckpt"
+    kw = {"layout": "memmap"} if layout == "memmap" else {}
+    tddist.save(TensorDict({"x": torch.arange(4.0), "y": torch.ones(3)}, []), ckpt, **kw)
+    rel = os.path.join("rank-00000", "x.memmap") if layout == "memmap" else fmt.rank_data_name(0)
+    if layout == "memmap":
+        (ckpt / "rank-00000" / "y.memmap").write_bytes(bytes(12))
+    os.chmod(ckpt / rel, 0)
+    try:
+        with permissions_enforced():
+            report = verify(ckpt, num_threads=1)
+    finally:
+        os.chmod(ckpt / rel, 0o644)
+    unreadable = [p for p in report.problems if p.kind == UNREADABLE]
+    assert {p.key for p in unreadable} == ({("x",)} if layout == "memmap" else {("x",), ("y",)}), report.problems
+    for p in unreadable:
+        assert p.rank == 0 and p.file == rel and "Permission denied" in p.message, p
+    if layout == "memmap":  # the other leaf was still read: its zeroed bytes do not match
+        assert [(p.kind, p.key) for p in report.problems if p.kind != UNREADABLE] == [(CHECKSUM, ("y",))]
+    assert verify(ckpt).ok == (layout == "packed")
