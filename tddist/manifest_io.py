@@ -7,6 +7,7 @@ torch. The bytes are untrusted: ``parse_manifest`` validates them.
 
 from __future__ import annotations
 
+import errno
 import os
 import zipfile
 from dataclasses import dataclass
@@ -156,6 +157,11 @@ def _archive_manifest(pin: PinnedCheckpoint) -> tuple[bytes, bytes | None, str]:
             raw = _read_entry(zf, infos[fmt.MANIFEST_NAME], MAX_MANIFEST_BYTES, path) if found else b""
             index = _read_entry(zf, infos[fmt.INDEX_NAME], MAX_INDEX_BYTES, path) if fmt.INDEX_NAME in infos else None
     except OSError as e:
+        if e.errno == errno.EINVAL:  # zipfile seeking to a negative offset that a damaged record gave it
+            raise CorruptCheckpointError(
+                f"{path!r} is not a readable zip archive (a record points outside the file: {e}); the checkpoint "
+                f"is damaged"
+            ) from None
         raise storage_failed(path, e) from e
     except (
         zipfile.BadZipFile,

@@ -170,9 +170,9 @@ def test_a_damaged_archive_offset_names_the_archive(tmp_path):
     (offset,) = struct.unpack_from("<I", data, end + 16)
     struct.pack_into("<I", data, end + 16, offset + len(data))
     path.write_bytes(bytes(data))
-    with pytest.raises(TddistError) as e:
+    with pytest.raises(tddist.CorruptCheckpointError) as e:  # damaged data, not a failing storage
         tddist.read_manifest(path)
-    assert repr(str(path)) in str(e.value), e.value
+    assert repr(str(path)) in str(e.value) and "the checkpoint is damaged" in str(e.value), e.value
 
 
 def test_a_manifest_entry_of_exactly_the_limit_is_read(tmp_path):
