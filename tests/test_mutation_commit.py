@@ -27,7 +27,7 @@ import torch
 import tddist
 from tddist import _fs, manifest_io
 from tddist import format as fmt
-from tddist.errors import CheckpointNotFoundError, ManifestError, TddistError
+from tddist.errors import CheckpointNotFoundError, ManifestError
 from tddist.pinned import PinnedCheckpoint
 
 # --- _fs: the kernel and C-library decisions ------------------------------------------------
