@@ -14,7 +14,7 @@
 #
 # Environment: MUTATION_DIR (where to export; default a new temporary directory, kept so
 # that `mutmut show NAME` / `mutmut browse` can be run there afterwards), MUTATION_JOBS
-# (parallel mutants, default 2), MUTATION_SEED (the directory of an earlier run: its killed
+# (parallel mutants, default 2), MUTATION_SEED (directories of earlier runs, joined by ':': their killed
 # mutants whose function is unchanged count as killed without running again, since tests are
 # only ever added; every other verdict, timeouts included, is checked again).
 set -euo pipefail
@@ -50,19 +50,37 @@ if failed:
 PY
 if [ -n "${MUTATION_SEED:-}" ]; then
     # mutmut keeps a mutant's verdict while its function's code is unchanged (the hash in the
-    # .meta file); the seed's verdicts other than "killed" are cleared so that they run again
+    # .meta file); only "killed" verdicts are taken from the seeds (the union over them), the
+    # others are cleared so that they run again. Seeds must be runs of the same functions' code:
+    # a function whose hash differs between seeds is run again.
     "$venv/python" - "$MUTATION_SEED" <<'PY'
 import json, sys
 from pathlib import Path
-seed, kept = Path(sys.argv[1]) / "mutants", 0
-for meta in seed.rglob("*.py.meta"):
-    data = json.loads(meta.read_text())
-    data["exit_code_by_key"] = {k: (c if c in (1, 3) else None) for k, c in data["exit_code_by_key"].items()}
+seeds = [Path(d) / "mutants" for d in sys.argv[1].split(":") if d]
+merged: dict[Path, dict] = {}
+for seed in seeds:
+    for meta in seed.rglob("*.py.meta"):
+        rel, data = meta.relative_to(seed), json.loads(meta.read_text())
+        killed = {k for k, c in data["exit_code_by_key"].items() if c in (1, 3)}
+        if rel not in merged:
+            merged[rel] = {**data, "exit_code_by_key": {k: (1 if k in killed else None) for k in data["exit_code_by_key"]}}
+            continue
+        into = merged[rel]
+        same = {f for f, h in data["hash_by_function_name"].items() if into["hash_by_function_name"].get(f) == h}
+        for k in killed:
+            if k in into["exit_code_by_key"] and k.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[-1] in same:
+                into["exit_code_by_key"][k] = 1
+        for f in set(into["hash_by_function_name"]) - same:  # code differs between seeds: run it again
+            for k in into["exit_code_by_key"]:
+                if k.rsplit("__mutmut_", 1)[0].rsplit(".", 1)[-1] == f:
+                    into["exit_code_by_key"][k] = None
+kept = 0
+for rel, data in merged.items():
     kept += sum(c is not None for c in data["exit_code_by_key"].values())
-    out = Path("mutants") / meta.relative_to(seed)
+    out = Path("mutants") / rel
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data))
-print(f"seeded from {seed.parent}: {kept} killed mutant(s) kept where their function is unchanged")
+print(f"seeded from {', '.join(str(s.parent) for s in seeds)}: {kept} killed mutant(s), kept where their function is unchanged")
 PY
 fi
 # mutmut exits non-zero when mutants survive; the score below says how many
