@@ -182,3 +182,12 @@ def leftovers(target, *, strict: bool = False) -> list[str]:
         elif strict and not fnmatch.fnmatchcase(n, name) and n != MANAGER_LOCK:
             found.add(n)
     return sorted(found)
+
+
+def flip(path, offset: int) -> None:
+    """Invert the byte at ``offset`` of the file ``path`` (damage one byte in place)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))

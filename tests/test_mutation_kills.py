@@ -29,7 +29,7 @@ from tddist import format as fmt
 from tddist.errors import CorruptCheckpointError, TargetError
 from tddist.locate import Locator
 from tddist.verify import CHECKSUM, verify
-from tests.helpers import assert_td_equal, leftovers
+from tests.helpers import assert_td_equal, flip, leftovers
 
 RANKS = 4
 KEY = ("w",)
@@ -48,14 +48,6 @@ def save_ranks(path: Path, **kwargs) -> None:
     results = tddist.run_threads(RANKS, lambda c: tddist.save(rank_data(c.rank), path, comm=c, **kwargs), timeout=60)
     bad = {r: x for r, x in enumerate(results) if isinstance(x, BaseException)}
     assert not bad, bad
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def flip_chunk(ckpt: Path, rank: int, at: int) -> None:

@@ -41,6 +41,7 @@ from tddist.verify import (
     verify,
     verify_manifest,
 )
+from tests.helpers import flip
 
 REPO = Path(__file__).resolve().parent.parent
 A, B, U, R = ("s", "a"), ("s", "b"), ("s", "u"), ("r",)
@@ -85,14 +86,6 @@ def locate(ckpt: Path, key: tuple[str, ...], rank: int) -> Location:
 
 def checksum_of(ckpt: Path, key: tuple[str, ...], rank: int) -> str:
     return tddist.read_manifest(ckpt).leaves[key].chunk_of_rank(rank).checksum
-
-
-def flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def entry_offsets(archive: Path) -> dict[str, int]:
