@@ -272,9 +272,28 @@ def test_own_rows_that_contradict_the_node_rows_are_refused(multi, monkeypatch):
     obj, index = read(multi)
     s = decode_index(obj, index)
     leaf(obj, "data", "x")["rows"] = "own"
-    s["own_rows"] = {("data", "x"): [2, 0, 3], **s["own_rows"]}
+    s["own_rows"] = {("data", "x"): [3, 0, 2], **s["own_rows"]}  # the node's own rows: accepted
     write(multi, obj, encode_index(s))
-    refused(multi, r"\('data', 'x'\)", monkeypatch)
+    assert tddist.read_manifest(multi).leaves[("data", "x")].shape[0] == 5
+    s["own_rows"][("data", "x")] = [2, 0, 3]
+    write(multi, obj, encode_index(s))
+    refused(
+        multi,
+        r"leaf \('data', 'x'\) has rows per rank that differ from those of its node \('data',\)",
+        monkeypatch,
+    )
+
+
+def test_a_per_rank_leaf_of_one_dimension(tmp_path):
+    """A per-rank scalar is a leaf of shape [world]: one dimension is enough."""
+    path = tmp_path / "ck"
+    results = tddist.run_threads(
+        2,
+        lambda c: tddist.save({"s": torch.tensor(float(c.rank))}, path, comm=c, placements={"s": tddist.PerRank()}),
+        timeout=60,
+    )
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert tddist.read_manifest(path).leaves[("s",)].shape == (2,)
 
 
 # --- the index: size, checksum, sections -------------------------------------------------------------------
