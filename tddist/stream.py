@@ -101,9 +101,7 @@ class Arena:
         self.pinned = pin
         self.memory = torch.empty(self.nslots * slot, dtype=torch.uint8, pin_memory=pin)
         self._view = self.memory.numpy().data
-        self._slots = (
-            self.memory.view(self.nslots, slot).unbind() if self.nslots else ()
-        )  # made once: reused by every save
+        self._slots = self.memory.view(self.nslots, slot).unbind()  # made once, reused by every save
 
     def slot(self, i: int) -> torch.Tensor:
         return self._slots[i]
