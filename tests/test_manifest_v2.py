@@ -35,6 +35,7 @@ from tddist import format as fmt
 from tddist.manifest_checksum import seal
 from tddist.manifest_io import parse_manifest
 from tddist.manifest_v2 import encode
+from tddist.verify import verify as verify_checkpoint
 from tests.helpers import assert_td_equal
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -457,6 +458,32 @@ def test_boxes_with_an_invalid_chunk_count_are_refused(two, chunks, monkeypatch)
         del x["chunks"]
     write(two, obj, index)
     refused(two, r"leaf \('batch', 'x'\) has an invalid chunk count", monkeypatch)
+
+
+def test_boxes_leaf_of_zero_chunks_loads_as_an_empty_tensor(tmp_path):
+    """A leaf with no elements may be stored as a "boxes" leaf of no chunks (nothing to tile, no checksums,
+    no box columns, no bytes in any data file): it loads, verified, as an empty tensor of its shape and dtype."""
+
+    def rank_main(comm):
+        td = TensorDict({"e": torch.empty(0, 3, dtype=torch.float64), "w": torch.arange(6.0)}, [])
+        tddist.save(td, tmp_path / "z", comm=comm)
+        return "ok"
+
+    assert tddist.run_threads(2, rank_main) == ["ok", "ok"]
+    path = tmp_path / "z"
+    obj, index = read(path)
+    s = decode_index(obj, index)
+    e = leaf(obj, "e")
+    e["placement"], e["chunks"] = {"type": "boxes"}, 0
+    e.pop("writer", None)
+    s["checksums"][("e",)] = []
+    s["boxes"][("e",)] = ([], [], [])
+    write(path, obj, encode_index(s))
+    got = tddist.load(path, shard=None, verify=True)
+    assert got["e"].shape == (0, 3) and got["e"].dtype == torch.float64
+    assert torch.equal(got["w"], torch.arange(6.0))
+    assert tddist.read_manifest(path).leaves[("e",)].placement == tddist.sharding.Boxes()
+    assert verify_checkpoint(path).ok
 
 
 # --- packing, layout, version ---------------------------------------------------------------------------------
