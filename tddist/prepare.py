@@ -16,7 +16,7 @@ import torch
 
 from . import format as fmt
 from ._compat import dtensor_local
-from ._memmaps import allocated_by_torch, file_mappings, mapped_file
+from ._memmaps import mapped_files
 from .errors import InvalidDataError
 from .per_rank import check_marked_keys, covered, normalize_overrides, refuse_dtensor, refuse_stack
 from .sharding import Boxes, PerRank, Placement, Shard
@@ -98,17 +98,13 @@ def _check_materialised(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:
 
 def _check_not_mapped(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:
     local = {k: dtensor_local(t) if is_dtensor(t) else t for k, t in leaves.items()}  # DTensor: its local shard
-    suspects = {k: t for k, t in local.items() if not allocated_by_torch(t)}
-    if not suspects:
-        return
-    mappings = file_mappings()
-    for k, t in suspects.items():
-        path = mapped_file(t, mappings)
-        if path is not None:
-            raise InvalidDataError(
-                f"rank {rank}: leaf {list(k)} is memory-mapped from {path!r} (for example, loaded from a "
-                f"checkpoint); pass copy_existing=True to copy its data into the new checkpoint"
-            )
+    mapped = mapped_files(local)
+    if mapped:
+        k, path = next(iter(mapped.items()))
+        raise InvalidDataError(
+            f"rank {rank}: leaf {list(k)} is memory-mapped from {path!r} (for example, loaded from a "
+            f"checkpoint); pass copy_existing=True to copy its data into the new checkpoint"
+        )
 
 
 def _check_verbatim_keys(nodes: Mapping[Key, Any], leaves: Mapping[Key, Any]) -> None:

@@ -628,3 +628,49 @@ def test_every_way_of_mapping_a_file_is_refused(tmp_path, kind):
         assert not (tmp_path / f"ck{i}").exists()
         out = tddist.save(data, tmp_path / f"ck{i}", copy_existing=True)
         assert torch.equal(out["mapped"], leaf)
+
+
+def test_proc_maps_is_read_once_for_leaves_exported_to_numpy(tmp_path, monkeypatch):
+    """``t.numpy()`` makes a storage torch allocated not resizable for good, so the quick check cannot vouch
+    for it: the first save reads /proc/self/maps, finds it unmapped and remembers it; later saves of the
+    same leaves read nothing. A mapped leaf saved next is still refused; a storage that moved is checked
+    again, and one that died is forgotten."""
+    import gc
+
+    import numpy as np
+
+    import tddist._memmaps as memmaps
+
+    reads = []
+    real = memmaps.file_mappings
+    monkeypatch.setattr(memmaps, "file_mappings", lambda: reads.append(1) or real())
+    exported = torch.arange(2.0**20)
+    exported.numpy()
+    wrapped = torch.from_numpy(np.arange(1000.0))  # numpy's memory, no file
+    data = TensorDict({"exported": exported, "wrapped": wrapped, "plain": torch.zeros(3)}, [])
+    assert not memmaps.allocated_by_torch(exported)
+    for i in range(3):
+        if i == 1:
+            tddist.save(data, tmp_path / f"ok{i}", return_early=True).result()
+        else:
+            tddist.save(data, tmp_path / f"ok{i}")
+        assert len(reads) == 1, f"save {i} read /proc/self/maps again"
+    assert_td_equal(tddist.load(tmp_path / "ok2", shard=None, verify=True), data)
+
+    mapped = _mapped_by("from_file", tmp_path / "leaf.bin")
+    with pytest.raises(InvalidDataError, match=r"leaf \['mapped'\] is memory-mapped from .*leaf.bin"):
+        tddist.save(TensorDict({"exported": exported, "mapped": mapped}, []), tmp_path / "refused")
+    assert len(reads) == 2 and not (tmp_path / "refused").exists()
+
+    # what is remembered is a storage at one address and size, while it lives
+    grown = torch.zeros(4)
+    memmaps._unmapped.remember([grown])
+    assert memmaps._unmapped.known(grown)
+    grown.untyped_storage().resize_(2**22)
+    assert not memmaps._unmapped.known(grown)  # moved: checked again
+    dying = {t.untyped_storage()._cdata for t in data.values()}
+    assert dying <= set(memmaps._unmapped._seen)
+    del data, exported, wrapped
+    gc.collect()
+    memmaps._unmapped.remember([])
+    assert not dying & set(memmaps._unmapped._seen)  # the dead storages are forgotten

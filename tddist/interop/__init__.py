@@ -168,10 +168,10 @@ class _Spill:
         import torch
 
         from .._fs import pwrite_all
-        from .._memmaps import mapped_file
+        from .._memmaps import mapped_files
 
         nbytes = t.numel() * t.element_size()
-        if nbytes < SPILL_MIN_BYTES or t.device.type != "cpu" or mapped_file(t) is not None:
+        if nbytes < SPILL_MIN_BYTES or t.device.type != "cpu" or mapped_files({0: t}):
             return t
         flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
         self.count += 1
