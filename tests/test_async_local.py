@@ -288,3 +288,22 @@ def test_the_saved_tensordict_is_held_only_by_the_caller(tmp_path):
 
     gc.collect()
     assert not mapped(), f"still mapped after the caller dropped the result: {sorted(mapped())}"
+
+
+def test_saves_that_alternate_between_states_reuse_one_arena(tmp_path):
+    """Two states of 8 and 12 MiB saved in turn on one communicator, and a state with nothing to copy between
+    them: the arena is allocated for the first state and grown once for the larger one, then kept (it holds
+    either state, and is less than twice the smaller one's); every checkpoint holds its own state."""
+    ch = background.channel(resolve())
+    ch.arena = None  # earlier tests in this process may have left one that fits
+    small = TensorDict({f"s{i}": torch.randn(2**18) for i in range(8)}, [])  # 8 MiB
+    large = TensorDict({f"l{i}": torch.randn(2**18) for i in range(12)}, [])  # 12 MiB
+    nothing = TensorDict({"e": torch.empty(0), "n": torch.empty(0, 3)}, [])
+    before = ch.arena_allocations
+    grown = []
+    for i, state in enumerate([small, large, nothing, small, large, nothing, small]):
+        tddist.save(state, tmp_path / f"c{i}", return_early=True).result()
+        grown.append(ch.arena_allocations - before)
+        assert_td_equal(tddist.load(tmp_path / f"c{i}", shard=None, verify=True), state)
+        state.apply_(lambda t: t.add_(1))  # the next save of it must see the change
+    assert grown == [1, 2, 2, 2, 2, 2, 2], grown
