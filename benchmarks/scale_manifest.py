@@ -78,7 +78,7 @@ def build_fragments(ranks: int, leaves: int) -> tuple[Structure, list[Fragment],
     td = TensorDict(
         {"params": TensorDict({f"layer{i:04d}.weight": torch.zeros(ROWS, COLS) for i in range(leaves)}, [ROWS])}, [ROWS]
     )
-    shard = prepare_shard(td, 0, None, placements=None, robust_key=True, allow_pickle=False, copy_existing=False)
+    shard = prepare_shard(td, 0, ranks, None, placements=None, robust_key=True, allow_pickle=False, copy_existing=False)
     assert isinstance(shard, LocalShard)
     structure = structure_of(shard)
     rng = np.random.default_rng(0)

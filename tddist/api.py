@@ -185,6 +185,7 @@ def save(
         return prepare_shard(
             data,
             c.rank,
+            c.size,
             cast(Any, buffers),
             placements=placements,
             robust_key=robust_key,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,7 @@ from . import format as fmt
 from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
 from .errors import ShardingError
 from .manifest import Leaf, Manifest, ObjectLeaf
-from .sharding import Box, Boxes, PerRank, Replicate, Shard, box_tiling_problems
+from .sharding import Box, Boxes, PerRank, Replicate, Shard, box_tiling_problems, replica_writers
 from .types import Fragment, Key, LeafSpec, Structure
 
 logger = logging.getLogger(__name__)
@@ -119,8 +120,17 @@ def merge_fragments(
             m.node_rows[node.key] = rows.tolist()
         else:
             m.nodes[node.key] = ()
+    writers = replica_writers(
+        {
+            s.key: math.prod(s.shape) * fmt.dtype_itemsize(s.dtype)
+            for s in reference.leaves
+            if isinstance(s.placement, Replicate)
+        },
+        world,
+    )  # as each rank's prepare_shard chose them
     for i, spec in enumerate(reference.leaves):
-        table = _table(spec, np.ascontiguousarray(lengths[:, i]), np.ascontiguousarray(sums[:, i]), boxes, cached)
+        lengths_i, sums_i = np.ascontiguousarray(lengths[:, i]), np.ascontiguousarray(sums[:, i])
+        table = _table(spec, lengths_i, sums_i, boxes, cached, writers.get(spec.key, 0))
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
         m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table)
     m.objects = _merge_objects(fragments, reference)
@@ -136,7 +146,7 @@ def merge_fragments(
 
 
 def _table(
-    spec: LeafSpec, lengths: np.ndarray, sums: np.ndarray, boxes: dict[Key, BoxChunks], cached: bool
+    spec: LeafSpec, lengths: np.ndarray, sums: np.ndarray, boxes: dict[Key, BoxChunks], cached: bool, writer: int
 ) -> ChunkTable:
     itemsize = fmt.dtype_itemsize(spec.dtype)
     if isinstance(spec.placement, Shard):
@@ -147,15 +157,15 @@ def _table(
         world = len(lengths)
         return ShardChunks((world, *spec.shape), 0, itemsize, np.ones(world, dtype=_I8), sums)
     if isinstance(spec.placement, Replicate):
-        differing = [r for r in range(1, len(sums)) if sums[r] not in (0, sums[0])]
+        differing = [r for r in range(len(sums)) if r != writer and sums[r] not in (0, sums[writer])]
         if differing:
             raise ShardingError(
                 f"replicated leaf {_show(spec.key)} differs between ranks: rank(s) {differing[:16]} hold other values "
-                f"than rank 0, whose copy would be written; if each rank's value is its own (an RNG state, a "
+                f"than rank {writer}, whose copy would be written; if each rank's value is its own (an RNG state, a "
                 f"sampler's position), save it with placements={{{_show(spec.key)}: tddist.PerRank()}}; otherwise "
                 f"make the replicas equal, or shard the leaf"
             )
-        return ReplicaChunks(spec.shape, itemsize, 0, int(sums[0]))
+        return ReplicaChunks(spec.shape, itemsize, writer, int(sums[writer]))
     assert isinstance(spec.placement, Boxes)
     known = boxes[spec.key]
     table = BoxChunks(itemsize, known.ranks, known.offsets, known.sizes, sums[known.ranks])

@@ -19,7 +19,7 @@ from ._compat import dtensor_local
 from ._memmaps import mapped_files
 from .errors import InvalidDataError
 from .per_rank import check_marked_keys, covered, normalize_overrides, refuse_dtensor, refuse_stack
-from .sharding import Boxes, PerRank, Placement, Shard
+from .sharding import Boxes, PerRank, Placement, Replicate, Shard, replica_writers
 from .snapshot import SnapshotBuffers
 from .tree import dtensor_box, flatten, is_dtensor, local_bytes, resolve_placements
 from .types import DTensorBox, EncodedObject, Key, LocalShard, SaveItem
@@ -28,6 +28,7 @@ from .types import DTensorBox, EncodedObject, Key, LocalShard, SaveItem
 def prepare_shard(
     data: Any,
     rank: int,
+    world: int,
     buffers: SnapshotBuffers | None,
     *,
     placements: Mapping[Any, Any] | None,
@@ -66,6 +67,9 @@ def prepare_shard(
                 encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
             else:
                 encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where), own)
+        writers = replica_writers(
+            {k: t.numel() * t.element_size() for k, t in leaves.items() if isinstance(chosen[k], Replicate)}, world
+        )
         items = []
         for k, t in leaves.items():
             dtensor = None
@@ -73,7 +77,7 @@ def prepare_shard(
                 box, writes = dtensor_box(t, k)
                 dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
             else:
-                writes = isinstance(chosen[k], (Shard, PerRank)) or rank == 0
+                writes = isinstance(chosen[k], (Shard, PerRank)) or writers[k] == rank
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
             items.append(SaveItem(k, local, chosen[k], writes, dtensor))
         if buffers is not None:

@@ -6,8 +6,9 @@ here touches files or communicators, so all of it is tested in one process.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,26 @@ def even_split(n: int, parts: int) -> list[tuple[int, int]]:
         stop = start + q + (1 if i < r else 0)
         out.append((start, stop))
         start = stop
+    return out
+
+
+def replica_writers(nbytes: Mapping[tuple[str, ...], int], world: int) -> dict[tuple[str, ...], int]:
+    """Which rank writes each replicated leaf, from the leaves' sizes: the same answer on every rank.
+
+    The largest leaf first (ties by key), each to the rank that has been given
+    the fewest bytes so far (ties: the lowest rank), so that N ranks share the
+    writing of a replicated state instead of rank 0 copying and writing all of
+    it. A function of the sizes and keys alone: every rank computes it from
+    its own structure, which the commit checks is the same on all ranks.
+    """
+    if world <= 0:
+        raise ValueError(f"world size must be positive, got {world}")
+    loads = [(0, r) for r in range(world)]  # (bytes given, rank): a heap, ordered as the ties are broken
+    out: dict[tuple[str, ...], int] = {}
+    for key, n in sorted(nbytes.items(), key=lambda kv: (-kv[1], kv[0])):
+        given, rank = heapq.heappop(loads)
+        out[key] = rank
+        heapq.heappush(loads, (given + n, rank))
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import shutil
 import zipfile
@@ -20,7 +21,7 @@ import xxhash
 from tensordict import TensorDict
 
 import tddist
-from tddist.sharding import even_split
+from tddist.sharding import even_split, replica_writers
 from tests.helpers import assert_td_equal
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -319,8 +320,14 @@ def test_v2_golden_packed_data_files(name, version):
     """Each rank's data file holds its chunks in leaf order, each at the next multiple of 64
     bytes, zero-padded, and ends at the last chunk's padded end: the offsets follow from the
     chunk sizes alone (computed here from the specification, not by tddist)."""
-    path = VERSIONS[version] / name
+    _packed_chunks(VERSIONS[version] / name)
+
+
+def _packed_chunks(path: Path) -> dict[tuple, bytes]:
+    """Every chunk of the packed checkpoint at ``path`` by (leaf, box), read at the offsets docs/format.md
+    derives from the chunk sizes, after checking each file's padding, size and the chunks' checksums."""
     m = tddist.read_manifest(path)
+    out = {}
     for rank in range(m.world_size):
         data = (path / f"rank-{rank:05d}.data").read_bytes()
         offset = 0
@@ -329,10 +336,12 @@ def test_v2_golden_packed_data_files(name, version):
             if chunk is None or chunk.nbytes == 0:
                 continue
             padded = -(-chunk.nbytes // 64) * 64
-            assert _checksum(data[offset : offset + chunk.nbytes]) == chunk.checksum, (name, rank, leaf.key)
+            assert _checksum(data[offset : offset + chunk.nbytes]) == chunk.checksum, (path.name, rank, leaf.key)
             assert data[offset + chunk.nbytes : offset + padded] == bytes(padded - chunk.nbytes)
+            out[(leaf.key, chunk.box)] = data[offset : offset + chunk.nbytes]
             offset += padded
-        assert len(data) == offset, (name, rank)
+        assert len(data) == offset, (path.name, rank)
+    return out
 
 
 def test_recipe_still_writes_the_golden_files(tmp_path):
@@ -344,17 +353,35 @@ def test_recipe_still_writes_the_golden_files(tmp_path):
         golden, fresh = V3 / name, tmp_path / name
         g, f = _files(golden), _files(fresh)
         assert sorted(g) == sorted(f), name
-        for rel in g:
-            if rel == "tddist.json":
-                continue
-            assert g[rel] == f[rel], (name, rel)
         mg, mf = json.loads(g["tddist.json"]), json.loads(f["tddist.json"])
         for field in ("created", "tddist_version", "manifest_checksum"):
             del mg[field], mf[field]
+        moved = _moved_replicas(mg, mf)
         assert mg == mf, name
+        for rel in g:
+            if rel == "tddist.json" or (moved and rel.endswith(".data")):
+                continue
+            assert g[rel] == f[rel], (name, rel)
+        if moved:  # the same chunks, bit for bit, in the files of their new writers, laid out as specified
+            assert _packed_chunks(fresh) == _packed_chunks(golden), name
         if golden.is_file():  # the archive's entries in the same order
             with zipfile.ZipFile(golden) as zg, zipfile.ZipFile(fresh) as zf:
                 assert [zi.filename for zi in zg.infolist()] == [zi.filename for zi in zf.infolist()]
+
+
+def _moved_replicas(golden: dict, fresh: dict) -> bool:
+    """Whether ``fresh`` names other writers for replicated leaves than ``golden``, whose writer (tddist
+    0.1.0) gave them all to rank 0. The writer now shares them out by size (``sharding.replica_writers``);
+    ``fresh``'s writers must be those, and are set back to ``golden``'s so the rest can be compared."""
+    world = fresh["world_size"]
+    replicated = [e for e in fresh["leaves"] if e["placement"]["type"] == "replicate"]
+    sizes = {tuple(e["key"]): math.prod(e["shape"]) * getattr(torch, e["dtype"]).itemsize for e in replicated}
+    assert {tuple(e["key"]): e["writer"] for e in replicated} == replica_writers(sizes, world)
+    before = {tuple(e["key"]): e["writer"] for e in golden["leaves"] if e["placement"]["type"] == "replicate"}
+    assert set(before.values()) <= {0}
+    for e in replicated:
+        e["writer"] = before[tuple(e["key"])]
+    return any(replica_writers(sizes, world).values())
 
 
 @pytest.mark.parametrize("version", sorted(VERSIONS))

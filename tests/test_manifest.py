@@ -25,10 +25,10 @@ from tddist.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBy
 CS = "0123456789abcdef"  # a well-formed checksum
 
 
-def shard_of(rank: int, data, placements=None) -> LocalShard:
+def shard_of(rank: int, data, placements=None, world: int = 3) -> LocalShard:
     """This rank's prepared shard, as save prepares it."""
     out = prepare_shard(
-        data, rank, None, placements=placements, robust_key=True, allow_pickle=False, copy_existing=False
+        data, rank, world, None, placements=placements, robust_key=True, allow_pickle=False, copy_existing=False
     )
     assert isinstance(out, LocalShard), out
     return out
@@ -132,6 +132,24 @@ def test_replicas_are_compared_with_check_replicas():
     big = 64 * 1024 // 8 + 1  # int64 elements: just over the bytes compared by default
     differ = [shard_of(r, {"w": torch.arange(big) + (r == 2)}) for r in range(3)]
     assert merge(differ).leaves[("w",)].chunks[0].rank == 0  # a large replica is not compared unless asked
+
+
+def test_replicated_leaves_are_shared_out_between_the_ranks_by_size():
+    """Each rank writes the replicated leaves it was given (largest first, each to the rank with the fewest
+    bytes so far), the manifest names that rank as the writer, and a replica that differs from the writer's
+    copy is named against that rank."""
+
+    def state(r: int, bump: int = -1) -> dict:
+        sizes = {"a": 100, "b": 400, "c": 300, "d": 200, "e": 50}
+        return {k: torch.arange(n, dtype=torch.int8) + (r == bump) for k, n in sizes.items()}
+
+    shards = [shard_of(r, state(r)) for r in range(3)]
+    written = [sorted(k[0] for k in s.written()) for s in shards]
+    assert written == [["b"], ["c", "e"], ["a", "d"]]  # 400 | 300, 50 | 200, 100
+    m = merge(shards, check_replicas=True)
+    assert {k[0]: leaf.chunks[0].rank for k, leaf in m.leaves.items()} == {"a": 2, "b": 0, "c": 1, "d": 2, "e": 1}
+    with pytest.raises(ShardingError, match=r"leaf 'a' differs between ranks: rank\(s\) \[0\] .* than rank 2, whose copy"):
+        merge([shard_of(r, state(r, bump=0)) for r in range(3)], check_replicas=True)
 
 
 def _box_shard(box, writes=True, gshape=(4, 2)) -> LocalShard:

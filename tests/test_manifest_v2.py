@@ -410,13 +410,14 @@ def test_replicated_leaf_with_an_invalid_writer_is_refused(multi, writer, monkey
 def test_replicated_leaf_naming_another_valid_writer_fails_on_its_data_file(multi):
     """A writer in range that did not write the leaf moves the derived offsets in the data files of both
     ranks (rank 0's file has 64 bytes more than it should, rank 1's 64 fewer): their sizes no longer fit,
-    and load refuses them instead of reading other bytes."""
+    and load refuses them instead of reading other bytes. (The writer gave ``shared/w``, the larger
+    replicated leaf, to rank 0 and ``step`` to rank 1.)"""
     obj, index = read(multi)
     leaf(obj, "shared", "w")["writer"] = 1
     write(multi, obj, index)
     assert tddist.read_manifest(multi).leaves[("shared", "w")].chunks[0].rank == 1
     with pytest.raises(
-        CorruptCheckpointError, match=r"rank-0000[01]\.data.* has (448|64) bytes, the manifest says (384|128)"
+        CorruptCheckpointError, match=r"rank-0000[01]\.data.* has (384|128) bytes, the manifest says (320|192)"
     ):
         tddist.load(multi, shard=None)
 
@@ -587,26 +588,28 @@ def test_archive_with_a_damaged_index_is_refused(archive, monkeypatch):
 
 @pytest.mark.parametrize("change", [-1, -64, 1, 64], ids=["1-short", "64-short", "1-long", "64-long"])
 def test_packed_data_file_of_the_wrong_size_is_refused_on_load(multi, change):
-    """Rank 0's data file is 448 bytes (chunks at 64-byte offsets); shorter or longer is refused when a
+    """Rank 0's data file is 384 bytes (chunks at 64-byte offsets); shorter or longer is refused when a
     chunk of it is read, with or without verification, before anything is mapped."""
     data = multi / "rank-00000.data"
-    assert data.stat().st_size == 448
+    assert data.stat().st_size == 384
     with open(data, "r+b") as f:
-        f.truncate(448 + change)
+        f.truncate(384 + change)
     assert tddist.read_manifest(multi).packing == "packed"  # the manifest is fine
     for verify in (False, True):
         with pytest.raises(
-            CorruptCheckpointError, match=rf"rank-00000\.data.* has {448 + change} bytes, the manifest says 448"
+            CorruptCheckpointError, match=rf"rank-00000\.data.* has {384 + change} bytes, the manifest says 384"
         ):
             tddist.load(multi, shard=None, verify=verify)
 
 
-def test_packed_data_file_of_a_rank_that_stored_only_one_chunk(multi):
-    """Rank 1 stored only its 3 x 3 int16 columns (18 bytes): its file is one 64-byte aligned chunk."""
-    assert (multi / "rank-00001.data").stat().st_size == 64
+def test_packed_data_file_without_its_last_padding(multi):
+    """Rank 1 stored its 3 x 3 int16 columns (18 bytes) and the replicated ``step`` (8 bytes), each at a
+    64-byte aligned offset: 128 bytes. Without the last chunk's padding the file is refused."""
+    assert (multi / "rank-00001.data").stat().st_size == 128
+    assert tddist.read_manifest(multi).leaves[("step",)].chunks[0].rank == 1
     with open(multi / "rank-00001.data", "r+b") as f:
-        f.truncate(18)
-    with pytest.raises(CorruptCheckpointError, match=r"rank-00001\.data.* has 18 bytes, the manifest says 64"):
+        f.truncate(72)
+    with pytest.raises(CorruptCheckpointError, match=r"rank-00001\.data.* has 72 bytes, the manifest says 128"):
         tddist.load(multi, shard=None)
 
 
