@@ -148,7 +148,9 @@ def test_replicated_leaves_are_shared_out_between_the_ranks_by_size():
     assert written == [["b"], ["c", "e"], ["a", "d"]]  # 400 | 300, 50 | 200, 100
     m = merge(shards, check_replicas=True)
     assert {k[0]: leaf.chunks[0].rank for k, leaf in m.leaves.items()} == {"a": 2, "b": 0, "c": 1, "d": 2, "e": 1}
-    with pytest.raises(ShardingError, match=r"leaf 'a' differs between ranks: rank\(s\) \[0\] .* than rank 2, whose copy"):
+    with pytest.raises(
+        ShardingError, match=r"leaf 'a' differs between ranks: rank\(s\) \[0\] .* than rank 2, whose copy"
+    ):
         merge([shard_of(r, state(r, bump=0)) for r in range(3)], check_replicas=True)
 
 
