@@ -336,8 +336,8 @@ def start_save(
     shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
     written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
     if budget is None:
-        # The whole state fits in the arena, so the caller never waits for a slot; the worker writes each
-        # slot as soon as it is copied, so the save completes about when the last copy's slot is written.
+        # The whole state fits in the arena: the worker first helps the caller copy (from the last slot back),
+        # then commits, writing every slot (``Stream``, the whole mode).
         stream = Stream(ch.pipeline_arena(written), written, ch.comm.rank)
     else:
         stream = Stream(ch.arena_for(budget, on_gpu), written, ch.comm.rank)
@@ -409,6 +409,7 @@ def _run_streamed(
     factory: WriterFactory,
 ) -> Any:
     try:
+        stream.help()  # the copy is what the caller waits for: share it before the commit starts
         return commit(comm, options, shard, cache, factory)
     finally:
         stream.cancel()  # a caller still copying (the commit failed before writing) stops waiting for slots

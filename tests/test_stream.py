@@ -1,0 +1,174 @@
+"""The arena streams of asynchronous saves (tddist/stream.py), in one process, on real files.
+
+A pipelined ``return_early`` save copies the whole state into the arena on two threads (the caller from the
+first slot on, the background worker from the last one back) and writes only once every byte is copied; a
+budgeted one copies slot by slot while the writer writes and frees them. Both must lay every byte at its
+packed offset with the checksums of a plain save, and neither thread may wait forever for the other.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tddist import format as fmt
+from tddist.checksum import checksum_bytes
+from tddist.merge import packed_offsets
+from tddist.stream import Arena, Stream, plan_slots, whole_state_budget
+
+#: Leaf sizes in bytes: empty, tiny, unaligned, one that spans several slots and checksum blocks.
+SIZES = [0, 1, 63, 64, 65, 1000, 4096, 10_000, 7, 3 * 4096 + 5]
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Checksum blocks of 1 KiB, so that leaves cross block boundaries at test sizes."""
+    monkeypatch.setattr(fmt, "CHECKSUM_BLOCK", 1024)
+
+
+def _items(sizes: list[int], seed: int = 0) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [((f"l{i}",), torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)) for i, n in enumerate(sizes)]
+
+
+def _packed_file(items) -> bytes:
+    """The rank's packed data file, built from the specification: each leaf at its aligned offset, zeros between."""
+    sizes = np.array([t.numel() for _k, t in items], dtype=np.int64)
+    offsets, end = packed_offsets(sizes)
+    out = bytearray(int(end))
+    for (_k, t), o in zip(items, offsets.tolist()):
+        out[o : o + t.numel()] = t.numpy().tobytes()
+    return bytes(out)
+
+
+@pytest.mark.parametrize("slot_bytes", [64, 128, 1024, 4096, 1 << 20])
+def test_the_plan_lays_every_byte_at_its_packed_offset_once(small_blocks, slot_bytes):
+    """Slots hold increasing, disjoint file ranges of at most a slot each; every piece sits at its leaf's packed
+    offset, inside one checksum block of its leaf; together the pieces cover every leaf byte exactly once."""
+    offsets, _end = packed_offsets(np.array(SIZES, dtype=np.int64))
+    offsets_l = [int(o) for o in offsets.tolist()]
+    plan = plan_slots(SIZES, offsets_l, slot_bytes)
+    covered = [np.zeros(n, dtype=np.int64) for n in SIZES]
+    last_end = 0
+    for entry in plan:
+        assert entry.slot == -1
+        assert entry.file_start >= last_end and 0 < entry.nbytes <= slot_bytes
+        last_end = entry.file_start + entry.nbytes
+        fill = 0
+        for idx, at, lo, k in entry.pieces:
+            assert lo >= fill and k > 0
+            assert entry.file_start + lo == offsets_l[idx] + at  # the piece's place in the file
+            assert at // 1024 == (at + k - 1) // 1024  # inside one checksum block
+            covered[idx][at : at + k] += 1
+            fill = lo + k
+        assert fill == entry.nbytes
+    assert all((c == 1).all() for c in covered)
+
+
+@pytest.mark.parametrize("split", ["both", "caller alone", "writer alone"])
+def test_a_whole_stream_is_copied_by_either_thread_and_written_as_packed(tmp_path, small_blocks, split):
+    """The caller and the writer copy from both ends (or one of them copies everything); the data file is the
+    packed layout byte for byte and each leaf's checksum is that of its bytes; nothing changes the sources."""
+    items = _items(SIZES)
+    before = [t.clone() for _k, t in items]
+    arena = Arena(whole_state_budget(items, 128), slot=128)
+    stream = Stream(arena, items, rank=0)
+    assert stream.whole and len(stream.plan) > 4
+    if split == "writer alone":
+        stream.help()
+        stream.produce()
+    elif split == "caller alone":
+        stream.produce()
+        stream.help()
+    else:
+        helper = threading.Thread(target=stream.help)
+        helper.start()
+        stream.produce()
+        helper.join(10)
+    stored = stream.consume(str(tmp_path / "rank-00000.data"))
+    assert (tmp_path / "rank-00000.data").read_bytes() == _packed_file(items)
+    for (key, t), b in zip(items, before):
+        assert stored[key].nbytes == t.numel()
+        assert stored[key].checksum == checksum_bytes(t.numpy().tobytes()), key
+        assert torch.equal(t, b)
+
+
+def test_the_writer_helps_copy_when_it_takes_the_job(tmp_path, small_blocks):
+    """With the caller slowed down, the writer copies slots from the back, so the caller copies fewer."""
+    items = _items([4096] * 16)
+    stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
+    copied_by: dict[int, str] = {}
+    fill = stream._fill_shared
+
+    def recording_fill(i: int) -> None:
+        copied_by[i] = threading.current_thread().name
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.01)  # a slow caller: the helper takes the other end meanwhile
+        fill(i)
+
+    stream._fill_shared = recording_fill  # type: ignore[method-assign]
+    helper = threading.Thread(target=stream.help, name="helper")
+    helper.start()
+    stream.produce()
+    helper.join(10)
+    names = [copied_by[i] for i in range(len(stream.plan))]
+    assert set(names) == {"MainThread", "helper"}, names
+    first_helped = names.index("helper")
+    assert names[:first_helped] == ["MainThread"] * first_helped and set(names[first_helped:]) == {"helper"}
+    stream.consume(str(tmp_path / "d"))
+    assert (tmp_path / "d").read_bytes() == _packed_file(items)
+
+
+def test_a_cancelled_save_wakes_a_caller_waiting_for_the_writers_slot(small_blocks):
+    """The writer took the last slot and then failed (cancel): the caller, done with the others, returns."""
+    items = _items([4096] * 4)
+    stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
+    assert stream._take_planned(front=False) == len(stream.plan) - 1  # the writer's, never copied
+    caller = threading.Thread(target=stream.produce)
+    caller.start()
+    caller.join(0.3)
+    assert caller.is_alive(), "the caller waits for the writer's slot"
+    stream.cancel()
+    caller.join(10)
+    assert not caller.is_alive()
+
+
+def test_an_error_while_copying_reaches_the_writer_instead_of_a_wait(tmp_path, small_blocks):
+    """A copy that fails on the caller's thread raises there, and the writer raises the same error (this
+    rank's failed vote) instead of waiting for bytes that never come."""
+    items = _items([4096] * 4)
+    stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
+    stream.sources[1] = torch.empty(0, dtype=torch.uint8)  # shorter than its planned pieces: copy_ fails
+    with pytest.raises(RuntimeError):
+        stream.produce()
+    outcome: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            stream.consume(str(tmp_path / "d"))
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+
+
+def test_a_bounded_stream_reuses_its_slots_while_the_writer_writes(tmp_path, small_blocks):
+    """Two slots for a state of many: the caller waits for freed slots, the writer frees each once written;
+    the file is the packed layout and the checksums those of the bytes."""
+    items = _items(SIZES, seed=1)
+    stream = Stream(Arena(256, slot=128), items, rank=0)
+    assert not stream.whole and stream.arena.nslots == 2 < len(stream.plan)
+    stored: dict = {}
+    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"))))
+    writer.start()
+    stream.produce()
+    writer.join(10)
+    assert (tmp_path / "d").read_bytes() == _packed_file(items)
+    assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
