@@ -92,7 +92,7 @@ def save(
     Every rank of ``comm`` calls it with data of the same structure. Leaves
     under a TensorDict with batch dims are sharded along dim 0 (the global
     batch is the ranks' rows in rank order); other leaves are replicated and
-    written once, by rank 0. The checkpoint appears at ``prefix`` all at once,
+    written once, each by one rank (shared out by size). The checkpoint appears at ``prefix`` all at once,
     complete and checksummed, or not at all. See docs/parameters.md for how
     each option compares with tensordict's ``memmap``.
 
@@ -134,7 +134,7 @@ def save(
             False uses them verbatim and refuses unsafe ones.
         allow_pickle: store non-tensor values that JSON cannot represent with pickle.
         check_replicas: compare every rank's copy of each replicated leaf
-            with the one rank 0 writes.
+            with the copy that is written (by the rank the leaf is given to).
         wait_for_pending: wait for this communicator's asynchronous save in
             flight; False raises ``SaveInProgressError`` instead.
         timeout: seconds any collective may take (default 600 or
