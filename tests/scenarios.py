@@ -34,6 +34,7 @@ from tensordict import TensorDict, TensorDictBase
 
 import tddist
 from tddist.comm import LocalComm, ThreadComm, resolve
+from tddist.sharding import replica_writers
 from tests.helpers import assert_td_equal, leftovers
 
 Key = tuple
@@ -388,8 +389,13 @@ def replicated_no_batch(comm, workdir: Path, rank: int, size: int) -> None:
 
     roundtrip(comm, workdir / "replicated_no_batch" / "ckpt", make, rank, size, check_replicas=True)
     m = tddist.read_manifest(workdir / "replicated_no_batch" / "ckpt")
-    for key, leaf in m.leaves.items():
-        assert [c.rank for c in leaf.chunks] == [0], (key, leaf.chunks)  # written once, by rank 0
+    # Each leaf is written once, by the rank it is given to (the largest first, to the rank given the fewest
+    # bytes so far): w (48 bytes) to rank 0, opt/m (10) to rank 1, step and lr (8) to ranks 2 and 3 (or back to
+    # the lightest rank of fewer), and so on; so every rank of at most 4 writes some of a replicated state.
+    sizes = {key: leaf.chunks[0].nbytes for key, leaf in m.leaves.items()}
+    writers = {key: [c.rank for c in leaf.chunks] for key, leaf in m.leaves.items()}
+    assert writers == {key: [w] for key, w in replica_writers(sizes, size).items()}, writers
+    assert writers[("w",)] == [0] and {w for [w] in writers.values()} == set(range(min(size, 4))), writers
 
 
 def differing_replicas_fail(comm, workdir: Path, rank: int, size: int) -> None:

@@ -14,7 +14,6 @@ import json
 import os
 import pty
 import re
-import resource
 import shutil
 import struct
 import subprocess
@@ -140,26 +139,6 @@ def test_light_commands_do_not_import_torch(tmp_path, args):
     heavy = sorted(m for m in imported if m.split(".")[0] == "torch")  # numpy is fine: the manifest index is numpy
     assert not heavy, f"tddist {' '.join(argv)} imported {heavy[:10]}"
     assert "tddist.cli" in imported
-
-
-def test_light_commands_start_fast(tmp_path):
-    """``tddist info`` (the heaviest light command) runs in under half a second of CPU time.
-
-    CPU time (user + system, of the child) rather than wall time, and the best of
-    five runs: the machine running the tests may be busy with other work.
-    """
-    ckpt = save_step(tmp_path, 5)
-
-    def cpu_seconds(*args: str) -> float:
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        r = subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=120)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-
-    for args in (["info", str(ckpt)], ["--version"]):
-        best = min(cpu_seconds(*args) for _ in range(5))
-        assert best < 0.5, f"tddist {' '.join(args)} took {best:.2f} s of CPU time"
 
 
 # --- ls, latest, gc on a manager root with killed saves ----------------------------------------
