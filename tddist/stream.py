@@ -29,6 +29,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +37,7 @@ import torch
 import xxhash
 
 from . import format as fmt
+from ._fs import write_and_start_writeback
 from .checksum import combine_digests
 from .layouts.directory import DirectoryWriter
 from .merge import PlanCache, packed_offsets
@@ -313,34 +315,52 @@ class Stream:
                 filled.append(msg)
         yield from sorted(filled, key=lambda f: f.file_start)
 
-    def consume(self, path: str) -> dict[Key, StoredBytes]:
-        """Write every slot into the data file at ``path``, durably; return what each leaf stored."""
+    def consume(self, path: str, num_threads: int = 1) -> dict[Key, StoredBytes]:
+        """Write every slot into the data file at ``path``, durably; return what each leaf stored.
+
+        This thread hashes the slots in file order (a checksum block spans
+        several slots); ``num_threads`` threads write them (``pwrite``, then
+        the start of their write-back, ``_fs.start_writeback``) and hand each
+        written slot back, as a synchronous save writes from several threads.
+        """
         cb = fmt.CHECKSUM_BLOCK
         digests: list[list[int]] = [[0] * ((s.numel() + cb - 1) // cb) for s in self.sources]
         hashers: dict[tuple[int, int], xxhash.xxh3_64] = {}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        writes: list[Future[None]] = []
         try:
             if self.total:
                 os.posix_fallocate(fd, 0, self.total)
-            for msg in self._filled():
-                view = self.arena.slot_view(msg.slot, msg.nbytes)
-                for idx, at, lo, k in msg.pieces:
-                    block, n = at // cb, self.sources[idx].numel()
-                    h = hashers.get((idx, block))
-                    if h is None:
-                        h = hashers[(idx, block)] = xxhash.xxh3_64()
-                    h.update(view[lo : lo + k])
-                    if (at + k) % cb == 0 or at + k == n:
-                        digests[idx][block] = h.intdigest()
-                        del hashers[(idx, block)]
-                pos = 0
-                while pos < msg.nbytes:
-                    pos += os.pwrite(fd, view[pos : pos + _WRITE_STEP], msg.file_start + pos)
-                self._free.put(msg.slot)
+            with ThreadPoolExecutor(max(num_threads, 1), thread_name_prefix="tddist-stream-write") as pool:
+                for msg in self._filled():  # leaving the block (an error too) waits for the writes submitted
+                    view = self.arena.slot_view(msg.slot, msg.nbytes)
+                    for idx, at, lo, k in msg.pieces:
+                        block, n = at // cb, self.sources[idx].numel()
+                        h = hashers.get((idx, block))
+                        if h is None:
+                            h = hashers[(idx, block)] = xxhash.xxh3_64()
+                        h.update(view[lo : lo + k])
+                        if (at + k) % cb == 0 or at + k == n:
+                            digests[idx][block] = h.intdigest()
+                            del hashers[(idx, block)]
+                    writes.append(pool.submit(self._write_slot, fd, msg.slot, view, msg.file_start))
+            for w in writes:
+                w.result()  # the first write error
             os.fsync(fd)
         finally:
             os.close(fd)
         return {k: StoredBytes(s.numel(), combine_digests(d)) for k, s, d in zip(self.keys, self.sources, digests)}
+
+    def _write_slot(self, fd: int, slot: int, view: memoryview, at: int) -> None:
+        """(a write thread) Write one slot and hand it back; on an error, stop the caller and the hashing
+        loop (which would otherwise wait for slots this one never frees)."""
+        try:
+            write_and_start_writeback(fd, view, at, _WRITE_STEP)
+        except BaseException as e:
+            self._ready.put(e)
+            self.cancel()
+            raise
+        self._free.put(slot)
 
 
 class StreamingWriter(DirectoryWriter):
@@ -355,7 +375,8 @@ class StreamingWriter(DirectoryWriter):
     def write(self, staging: Staging) -> Fragment:
         try:
             self.check_reference(staging)
-            stored = self.stream.consume(os.path.join(staging.path, fmt.rank_data_name(self.rank)))
+            path = os.path.join(staging.path, fmt.rank_data_name(self.rank))
+            stored = self.stream.consume(path, self.options.num_threads)
         except BaseException:
             self.stream.cancel()
             raise

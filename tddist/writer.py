@@ -2,7 +2,9 @@
 
 The bytes go straight from each tensor's memory into its file with positioned
 ``pwrite`` calls, in blocks spread over ``num_threads`` threads, and each
-block is hashed while it is in cache. This keeps tensordict's file layout
+block is hashed while it is in cache; each block's write-back starts as soon
+as it is written (``_fs.start_writeback``), so the disk works while the rest
+is copied into the page cache. This keeps tensordict's file layout
 (``<key>.memmap`` files plus ``meta.json`` per node) but not its writer:
 tensordict writes through a memory map, which costs an extra page-cache pass
 and turns a full disk into SIGBUS instead of an error. ``posix_fallocate``
@@ -24,7 +26,7 @@ import torch
 
 from . import format as fmt
 from ._faults import fault_point
-from ._fs import fsync_path, fsync_tree_dirs, pwrite_all, syncfs, write_durable
+from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_and_start_writeback, write_durable
 from .checksum import EMPTY, block_digest, combine_digests, tensor_bytes
 from .layouts.base import node_meta_files
 from .merge import packed_offsets
@@ -64,7 +66,7 @@ class _FileJob:
         lo = index * fmt.CHECKSUM_BLOCK
         block = self.data[lo : lo + fmt.CHECKSUM_BLOCK]
         self.digests[index] = block_digest(block)
-        pwrite_all(self.fd, block, lo, _WRITE_STEP)
+        write_and_start_writeback(self.fd, block, lo, _WRITE_STEP)
         with self.lock:
             self.remaining -= 1
             last = self.remaining == 0
@@ -234,7 +236,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
 
 def _put(fd: int, digests: list[int], index: int, block: memoryview, at: int) -> None:
     digests[index] = block_digest(block)
-    pwrite_all(fd, block, at, _WRITE_STEP)
+    write_and_start_writeback(fd, block, at, _WRITE_STEP)
 
 
 def _put_batch(fd: int, batch: list[tuple[int, memoryview]]) -> None:
@@ -244,4 +246,4 @@ def _put_batch(fd: int, batch: list[tuple[int, memoryview]]) -> None:
     buf = bytearray(end - start)
     for offset, view in batch:
         buf[offset - start : offset - start + len(view)] = view
-    pwrite_all(fd, memoryview(buf), start, _WRITE_STEP)
+    write_and_start_writeback(fd, memoryview(buf), start, _WRITE_STEP)

@@ -30,7 +30,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol, cast
 from . import format as fmt
 from ._compat import local_header, write_central_directory, zip_lzma_compressor
 from ._faults import fault_point
-from ._fs import pwrite_all
+from ._fs import pwrite_all, write_and_start_writeback
 from .checksum import block_digest, tensor_bytes
 from .errors import CorruptCheckpointError, InvalidArgumentError
 from .types import ArchiveEntryRow, Compression
@@ -259,7 +259,7 @@ def write_region(path: str, entries: list[Entry], num_threads: int, rank: int = 
                 fault_point("midwrite", rank)
                 return
             pos, view = task
-            pwrite_all(fd, view, pos)
+            write_and_start_writeback(fd, view, pos)
 
         if num_threads > 1 and len(tasks) > 1:
             with ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-zipw") as ex:

@@ -8,6 +8,7 @@ packed offset with the checksums of a plain save, and neither thread may wait fo
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from tddist import format as fmt
+from tddist import stream as stream_mod
 from tddist.checksum import checksum_bytes
 from tddist.merge import packed_offsets
 from tddist.stream import Arena, Stream, plan_slots, whole_state_budget
@@ -69,8 +71,10 @@ def test_the_plan_lays_every_byte_at_its_packed_offset_once(small_blocks, slot_b
     assert all((c == 1).all() for c in covered)
 
 
-@pytest.mark.parametrize("split", ["both", "caller alone", "writer alone"])
-def test_a_whole_stream_is_copied_by_either_thread_and_written_as_packed(tmp_path, small_blocks, split):
+@pytest.mark.parametrize(
+    ("split", "write_threads"), [("both", 1), ("both", 3), ("caller alone", 2), ("writer alone", 1)]
+)
+def test_a_whole_stream_is_copied_by_either_thread_and_written_as_packed(tmp_path, small_blocks, split, write_threads):
     """The caller and the writer copy from both ends (or one of them copies everything); the data file is the
     packed layout byte for byte and each leaf's checksum is that of its bytes; nothing changes the sources."""
     items = _items(SIZES)
@@ -89,7 +93,7 @@ def test_a_whole_stream_is_copied_by_either_thread_and_written_as_packed(tmp_pat
         helper.start()
         stream.produce()
         helper.join(10)
-    stored = stream.consume(str(tmp_path / "rank-00000.data"))
+    stored = stream.consume(str(tmp_path / "rank-00000.data"), write_threads)
     assert (tmp_path / "rank-00000.data").read_bytes() == _packed_file(items)
     for (key, t), b in zip(items, before):
         assert stored[key].nbytes == t.numel()
@@ -159,16 +163,53 @@ def test_an_error_while_copying_reaches_the_writer_instead_of_a_wait(tmp_path, s
     assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
 
 
-def test_a_bounded_stream_reuses_its_slots_while_the_writer_writes(tmp_path, small_blocks):
-    """Two slots for a state of many: the caller waits for freed slots, the writer frees each once written;
-    the file is the packed layout and the checksums those of the bytes."""
+@pytest.mark.parametrize("write_threads", [1, 2])
+def test_a_bounded_stream_reuses_its_slots_while_the_writer_writes(tmp_path, small_blocks, write_threads):
+    """Two slots for a state of many: the caller waits for freed slots, the writer frees each once written
+    (by one write thread or several); the file is the packed layout and the checksums those of the bytes."""
     items = _items(SIZES, seed=1)
     stream = Stream(Arena(256, slot=128), items, rank=0)
     assert not stream.whole and stream.arena.nslots == 2 < len(stream.plan)
     stored: dict = {}
-    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"))))
+    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"), write_threads)))
     writer.start()
     stream.produce()
     writer.join(10)
     assert (tmp_path / "d").read_bytes() == _packed_file(items)
     assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
+
+
+@pytest.mark.parametrize("budgeted", [False, True])
+def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(tmp_path, small_blocks, monkeypatch, budgeted):
+    """The disk refuses the third slot's write (EIO, injected at the write call): the writer raises that error
+    and the caller, even one waiting for a slot only a write would free (two slots), returns; none hangs."""
+    calls = {"n": 0}
+    real = stream_mod.write_and_start_writeback
+
+    def failing_write(fd, view, at, step):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        real(fd, view, at, step)
+
+    monkeypatch.setattr(stream_mod, "write_and_start_writeback", failing_write)
+    items = _items([4096] * 8)
+    arena = Arena(256, slot=128) if budgeted else Arena(whole_state_budget(items, 1024), slot=1024)
+    stream = Stream(arena, items, rank=0)
+    assert stream.whole is not budgeted
+    outcome: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            stream.consume(str(tmp_path / "d"), 2)
+        except BaseException as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    caller = threading.Thread(target=stream.produce)
+    caller.start()
+    caller.join(10)
+    t.join(10)
+    assert not caller.is_alive() and not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], OSError) and outcome[0].errno == errno.EIO, outcome
