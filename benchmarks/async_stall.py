@@ -273,9 +273,10 @@ def report(world: int, res: dict) -> None:
                 )
     base = res["stall"].get("no saving", {}).get("all", [])
     bm = statistics.mean(base) if base else float("nan")
-    print(f"training steps: no saving mean {bm * 1e3:.1f} ms, p95 {_p95(base) * 1e3:.1f} ms")
+    if base:  # --steps 0 measures no training
+        print(f"training steps: no saving mean {bm * 1e3:.1f} ms, p95 {_p95(base) * 1e3:.1f} ms")
     for name, s in res["stall"].items():
-        if name == "no saving":
+        if name == "no saving" or not s["all"]:
             continue
         f = s["in_flight"]
         m = statistics.mean(f) if f else float("nan")
