@@ -319,9 +319,12 @@ class Stream:
         """Write every slot into the data file at ``path``, durably; return what each leaf stored.
 
         This thread hashes the slots in file order (a checksum block spans
-        several slots); ``num_threads`` threads write them (``pwrite``, then
-        the start of their write-back, ``_fs.start_writeback``) and hand each
-        written slot back, as a synchronous save writes from several threads.
+        several slots) and writes each one (``pwrite``, then the start of its
+        write-back, ``_fs.start_writeback``) before handing it back; with
+        ``num_threads`` > 1, that many threads write the hashed slots meanwhile,
+        as a synchronous save writes from several threads. One thread is the
+        default of ``return_early`` (``num_threads=0``): the fewest threads
+        competing with the training loop for the cores and the interpreter.
         """
         cb = fmt.CHECKSUM_BLOCK
         digests: list[list[int]] = [[0] * ((s.numel() + cb - 1) // cb) for s in self.sources]
@@ -331,8 +334,11 @@ class Stream:
         try:
             if self.total:
                 os.posix_fallocate(fd, 0, self.total)
-            with ThreadPoolExecutor(max(num_threads, 1), thread_name_prefix="tddist-stream-write") as pool:
-                for msg in self._filled():  # leaving the block (an error too) waits for the writes submitted
+            pool = (
+                ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-stream-write") if num_threads > 1 else None
+            )
+            try:
+                for msg in self._filled():
                     view = self.arena.slot_view(msg.slot, msg.nbytes)
                     for idx, at, lo, k in msg.pieces:
                         block, n = at // cb, self.sources[idx].numel()
@@ -343,7 +349,13 @@ class Stream:
                         if (at + k) % cb == 0 or at + k == n:
                             digests[idx][block] = h.intdigest()
                             del hashers[(idx, block)]
-                    writes.append(pool.submit(self._write_slot, fd, msg.slot, view, msg.file_start))
+                    if pool is None:
+                        self._write_slot(fd, msg.slot, view, msg.file_start)
+                    else:
+                        writes.append(pool.submit(self._write_slot, fd, msg.slot, view, msg.file_start))
+            finally:
+                if pool is not None:
+                    pool.shutdown()  # every write submitted ends before the descriptor closes, an error or not
             for w in writes:
                 w.result()  # the first write error
             os.fsync(fd)

@@ -179,8 +179,10 @@ def test_a_bounded_stream_reuses_its_slots_while_the_writer_writes(tmp_path, sma
     assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
 
 
-@pytest.mark.parametrize("budgeted", [False, True])
-def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(tmp_path, small_blocks, monkeypatch, budgeted):
+@pytest.mark.parametrize(("budgeted", "write_threads"), [(False, 1), (False, 2), (True, 1), (True, 2)])
+def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(
+    tmp_path, small_blocks, monkeypatch, budgeted, write_threads
+):
     """The disk refuses the third slot's write (EIO, injected at the write call): the writer raises that error
     and the caller, even one waiting for a slot only a write would free (two slots), returns; none hangs."""
     calls = {"n": 0}
@@ -201,7 +203,7 @@ def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(tmp_path, smal
 
     def writer() -> None:
         try:
-            stream.consume(str(tmp_path / "d"), 2)
+            stream.consume(str(tmp_path / "d"), write_threads)
         except BaseException as e:
             outcome.append(e)
 
