@@ -11,7 +11,8 @@ queue (without the interpreter lock): handing a save over is one queue put,
 so the caller never waits for a thread to start or for a pool to accept
 work while the previous commit's threads hold the lock. Writing runs on the
 worker itself unless ``num_threads`` asks for more, so the background adds
-one Python thread, not one per block.
+two Python threads (the worker and the copy helper, ``Channel.help_copy``),
+not one per block.
 
 The worker is a daemon thread, but an exit hook waits for an in-flight save
 before the interpreter shuts down, so the save commits or aborts cleanly
@@ -64,10 +65,15 @@ class _Job:
 
 
 class Worker:
-    """A persistent daemon thread that runs the submitted jobs one after the other."""
+    """A persistent daemon thread that runs the submitted jobs one after the other.
 
-    def __init__(self, name: str) -> None:
+    ``background`` lowers its CPU priority (``yield_cpu_to_training``): the commit's worker. The copy
+    helper keeps the training's priority, since the caller waits for its copies.
+    """
+
+    def __init__(self, name: str, background: bool = True) -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.background = background
         self.pid = os.getpid()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -98,7 +104,8 @@ class Worker:
             self.thread.join(STOP_TIMEOUT)
 
     def _run(self) -> None:
-        yield_cpu_to_training()
+        if self.background:
+            yield_cpu_to_training()
         while True:
             job = self._queue.get()
             if job is None:
@@ -155,6 +162,7 @@ class Channel:
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
         self._worker: Worker | None = None
+        self._helper: Worker | None = None  # copies a pipelined save beside the caller (``Stream.help``)
         self._process: ProcessWriter | None = None
         self._generation = 0  # writer processes started by this channel (their groups' prefixes)
 
@@ -222,6 +230,26 @@ class Channel:
             self._worker = Worker(f"tddist-save-rank{self.comm.rank}")
         return self._worker
 
+    def help_copy(self, stream: Stream) -> None:
+        """Have the copy helper thread copy ``stream``'s slots from the last one back (``Stream.help``),
+        while the caller copies from the first one on.
+
+        Not the commit's worker: that one runs at a lower CPU priority, and
+        where ranks share cores (4 ranks on 2 here) the training threads of the
+        other ranks starve it, so the caller waited for its last slot (1.5x the
+        plain copy's time at N=4). The helper runs only while the caller is
+        inside ``save``, so it takes no time from training steps.
+        """
+        try:
+            if self._helper is None or not self._helper.alive():
+                self._helper = Worker(f"tddist-copy-rank{self.comm.rank}", background=False)
+        except RuntimeError as e:  # no thread could start: the caller copies everything itself
+            logger.warning(
+                "rank %d: no copy helper thread (%s); the caller copies the snapshot alone", self.comm.rank, e
+            )
+            return
+        self._helper.submit(stream.help)
+
     def wait_idle(self, wait: bool, target: str) -> None:
         """Block until no save is in flight (or raise if ``wait`` is False)."""
         pending = self.pending
@@ -245,9 +273,10 @@ class Channel:
         return fut
 
     def stop(self) -> None:
-        if self._worker is not None and self._worker.alive():
-            self._worker.stop()
-        self._worker = None
+        for w in (self._worker, self._helper):
+            if w is not None and w.alive():
+                w.stop()
+        self._worker = self._helper = None
         if self._process is not None:
             self._process.close()
             self._process = None
@@ -336,8 +365,8 @@ def start_save(
     shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
     written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
     if budget is None:
-        # The whole state fits in the arena: the worker first helps the caller copy (from the last slot back),
-        # then commits, writing every slot (``Stream``, the whole mode).
+        # The whole state fits in the arena: the copy helper copies from the last slot back while the caller
+        # copies from the first one on; the worker commits once both are done, writing every slot (``Stream``).
         stream = Stream(ch.pipeline_arena(written), written, ch.comm.rank)
     else:
         stream = Stream(ch.arena_for(budget, on_gpu), written, ch.comm.rank)
@@ -350,6 +379,8 @@ def start_save(
         return StreamingWriter(o, rank, s, cache, stream)
 
     fut = ch.submit(partial(_run_streamed, stream, commit, bg, options, shard, ch.plans, factory))
+    if stream.whole:
+        ch.help_copy(stream)
     stream.produce()
     return fut
 
@@ -409,7 +440,7 @@ def _run_streamed(
     factory: WriterFactory,
 ) -> Any:
     try:
-        stream.help()  # the copy is what the caller waits for: share it before the commit starts
+        stream.wait_copied()  # nothing competes with the copy the caller waits for
         return commit(comm, options, shard, cache, factory)
     finally:
         stream.cancel()  # a caller still copying (the commit failed before writing) stops waiting for slots

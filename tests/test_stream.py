@@ -1,7 +1,7 @@
 """The arena streams of asynchronous saves (tddist/stream.py), in one process, on real files.
 
 A pipelined ``return_early`` save copies the whole state into the arena on two threads (the caller from the
-first slot on, the background worker from the last one back) and writes only once every byte is copied; a
+first slot on, a helper thread from the last one back) and writes only once every byte is copied; a
 budgeted one copies slot by slot while the writer writes and frees them. Both must lay every byte at its
 packed offset with the checksums of a plain save, and neither thread may wait forever for the other.
 """
@@ -101,8 +101,8 @@ def test_a_whole_stream_is_copied_by_either_thread_and_written_as_packed(tmp_pat
         assert torch.equal(t, b)
 
 
-def test_the_writer_helps_copy_when_it_takes_the_job(tmp_path, small_blocks):
-    """With the caller slowed down, the writer copies slots from the back, so the caller copies fewer."""
+def test_the_helper_copies_from_the_back_while_the_caller_is_slow(tmp_path, small_blocks):
+    """With the caller slowed down, the helper copies slots from the back, so the caller copies fewer."""
     items = _items([4096] * 16)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
     copied_by: dict[int, str] = {}
@@ -139,6 +139,53 @@ def test_a_cancelled_save_wakes_a_caller_waiting_for_the_writers_slot(small_bloc
     stream.cancel()
     caller.join(10)
     assert not caller.is_alive()
+
+
+def test_the_writer_starts_only_once_the_caller_is_done_with_the_stream(tmp_path, small_blocks):
+    """Every byte is copied (by the helper alone) before the caller even starts: the writer still waits until
+    the caller's ``produce`` has returned, so it never takes the interpreter from a caller returning from
+    ``save``; then it writes the packed file."""
+    items = _items([4096] * 4)
+    stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
+    stream.help()
+    assert stream._copied.is_set()
+    writer = threading.Thread(target=stream.wait_copied)
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive(), "the writer went ahead while the caller was still inside save"
+    stream.produce()
+    writer.join(10)
+    assert not writer.is_alive()
+    stream.consume(str(tmp_path / "d"))
+    assert (tmp_path / "d").read_bytes() == _packed_file(items)
+
+
+def test_an_error_in_the_helper_wakes_the_caller_and_fails_the_writer(tmp_path, small_blocks):
+    """The helper's copy fails (a source shorter than its plan): the helper raises, the caller waiting for the
+    helper's slot returns instead of waiting forever, and the writer starts and raises the helper's error."""
+    items = _items([4096] * 8)
+    stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
+    stream.sources[-1] = torch.empty(0, dtype=torch.uint8)  # the helper starts from the back: its first copy fails
+    helper_error: list[BaseException] = []
+
+    def helper() -> None:
+        try:
+            stream.help()
+        except BaseException as e:
+            helper_error.append(e)
+
+    h = threading.Thread(target=helper)
+    h.start()
+    h.join(10)
+    caller = threading.Thread(target=stream.produce)
+    caller.start()
+    caller.join(10)
+    assert not h.is_alive() and not caller.is_alive()
+    assert len(helper_error) == 1 and isinstance(helper_error[0], RuntimeError), helper_error
+    stream.wait_copied()  # returns: the save failed
+    with pytest.raises(RuntimeError) as raised:
+        stream.consume(str(tmp_path / "d"))
+    assert raised.value is helper_error[0]
 
 
 def test_an_error_while_copying_reaches_the_writer_instead_of_a_wait(tmp_path, small_blocks):
