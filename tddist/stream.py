@@ -24,6 +24,7 @@ compresses each entry before the staging area exists.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -61,13 +62,20 @@ class StreamSources:
     def snapshot(self, key: Key, t: torch.Tensor) -> torch.Tensor:
         t = local_source(t)
         self.sources[key] = t
-        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+        return _stand_in(t.shape, t.dtype)
 
     def synchronize(self) -> None:
         pass
 
     def retain_only(self, keys: set[Key]) -> None:
         pass
+
+
+@functools.lru_cache(maxsize=4096)
+def _stand_in(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A ``meta`` tensor of ``shape`` and ``dtype``, made once and shared: nothing writes into a stand-in, and
+    a training state has few distinct shapes, so each save no longer makes one per leaf (4 us each)."""
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 #: The slot size of a pipelined whole-state save: the unit the caller and the worker share the copying in.
@@ -192,6 +200,10 @@ class Stream:
         self.arena = arena
         self.rank = rank
         self.keys = [k for k, _t in items]
+        # The leaves' tensors (the detached views ``prepare_shard`` made) stay referenced until the stream
+        # goes, on the worker's thread: freed as the caller returned from ``save`` they took it 8-9 ms at
+        # 1,000 leaves while the commit's thread ran (1 ms of CPU, the rest waiting), longer than a copy.
+        self._items = items
         self.sources = []
         for _k, t in items:
             if not t.is_contiguous():  # a temporary of this leaf's size; documented
