@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/async_stall.py                 # 64 MiB per rank, worlds 1,2,4, 3 repeats
     .venv/bin/python benchmarks/async_stall.py --quick         # 8 MiB per rank, worlds 1,2, 1 repeat
+    .venv/bin/python benchmarks/async_stall.py --tensors 1000 --worlds 1 --steps 0   # per-leaf cost
 
 One ``torchrun --standalone`` job per world size (gloo, CPU, OMP_NUM_THREADS=1)
 runs three scenarios, every implementation on the same data, interleaved (each
@@ -44,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks._common import MIB, hwm_kib, reset_hwm, rss_kib  # noqa: E402
 
-N_TENSORS = 32
+N_TENSORS = 32  # the default; --tensors sets it (many small leaves show the per-leaf cost)
 
 
 def main() -> None:
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64, help="state per rank (MiB)")
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tensors", type=int, default=N_TENSORS, help="float32 leaves the state is split into")
     ap.add_argument("--steps", type=int, default=40, help="training steps per implementation")
     ap.add_argument("--every", type=int, default=8, help="save every K steps")
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
@@ -69,7 +71,7 @@ def main() -> None:
         out = work / f"results-{world}.json"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", __file__,
-            "--worker", f"--mib={args.mib}", f"--repeats={args.repeats}", f"--steps={args.steps}",
+            "--worker", f"--mib={args.mib}", f"--tensors={args.tensors}", f"--repeats={args.repeats}", f"--steps={args.steps}",
             f"--every={args.every}", f"--dir={work / f'w{world}'}", f"--out={out}",
         ]  # fmt: skip
         subprocess.run(cmd, env=env, check=True)
@@ -102,8 +104,8 @@ def worker(args: argparse.Namespace) -> None:
     thread_pg, process_pg, budget_pg, sync_pg = (dist.new_group(backend="gloo") for _ in range(4))
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    numel = args.mib * MIB // 4 // N_TENSORS
-    plain = {f"w{i}": torch.randn(numel) for i in range(N_TENSORS)}
+    numel = args.mib * MIB // 4 // args.tensors
+    plain = {f"w{i}": torch.randn(numel) for i in range(args.tensors)}
     states = {"plain": plain}
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
