@@ -127,18 +127,23 @@ def test_the_helper_copies_from_the_back_while_the_caller_is_slow(tmp_path, smal
     assert (tmp_path / "d").read_bytes() == _packed_file(items)
 
 
+def _waits_until(wait, release, why: str) -> None:
+    """``wait``, run on a thread, still waits 0.3 s later and returns once ``release`` has run."""
+    t = threading.Thread(target=wait)
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), why
+    release()
+    t.join(10)
+    assert not t.is_alive()
+
+
 def test_a_cancelled_save_wakes_a_caller_waiting_for_the_writers_slot(small_blocks):
     """The writer took the last slot and then failed (cancel): the caller, done with the others, returns."""
     items = _items([4096] * 4)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
     assert stream._take_planned(front=False) == len(stream.plan) - 1  # the writer's, never copied
-    caller = threading.Thread(target=stream.produce)
-    caller.start()
-    caller.join(0.3)
-    assert caller.is_alive(), "the caller waits for the writer's slot"
-    stream.cancel()
-    caller.join(10)
-    assert not caller.is_alive()
+    _waits_until(stream.produce, stream.cancel, "the caller waits for the writer's slot")
 
 
 def test_the_writer_starts_only_once_the_caller_is_done_with_the_stream(tmp_path, small_blocks):
@@ -149,13 +154,7 @@ def test_the_writer_starts_only_once_the_caller_is_done_with_the_stream(tmp_path
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
     stream.help()
     assert stream._copied.is_set()
-    writer = threading.Thread(target=stream.wait_copied)
-    writer.start()
-    writer.join(0.3)
-    assert writer.is_alive(), "the writer went ahead while the caller was still inside save"
-    stream.produce()
-    writer.join(10)
-    assert not writer.is_alive()
+    _waits_until(stream.wait_copied, stream.produce, "the writer went ahead while the caller was still inside save")
     stream.consume(str(tmp_path / "d"))
     assert (tmp_path / "d").read_bytes() == _packed_file(items)
 
