@@ -127,6 +127,21 @@ def test_the_helper_copies_from_the_back_while_the_caller_is_slow(tmp_path, smal
     assert (tmp_path / "d").read_bytes() == _packed_file(items)
 
 
+def _start(fn) -> tuple[threading.Thread, list[BaseException]]:
+    """Run ``fn`` on a new thread; the list receives what it raised, if anything."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            raised.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, raised
+
+
 def _waits_until(wait, release, why: str) -> None:
     """``wait``, run on a thread, still waits 0.3 s later and returns once ``release`` has run."""
     t = threading.Thread(target=wait)
@@ -165,16 +180,7 @@ def test_an_error_in_the_helper_wakes_the_caller_and_fails_the_writer(tmp_path, 
     items = _items([4096] * 8)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
     stream.sources[-1] = torch.empty(0, dtype=torch.uint8)  # the helper starts from the back: its first copy fails
-    helper_error: list[BaseException] = []
-
-    def helper() -> None:
-        try:
-            stream.help()
-        except BaseException as e:
-            helper_error.append(e)
-
-    h = threading.Thread(target=helper)
-    h.start()
+    h, helper_error = _start(stream.help)
     h.join(10)
     caller = threading.Thread(target=stream.produce)
     caller.start()
@@ -195,16 +201,7 @@ def test_an_error_while_copying_reaches_the_writer_instead_of_a_wait(tmp_path, s
     stream.sources[1] = torch.empty(0, dtype=torch.uint8)  # shorter than its planned pieces: copy_ fails
     with pytest.raises(RuntimeError):
         stream.produce()
-    outcome: list[BaseException] = []
-
-    def writer() -> None:
-        try:
-            stream.consume(str(tmp_path / "d"))
-        except BaseException as e:
-            outcome.append(e)
-
-    t = threading.Thread(target=writer)
-    t.start()
+    t, outcome = _start(lambda: stream.consume(str(tmp_path / "d")))
     t.join(10)
     assert not t.is_alive() and len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
 
@@ -245,16 +242,7 @@ def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(
     arena = Arena(256, slot=128) if budgeted else Arena(whole_state_budget(items, 1024), slot=1024)
     stream = Stream(arena, items, rank=0)
     assert stream.whole is not budgeted
-    outcome: list[BaseException] = []
-
-    def writer() -> None:
-        try:
-            stream.consume(str(tmp_path / "d"), write_threads)
-        except BaseException as e:
-            outcome.append(e)
-
-    t = threading.Thread(target=writer)
-    t.start()
+    t, outcome = _start(lambda: stream.consume(str(tmp_path / "d"), write_threads))
     caller = threading.Thread(target=stream.produce)
     caller.start()
     caller.join(10)
