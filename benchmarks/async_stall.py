@@ -43,7 +43,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from benchmarks._common import MIB, hwm_kib, reset_hwm, rss_kib  # noqa: E402
+from benchmarks._common import MIB, host_memory_kept, hwm_kib, reset_hwm, rss_kib  # noqa: E402
 
 N_TENSORS = 32  # the default; --tensors sets it (many small leaves show the per-leaf cost)
 
@@ -65,6 +65,13 @@ def main() -> None:
         args.mib, args.worlds, args.repeats, args.steps, args.every = 8, "1,2", 1, 12, 4
     if args.worker:
         return worker(args)
+    with host_memory_kept(enabled=not args.quick) as host_memory:
+        print(host_memory, flush=True)
+        run_worlds(args)
+
+
+def run_worlds(args: argparse.Namespace) -> None:
+    """One torchrun job per world size, each reported as it ends."""
     work = Path(args.dir or tempfile.mkdtemp(prefix="async-stall-"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE.parent))
     for world in [int(w) for w in args.worlds.split(",")]:

@@ -87,12 +87,15 @@ def provenance(result: dict) -> str:
     return (
         f"Source digest **`{lib['source_digest']}`** (every `.py` file of `tddist/` and `benchmarks/`; "
         f"`publish.py` refuses results of any other code), tddist {lib.get('version')}. "
-        f"{cfg.get('payload_mib', 0):.0f} MiB payload, worlds {worlds}, {cfg.get('repeats')} repeat(s); "
+        f"{cfg.get('payload_mib', 0):.0f} MiB payload, worlds {worlds}, {cfg.get('repeats')} repeat(s)"
+        + (f" (asynchronous saves: {cfg['async_repeats']})" if cfg.get("async_repeats") else "")
+        + "; "
         f"{m.get('cpus')} CPUs, {m.get('memory_gib')} GiB, {m.get('filesystem')} ({m.get('filesystem_device')}), "
         f"kernel {m.get('kernel')}, Python {m.get('python')}, torch {m.get('torch', '?')}; "
         f"started {result.get('started_utc', '?')}, wall time {result.get('seconds', 0):,.0f} s; "
         f"load average (1 min) {load[0]:.2f} at the start"
         + (f", {max(ends):.2f} at its highest after a job" if ends else "")
+        + (f"; {m['host_memory']}" if m.get("host_memory") else "")
         + "."
     )
 

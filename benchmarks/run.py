@@ -40,6 +40,7 @@ QUICK = dict(
     size_mib=4,
     worlds="1,2",
     repeats=1,
+    async_repeats=1,
     mpi_worlds="2",
     small_tensors=200,
     commit_reps=2,
@@ -50,6 +51,7 @@ FULL = dict(
     size_mib=1024,
     worlds="1,2,4",
     repeats=3,
+    async_repeats=7,
     mpi_worlds="2,4",
     small_tensors=10000,
     commit_reps=30,
@@ -70,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--size-mib", type=int, help="total payload over all ranks (default 1024; --quick: 4)")
     ap.add_argument("--worlds", help="torchrun world sizes (default 1,2,4; --quick: 1,2)")
     ap.add_argument("--repeats", type=int, help="interleaved repeats per scenario (default 3; --quick: 1)")
+    ap.add_argument(
+        "--async-repeats",
+        type=int,
+        help="interleaved repeats of the asynchronous saves (default 7, cheap and the noisiest; --quick: 1)",
+    )
     ap.add_argument("--out", default=str(HERE / "results.json"), help="JSON output (default benchmarks/results.json)")
     ap.add_argument("--dir", help="where checkpoints are written: the file system under test (default: the temp dir)")
     ap.add_argument("--quick", action="store_true", help="a few MB, 1 repeat, worlds 1 and 2, every scenario once")
@@ -571,11 +578,18 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with C.host_memory_kept(enabled=not args.quick) as host_memory:
+        return run(args, host_memory)
+
+
+def run(args: argparse.Namespace, host_memory: str) -> int:
+    """Every job of the run, on a machine whose freed memory stays in it (``_common.host_memory_kept``)."""
     base = args.dir or tempfile.gettempdir()
     os.makedirs(base, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tddist-bench-", dir=base))
     machine = C.machine_info(str(work))
     machine["torch"] = _version_of("torch")
+    machine["host_memory"] = host_memory
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lib = snapshot_tddist(work)
     worlds = args.worlds
@@ -585,6 +599,7 @@ def main(argv=None) -> int:
     cfg_common = {
         "dir": str(work),
         "repeats": args.repeats,
+        "async_repeats": args.async_repeats,
         "rows": rows,
         "leaves": LEAVES,
         "cols": COLS,
@@ -603,7 +618,8 @@ def main(argv=None) -> int:
     )
     print(
         f"tddist benchmarks: payload {payload_mib:.0f} MiB over {worlds} ranks, {args.repeats} repeat(s), "
-        f"checkpoints in a {machine['filesystem']} file system ({machine['cpus']} CPUs, {machine['memory_gib']} GiB)",
+        f"checkpoints in a {machine['filesystem']} file system ({machine['cpus']} CPUs, {machine['memory_gib']} GiB); "
+        f"{host_memory}",
         file=sys.stderr,
         flush=True,
     )
@@ -700,7 +716,7 @@ def main(argv=None) -> int:
     print()
     print(
         f"## tddist {lib['version']} (source digest {lib['source_digest']}) vs peers: {payload_mib:.0f} MiB payload, "
-        f"{args.repeats} repeat(s), {machine['cpus']} CPUs, {machine['memory_gib']} GiB, {machine['filesystem']} "
+        f"{args.repeats} repeat(s) ({args.async_repeats} of the asynchronous saves), {machine['cpus']} CPUs, {machine['memory_gib']} GiB, {machine['filesystem']} "
         f"({machine['filesystem_device']}), kernel {machine['kernel']}, load average at start "
         f"{machine['load_average_at_start'][0]:.1f}"
     )

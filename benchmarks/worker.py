@@ -815,7 +815,7 @@ class Job:
             if label == "tddist return_early":
                 channel = background.channel(resolve())
                 state["after_first"] = channel.buffers.allocations
-        for rep in range(self.repeats):
+        for rep in range(self.cfg.get("async_repeats", self.repeats)):
             for label, fn in rotated(impls, rep):
                 run("async save", label, fn, rep)
         self.clean(*previous.values())
