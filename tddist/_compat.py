@@ -95,6 +95,22 @@ _LOCAL_BOXES: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 _LOCAL_BOXES_MAX = 1 << 16
 
 
+def dtensor_signature(d: Any) -> Any:
+    """What a DTensor's placement on its mesh depends on, as one comparable value: its spec.
+
+    ``DTensor._spec`` (a ``DTensorSpec``: the mesh, the placements and the
+    global shape, stride and dtype) is not a documented API; the save's
+    layout cache compares it between saves, which is cheap because a
+    training state keeps its DTensors, and so their specs, from one save to
+    the next. Where it is missing (another torch) the same facts are read
+    through the public attributes.
+    """
+    spec = getattr(d, "_spec", None)
+    if spec is not None:
+        return spec
+    return tuple(d.shape), d.dtype, tuple(d.placements), d.device_mesh
+
+
 def dtensor_local(d: Any) -> Any:
     """DTensor ``d``'s local shard, without the autograd node that ``to_local()`` adds.
 

@@ -191,6 +191,7 @@ def save(
             robust_key=robust_key,
             allow_pickle=allow_pickle,
             copy_existing=copy_existing,
+            layouts=ch.layouts,
         )
 
     if not return_early:

@@ -39,6 +39,7 @@ from .layouts.archive import ArchiveWriter
 from .layouts.base import hashes_replica
 from .layouts.directory import DirectoryWriter
 from .merge import PlanCache
+from .prepare import LayoutCache
 from .s3.url import is_s3
 from .snapshot import SnapshotBuffers, Snapshotter
 from .stream import Arena, Stream, StreamingWriter, StreamSources, pipeline_slot, whole_state_budget
@@ -159,6 +160,7 @@ class Channel:
         self.arena: Arena | None = None  # the slots of streamed saves (stream.py)
         self.arena_allocations = 0  # how many arenas this channel allocated (a reused one is not counted again)
         self.plans = PlanCache()  # the cached path of the next save's merge (see merge.py)
+        self.layouts = LayoutCache()  # what the latest saves derived from their structures (prepare.py)
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
         self._worker: Worker | None = None

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import format as fmt
-from ._compat import dtensor_local
+from ._compat import dtensor_local, dtensor_signature
 from ._memmaps import mapped_files
 from .errors import InvalidDataError
 from .per_rank import check_marked_keys, covered, normalize_overrides, refuse_dtensor, refuse_stack
@@ -23,6 +24,59 @@ from .sharding import Boxes, PerRank, Placement, Replicate, Shard, replica_write
 from .snapshot import SnapshotBuffers
 from .tree import dtensor_box, flatten, is_dtensor, local_bytes, resolve_placements
 from .types import DTensorBox, EncodedObject, Key, LocalShard, SaveItem
+
+
+@dataclass(frozen=True, slots=True)
+class LeafLayout:
+    """What a save derives for one tensor leaf from the structure alone: its placement, whether this
+    rank writes it, and a DTensor's box."""
+
+    placement: Placement
+    writes: bool
+    dtensor: DTensorBox | None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """What ``prepare_shard`` derives from a save's structure, in the order of ``flatten``'s leaves and
+    non-tensor values: the keys passed their checks, each leaf's ``LeafLayout``, and whether each
+    non-tensor value is per-rank (``PerRank()``)."""
+
+    leaves: tuple[LeafLayout, ...]
+    objects_per_rank: tuple[bool, ...]
+
+
+class LayoutCache:
+    """The layouts of a communicator's latest saves, by structure signature, so that a save of the same
+    structure skips the key checks and placement choices (about 20 us a leaf; 22 ms of blocking at
+    1,000 leaves, 41 ms with DTensors).
+
+    A signature holds everything a layout depends on: the rank and world
+    size, ``placements=`` and ``robust_key``, every node's key and batch
+    size, every leaf's key, shape, dtype and device (a DTensor's spec: its
+    mesh, placements and global shape), and every non-tensor value's key and
+    kind. Values are never part of a layout; they are checked and encoded at
+    every save. Used on the caller's thread only.
+    """
+
+    #: Layouts kept: a loop that saves a few states in turn (model, optimizer) on one communicator.
+    SIZE = 4
+
+    def __init__(self) -> None:
+        self._layouts: list[tuple[tuple, ShardLayout]] = []
+        self.hits = 0  # saves that reused a layout (tests read it)
+
+    def get(self, signature: tuple) -> ShardLayout | None:
+        for i, (sig, layout) in enumerate(self._layouts):
+            if sig == signature:  # tuples compare their items by identity first: a steady state is cheap
+                self._layouts.insert(0, self._layouts.pop(i))
+                self.hits += 1
+                return layout
+        return None
+
+    def put(self, signature: tuple, layout: ShardLayout) -> None:
+        self._layouts.insert(0, (signature, layout))
+        del self._layouts[self.SIZE :]
 
 
 def prepare_shard(
@@ -35,57 +89,106 @@ def prepare_shard(
     robust_key: bool,
     allow_pickle: bool,
     copy_existing: bool,
+    layouts: LayoutCache | None = None,
 ) -> LocalShard | Exception:
     """Flatten and check the data; with ``buffers``, snapshot it (asynchronous save).
 
-    Errors are returned, not raised: every rank must still take part in the
-    commit so that all of them raise the same error instead of some hanging.
+    ``layouts``: reuse what an earlier save of the same structure derived
+    (``LayoutCache``). Errors are returned, not raised: every rank must still
+    take part in the commit so that all of them raise the same error instead
+    of some hanging.
     """
     try:
         nodes, leaves, objects = flatten(data)
         _check_materialised(leaves, rank)
-        if not robust_key:
-            _check_verbatim_keys(nodes, {**leaves, **objects})
-        _check_file_names(nodes, leaves, objects, robust_key)
+        signature = None if layouts is None else _signature(nodes, leaves, objects, rank, world, placements, robust_key)
+        layout = None if signature is None or layouts is None else layouts.get(signature)
+        if layout is None:
+            layout = _derive_layout(nodes, leaves, objects, rank, world, placements, robust_key)
+            if signature is not None and layouts is not None:
+                layouts.put(signature, layout)
         if not copy_existing:
             _check_not_mapped(leaves, rank)
-        others, marked = normalize_overrides(placements)
-        check_marked_keys(marked, [*nodes, *leaves, *objects])
-        chosen: dict[Key, Placement] = dict(resolve_placements(nodes, leaves, others))
-        for k, t in leaves.items():
-            if covered(k, marked):
-                if is_dtensor(t):
-                    raise refuse_dtensor(k)
-                chosen[k] = PerRank()
         encoded = {}
-        for k, (kind, value) in objects.items():
+        for (k, (kind, value)), own in zip(objects.items(), layout.objects_per_rank):
             where = f"rank {rank}: non-tensor leaf {list(k)}"
-            own = covered(k, marked)
             if kind == "stack":
-                if own:
-                    raise refuse_stack(k)
                 encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
             else:
                 encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where), own)
-        writers = replica_writers(
-            {k: t.numel() * t.element_size() for k, t in leaves.items() if isinstance(chosen[k], Replicate)}, world
-        )
         items = []
-        for k, t in leaves.items():
-            dtensor = None
-            if isinstance(chosen[k], Boxes):
-                box, writes = dtensor_box(t, k)
-                dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
-            else:
-                writes = isinstance(chosen[k], (Shard, PerRank)) or writers[k] == rank
+        for (k, t), leaf in zip(leaves.items(), layout.leaves):
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
-            items.append(SaveItem(k, local, chosen[k], writes, dtensor))
+            items.append(SaveItem(k, local, leaf.placement, leaf.writes, leaf.dtensor))
         if buffers is not None:
             buffers.synchronize()
             buffers.retain_only(set(leaves))
         return LocalShard(nodes, tuple(items), encoded)
     except Exception as e:
         return e
+
+
+def _signature(
+    nodes: Mapping[Key, tuple[int, ...]],
+    leaves: Mapping[Key, torch.Tensor],
+    objects: Mapping[Key, tuple[str, Any]],
+    rank: int,
+    world: int,
+    placements: Mapping[Any, Any] | None,
+    robust_key: bool,
+) -> tuple | None:
+    """What a ``ShardLayout`` depends on (``LayoutCache``); None when ``placements=`` cannot be compared
+    (an unhashable key or placement): such a save derives its layout every time."""
+    overrides = tuple(placements.items()) if placements else ()
+    try:
+        hash(overrides)
+    except TypeError:
+        return None
+    shapes = tuple(dtensor_signature(t) if is_dtensor(t) else (t.shape, t.dtype, t.device) for t in leaves.values())
+    kinds = tuple(kind for kind, _value in objects.values())
+    return (rank, world, robust_key, overrides, tuple(nodes.items()), tuple(leaves), shapes, tuple(objects), kinds)
+
+
+def _derive_layout(
+    nodes: Mapping[Key, tuple[int, ...]],
+    leaves: Mapping[Key, torch.Tensor],
+    objects: Mapping[Key, tuple[str, Any]],
+    rank: int,
+    world: int,
+    placements: Mapping[Any, Any] | None,
+    robust_key: bool,
+) -> ShardLayout:
+    """Check the keys and choose each leaf's placement, writer and DTensor box (raises on bad input)."""
+    if not robust_key:
+        _check_verbatim_keys(nodes, {**leaves, **objects})
+    _check_file_names(nodes, leaves, objects, robust_key)
+    others, marked = normalize_overrides(placements)
+    check_marked_keys(marked, [*nodes, *leaves, *objects])
+    chosen: dict[Key, Placement] = dict(resolve_placements(dict(nodes), dict(leaves), others))
+    for k, t in leaves.items():
+        if covered(k, marked):
+            if is_dtensor(t):
+                raise refuse_dtensor(k)
+            chosen[k] = PerRank()
+    objects_per_rank = []
+    for k, (kind, _value) in objects.items():
+        own = covered(k, marked)
+        if kind == "stack" and own:
+            raise refuse_stack(k)
+        objects_per_rank.append(own)
+    writers = replica_writers(
+        {k: t.numel() * t.element_size() for k, t in leaves.items() if isinstance(chosen[k], Replicate)}, world
+    )
+    out = []
+    for k, t in leaves.items():
+        dtensor = None
+        if isinstance(chosen[k], Boxes):
+            box, writes = dtensor_box(t, k)
+            dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
+        else:
+            writes = isinstance(chosen[k], (Shard, PerRank)) or writers[k] == rank
+        out.append(LeafLayout(chosen[k], writes, dtensor))
+    return ShardLayout(tuple(out), tuple(objects_per_rank))
 
 
 def _check_materialised(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:

@@ -53,7 +53,8 @@ def local_source(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes are saved: a DTensor's local shard, detached, conjugation and negation resolved."""
     if hasattr(t, "to_local") and hasattr(t, "device_mesh"):
         t = dtensor_local(t)
-    t = t.detach()
+    if t.requires_grad:  # only then is there an autograd graph to leave (a detached view costs 1 us a leaf)
+        t = t.detach()
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():

@@ -66,7 +66,9 @@ def _walk(
                 f"key {name!r} under {list(key)} clashes with a field of tensordict's meta.json; rename it"
             )
         child = key + (name,)
-        if isinstance(value, NonTensorData):
+        if type(value) in _PLAIN_TENSORS:  # the common case first: a tensor is none of the kinds below
+            leaves[child] = value
+        elif isinstance(value, NonTensorData):
             objects[child] = ("data", value.data)
         elif isinstance(value, NonTensorStack):
             if value.batch_dims != 1:
@@ -90,8 +92,11 @@ def _walk(
             objects[child] = ("data", value)
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def _is_plain_tensor(t: torch.Tensor) -> bool:
-    return type(t) in (torch.Tensor, torch.nn.Parameter) or type(t).__name__ == "MemoryMappedTensor"
+    return type(t) in _PLAIN_TENSORS or type(t).__name__ == "MemoryMappedTensor"
 
 
 def is_dtensor(t: object) -> TypeGuard[DTensor]:

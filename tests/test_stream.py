@@ -249,3 +249,54 @@ def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(
     t.join(10)
     assert not caller.is_alive() and not t.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], OSError) and outcome[0].errno == errno.EIO, outcome
+
+
+def _save_whole(arena: Arena, items, path) -> Stream:
+    """One whole-mode stream of ``items`` through ``arena``, copied by both threads and written to ``path``."""
+    stream = Stream(arena, items, rank=0)
+    assert stream.whole
+    helper = threading.Thread(target=stream.help)
+    helper.start()
+    stream.produce()
+    helper.join(10)
+    stream.consume(str(path))
+    return stream
+
+
+def test_saves_of_the_same_sizes_reuse_the_plan_and_the_padding_stays_zero(tmp_path, small_blocks):
+    """A second whole stream of the same sizes (new values) takes the same plan and slot destinations, whose
+    padding it does not rewrite; a bounded stream through the same arena in between fills every slot with
+    its own bytes, and the whole stream after it still writes zeros between the leaves."""
+    items = _items(SIZES)
+    arena = Arena(whole_state_budget(items, 128), slot=128)
+    first = _save_whole(arena, items, tmp_path / "a")
+    assert (tmp_path / "a").read_bytes() == _packed_file(items)
+
+    again = _items(SIZES, seed=1)
+    second = _save_whole(arena, again, tmp_path / "b")
+    assert second.plan is first.plan and second._destinations is first._destinations
+    assert (tmp_path / "b").read_bytes() == _packed_file(again)
+
+    larger = [((f"x{i}",), torch.full((3000,), 0xAB, dtype=torch.uint8)) for i in range(len(SIZES) * 2)]
+    bounded = Stream(arena, larger, rank=0)
+    assert not bounded.whole
+    t, outcome = _start(lambda: bounded.consume(str(tmp_path / "bounded")))
+    bounded.produce()
+    t.join(10)
+    assert not t.is_alive() and not outcome, outcome
+    assert (arena.memory == 0xAB).sum() > 0  # the slots now hold the bounded save's bytes, gaps included
+
+    third = _items(SIZES, seed=2)
+    _save_whole(arena, third, tmp_path / "c")
+    assert (tmp_path / "c").read_bytes() == _packed_file(third)
+
+
+def test_a_plan_is_made_for_the_format_constants_in_force(monkeypatch):
+    """The cached plan of some sizes is not reused under another checksum block (pieces never cross one)."""
+    sizes = (5000, 3000)
+    default = stream_mod.plan_layout(sizes, 4096)
+    monkeypatch.setattr(fmt, "CHECKSUM_BLOCK", 1024)
+    small = stream_mod.plan_layout(sizes, 4096)
+    assert small is not default
+    assert all(at // 1024 == (at + k - 1) // 1024 for e in small.plan for _i, at, _lo, k in e.pieces)
+    assert stream_mod.plan_layout(sizes, 4096) is small
