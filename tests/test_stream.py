@@ -174,12 +174,25 @@ def test_the_writer_starts_only_once_the_caller_is_done_with_the_stream(tmp_path
     assert (tmp_path / "d").read_bytes() == _packed_file(items)
 
 
-def test_an_error_in_the_helper_wakes_the_caller_and_fails_the_writer(tmp_path, small_blocks):
-    """The helper's copy fails (a source shorter than its plan): the helper raises, the caller waiting for the
-    helper's slot returns instead of waiting forever, and the writer starts and raises the helper's error."""
+def _failing_copies_of(monkeypatch, leaf: torch.Tensor) -> None:
+    """Every copy out of ``leaf``'s bytes raises (an injected failure of the copy itself)."""
+    lo, hi = leaf.data_ptr(), leaf.data_ptr() + leaf.numel() * leaf.element_size()
+    copy = stream_mod._copy_bytes
+
+    def failing(destination: int, source: int, nbytes: int) -> None:
+        if lo <= source < hi:
+            raise RuntimeError("injected copy failure")
+        copy(destination, source, nbytes)
+
+    monkeypatch.setattr(stream_mod, "_copy_bytes", failing)
+
+
+def test_an_error_in_the_helper_wakes_the_caller_and_fails_the_writer(tmp_path, small_blocks, monkeypatch):
+    """The helper's copy fails: the helper raises, the caller waiting for the helper's slot returns instead of
+    waiting forever, and the writer starts and raises the helper's error."""
     items = _items([4096] * 8)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
-    stream.sources[-1] = torch.empty(0, dtype=torch.uint8)  # the helper starts from the back: its first copy fails
+    _failing_copies_of(monkeypatch, items[-1][1])  # the helper starts from the back: its first copy fails
     h, helper_error = _start(stream.help)
     h.join(10)
     caller = threading.Thread(target=stream.produce)
@@ -193,12 +206,12 @@ def test_an_error_in_the_helper_wakes_the_caller_and_fails_the_writer(tmp_path, 
     assert raised.value is helper_error[0]
 
 
-def test_an_error_while_copying_reaches_the_writer_instead_of_a_wait(tmp_path, small_blocks):
+def test_an_error_while_copying_reaches_the_writer_instead_of_a_wait(tmp_path, small_blocks, monkeypatch):
     """A copy that fails on the caller's thread raises there, and the writer raises the same error (this
     rank's failed vote) instead of waiting for bytes that never come."""
     items = _items([4096] * 4)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
-    stream.sources[1] = torch.empty(0, dtype=torch.uint8)  # shorter than its planned pieces: copy_ fails
+    _failing_copies_of(monkeypatch, items[1][1])
     with pytest.raises(RuntimeError):
         stream.produce()
     t, outcome = _start(lambda: stream.consume(str(tmp_path / "d")))
@@ -264,7 +277,7 @@ def _save_whole(arena: Arena, items, path) -> Stream:
 
 
 def test_saves_of_the_same_sizes_reuse_the_plan_and_the_padding_stays_zero(tmp_path, small_blocks):
-    """A second whole stream of the same sizes (new values) takes the same plan and slot destinations, whose
+    """A second whole stream of the same sizes (new values) takes the same plan and zeroed gaps, whose
     padding it does not rewrite; a bounded stream through the same arena in between fills every slot with
     its own bytes, and the whole stream after it still writes zeros between the leaves."""
     items = _items(SIZES)
@@ -274,7 +287,7 @@ def test_saves_of_the_same_sizes_reuse_the_plan_and_the_padding_stays_zero(tmp_p
 
     again = _items(SIZES, seed=1)
     second = _save_whole(arena, again, tmp_path / "b")
-    assert second.plan is first.plan and second._destinations is first._destinations
+    assert second.plan is first.plan and arena._zeroed_for is first.plan
     assert (tmp_path / "b").read_bytes() == _packed_file(again)
 
     larger = [((f"x{i}",), torch.full((3000,), 0xAB, dtype=torch.uint8)) for i in range(len(SIZES) * 2)]
