@@ -239,7 +239,7 @@ def plan_slots(sizes: list[int], offsets: list[int], slot_bytes: int) -> list[_F
     return out
 
 
-def _copy_bytes(destination: int, source: int, nbytes: int) -> None:
+def copy_bytes(destination: int, source: int, nbytes: int) -> None:
     """Copy ``nbytes`` from address ``source`` into address ``destination`` (host memory; no overlap).
 
     libc's ``memmove`` through ctypes, which drops the interpreter lock for
@@ -285,7 +285,7 @@ class Stream:
         # 1,000 leaves while the commit's thread ran (1 ms of CPU, the rest waiting), longer than a copy.
         self._items = items
         self.sources = [_bytes_of(t) for _k, t in items]
-        # Host leaves are copied by address (``_copy_bytes``); device leaves (None) by ``copy_``.
+        # Host leaves are copied by address (``copy_bytes``); device leaves (None) by ``copy_``.
         self._addresses = [s.data_ptr() if s.is_cpu else None for s in self.sources]
         layout = plan_layout(tuple(s.numel() for s in self.sources), arena.slot_bytes)
         self.offsets, self.total, self.plan = layout.offsets, layout.total, layout.plan
@@ -378,7 +378,7 @@ class Stream:
         for idx, at, lo, k in entry.pieces:
             address = self._addresses[idx]
             if address is not None:
-                _copy_bytes(self.arena.address + base + lo, address + at, k)
+                copy_bytes(self.arena.address + base + lo, address + at, k)
             else:  # a device leaf into pinned slots
                 src = self.sources[idx]
                 self.arena.memory[base + lo : base + lo + k].copy_(src if k == src.numel() else src[at : at + k])

@@ -46,6 +46,7 @@ import torch
 from .comm import Communicator, LocalComm
 from .errors import CommError, InvalidArgumentError
 from .merge import packed_offsets
+from .stream import copy_bytes
 from .types import LocalShard, SaveOptions
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,9 @@ class ProcessWriter:
         arena = torch.frombuffer(self.map, dtype=torch.uint8, count=total)
         placed = []
         for t, offset, n in zip(tensors, offsets.tolist(), sizes.tolist()):
-            if n:
+            if n and t.is_cpu and t.is_contiguous():  # host bytes as they lie: one memmove
+                copy_bytes(arena.data_ptr() + offset, t.data_ptr(), n)
+            elif n:
                 dst = arena[offset : offset + n].view(t.dtype).view(t.shape)
                 dst.copy_(t)
             placed.append(Placed(int(offset), int(n), t.dtype, tuple(t.shape)))

@@ -177,14 +177,14 @@ def test_the_writer_starts_only_once_the_caller_is_done_with_the_stream(tmp_path
 def _failing_copies_of(monkeypatch, leaf: torch.Tensor) -> None:
     """Every copy out of ``leaf``'s bytes raises (an injected failure of the copy itself)."""
     lo, hi = leaf.data_ptr(), leaf.data_ptr() + leaf.numel() * leaf.element_size()
-    copy = stream_mod._copy_bytes
+    copy = stream_mod.copy_bytes
 
     def failing(destination: int, source: int, nbytes: int) -> None:
         if lo <= source < hi:
             raise RuntimeError("injected copy failure")
         copy(destination, source, nbytes)
 
-    monkeypatch.setattr(stream_mod, "_copy_bytes", failing)
+    monkeypatch.setattr(stream_mod, "copy_bytes", failing)
 
 
 def test_an_error_in_the_helper_wakes_the_caller_and_fails_the_writer(tmp_path, small_blocks, monkeypatch):
