@@ -63,23 +63,27 @@ PAGE_REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_ord
 _NO_REPORTING_ORDER = "11"
 
 
-def _available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+def meminfo_bytes(field: str) -> int:
+    """A ``/proc/meminfo`` field (``MemTotal``, ``MemAvailable``) in bytes; 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return 0
 
 
 def _touch_free_memory(reserve: int = 2 * GIB) -> int:
-    """Write one byte per page of all but ``reserve`` of the available memory, then free it. Returns the bytes.
+    """Write every byte of all but ``reserve`` of the available memory, then free it. Returns the bytes.
 
     A page the host took back is faulted in again at its first write (about
     2 s per GiB on the machine the published runs come from, against 0.3 s
     for a page the guest kept); touching it once here moves that cost out of
     every measurement.
     """
-    chunks, total = [], max(0, _available_bytes() - reserve)
+    chunks, total = [], max(0, meminfo_bytes("MemAvailable") - reserve)
     try:
         for _ in range(total // GIB):
             m = mmap.mmap(-1, GIB)
@@ -302,14 +306,7 @@ def filesystem_of(path: str) -> dict:
 
 
 def machine_info(path: str) -> dict:
-    mem = 0
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    mem = meminfo_bytes("MemTotal")
     fs = filesystem_of(path)
     return {
         "cpus": os.cpu_count(),

@@ -64,6 +64,8 @@ def start_writeback(fd: int, at: int, nbytes: int) -> None:
 #: The smallest write whose write-back is started at once; smaller ones (headers, batches of tiny leaves) wait
 #: for the fsync rather than cost a system call each.
 WRITEBACK_MIN = 1024 * 1024
+#: The most bytes the data writers (``writer.py``, ``stream.py``) hand to one ``pwrite``.
+WRITE_STEP = 8 * 1024 * 1024
 
 
 def write_and_start_writeback(fd: int, data: memoryview, at: int, step: int = 1 << 30) -> None:

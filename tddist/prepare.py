@@ -78,6 +78,79 @@ class LayoutCache:
         self._layouts.insert(0, (signature, layout))
         del self._layouts[self.SIZE :]
 
+    def layout_of(self, structure: SavedStructure) -> ShardLayout:
+        """``structure``'s layout: a kept one of the same signature, else derived (and kept when it has one)."""
+        signature = structure.signature()
+        layout = None if signature is None else self.get(signature)
+        if layout is None:
+            layout = structure.derive_layout()
+            if signature is not None:
+                self.put(signature, layout)
+        return layout
+
+
+@dataclass(frozen=True, slots=True)
+class SavedStructure:
+    """What a save's ``ShardLayout`` is derived from: the flattened data (``tree.flatten``), this rank's
+    place in the world, and the options that choose placements and file names."""
+
+    nodes: Mapping[Key, tuple[int, ...]]
+    leaves: Mapping[Key, torch.Tensor]
+    objects: Mapping[Key, tuple[str, Any]]
+    rank: int
+    world: int
+    placements: Mapping[Any, Any] | None
+    robust_key: bool
+
+    def signature(self) -> tuple | None:
+        """What the layout depends on (``LayoutCache``); None when ``placements=`` cannot be compared (an
+        unhashable key or placement): such a save derives its layout every time."""
+        overrides = tuple(self.placements.items()) if self.placements else ()
+        try:
+            hash(overrides)
+        except TypeError:
+            return None
+        leaves, objects = self.leaves, self.objects
+        shapes = tuple(dtensor_signature(t) if is_dtensor(t) else (t.shape, t.dtype, t.device) for t in leaves.values())
+        kinds = tuple(kind for kind, _value in objects.values())
+        nodes = tuple(self.nodes.items())
+        return (self.rank, self.world, self.robust_key, overrides, nodes, tuple(leaves), shapes, tuple(objects), kinds)
+
+    def derive_layout(self) -> ShardLayout:
+        """Check the keys and choose each leaf's placement, writer and DTensor box (raises on bad input)."""
+        nodes, leaves, objects, rank = self.nodes, self.leaves, self.objects, self.rank
+        if not self.robust_key:
+            _check_verbatim_keys(nodes, {**leaves, **objects})
+        _check_file_names(nodes, leaves, objects, self.robust_key)
+        others, marked = normalize_overrides(self.placements)
+        check_marked_keys(marked, [*nodes, *leaves, *objects])
+        chosen: dict[Key, Placement] = dict(resolve_placements(dict(nodes), dict(leaves), others))
+        for k, t in leaves.items():
+            if covered(k, marked):
+                if is_dtensor(t):
+                    raise refuse_dtensor(k)
+                chosen[k] = PerRank()
+        objects_per_rank = []
+        for k, (kind, _value) in objects.items():
+            own = covered(k, marked)
+            if kind == "stack" and own:
+                raise refuse_stack(k)
+            objects_per_rank.append(own)
+        writers = replica_writers(
+            {k: t.numel() * t.element_size() for k, t in leaves.items() if isinstance(chosen[k], Replicate)},
+            self.world,
+        )
+        out = []
+        for k, t in leaves.items():
+            dtensor = None
+            if isinstance(chosen[k], Boxes):
+                box, writes = dtensor_box(t, k)
+                dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
+            else:
+                writes = isinstance(chosen[k], (Shard, PerRank)) or writers[k] == rank
+            out.append(LeafLayout(chosen[k], writes, dtensor))
+        return ShardLayout(tuple(out), tuple(objects_per_rank))
+
 
 def prepare_shard(
     data: Any,
@@ -101,12 +174,8 @@ def prepare_shard(
     try:
         nodes, leaves, objects = flatten(data)
         _check_materialised(leaves, rank)
-        signature = None if layouts is None else _signature(nodes, leaves, objects, rank, world, placements, robust_key)
-        layout = None if signature is None or layouts is None else layouts.get(signature)
-        if layout is None:
-            layout = _derive_layout(nodes, leaves, objects, rank, world, placements, robust_key)
-            if signature is not None and layouts is not None:
-                layouts.put(signature, layout)
+        structure = SavedStructure(nodes, leaves, objects, rank, world, placements, robust_key)
+        layout = structure.derive_layout() if layouts is None else layouts.layout_of(structure)
         if not copy_existing:
             _check_not_mapped(leaves, rank)
         encoded = {}
@@ -126,69 +195,6 @@ def prepare_shard(
         return LocalShard(nodes, tuple(items), encoded)
     except Exception as e:
         return e
-
-
-def _signature(
-    nodes: Mapping[Key, tuple[int, ...]],
-    leaves: Mapping[Key, torch.Tensor],
-    objects: Mapping[Key, tuple[str, Any]],
-    rank: int,
-    world: int,
-    placements: Mapping[Any, Any] | None,
-    robust_key: bool,
-) -> tuple | None:
-    """What a ``ShardLayout`` depends on (``LayoutCache``); None when ``placements=`` cannot be compared
-    (an unhashable key or placement): such a save derives its layout every time."""
-    overrides = tuple(placements.items()) if placements else ()
-    try:
-        hash(overrides)
-    except TypeError:
-        return None
-    shapes = tuple(dtensor_signature(t) if is_dtensor(t) else (t.shape, t.dtype, t.device) for t in leaves.values())
-    kinds = tuple(kind for kind, _value in objects.values())
-    return (rank, world, robust_key, overrides, tuple(nodes.items()), tuple(leaves), shapes, tuple(objects), kinds)
-
-
-def _derive_layout(
-    nodes: Mapping[Key, tuple[int, ...]],
-    leaves: Mapping[Key, torch.Tensor],
-    objects: Mapping[Key, tuple[str, Any]],
-    rank: int,
-    world: int,
-    placements: Mapping[Any, Any] | None,
-    robust_key: bool,
-) -> ShardLayout:
-    """Check the keys and choose each leaf's placement, writer and DTensor box (raises on bad input)."""
-    if not robust_key:
-        _check_verbatim_keys(nodes, {**leaves, **objects})
-    _check_file_names(nodes, leaves, objects, robust_key)
-    others, marked = normalize_overrides(placements)
-    check_marked_keys(marked, [*nodes, *leaves, *objects])
-    chosen: dict[Key, Placement] = dict(resolve_placements(dict(nodes), dict(leaves), others))
-    for k, t in leaves.items():
-        if covered(k, marked):
-            if is_dtensor(t):
-                raise refuse_dtensor(k)
-            chosen[k] = PerRank()
-    objects_per_rank = []
-    for k, (kind, _value) in objects.items():
-        own = covered(k, marked)
-        if kind == "stack" and own:
-            raise refuse_stack(k)
-        objects_per_rank.append(own)
-    writers = replica_writers(
-        {k: t.numel() * t.element_size() for k, t in leaves.items() if isinstance(chosen[k], Replicate)}, world
-    )
-    out = []
-    for k, t in leaves.items():
-        dtensor = None
-        if isinstance(chosen[k], Boxes):
-            box, writes = dtensor_box(t, k)
-            dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
-        else:
-            writes = isinstance(chosen[k], (Shard, PerRank)) or writers[k] == rank
-        out.append(LeafLayout(chosen[k], writes, dtensor))
-    return ShardLayout(tuple(out), tuple(objects_per_rank))
 
 
 def _check_materialised(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:

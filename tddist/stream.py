@@ -39,7 +39,7 @@ import torch
 import xxhash
 
 from . import format as fmt
-from ._fs import write_and_start_writeback
+from ._fs import WRITE_STEP, write_and_start_writeback
 from .checksum import combine_digests
 from .layouts.directory import DirectoryWriter
 from .merge import PlanCache, packed_offsets
@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 
 #: The smallest budget accepted: two slots of half a MiB.
 MIN_BUDGET = 1024 * 1024
-_WRITE_STEP = 8 * 1024 * 1024
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -487,7 +486,7 @@ class Stream:
         """(a write thread) Write one slot and hand it back; on an error, stop the caller and the hashing
         loop (which would otherwise wait for slots this one never frees)."""
         try:
-            write_and_start_writeback(fd, view, at, _WRITE_STEP)
+            write_and_start_writeback(fd, view, at, WRITE_STEP)
         except BaseException as e:
             self._ready.put(e)
             self.cancel()

@@ -26,13 +26,12 @@ import torch
 
 from . import format as fmt
 from ._faults import fault_point
-from ._fs import fsync_path, fsync_tree_dirs, syncfs, write_and_start_writeback, write_durable
+from ._fs import WRITE_STEP, fsync_path, fsync_tree_dirs, syncfs, write_and_start_writeback, write_durable
 from .checksum import EMPTY, block_digest, combine_digests, tensor_bytes
 from .layouts.base import node_meta_files
 from .merge import packed_offsets
 from .types import Key, LocalShard, SaveItem, StoredBytes
 
-_WRITE_STEP = 8 * 1024 * 1024
 _MANY_FILES = 64
 
 
@@ -66,7 +65,7 @@ class _FileJob:
         lo = index * fmt.CHECKSUM_BLOCK
         block = self.data[lo : lo + fmt.CHECKSUM_BLOCK]
         self.digests[index] = block_digest(block)
-        write_and_start_writeback(self.fd, block, lo, _WRITE_STEP)
+        write_and_start_writeback(self.fd, block, lo, WRITE_STEP)
         with self.lock:
             self.remaining -= 1
             last = self.remaining == 0
@@ -188,7 +187,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
     ``merge.packed_offsets``, which readers derive the same way. Large chunks
     are written in CHECKSUM_BLOCK blocks from several threads, each block
     hashed while in cache; small ones are gathered into batches of about
-    ``_WRITE_STEP`` bytes and written with one positioned write each (one
+    ``WRITE_STEP`` bytes and written with one positioned write each (one
     file and one fsync per rank instead of one per leaf). ``rank`` (the
     writer's) names the fault point ``midwrite``, halfway through the writes.
     """
@@ -219,7 +218,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
             digests[key] = [block_digest(b) for b in blocks]
             batch.append((offset, view))
             batch_bytes += len(view)
-            if batch_bytes >= _WRITE_STEP:
+            if batch_bytes >= WRITE_STEP:
                 tasks.append(partial(_put_batch, fd, batch))
                 batch, batch_bytes = [], 0
         if batch:
@@ -236,7 +235,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
 
 def _put(fd: int, digests: list[int], index: int, block: memoryview, at: int) -> None:
     digests[index] = block_digest(block)
-    write_and_start_writeback(fd, block, at, _WRITE_STEP)
+    write_and_start_writeback(fd, block, at, WRITE_STEP)
 
 
 def _put_batch(fd: int, batch: list[tuple[int, memoryview]]) -> None:
@@ -246,4 +245,4 @@ def _put_batch(fd: int, batch: list[tuple[int, memoryview]]) -> None:
     buf = bytearray(end - start)
     for offset, view in batch:
         buf[offset - start : offset - start + len(view)] = view
-    write_and_start_writeback(fd, memoryview(buf), start, _WRITE_STEP)
+    write_and_start_writeback(fd, memoryview(buf), start, WRITE_STEP)
