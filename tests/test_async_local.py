@@ -314,3 +314,23 @@ def test_saves_that_alternate_between_states_reuse_one_arena(tmp_path):
         assert_td_equal(tddist.load(tmp_path / f"c{i}", shard=None, verify=True), state)
         state.apply_(lambda t: t.add_(1))  # the next save of it must see the change
     assert grown == [1, 2, 2, 2, 2, 2, 2], grown
+
+
+def test_a_pipelined_save_leaves_the_callers_tensors_resizable_and_reads_no_maps(tmp_path, monkeypatch):
+    """The shared copy reads the leaves by address: it does not export them to numpy, which would mark their
+    storages not resizable for good (a later ``resize_`` of a training buffer would fail) and send every later
+    save's map check to ``/proc/self/maps``. Three saves read the maps file never; the checkpoints hold the
+    state as of each call."""
+    from tddist import _memmaps
+
+    reads = []
+    real = _memmaps.file_mappings
+    monkeypatch.setattr(_memmaps, "file_mappings", lambda: reads.append(1) or real())
+    td = TensorDict({"w": torch.randn(2**18), "b": torch.arange(1000.0), "n": torch.ones(3, 5, dtype=torch.int8)}, [])
+    for i in range(3):
+        tddist.save(td, tmp_path / f"c{i}", return_early=True).result()
+        assert_td_equal(tddist.load(tmp_path / f"c{i}", shard=None, verify=True), td)
+        td.apply_(lambda t: t.add_(1))
+    assert reads == []
+    assert all(t.untyped_storage().resizable() for t in td.values())
+    td["b"].resize_(2000)  # a training buffer grown in place
