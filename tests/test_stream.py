@@ -107,11 +107,15 @@ def test_the_helper_copies_from_the_back_while_the_caller_is_slow(tmp_path, smal
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
     copied_by: dict[int, str] = {}
     fill = stream._fill_shared
+    caller_started = threading.Event()
 
     def recording_fill(i: int) -> None:
         copied_by[i] = threading.current_thread().name
         if threading.current_thread() is threading.main_thread():
+            caller_started.set()
             time.sleep(0.01)  # a slow caller: the helper takes the other end meanwhile
+        else:  # the helper took its first slot (from the back) but copies only once the caller has begun:
+            caller_started.wait(10)  # started first, it could copy every slot before the caller takes one
         fill(i)
 
     stream._fill_shared = recording_fill  # type: ignore[method-assign]
