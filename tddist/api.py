@@ -21,7 +21,7 @@ from . import per_rank as pr
 from ._version import __version__
 from .arguments import check_budget, check_device, check_int, check_s3, check_save_args, save_options, target_of
 from .comm import Communicator, LocalComm, resolve, run_step
-from .commit import two_phase_commit
+from .commit import Retire, two_phase_commit
 from .errors import (
     CheckpointChangedError,
     InvalidArgumentError,
@@ -210,11 +210,13 @@ def _commit_and_open(
     shard: LocalShard | Exception,
     cache: PlanCache,
     make_writer: background.WriterFactory | None = None,
+    retire: Retire | None = None,
     open_only: bool = False,
 ) -> TensorDict:
     """Run the two-phase commit with this rank's prepared shard, then map what it saved.
 
-    ``open_only``: another process committed it; only map it.
+    ``retire``: where the removal of the replaced checkpoint goes (``two_phase_commit``); ``open_only``:
+    another process committed it; only map it.
     """
     writer: DirectoryWriter | ArchiveWriter | S3DirectoryWriter
     if make_writer is not None:
@@ -238,7 +240,7 @@ def _commit_and_open(
         return encode(m)
 
     if not open_only:
-        two_phase_commit(c, writer, build_manifest)
+        two_phase_commit(c, writer, build_manifest, retire)
         writer.committed()
         logger.info("rank %d: committed %s", c.rank, options.target)
     assert isinstance(shard, LocalShard)  # the commit raised otherwise

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._compat import register_exit_hook
 from .comm import DEFAULT_TIMEOUT, Communicator
+from .commit import Retire
 from .errors import InvalidArgumentError, SaveInProgressError
 from .layouts.archive import ArchiveWriter
 from .layouts.base import hashes_replica
@@ -74,6 +75,7 @@ class Worker:
 
     def __init__(self, name: str, background: bool = True) -> None:
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._deferred: list[Callable[[], None]] = []  # the running job's clean-ups (``defer``)
         self.background = background
         self.pid = os.getpid()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -92,6 +94,12 @@ class Worker:
         job = _Job(fn, Future(), Future())
         self._queue.put(job)
         return job.future, job.done
+
+    def defer(self, clean_up: Callable[[], None]) -> None:
+        """(the worker's thread, inside a job) Run ``clean_up`` once the job's futures are resolved, before the
+        next job: the removal of the checkpoint a save replaced (``commit.two_phase_commit``), which the
+        caller need not wait for. An error there is logged; a stop waits for it like for a job."""
+        self._deferred.append(clean_up)
 
     def stop(self) -> None:
         """Let the thread end once its queue is empty, and wait for it (a few seconds at most).
@@ -113,6 +121,15 @@ class Worker:
                 return
             _run_job(job)
             del job  # nothing of the save stays referenced while the worker waits for the next one
+            while self._deferred:  # in a call, so that no local keeps the save's writer (and its leaves)
+                _run_clean_up(self._deferred.pop(0))
+
+
+def _run_clean_up(clean_up: Callable[[], None]) -> None:
+    try:
+        clean_up()
+    except Exception as e:  # the save is resolved already: only a warning is left to give
+        logger.warning("a clean-up after a background save failed: %s", e)
 
 
 def _run_job(job: _Job) -> None:
@@ -269,6 +286,12 @@ class Channel:
         except Exception:  # reported by that save's own future
             pass
 
+    def defer(self, clean_up: Callable[[], None]) -> None:
+        """(the worker's thread, inside a save) Run ``clean_up`` after the save's future is resolved
+        (``Worker.defer``)."""
+        assert self._worker is not None
+        self._worker.defer(clean_up)
+
     def submit(self, fn: Callable[[], Any]) -> Future:
         """Hand ``fn`` to the worker thread; return its Future (its outcome becomes the pending save)."""
         fut, self.pending = self._ensure_worker().submit(fn)
@@ -315,7 +338,7 @@ def channel(comm: Communicator) -> Channel:
 
 Prepare = Callable[[Snapshotter], LocalShard | Exception]
 WriterFactory = Callable[[SaveOptions, int, LocalShard | Exception, PlanCache], DirectoryWriter | ArchiveWriter]
-Commit = Callable[[Communicator, SaveOptions, LocalShard | Exception, PlanCache, WriterFactory | None], Any]
+Commit = Callable[[Communicator, SaveOptions, LocalShard | Exception, PlanCache, WriterFactory | None, Retire], Any]
 OpenSaved = Callable[[SaveOptions, LocalShard], Any]
 
 
@@ -330,8 +353,9 @@ def start_save(
 ) -> Future:
     """Snapshot this rank's data and hand the commit to the worker; return the save's Future.
 
-    ``commit(comm, options, shard, cache, writer_factory)`` runs the commit
-    (``api``). Without ``budget`` the whole shard is copied into the reusable
+    ``commit(comm, options, shard, cache, writer_factory, retire)`` runs the
+    commit (``api``); ``retire`` is the worker's ``defer``, so removing the
+    checkpoint a save replaced follows the resolution of its future. Without ``budget`` the whole shard is copied into the reusable
     snapshot buffers. With it, a shard of at most ``budget`` bytes is copied
     the same way; a larger one streams through the channel's arena
     (``stream.py``): this returns only once its last byte is copied. With
@@ -352,17 +376,17 @@ def start_save(
     bg = ch.background_comm()
     if budget is None and not pipelines(options):
         shard = prepare(ch.buffers)
-        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
     sources = StreamSources()
     shard = prepare(sources)
     if isinstance(shard, Exception):
-        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
     total = sum(t.numel() * t.element_size() for t in sources.sources.values())
     on_gpu = any(t.device.type != "cpu" for t in sources.sources.values())
     if (budget is None and on_gpu) or (budget is not None and total <= budget):
         ch.arena = None  # a whole snapshot (GPU leaves: pinned buffers, copies on a side stream)
         shard = _snapshot_into(ch.buffers, shard, sources)
-        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans))
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
     ch.buffers.retain_only(set())  # the arena holds the state: no whole-state buffers beside it
     shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
     written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
@@ -380,7 +404,7 @@ def start_save(
     def factory(o: SaveOptions, rank: int, s: LocalShard | Exception, cache: PlanCache) -> DirectoryWriter:
         return StreamingWriter(o, rank, s, cache, stream)
 
-    fut = ch.submit(partial(_run_streamed, stream, commit, bg, options, shard, ch.plans, factory))
+    fut = ch.submit(partial(_run_streamed, stream, commit, bg, options, shard, ch.plans, factory, ch.defer))
     if stream.whole:
         ch.help_copy(stream)
     stream.produce()
@@ -427,9 +451,10 @@ def _run(
     options: SaveOptions,
     shard: LocalShard | Exception,
     cache: PlanCache,
+    retire: Retire,
 ) -> Any:
     buffers.wait_copies()  # device-to-host copies of the snapshot, if any
-    return commit(comm, options, shard, cache, None)
+    return commit(comm, options, shard, cache, None, retire)
 
 
 def _run_streamed(
@@ -440,10 +465,11 @@ def _run_streamed(
     shard: LocalShard | Exception,
     cache: PlanCache,
     factory: WriterFactory,
+    retire: Retire,
 ) -> Any:
     try:
         stream.wait_copied()  # nothing competes with the copy the caller waits for
-        return commit(comm, options, shard, cache, factory)
+        return commit(comm, options, shard, cache, factory, retire)
     finally:
         stream.cancel()  # a caller still copying (the commit failed before writing) stops waiting for slots
 

@@ -25,10 +25,14 @@ brackets are the fault-injection points of ``_faults``):
    directory) and fsync the staging directory [manifest], then publish: a
    ``rename`` onto an absent target, or a ``renameat2(RENAME_EXCHANGE)`` with
    an existing one, then fsync the parent directory. The rename is the commit
-   point [publish]. The old checkpoint, now at the staging name, is removed
-   [replace]; failing to remove it only warns (``recover`` removes it later).
+   point [replace, publish].
 5. Announce. (rank 0 -> all) Broadcast the decision. Every rank returns only
    after COMMITTED, so a save that returned is durable.          [announce]
+6. Retire. (rank 0) Remove the old checkpoint, now at the staging name
+   [discard]; failing to remove it only warns (``recover`` removes it later).
+   It follows the announcement, so no rank waits for it: a synchronous save
+   does it before returning on rank 0, a ``return_early`` save on its worker
+   after resolving the future (the next save on the channel waits for it).
 
 Without RENAME_EXCHANGE the old checkpoint is first renamed to
 ``.<target>.tddist-backup-<uuid>``; ``recover`` puts it back if a crash struck
@@ -50,9 +54,10 @@ every rank, "0" on rank 0 only):
                      old checkpoint is at the backup name, the target absent)
 ``renamed``   0      the commit rename done; before the parent's fsync
 ``replace``   0      the parent fsynced; the old copy not yet removed
-``discard``   0      part of the old copy (or of a staging area) removed
-                     (``_fs.remove_tree``, before a file is unlinked)
 ``publish``   0      committed and durable; before the announcement
+``discard``   0      part of the old copy (or of a staging area) removed
+                     (``_fs.remove_tree``, before a file is unlinked): after
+                     the announcement (or in an abort, before it)
 ``announce``  all    the decision received; before ``save`` returns
 ============  =====  ==========================================================
 
@@ -75,12 +80,21 @@ from .types import Fragment, ManifestFiles, SavePlan, Staging, Structure
 ManifestBuilder = Callable[[list[Fragment], Structure], ManifestFiles]
 
 
-def two_phase_commit(comm: Communicator, writer: ShardWriter, build_manifest: ManifestBuilder) -> None:
+#: Runs a clean-up of a committed save: at once (a synchronous save) or later (``background.Worker.defer``).
+Retire = Callable[[Callable[[], None]], None]
+
+
+def two_phase_commit(
+    comm: Communicator, writer: ShardWriter, build_manifest: ManifestBuilder, retire: Retire | None = None
+) -> None:
     """Run the protocol above; returns on every rank only once the checkpoint is committed.
 
     ``build_manifest(fragments, structure)`` (rank 0) validates the ranks'
     fragments against rank 0's structure and returns the manifest's files.
-    Raises the same error on every rank otherwise.
+    Raises the same error on every rank otherwise. Once rank 0 committed and
+    announced, ``writer.retirement()`` removes the checkpoint it replaced, at once or
+    handed to ``retire`` (a ``return_early`` save: its worker does it after
+    resolving the save's future).
     """
     what, rank = f"save to {writer.target!r}", comm.rank
     fault_point("begin", rank)
@@ -103,7 +117,14 @@ def two_phase_commit(comm: Communicator, writer: ShardWriter, build_manifest: Ma
                 f"every rank could be told"
             ) from e
         raise
+    finally:
+        if committed:
+            (retire or _at_once)(writer.retirement())
     fault_point("announce", rank)
+
+
+def _at_once(clean_up: Callable[[], None]) -> None:
+    clean_up()
 
 
 def _open(writer: ShardWriter, plans: list[SavePlan]) -> Staging:

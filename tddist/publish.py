@@ -20,19 +20,32 @@ logger = logging.getLogger(__name__)
 
 
 def publish(staging: str, target: str) -> None:
-    """Make the fully written ``staging`` entry (a directory or a file) the target, durably."""
+    """Make the fully written ``staging`` entry (a directory or a file) the target, durably, and remove the
+    checkpoint it replaced."""
+    replaced = swap_in(staging, target)
+    if replaced is not None:
+        discard(replaced)
+
+
+def swap_in(staging: str, target: str) -> str | None:
+    """Make the fully written ``staging`` entry the target, durably; return where the replaced checkpoint now
+    lies (None when there was none), for the caller to ``discard`` once the commit is announced.
+
+    Removing the old copy is not part of the commit: the new one is durable
+    before it starts, and a crash in between leaves the old copy at a staging
+    or backup name, which ``recover`` removes.
+    """
     parent = os.path.dirname(os.path.abspath(target))
     if not os.path.exists(target):
         rename_noreplace(staging, target)
         fault_point("renamed", 0)
         fsync_path(parent)
-        return
+        return None
     if not exchange_disabled() and exchange(staging, target):
         fault_point("renamed", 0)
         fsync_path(parent)
         fault_point("replace", 0)
-        discard(staging)  # now holds the old checkpoint; the new one is committed either way
-        return
+        return staging  # now holds the old checkpoint; the new one is committed either way
     logger.info("RENAME_EXCHANGE unsupported here; replacing %s through a backup name", target)
     backup = fmt.backup_path(target)
     os.rename(target, backup)
@@ -42,7 +55,7 @@ def publish(staging: str, target: str) -> None:
     fault_point("renamed", 0)
     fsync_path(parent)
     fault_point("replace", 0)
-    discard(backup)
+    return backup
 
 
 def discard(path: str) -> None:

@@ -76,8 +76,8 @@ POINTS = (
     ("backup", (0,)),
     ("renamed", (0,)),
     ("replace", (0,)),
-    ("discard", (0,)),
     ("publish", (0,)),
+    ("discard", (0,)),
     ("announce", (0, 1)),
     ("returned", (0, 1)),
 )

@@ -58,17 +58,21 @@ class RecordingWriter:
     def publish(self, staging: Staging) -> None:
         self._record("publish")
 
+    def retirement(self):
+        self._record("retirement")
+        return lambda: self._record("retired")
+
     def abort(self, staging: Staging) -> None:
         self._record("abort")
 
 
-def run_commit(size: int, fail: tuple[int, str] | None = None) -> tuple[list, list]:
+def run_commit(size: int, fail: tuple[int, str] | None = None, retire=None) -> tuple[list, list]:
     log: list = []
 
     def rank_fn(comm):
         writer = RecordingWriter("/t", comm.rank, log, fail[1] if fail and fail[0] == comm.rank else None)
         commit.two_phase_commit(
-            comm, writer, lambda fragments, _s: ManifestFiles(f"manifest of {len(fragments)}".encode(), b"")
+            comm, writer, lambda fragments, _s: ManifestFiles(f"manifest of {len(fragments)}".encode(), b""), retire
         )
         return "committed"
 
@@ -91,14 +95,25 @@ def test_layouts_implement_the_protocol():
 
 
 def test_call_order_on_every_rank():
-    """Rank 0: plan, open, write, finalize, publish; the others: plan, write. Every rank returns."""
+    """Rank 0: plan, open, write, finalize, publish, then the removal of what it replaced; the others: plan,
+    write. Every rank returns."""
     results, log = run_commit(3)
     assert results == ["committed"] * 3
-    assert steps(log, 0) == ["plan", "open", "write", "finalize", "publish"]
+    assert steps(log, 0) == ["plan", "open", "write", "finalize", "publish", "retirement", "retired"]
     assert steps(log, 1) == steps(log, 2) == ["plan", "write"]
     first_write = min(i for i, (_r, s) in enumerate(log) if s == "write")
     assert all(s == "plan" for _r, s in log[: log.index((0, "open"))]), "open must wait for every plan"
     assert log.index((0, "open")) < first_write, "no rank writes before rank 0 opened the staging area"
+
+
+def test_the_removal_of_the_replaced_checkpoint_can_be_handed_on():
+    """With ``retire`` (a return_early save's worker), rank 0 hands the removal on instead of running it."""
+    handed: list = []
+    results, log = run_commit(3, retire=handed.append)
+    assert results == ["committed"] * 3 and len(handed) == 1
+    assert steps(log, 0) == ["plan", "open", "write", "finalize", "publish", "retirement"]
+    handed[0]()
+    assert steps(log, 0)[-1] == "retired"
 
 
 @pytest.mark.parametrize("rank, step", [(1, "plan"), (0, "open"), (2, "write"), (0, "finalize"), (0, "publish")])

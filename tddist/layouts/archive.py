@@ -24,7 +24,7 @@ from ..checksum import EMPTY, combine_digests
 from ..errors import CorruptCheckpointError, TargetError
 from ..locate import Location
 from ..pinned import storage_failed
-from ..publish import discard, publish
+from ..publish import discard, swap_in
 from ..recovery import is_tddist_archive
 from ..types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..zipcodec import (
@@ -133,7 +133,7 @@ class ArchiveWriter(WriterBase):
         write_tail_and_directory(staging.path, staging.end, tail, rows)
 
     def publish(self, staging: Staging) -> None:
-        publish(staging.path, self.target)
+        self.replaced = swap_in(staging.path, self.target)
 
     def abort(self, staging: Staging) -> None:
         discard(staging.path)

@@ -10,8 +10,10 @@ storage) is a new ``ShardWriter``, not new branches in the commit.
 from __future__ import annotations
 
 import errno
+import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -21,6 +23,7 @@ from .. import format as fmt
 from ..checksum import checksum_bytes, tensor_bytes
 from ..chunks import int_checksum
 from ..merge import PlanCache, encode_boxes
+from ..publish import discard
 from ..sharding import Shard, consistent_batch
 from ..structure import describe_difference, structure_of
 from ..types import (
@@ -39,6 +42,8 @@ from ..types import (
     StoredBytes,
     Structure,
 )
+
+logger = logging.getLogger(__name__)
 
 #: Replicas of at most this many bytes are hashed on every rank and compared with rank 0's copy even without
 #: ``check_replicas``: a small non-batched leaf whose value differs by rank (an RNG state, a step counter) is
@@ -64,6 +69,10 @@ class ShardWriter(Protocol):
        manifest and its index (and an archive's central directory) durably.
     5. (rank 0) ``publish(staging)``: make the staging area the target, the
        commit point.
+    6. (rank 0, once it committed and announced) ``retirement()``: the
+       removal of the checkpoint that ``publish`` replaced, a function that
+       never raises; the commit runs it at once, or a ``return_early`` save on
+       its worker after resolving its future.
 
     (rank 0) ``abort(staging)`` after a failure at any step from 3 on (and
     after a fault right after 2): remove what was staged; it never raises.
@@ -82,7 +91,22 @@ class ShardWriter(Protocol):
 
     def publish(self, staging: Staging) -> None: ...
 
+    def retirement(self) -> Callable[[], None]: ...
+
     def abort(self, staging: Staging) -> None: ...
+
+
+def nothing_to_retire() -> None:
+    pass
+
+
+def discard_quietly(rank: int, path: str) -> None:
+    """``publish.discard`` after a commit was announced: any failure only warns (``recover`` removes the
+    rest later), so every rank's outcome stays the same."""
+    try:
+        discard(path)
+    except Exception as e:  # an injected fault; discard itself warns on OSError
+        logger.warning("rank %d: could not remove %s (%s); tddist.recover will", rank, path, e)
 
 
 class WriterBase:
@@ -98,6 +122,13 @@ class WriterBase:
         self.cache = cache
         self.structure: Structure | None = None
         self.boxes = b""
+        self.replaced: str | None = None  # rank 0, after publish: where the replaced checkpoint now lies
+
+    def retirement(self) -> Callable[[], None]:
+        """The removal of the checkpoint that ``publish`` replaced (nothing without one): a function that
+        holds only its path, so a deferred removal keeps none of the save's leaves alive."""
+        replaced, self.replaced = self.replaced, None
+        return nothing_to_retire if replaced is None else partial(discard_quietly, self.rank, replaced)
 
     def local_shard(self) -> LocalShard:
         """The prepared shard, or the error that preparing it raised."""

@@ -20,7 +20,7 @@ from .._fs import fsync_path, makedirs_durable, remove_tree, write_durable
 from ..errors import CorruptCheckpointError, TargetError
 from ..locate import Location
 from ..pinned import PinnedCheckpoint
-from ..publish import discard, publish
+from ..publish import discard, swap_in
 from ..recovery import is_tddist_dir
 from ..types import Fragment, ManifestFiles, SavePlan, Staging
 from ..writer import write_packed, write_shard
@@ -93,7 +93,7 @@ class DirectoryWriter(WriterBase):
 
     def publish(self, staging: Staging) -> None:
         if self.options.atomic:
-            publish(staging.path, self.target)
+            self.replaced = swap_in(staging.path, self.target)
         else:
             fsync_path(os.path.dirname(os.path.abspath(self.target)))
 

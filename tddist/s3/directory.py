@@ -30,7 +30,7 @@ from .. import format as fmt
 from .._faults import fault_point
 from ..checksum import checksum_bytes, tensor_bytes
 from ..errors import TargetError, TddistError
-from ..layouts.base import WriterBase, node_meta_files
+from ..layouts.base import WriterBase, node_meta_files, nothing_to_retire
 from ..merge import packed_offsets
 from ..types import Fragment, ManifestFiles, SavePlan, Staging, StoredBytes
 from .client import bucket_missing, client_errors, is_missing, no_bucket, s3_client, s3_failed
@@ -161,7 +161,7 @@ class S3DirectoryWriter(WriterBase):
         self.manifest = manifest.manifest
 
     def publish(self, staging: Staging) -> None:
-        """(rank 0) The commit point: PUT the manifest naming the generation; then delete the old generation."""
+        """(rank 0) The commit point: PUT the manifest naming the generation (``retirement`` deletes the old one)."""
         client = s3_client()
         try:
             client.put_object(
@@ -175,15 +175,12 @@ class S3DirectoryWriter(WriterBase):
         fault_point("replace", 0)
         old = self.old_generation
         if old and old != staging.path:
-            try:
-                delete_prefix(client, self.url.bucket, self.url.child(old) + "/")
-            except client_errors() as e:  # committed: the old generation is only garbage now
-                logger.warning(
-                    "rank 0: committed %s but could not delete its old generation %s (%s); tddist.recover removes it",
-                    self.url.url,
-                    old,
-                    e,
-                )
+            self.replaced = old
+
+    def retirement(self) -> Callable[[], None]:
+        """(rank 0, once the commit is announced) The deletion of the generation the commit replaced."""
+        old, self.replaced = self.replaced, None
+        return nothing_to_retire if old is None else partial(_delete_old_generation, self.url, old)
 
     def abort(self, staging: Staging) -> None:
         """(rank 0) Delete what was uploaded under the generation; never raises."""
@@ -193,3 +190,16 @@ class S3DirectoryWriter(WriterBase):
             logger.warning(
                 "rank 0: could not delete the staged generation of %s (%s); run tddist.recover", self.url.url, e
             )
+
+
+def _delete_old_generation(url: S3Url, old: str) -> None:
+    """Delete a replaced generation; never raises (committed: the old generation is only garbage now)."""
+    try:
+        delete_prefix(s3_client(), url.bucket, url.child(old) + "/")
+    except Exception as e:
+        logger.warning(
+            "rank 0: committed %s but could not delete its old generation %s (%s); tddist.recover removes it",
+            url.url,
+            old,
+            e,
+        )
