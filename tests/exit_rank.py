@@ -3,8 +3,8 @@
 Modes: "user-destroy" (the job initialises gloo and destroys its groups
 before exit), "user-keep" (it initialises gloo and never destroys it),
 "tddist-init" (tddist initialises torch.distributed from torchrun's
-environment), "async" (as tddist-init, with a return_early save still in
-flight at exit). Ranks leave a little apart, as real jobs do: a process group
+environment), "async" (as tddist-init, with a return_early save that replaces the
+checkpoint still in flight at exit). Ranks leave a little apart, as real jobs do: a process group
 still alive at interpreter teardown then aborts the process (SIGABRT).
 """
 
@@ -31,7 +31,8 @@ tddist.save(td, os.path.join(root, "ckpt"))
 back = tddist.load(os.path.join(root, "ckpt"))
 assert torch.equal(back["a"], td["a"])
 if mode == "async":
-    tddist.save(td, os.path.join(root, "ckpt2"), return_early=True)  # finished at exit, before teardown
+    # Finished at exit, before teardown, with the removal of the checkpoint it replaces (the worker's last job).
+    tddist.save(td * 2, os.path.join(root, "ckpt"), return_early=True)
 if mode == "user-destroy":
     dist.destroy_process_group()
 write_report(rank, "ok")

@@ -334,3 +334,40 @@ def test_a_pipelined_save_leaves_the_callers_tensors_resizable_and_reads_no_maps
     assert reads == []
     assert all(t.untyped_storage().resizable() for t in td.values())
     td["b"].resize_(2000)  # a training buffer grown in place
+
+
+def test_a_return_early_save_resolves_before_the_checkpoint_it_replaced_is_removed(tmp_path, monkeypatch):
+    """The future resolves at the commit: the removal of the replaced checkpoint follows on the worker, the
+    next save on the channel waits for it, and a synchronous save removes it before returning."""
+    import threading
+    import time
+
+    from tddist.layouts import base
+
+    gate, removed = threading.Event(), []
+    real = base.discard
+
+    def held_discard(path: str) -> None:
+        assert gate.wait(60), "the test never opened the gate"
+        real(path)
+        removed.append(path)
+
+    target = tmp_path / "ckpt"
+    state = lambda v: TensorDict({"w": torch.full((1024,), float(v)), "b": torch.arange(7) + v}, [])
+    tddist.save(state(1), target)
+    monkeypatch.setattr(base, "discard", held_discard)
+    tddist.save(state(2), target, return_early=True).result(timeout=60)  # resolved while the removal waits
+    assert_td_equal(tddist.load(target, verify=True), state(2))
+    assert len(leftovers(target)) == 1 and not removed  # the old copy, at its staging name
+    later = tddist.save(state(3), target, return_early=True)
+    time.sleep(0.3)
+    assert not later.done() and not removed, "the next save committed before the previous removal"
+    gate.set()
+    later.result(timeout=60)
+    deadline = time.monotonic() + 60
+    while len(removed) < 2 and time.monotonic() < deadline:  # the worker removes both old copies in turn
+        time.sleep(0.01)
+    assert len(removed) == 2 and leftovers(target) == []
+    tddist.save(state(4), target)  # synchronous: removes what it replaced before returning
+    assert leftovers(target) == [] and len(removed) == 3
+    assert_td_equal(tddist.load(target, verify=True), state(4))

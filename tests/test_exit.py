@@ -24,3 +24,11 @@ def test_four_ranks_exit_cleanly(tmp_path, mode):
     assert job.returncodes == [0, 0, 0, 0], f"exit codes {job.returncodes} (-6: SIGABRT at exit)\n{job.output[-4000:]}"
     assert "terminate called" not in job.output
     job.assert_ok(4)
+    if mode == "async":  # the save in flight at exit committed, and the checkpoint it replaced is gone
+        import os
+
+        import tddist
+
+        assert [n for n in os.listdir(tmp_path) if "tddist" in n] == [], os.listdir(tmp_path)
+        saved = tddist.load(tmp_path / "ckpt", shard=None, verify=True)["a"]
+        assert int(saved[0, 1]) == 2 and int(saved[-1, -1]) == 2 * (63 + 3)
