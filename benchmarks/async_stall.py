@@ -17,7 +17,13 @@ repeat starts at the next implementation):
    ``dcp.async_save`` with ``async_checkpointer_type`` THREAD and PROCESS;
    plain tensors and DTensors (Shard(0) over all ranks); plus the peak RSS the
    save added (``VmHWM`` after resetting it; DCP's PROCESS mode copies into a
-   child process, whose memory is not counted).
+   child process, whose memory is not counted). Each implementation
+   alternates between two paths, so every save replaces the checkpoint of
+   two saves before (as a job that overwrites "latest" does): a synchronous
+   save removes it before returning, a ``return_early`` save after its
+   future resolves. The rows "tddist sync, new" and "tddist thread, new" save
+   to a new path every time instead (as ``CheckpointManager`` does), so the
+   completion ratio is also given without any removal.
 2. training stall: CPU MLP steps (tens of ms each) with a save of the state
    every K steps (the previous one waited for first): mean and p95 step time
    while a save is in flight against steps without saving, and the training
@@ -131,6 +137,16 @@ def worker(args: argparse.Namespace) -> None:
         counter[0] += 1
         return str(root / f"{label.replace(' ', '_').replace('/', '_')}-{counter[0] % 2}")
 
+    def new_target(label: str) -> str:
+        """A path no save used before (``clear_new_targets`` removes them between saves, untimed)."""
+        counter[0] += 1
+        return str(root / "new" / f"{label}-{counter[0]}")
+
+    def clear_new_targets() -> None:
+        if rank == 0:
+            shutil.rmtree(root / "new", ignore_errors=True)
+            (root / "new").mkdir()
+
     def wait(fut) -> None:
         if fut is None:
             return
@@ -151,6 +167,8 @@ def worker(args: argparse.Namespace) -> None:
             "copy_ floor": lambda: floor() or None,
             "tddist synchronous": lambda: sync_save(td, target(label + "-ts")),
             "tddist thread": lambda: tddist.save(td, target(label + "-tt"), return_early=True, comm=thread_pg),
+            "tddist sync, new": lambda: sync_save(td, new_target(label + "-tsn")),
+            "tddist thread, new": lambda: tddist.save(td, new_target(label + "-ttn"), return_early=True, comm=thread_pg),
             "tddist process": lambda: tddist.save(td, target(label + "-tp"), return_early=True, async_writer="process", comm=process_pg),
             "tddist budget/4": lambda: tddist.save(td, target(label + "-tb"), return_early=True, snapshot_budget=budget, comm=budget_pg),
             "dcp THREAD": lambda: dcp.async_save(
@@ -164,6 +182,7 @@ def worker(args: argparse.Namespace) -> None:
         return table
 
     def measure(fn) -> dict:
+        clear_new_targets()
         dist.barrier(group=timing)
         reset_hwm()
         before = rss_kib()
@@ -210,7 +229,7 @@ def worker(args: argparse.Namespace) -> None:
         opt.step()
 
     impls = saver("stall", plain)
-    skip = ("copy_ floor", "tddist synchronous")
+    skip = ("copy_ floor", "tddist synchronous", "tddist sync, new", "tddist thread, new")
     names = ["no saving"] + [n for n in impls if n not in skip and n in results["blocking"]["plain"]]
     stall: dict = {n: {"all": [], "in_flight": [], "saves": 0} for n in names}
     for _ in range(3):
@@ -280,6 +299,9 @@ def report(world: int, res: dict) -> None:
                 print(
                     f"{pad} {mine} completion / synchronous save: {_med(rows[mine], 'total') / sync:.2f} (target <= 1.1)"
                 )
+        if "tddist thread, new" in rows and "tddist sync, new" in rows:
+            ratio = _med(rows["tddist thread, new"], "total") / _med(rows["tddist sync, new"], "total")
+            print(f"{pad} tddist thread completion / synchronous save, new targets: {ratio:.2f} (target <= 1.1)")
     base = res["stall"].get("no saving", {}).get("all", [])
     bm = statistics.mean(base) if base else float("nan")
     if base:  # --steps 0 measures no training
