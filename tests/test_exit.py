@@ -10,8 +10,11 @@ its own groups, and the default group when it created it, at exit
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+import tddist
 from tests.launch_util import REPO, run_job
 
 MODES = ["user-destroy", "user-keep", "tddist-init", "async"]
@@ -25,10 +28,6 @@ def test_four_ranks_exit_cleanly(tmp_path, mode):
     assert "terminate called" not in job.output
     job.assert_ok(4)
     if mode == "async":  # the save in flight at exit committed, and the checkpoint it replaced is gone
-        import os
-
-        import tddist
-
         assert [n for n in os.listdir(tmp_path) if "tddist" in n] == [], os.listdir(tmp_path)
         saved = tddist.load(tmp_path / "ckpt", shard=None, verify=True)["a"]
         assert int(saved[0, 1]) == 2 and int(saved[-1, -1]) == 2 * (63 + 3)
