@@ -19,6 +19,7 @@ from tests.helpers import require
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "benchmarks" / "run.py"
 S3 = REPO / "benchmarks" / "s3.py"
+COPY_OVERLAP = REPO / "benchmarks" / "copy_overlap.py"
 TIMEOUT = 300  # a no-hang limit: the run takes 35-90 s alone, over 3 minutes on a busy shared machine
 
 
@@ -105,6 +106,20 @@ def test_quick_s3_benchmark(tmp_path: Path) -> None:
         gets = [g["tddist"][0] for g in reshard["impls"][impl][0]["per_rank"]]
         assert all(n <= g <= n + slack for g, n in zip(gets, need)), (impl, gets, need)
     assert all(g["s3fs"][0] > 0 for g in reshard["impls"]["dcp fsspec"][0]["per_rank"])
+
+
+def test_copy_overlap_model(tmp_path: Path) -> None:
+    """``benchmarks/copy_overlap.py --quick`` writes every mode's file and reads it back (``--verify``: a mode
+    that wrote wrong bytes stops the run), prints one row per mode and writes timings where the caller is
+    released no later than the file is durable."""
+    out = tmp_path / "overlap.json"
+    stdout = _run_quick(COPY_OVERLAP, out, tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    modes = {r["mode"] for r in rows}
+    assert {"synchronous", "copy, then write", "write during copy", "helper writes leaves"} <= modes, modes
+    for r in rows:
+        assert f"| {r['mode']} |" in stdout, stdout
+        assert 0 < r["blocking_s"] <= r["complete_s"], r
 
 
 def _has(module: str) -> bool:
