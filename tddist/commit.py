@@ -118,8 +118,9 @@ def two_phase_commit(
             ) from e
         raise
     finally:
-        if committed:
-            (retire or _at_once)(writer.retirement())
+        removal = writer.retirement() if committed else None
+        if removal is not None:
+            (retire or _at_once)(removal)
     fault_point("announce", rank)
 
 

@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
@@ -70,9 +71,9 @@ class ShardWriter(Protocol):
     5. (rank 0) ``publish(staging)``: make the staging area the target, the
        commit point.
     6. (rank 0, once it committed and announced) ``retirement()``: the
-       removal of the checkpoint that ``publish`` replaced, a function that
-       never raises; the commit runs it at once, or a ``return_early`` save on
-       its worker after resolving its future.
+       removal of the checkpoint that ``publish`` replaced (None if none), a
+       function that never raises; the commit runs it at once, or a
+       ``return_early`` save on its worker after resolving its future.
 
     (rank 0) ``abort(staging)`` after a failure at any step from 3 on (and
     after a fault right after 2): remove what was staged; it never raises.
@@ -91,22 +92,31 @@ class ShardWriter(Protocol):
 
     def publish(self, staging: Staging) -> None: ...
 
-    def retirement(self) -> Callable[[], None]: ...
+    def retirement(self) -> Retirement | None: ...
 
     def abort(self, staging: Staging) -> None: ...
 
 
-def nothing_to_retire() -> None:
-    pass
+@dataclass(frozen=True)
+class Retirement:
+    """The removal of the checkpoint a commit replaced (protocol step 6).
 
+    It holds only what the removal needs, so one deferred to a
+    ``return_early`` save's worker keeps none of the save's leaves alive.
+    Calling it never raises: the commit is announced already, so a failure
+    only warns (``recover`` removes what is left) and every rank's outcome
+    stays the same.
+    """
 
-def discard_quietly(rank: int, path: str) -> None:
-    """``publish.discard`` after a commit was announced: any failure only warns (``recover`` removes the
-    rest later), so every rank's outcome stays the same."""
-    try:
-        discard(path)
-    except Exception as e:  # an injected fault; discard itself warns on OSError
-        logger.warning("rank %d: could not remove %s (%s); tddist.recover will", rank, path, e)
+    rank: int
+    what: str  # the replaced checkpoint, as the warning names it
+    remove: Callable[[], None]
+
+    def __call__(self) -> None:
+        try:
+            self.remove()
+        except Exception as e:  # an injected fault, an object store's error (discard itself warns on OSError)
+            logger.warning("rank %d: could not remove %s (%s); tddist.recover will", self.rank, self.what, e)
 
 
 class WriterBase:
@@ -124,11 +134,14 @@ class WriterBase:
         self.boxes = b""
         self.replaced: str | None = None  # rank 0, after publish: where the replaced checkpoint now lies
 
-    def retirement(self) -> Callable[[], None]:
-        """The removal of the checkpoint that ``publish`` replaced (nothing without one): a function that
-        holds only its path, so a deferred removal keeps none of the save's leaves alive."""
+    def retirement(self) -> Retirement | None:
+        """The removal of the checkpoint that ``publish`` replaced (None when it replaced none); once."""
         replaced, self.replaced = self.replaced, None
-        return nothing_to_retire if replaced is None else partial(discard_quietly, self.rank, replaced)
+        return None if replaced is None else self.removal(replaced)
+
+    def removal(self, replaced: str) -> Retirement:
+        """How ``replaced``, what ``publish`` recorded, is removed: here the path of the old checkpoint."""
+        return Retirement(self.rank, replaced, partial(discard, replaced))
 
     def local_shard(self) -> LocalShard:
         """The prepared shard, or the error that preparing it raised."""

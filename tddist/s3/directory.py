@@ -30,7 +30,7 @@ from .. import format as fmt
 from .._faults import fault_point
 from ..checksum import checksum_bytes, tensor_bytes
 from ..errors import TargetError, TddistError
-from ..layouts.base import WriterBase, node_meta_files, nothing_to_retire
+from ..layouts.base import Retirement, WriterBase, node_meta_files
 from ..merge import packed_offsets
 from ..types import Fragment, ManifestFiles, SavePlan, Staging, StoredBytes
 from .client import bucket_missing, client_errors, is_missing, no_bucket, s3_client, s3_failed
@@ -177,10 +177,11 @@ class S3DirectoryWriter(WriterBase):
         if old and old != staging.path:
             self.replaced = old
 
-    def retirement(self) -> Callable[[], None]:
+    def removal(self, replaced: str) -> Retirement:
         """(rank 0, once the commit is announced) The deletion of the generation the commit replaced."""
-        old, self.replaced = self.replaced, None
-        return nothing_to_retire if old is None else partial(_delete_old_generation, self.url, old)
+        return Retirement(
+            0, f"the old generation {replaced} of {self.url.url}", partial(_delete_generation, self.url, replaced)
+        )
 
     def abort(self, staging: Staging) -> None:
         """(rank 0) Delete what was uploaded under the generation; never raises."""
@@ -192,14 +193,6 @@ class S3DirectoryWriter(WriterBase):
             )
 
 
-def _delete_old_generation(url: S3Url, old: str) -> None:
-    """Delete a replaced generation; never raises (committed: the old generation is only garbage now)."""
-    try:
-        delete_prefix(s3_client(), url.bucket, url.child(old) + "/")
-    except Exception as e:
-        logger.warning(
-            "rank 0: committed %s but could not delete its old generation %s (%s); tddist.recover removes it",
-            url.url,
-            old,
-            e,
-        )
+def _delete_generation(url: S3Url, generation: str) -> None:
+    """Delete every object of a replaced generation (``Retirement`` turns a failure into a warning)."""
+    delete_prefix(s3_client(), url.bucket, url.child(generation) + "/")
