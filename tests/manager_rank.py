@@ -84,7 +84,7 @@ def role_signal(work: Path, rank: int, world: int) -> dict:
     for s in range(1000):
         train(state)
         pending = mgr._pending
-        in_flight.append(pending is not None and not pending[1].done())
+        in_flight.append(pending is not None and not pending.future.done())
         started = mgr.step(s + 1, state)
         if started and not signalled.exists():
             # the first save is in flight (slowed down by the delay faults): rank 0 says so, and

@@ -170,6 +170,46 @@ def test_async_retention_keeps_the_previous_checkpoint_until_the_next_commits(tm
     assert_checkpoint(root, 4)
 
 
+def test_async_retention_runs_on_the_saves_thread_not_the_training_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``async_save``, the old checkpoints are deleted by the save's background thread once it committed:
+    training steps go on while a deletion is still running, and ``wait()`` returns only after it."""
+    import threading
+
+    import tddist.manager
+
+    gate, deleted_on = threading.Event(), []
+    real = tddist.manager.delete_checkpoint
+
+    def held_delete(path: str) -> None:
+        deleted_on.append(threading.current_thread())
+        assert gate.wait(60), "the test never opened the gate"
+        real(path)
+
+    monkeypatch.setattr(tddist.manager, "delete_checkpoint", held_delete)
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, every=2, keep_last=1, async_save=True, preempt_signal=None)
+    mgr.step(2, local_state(0, 1, 2))
+    mgr.wait()
+    assert steps_in(root) == [2] and not deleted_on
+    mgr.step(4, local_state(0, 1, 4))
+    deadline = time.monotonic() + 60
+    while not deleted_on and time.monotonic() < deadline:  # step 4 committed; its thread deletes step 2
+        time.sleep(0.01)
+    assert deleted_on and deleted_on[0] is not threading.main_thread()
+    assert mgr.step(5, local_state(0, 1, 5)) is False  # a training step does not wait for the deletion
+    waited = threading.Thread(target=mgr.wait)
+    waited.start()
+    waited.join(0.3)
+    assert waited.is_alive(), "wait() returned while the retention after the save was still running"
+    gate.set()
+    waited.join(60)
+    assert not waited.is_alive() and steps_in(root) == [4]
+    assert_checkpoint(root, 4)
+    mgr.close()
+
+
 def test_model_optimizer_pair_and_archives(tmp_path: Path) -> None:
     def build():
         torch.manual_seed(0)
