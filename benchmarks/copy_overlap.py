@@ -9,7 +9,7 @@ the state before it writes it and a synchronous save writes from the
 caller's leaves. The copy could only be hidden by writing while it runs.
 This model measures every way of doing that with tddist's own pieces (the
 address copy ``stream.copy_bytes``, the block write ``_fs.write_and_start_writeback``,
-xxh3 per ``CHECKSUM_BLOCK``), without collectives or manifest, one data file
+the block hashes ``checksum.hash_blocks``), without collectives or manifest, one data file
 per process, N processes at once (each its own state and file, like ranks):
 
 - ``synchronous``: hash and write the leaves straight into the file, fsync
@@ -54,14 +54,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks._common import MIB, fmt_seconds, fsync_path  # noqa: E402
 from tddist._fs import WRITE_STEP, write_and_start_writeback  # noqa: E402
 from tddist.background import yield_cpu_to_training  # noqa: E402
-from tddist.format import CHECKSUM_BLOCK  # noqa: E402
+from tddist.checksum import hash_blocks  # noqa: E402
 from tddist.stream import copy_bytes  # noqa: E402
 
 N_LEAVES = 32
@@ -98,14 +97,10 @@ class State:
                     raise SystemExit(f"{mode}: leaf {i} of {self.path} does not hold its bytes")
 
     def create(self, direct: bool = False) -> tuple[int, int | None]:
-        """The data file, allocated (and a second, ``O_DIRECT`` descriptor of it, if asked and possible)."""
+        """The data file, allocated (and a second, ``O_DIRECT`` descriptor of it, if asked)."""
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.posix_fallocate(fd, 0, self.leaf_bytes * N_LEAVES)
         return fd, os.open(self.path, os.O_WRONLY | os.O_DIRECT) if direct else None
-
-
-def hash_blocks(view: memoryview) -> list[int]:
-    return [xxhash.xxh3_64_intdigest(view[lo : lo + CHECKSUM_BLOCK]) for lo in range(0, len(view), CHECKSUM_BLOCK)]
 
 
 def put(fd: int, view: memoryview, at: int) -> None:

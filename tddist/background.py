@@ -356,9 +356,10 @@ def start_save(
     ``commit(comm, options, shard, cache, writer_factory, retire)`` runs the
     commit (``api``); ``retire`` is the worker's ``defer``, so removing the
     checkpoint a save replaced follows the resolution of its future. Without
-    ``budget`` the whole shard is copied into the reusable snapshot buffers. With it, a shard of at most ``budget`` bytes is copied
-    the same way; a larger one streams through the channel's arena
-    (``stream.py``): this returns only once its last byte is copied. With
+    ``budget`` the whole shard is copied into the reusable snapshot buffers.
+    With it, a shard of at most ``budget`` bytes is copied the same way; a
+    larger one streams through the channel's arena (``stream.py``): this
+    returns only once its last byte is copied. With
     ``writer="process"`` the shard is copied into the writer process's shared
     arena and the commit runs there (``writer_process.py``); the worker thread
     waits for it and maps the result with ``open_saved(options, shard)``.
