@@ -33,7 +33,7 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks._common import MIB
-from tddist.manager import CheckpointManager
+from tddist.jobs.manager import CheckpointManager
 
 
 def state_of(mib: int) -> TensorDict:

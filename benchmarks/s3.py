@@ -232,7 +232,7 @@ def worker(cfg: dict) -> None:
 
         return hook
 
-    from tddist.s3.client import s3_client
+    from tddist.storage.s3.client import s3_client
 
     s3_client().meta.events.register("after-call.s3.GetObject", counter("tddist"))
     import s3fs  # type: ignore[import-untyped]

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/scale_manifest.py [--ranks 1024,4096,16384] [--leaves 1000] [--repeats 3]
 
-Builds the votes (``tddist.types.Fragment``) that ``ranks`` ranks would send
+Builds the votes (``tddist.core.types.Fragment``) that ``ranks`` ranks would send
 for a state of ``leaves`` sharded leaves, exactly as the layouts build them:
 rank 0's ``Structure`` comes from ``structure_of`` of a real prepared shard,
 every rank's rows and checksums are compact arrays, and each fragment goes
@@ -60,15 +60,15 @@ from tensordict import TensorDict
 import tddist
 from tddist import format as fmt
 from tddist._fs import write_durable
-from tddist.locate import Locator
-from tddist.manifest_io import read_manifest
-from tddist.manifest_v2 import encode
-from tddist.merge import PlanCache, merge_fragments
-from tddist.plan import leaf_box
-from tddist.prepare import prepare_shard
-from tddist.sharding import plan_reads
-from tddist.structure import structure_of
-from tddist.types import AllRows, Fragment, LocalShard, Structure
+from tddist.core.sharding import plan_reads
+from tddist.core.structure import structure_of
+from tddist.core.types import AllRows, Fragment, LocalShard, Structure
+from tddist.loading.share import leaf_box
+from tddist.manifest.locate import Locator
+from tddist.manifest.merge import PlanCache, merge_fragments
+from tddist.manifest.v2 import encode
+from tddist.saving.prepare import prepare_shard
+from tddist.storage.open import read_manifest
 
 ROWS, COLS = 8, 64  # each rank's shard of each leaf: 8 rows of 64 float32
 

@@ -737,8 +737,8 @@ class Job:
     def scenario_async(self) -> None:
         if self.ctx.launcher != "torchrun":
             return
-        from tddist import background
-        from tddist.comm import resolve
+        from tddist.comm.base import resolve
+        from tddist.saving import background
 
         m = dcp()
         p = self.payload

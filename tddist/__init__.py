@@ -35,14 +35,14 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .api import load, read_manifest, recover, save
-    from .comm import Communicator, LocalComm, ThreadComm, run_threads
-    from .conversion import convert
-    from .manager import EXIT_PREEMPTED, CheckpointManager, Restored
-    from .manifest import Manifest
-    from .packing import pack, unpack
-    from .plan import LoadReport
-    from .sharding import PerRank, Replicate, Shard
-    from .state import get_state, set_state
+    from .comm.base import Communicator, LocalComm, ThreadComm, run_threads
+    from .core.sharding import PerRank, Replicate, Shard
+    from .interop.convert import convert
+    from .jobs.manager import EXIT_PREEMPTED, CheckpointManager, Restored
+    from .jobs.state import get_state, set_state
+    from .loading.share import LoadReport
+    from .manifest.model import Manifest
+    from .tools.pack import pack, unpack
 
 #: Public name -> the module that defines it.
 _LAZY = {
@@ -50,23 +50,23 @@ _LAZY = {
     "load": "api",
     "read_manifest": "api",
     "recover": "api",
-    "convert": "conversion",
-    "pack": "packing",
-    "unpack": "packing",
-    "get_state": "state",
-    "set_state": "state",
-    "CheckpointManager": "manager",
-    "EXIT_PREEMPTED": "manager",
-    "Restored": "manager",
-    "LoadReport": "plan",
-    "Shard": "sharding",
-    "Replicate": "sharding",
-    "PerRank": "sharding",
-    "Manifest": "manifest",
-    "Communicator": "comm",
-    "LocalComm": "comm",
-    "ThreadComm": "comm",
-    "run_threads": "comm",
+    "convert": "interop.convert",
+    "pack": "tools.pack",
+    "unpack": "tools.pack",
+    "get_state": "jobs.state",
+    "set_state": "jobs.state",
+    "CheckpointManager": "jobs.manager",
+    "EXIT_PREEMPTED": "jobs.manager",
+    "Restored": "jobs.manager",
+    "LoadReport": "loading.share",
+    "Shard": "core.sharding",
+    "Replicate": "core.sharding",
+    "PerRank": "core.sharding",
+    "Manifest": "manifest.model",
+    "Communicator": "comm.base",
+    "LocalComm": "comm.base",
+    "ThreadComm": "comm.base",
+    "run_threads": "comm.base",
 }
 
 
@@ -80,7 +80,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(__all__)
 
 
 __all__ = [

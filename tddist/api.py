@@ -16,50 +16,35 @@ from typing import Any, TypeVar, cast
 import torch
 from tensordict import TensorDict
 
-from . import background
-from . import per_rank as pr
 from ._version import __version__
 from .arguments import check_budget, check_device, check_int, check_s3, check_save_args, save_options, target_of
-from .comm import Communicator, LocalComm, resolve, run_step
-from .commit import Retire, two_phase_commit
-from .errors import (
-    CheckpointChangedError,
-    InvalidArgumentError,
-    StorageError,
-    TargetError,
-    TddistError,
-)
-from .into import fill
-from .layouts.archive import ArchiveWriter
-from .layouts.directory import DirectoryWriter
-from .manifest import Manifest
-from .manifest_io import OpenedCheckpoint, open_checkpoint
-from .manifest_io import read_manifest as _read_manifest
-from .manifest_v2 import encode
-from .merge import PlanCache, merge_fragments
-from .plan import LoadReport, check_exclude, in_scope, leaf_box, node_rows, object_value, shard_request
-from .prepare import prepare_shard
-from .reader import read_leaves
-from .recovery import recover as _recover
-from .s3.archive import S3ArchiveWriter
-from .s3.client import s3_client
-from .s3.directory import S3DirectoryWriter
-from .s3.pin import S3Pin
-from .s3.recovery import recover as s3_recover
-from .s3.url import is_s3
-from .sharding import Box, PerRank
-from .snapshot import Snapshotter
-from .tree import build, normalize_keys, select
-from .types import (
-    Fragment,
-    Key,
-    LoadOptions,
-    LocalShard,
-    ManifestFiles,
-    SavedRows,
-    SaveOptions,
-    Structure,
-)
+from .comm.base import Communicator, LocalComm, resolve, run_step
+from .core.sharding import Box, PerRank
+from .core.tree import build, normalize_keys, select
+from .core.types import Fragment, Key, LoadOptions, LocalShard, ManifestFiles, SavedRows, SaveOptions, Structure
+from .errors import CheckpointChangedError, InvalidArgumentError, StorageError, TargetError, TddistError
+from .loading import per_rank as pr
+from .loading.into import fill
+from .loading.read import read_leaves
+from .loading.share import LoadReport, check_exclude, in_scope, leaf_box, node_rows, object_value, shard_request
+from .manifest.merge import PlanCache, merge_fragments
+from .manifest.model import Manifest
+from .manifest.v2 import encode
+from .saving import background
+from .saving.commit import Retire, two_phase_commit
+from .saving.prepare import prepare_shard
+from .saving.snapshot import Snapshotter
+from .storage.archive import ArchiveWriter
+from .storage.directory import DirectoryWriter
+from .storage.open import OpenedCheckpoint, open_checkpoint
+from .storage.open import read_manifest as _read_manifest
+from .storage.recovery import recover as _recover
+from .storage.s3.archive import S3ArchiveWriter
+from .storage.s3.client import s3_client
+from .storage.s3.directory import S3DirectoryWriter
+from .storage.s3.pin import S3Pin
+from .storage.s3.recovery import recover as s3_recover
+from .storage.s3.url import is_s3
 
 logger = logging.getLogger(__name__)
 

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from . import format as fmt
+from .core.types import SaveOptions
 from .errors import InvalidArgumentError
-from .s3 import url as s3_url
-from .s3.client import s3_client
-from .s3.url import is_s3
-from .stream import MIN_BUDGET
-from .types import SaveOptions
-from .zipcodec import resolve_compression
+from .saving.stream import MIN_BUDGET
+from .storage.s3 import url as s3_url
+from .storage.s3.client import s3_client
+from .storage.s3.url import is_s3
+from .storage.zipcodec import resolve_compression
 
 
 def save_options(

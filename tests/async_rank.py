@@ -20,8 +20,8 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import _faults
-from tddist.background import channel
-from tddist.comm import resolve
+from tddist.comm.base import resolve
+from tddist.saving.background import channel
 from tests.helpers import assert_td_equal
 from tests.launch_util import write_report
 from tests.param_scenarios import SCENARIOS as PARAMETER_SCENARIOS

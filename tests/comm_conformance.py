@@ -42,7 +42,7 @@ if __name__ == "__main__":  # run as a script: make ``tests`` importable
 import pytest
 import torch
 
-from tddist.comm import Communicator, ThreadComm, agree, run_step
+from tddist.comm.base import Communicator, ThreadComm, agree, run_step
 from tddist.errors import CollectiveError, CommTimeoutError, TargetError, TddistError
 
 #: Timeout of the communicators under test (generous: the machine may be busy).
@@ -667,7 +667,7 @@ def main(kind: str) -> int:
 
             import torch.distributed as dist
 
-            from tddist.comm_torch import torch_comm
+            from tddist.comm.gloo import torch_comm
 
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
             under_test = torch_comm(None, CHECK_TIMEOUT)
@@ -676,7 +676,7 @@ def main(kind: str) -> int:
             def short():
                 return torch_comm(None, SHORT_TIMEOUT)
         elif kind == "mpi":
-            from tddist.comm_mpi import mpi_comm
+            from tddist.comm.mpi import mpi_comm
 
             under_test = mpi_comm(None, CHECK_TIMEOUT)
             control = mpi_comm(None, 120.0)

@@ -275,7 +275,7 @@ def warm_up() -> None:
     import torch.distributed as _dist  # noqa: F401
 
     import tddist
-    import tddist.comm_torch
+    import tddist.comm.gloo
 
     with tempfile.TemporaryDirectory(prefix="tddist-crash-warm-") as d:
         for name in LAYOUTS.values():

@@ -135,7 +135,7 @@ def reserve_point():
     and ``inject`` reach it like any other point.
     """
     from tddist._faults import fault_point
-    from tddist.layouts.archive import ArchiveWriter
+    from tddist.storage.archive import ArchiveWriter
 
     plan = ArchiveWriter.plan
 
@@ -155,13 +155,13 @@ def reserve_point():
 
 
 def unit_save(rank: int, unit: dict) -> dict:
-    import tddist.comm
+    import tddist.comm.base
 
     timeout = float(unit["timeout"])
     if unit["old"]:
         save_version("old", unit["target"], rank, timeout=timeout)
     else:
-        tddist.comm.resolve(None, timeout).barrier()  # creates the group that save(timeout=) reuses
+        tddist.comm.base.resolve(None, timeout).barrier()  # creates the group that save(timeout=) reuses
     os.environ["TDDIST_FAULT"] = unit["fault"]
     return outcome_of(lambda: save_version("new", unit["target"], rank, timeout=timeout))
 
@@ -170,7 +170,7 @@ def unit_matrix(rank: int, unit: dict) -> dict:
     import torch.distributed as dist
 
     from tddist._faults import inject
-    from tddist.comm_torch import TorchComm
+    from tddist.comm.gloo import TorchComm
 
     keep = []  # past cases' groups stay alive: a peer may still be blocked on one
     results = {}
@@ -284,9 +284,6 @@ def run_wave(rank: int, units: list[dict], report_dir: Path) -> dict:
 
 
 def run_batch(rank: int, cfg: dict, report_dir: Path) -> dict:
-    import tddist
-    import tddist._faults
-    import tddist.comm_torch  # noqa: F401
 
     results = {}
     with reserve_point():

@@ -143,7 +143,7 @@ def assert_td_equal(actual, expected, what: str = "", *, batch_sizes: bool = Tru
 # --- entries left beside a target ----------------------------------------------------
 
 
-#: The lock file a CheckpointManager keeps in its root (tddist.root_lock.LOCK_NAME): not a leftover.
+#: The lock file a CheckpointManager keeps in its root (tddist.jobs.root_lock.LOCK_NAME): not a leftover.
 MANAGER_LOCK = ".tddist-manager.lock"
 
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from tddist.comm import resolve
-from tddist.manager import EXIT_PREEMPTED, CheckpointManager
+from tddist.comm.base import resolve
+from tddist.jobs.manager import EXIT_PREEMPTED, CheckpointManager
 from tests.helpers import assert_td_equal
 from tests.launch_util import write_report
 

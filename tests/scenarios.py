@@ -33,8 +33,8 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 import tddist
-from tddist.comm import LocalComm, ThreadComm, resolve
-from tddist.sharding import replica_writers
+from tddist.comm.base import LocalComm, ThreadComm, resolve
+from tddist.core.sharding import replica_writers
 from tests.helpers import assert_td_equal, leftovers
 
 Key = tuple

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 import tddist
-from tddist.comm import resolve
-from tddist.manager import CheckpointManager
+from tddist.comm.base import resolve
+from tddist.jobs.manager import CheckpointManager
 from tests.launch_util import write_report
 
 STEPS = 3

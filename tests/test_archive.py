@@ -17,8 +17,8 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import format as fmt
-from tddist._memmaps import mapped_file
-from tddist.layouts.archive import ArchiveWriter
+from tddist.saving.memmaps import mapped_file
+from tddist.storage.archive import ArchiveWriter
 from tests.helpers import assert_td_equal, leftovers, require
 
 

@@ -11,9 +11,9 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist import background
-from tddist.comm import resolve
-from tddist.stream import MIN_BUDGET
+from tddist.comm.base import resolve
+from tddist.saving import background
+from tddist.saving.stream import MIN_BUDGET
 from tests.helpers import assert_td_equal, leftovers, require
 
 CODE = r"""
@@ -21,8 +21,8 @@ import os, sys, threading
 import torch
 from tensordict import TensorDict
 import tddist
-from tddist import background
-from tddist.comm import resolve
+from tddist.saving import background
+from tddist.comm.base import resolve
 
 def rss_mib():
     with open("/proc/self/status") as f:
@@ -321,7 +321,7 @@ def test_a_pipelined_save_leaves_the_callers_tensors_resizable_and_reads_no_maps
     storages not resizable for good (a later ``resize_`` of a training buffer would fail) and send every later
     save's map check to ``/proc/self/maps``. Three saves read the maps file never; the checkpoints hold the
     state as of each call."""
-    from tddist import _memmaps
+    from tddist.saving import memmaps as _memmaps
 
     reads = []
     real = _memmaps.file_mappings
@@ -342,7 +342,7 @@ def test_a_return_early_save_resolves_before_the_checkpoint_it_replaced_is_remov
     import threading
     import time
 
-    from tddist.layouts import base
+    from tddist.storage import base
 
     gate, removed = threading.Event(), []
     real = base.discard

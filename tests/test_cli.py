@@ -29,10 +29,10 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import format as fmt
-from tddist import inventory
-from tddist.locate import Locator
-from tddist.retention import clean_root, delete_checkpoint, retired, step_name
-from tddist.verify import verify
+from tddist.jobs import inventory
+from tddist.jobs.retention import clean_root, delete_checkpoint, retired, step_name
+from tddist.manifest.locate import Locator
+from tddist.tools.verify import verify
 
 REPO = Path(__file__).resolve().parent.parent
 _SCRIPT = Path(sys.executable).with_name("tddist")
@@ -416,9 +416,9 @@ def test_data_file_sizes_are_the_locators():
     """verify --quick computes every rank's data-file size at once; Locator gives it one rank at a time."""
     import numpy as np
 
-    from tddist.chunks import BoxChunks, ReplicaChunks, ShardChunks
-    from tddist.manifest import Leaf, Manifest
-    from tddist.verify import data_file_sizes
+    from tddist.manifest.chunks import BoxChunks, ReplicaChunks, ShardChunks
+    from tddist.manifest.model import Leaf, Manifest
+    from tddist.tools.verify import data_file_sizes
 
     def same(m: Manifest) -> None:
         loc = Locator(m)

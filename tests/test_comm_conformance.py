@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tddist.comm import LocalComm
+from tddist.comm.base import LocalComm
 from tests import comm_conformance
 from tests.comm_conformance import SHORT_TIMEOUT, CommunicatorTests, Ctx, run_check, run_on_threads
 from tests.launch_util import Job, run_job

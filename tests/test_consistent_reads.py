@@ -18,10 +18,10 @@ import torch
 from tensordict import TensorDict
 
 import tddist
+from tddist.core.sharding import full_box
 from tddist.errors import CheckpointChangedError, CorruptCheckpointError, ManifestError
-from tddist.manifest_io import open_checkpoint
-from tddist.reader import read_leaves
-from tddist.sharding import full_box
+from tddist.loading.read import read_leaves
+from tddist.storage.open import open_checkpoint
 from tests.launch_util import REPO
 
 LAYOUTS = {

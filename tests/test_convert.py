@@ -231,7 +231,7 @@ def test_bad_sources_name_the_problem(tmp_path):
 
 
 _PEAK = r"""
-import sys, tddist, tddist.api, tddist.conversion, tddist.interop.hf, tddist.interop.native
+import sys, tddist, tddist.api, tddist.interop.convert, tddist.interop.hf, tddist.interop.native
 
 
 def status(field):
@@ -270,7 +270,7 @@ def test_peak_memory_stays_near_one_leaf(tmp_path):
 
 
 _ANON_PEAK = r"""
-import sys, threading, time, tddist, tddist.api, tddist.conversion, tddist.interop.dcp, tddist.interop.native
+import sys, threading, time, tddist, tddist.api, tddist.interop.convert, tddist.interop.dcp, tddist.interop.native
 import tddist.interop.torch_file
 
 
@@ -351,8 +351,8 @@ def test_public_functions_are_not_shadowed_by_their_modules():
     """Importing the modules that define them must not turn tddist.convert/pack/unpack into modules."""
     import tddist.cli.convert
     import tddist.cli.pack
-    import tddist.conversion
-    import tddist.packing
+    import tddist.interop.convert
+    import tddist.tools.pack
 
     assert all(callable(getattr(tddist, name)) for name in ("convert", "pack", "unpack"))
 

@@ -182,10 +182,10 @@ def _read_after_shut_down(mnt: str, report: str) -> None:
 
     import tddist
     from tddist._faults import shut_down
-    from tddist.layouts.base import map_copy_on_write
-    from tddist.manifest_io import open_checkpoint
-    from tddist.reader import read_leaves
-    from tddist.sharding import full_box
+    from tddist.core.sharding import full_box
+    from tddist.loading.read import read_leaves
+    from tddist.storage.base import map_copy_on_write
+    from tddist.storage.open import open_checkpoint
 
     td = TensorDict({"w": torch.arange(1 << 16, dtype=torch.float32)}, batch_size=[])
     targets = {"directory": os.path.join(mnt, "ckpt"), "archive": os.path.join(mnt, "ckpt.tdz")}

@@ -57,7 +57,7 @@ from tensordict import TensorDict
 import tddist
 from tddist import format as fmt
 from tddist._faults import inject
-from tddist.layouts.archive import ArchiveWriter
+from tddist.storage.archive import ArchiveWriter
 from tests import fault_rank
 from tests.fault_rank import RESERVE, expected, outcome_of, reserve_point, save_version, shard
 from tests.helpers import assert_td_equal, leftovers, missing, require

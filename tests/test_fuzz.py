@@ -6,7 +6,7 @@ and appended bytes in the manifest, the index and the data; JSON values replaced
 ranks, checksums, placements, nesting), with the index's size and checksum (and the manifest's own checksum)
 recomputed when the mutation should reach deeper checks; index slots replaced; archive structure edited (the
 central directory, local headers and end record: methods, sizes, offsets, names). Manifests are also generated
-from scratch. Each example runs ``read_manifest``, ``tddist.verify``, ``tddist.load(..., verify=True)`` and
+from scratch. Each example runs ``read_manifest``, ``tddist.tools.verify``, ``tddist.load(..., verify=True)`` and
 the ``tddist verify`` / ``tddist info`` commands in a forked child under an address-space limit and an alarm:
 success (then every loaded leaf has its manifest shape and dtype, its checksums verified by the load) or a
 TddistError is fine; any other exception, a crash, a hang or a memory blow-up fails the example.
@@ -157,7 +157,7 @@ def _read_manifest(path: str) -> str:
 
 
 def _verify(path: str) -> str:
-    from tddist.verify import verify
+    from tddist.tools.verify import verify
 
     report = verify(path, num_threads=2)
     return f"{len(report.problems)} problems"
@@ -707,7 +707,7 @@ def test_declared_size_beyond_the_manifest_is_refused_before_inflating(tmp_path)
 
 def test_deflate_bomb_is_refused_before_allocating(tmp_path):
     """A deflate entry that declares more than deflate can expand to (1032:1) is refused before its buffer."""
-    from tddist.zipcodec import check_compressed_entry
+    from tddist.storage.zipcodec import check_compressed_entry
 
     with pytest.raises(CorruptCheckpointError, match="more than deflate can expand to"):
         check_compressed_entry(zipfile.ZIP_DEFLATED, 1000, 2000 * 1000, "test")
@@ -719,7 +719,7 @@ def test_deflate_bomb_is_refused_before_allocating(tmp_path):
 @pytest.mark.parametrize("codec", CODECS)
 def test_each_codec_round_trips_across_stream_blocks(tmp_path, codec, monkeypatch):
     """Decompression in blocks smaller than the entry (and than the codec's pieces) gives the bytes back."""
-    from tddist import zipcodec
+    from tddist.storage import zipcodec
 
     monkeypatch.setattr(zipcodec, "STREAM_BLOCK", 4099)
     x = torch.arange(50_000, dtype=torch.int32) % 1013
@@ -778,7 +778,7 @@ def test_regression_value_that_does_not_unpickle(tmp_path, encoded):
 def test_regression_zip_version_beyond_zipfile(tmp_path):
     """A central directory asking for a zip version zipfile does not implement ("zip file version 6.4") was a raw
     NotImplementedError from ArchiveFiles."""
-    from tddist.layouts.archive import ArchiveFiles
+    from tddist.storage.archive import ArchiveFiles
 
     path = _copy(GOLDEN / "v2" / "extended.tdz", tmp_path / "a.tdz")
     raw = bytearray(path.read_bytes())

@@ -21,7 +21,7 @@ import xxhash
 from tensordict import TensorDict
 
 import tddist
-from tddist.sharding import even_split, replica_writers
+from tddist.core.sharding import even_split, replica_writers
 from tests.helpers import assert_td_equal
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -442,7 +442,7 @@ def test_extended_golden_loads(path):
 @pytest.mark.parametrize("path", DTENSORS, ids=MULTI_IDS)
 def test_dtensor_golden_loads_whole_and_into_plain_tensors(path):
     m = tddist.read_manifest(path)
-    assert m.version == version_of(path) and m.leaves[("w",)].placement == tddist.sharding.Boxes()
+    assert m.version == version_of(path) and m.leaves[("w",)].placement == tddist.core.sharding.Boxes()
     assert [(c.rank, c.box) for c in m.leaves[("w",)].chunks] == [(0, ((0, 0), (5, 3)))]
     assert torch.equal(tddist.load(path, shard=None, verify=True)["w"], recipe.dtensor_global())
     target = {"w": torch.zeros(5, 3)}

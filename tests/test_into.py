@@ -7,7 +7,7 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist._memmaps import mapped_file
+from tddist.saving.memmaps import mapped_file
 
 
 @pytest.fixture()

@@ -10,10 +10,11 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist import InvalidDataError, PerRank, Replicate, Shard, background
-from tddist.comm import LocalComm
-from tddist.prepare import LayoutCache, prepare_shard
-from tddist.types import LocalShard
+from tddist import InvalidDataError, PerRank, Replicate, Shard
+from tddist.comm.base import LocalComm
+from tddist.core.types import LocalShard
+from tddist.saving import background
+from tddist.saving.prepare import LayoutCache, prepare_shard
 
 
 def _prepare(data, cache: LayoutCache, *, rank: int = 0, world: int = 2, placements=None, allow_pickle=False):

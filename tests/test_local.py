@@ -75,7 +75,7 @@ def packed(tmp_path):
 
 def chunk_span(target, *key) -> tuple[str, int, int]:
     """(data file, offset, size) of rank 0's chunk of leaf ``key`` in a packed checkpoint."""
-    from tddist.locate import Locator
+    from tddist.manifest.locate import Locator
 
     manifest = tddist.read_manifest(target)
     leaf = manifest.leaves[key]
@@ -614,7 +614,7 @@ def _mapped_by(kind: str, path) -> torch.Tensor:
 def test_every_way_of_mapping_a_file_is_refused(tmp_path, kind):
     """The check that skips reading /proc/self/maps for torch's own allocations still sees every mapped leaf:
     torch.from_file, a numpy.memmap, torch.frombuffer over an mmap and a MemoryMappedTensor, also as a view."""
-    from tddist._memmaps import allocated_by_torch
+    from tddist.saving.memmaps import allocated_by_torch
 
     mapped = _mapped_by(kind, tmp_path / "leaf.bin")
     assert not allocated_by_torch(mapped) and not allocated_by_torch(mapped[8:])
@@ -639,7 +639,7 @@ def test_proc_maps_is_read_once_for_leaves_exported_to_numpy(tmp_path, monkeypat
 
     import numpy as np
 
-    import tddist._memmaps as memmaps
+    import tddist.saving.memmaps as memmaps
 
     reads = []
     real = memmaps.file_mappings

@@ -24,8 +24,8 @@ import torch
 import tddist
 from tddist import _faults
 from tddist import format as fmt
-from tddist.manager import CheckpointManager, parse_signals
-from tddist.retention import newest_checkpoint, parse_step, step_name
+from tddist.jobs.manager import CheckpointManager, parse_signals
+from tddist.jobs.retention import newest_checkpoint, parse_step, step_name
 from tests.helpers import MANAGER_LOCK, assert_td_equal, leftovers
 from tests.launch_util import REPO, Job, _communicate, _env, _reports, free_port, run_job
 from tests.manager_rank import expected, local_state
@@ -177,17 +177,17 @@ def test_async_retention_runs_on_the_saves_thread_not_the_training_thread(
     training steps go on while a deletion is still running, and ``wait()`` returns only after it."""
     import threading
 
-    import tddist.manager
+    import tddist.jobs.manager
 
     gate, deleted_on = threading.Event(), []
-    real = tddist.manager.delete_checkpoint
+    real = tddist.jobs.manager.delete_checkpoint
 
     def held_delete(path: str) -> None:
         deleted_on.append(threading.current_thread())
         assert gate.wait(60), "the test never opened the gate"
         real(path)
 
-    monkeypatch.setattr(tddist.manager, "delete_checkpoint", held_delete)
+    monkeypatch.setattr(tddist.jobs.manager, "delete_checkpoint", held_delete)
     root = tmp_path / "ckpt"
     mgr = CheckpointManager(root, every=2, keep_last=1, async_save=True, preempt_signal=None)
     mgr.step(2, local_state(0, 1, 2))

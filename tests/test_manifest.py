@@ -13,14 +13,14 @@ from tensordict import TensorDict
 from tddist import Manifest, ManifestError, Replicate, Shard, ShardingError
 from tddist import format as fmt
 from tddist.checksum import checksum_bytes, tensor_bytes
-from tddist.layouts.base import WriterBase
-from tddist.manifest_io import parse_manifest
-from tddist.manifest_v2 import encode
-from tddist.merge import PlanCache, merge_fragments
-from tddist.prepare import prepare_shard
-from tddist.sharding import Boxes
-from tddist.structure import describe_difference
-from tddist.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBytes
+from tddist.core.sharding import Boxes
+from tddist.core.structure import describe_difference
+from tddist.core.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBytes
+from tddist.manifest.merge import PlanCache, merge_fragments
+from tddist.manifest.v2 import encode
+from tddist.saving.prepare import prepare_shard
+from tddist.storage.base import WriterBase
+from tddist.storage.open import parse_manifest
 
 CS = "0123456789abcdef"  # a well-formed checksum
 

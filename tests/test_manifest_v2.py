@@ -29,13 +29,13 @@ import xxhash
 from tensordict import NonTensorStack, TensorDict
 
 import tddist
-import tddist.reader
+import tddist.loading.read
 from tddist import CorruptCheckpointError, ManifestError
 from tddist import format as fmt
-from tddist.manifest_checksum import seal
-from tddist.manifest_io import parse_manifest
-from tddist.manifest_v2 import encode
-from tddist.verify import verify as verify_checkpoint
+from tddist.manifest.checksum import seal
+from tddist.manifest.v2 import encode
+from tddist.storage.open import parse_manifest
+from tddist.tools.verify import verify as verify_checkpoint
 from tests.helpers import assert_td_equal
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -135,8 +135,8 @@ def refused(path: Path, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("data was opened before the manifest was validated")
 
     with monkeypatch.context() as mp:
-        mp.setattr(tddist.reader, "ChunkSource", no_data)
-        mp.setattr(tddist.reader, "open_files", no_data)
+        mp.setattr(tddist.loading.read, "ChunkSource", no_data)
+        mp.setattr(tddist.loading.read, "open_files", no_data)
         mp.setattr(torch, "from_file", no_data)
         with pytest.raises(ManifestError, match=match):
             tddist.load(path, shard=None)
@@ -201,7 +201,7 @@ def test_rewritten_but_equivalent_manifest_still_loads(two):
     _as_boxes(two, [0, 1], [(0, 0), (2, 0)], [(2, 3), (2, 3)])
     got = tddist.load(two, shard=None, verify=True)
     assert torch.equal(got["batch", "x"], TWO_X) and torch.equal(got["w"], torch.arange(6.0))
-    assert tddist.read_manifest(two).leaves[("batch", "x")].placement == tddist.sharding.Boxes()
+    assert tddist.read_manifest(two).leaves[("batch", "x")].placement == tddist.core.sharding.Boxes()
 
 
 # --- rows ------------------------------------------------------------------------------------------------------
@@ -483,7 +483,7 @@ def test_boxes_leaf_of_zero_chunks_loads_as_an_empty_tensor(tmp_path):
     got = tddist.load(path, shard=None, verify=True)
     assert got["e"].shape == (0, 3) and got["e"].dtype == torch.float64
     assert torch.equal(got["w"], torch.arange(6.0))
-    assert tddist.read_manifest(path).leaves[("e",)].placement == tddist.sharding.Boxes()
+    assert tddist.read_manifest(path).leaves[("e",)].placement == tddist.core.sharding.Boxes()
     assert verify_checkpoint(path).ok
 
 

@@ -25,10 +25,11 @@ import pytest
 import torch
 
 import tddist
-from tddist import _fs, manifest_io
+from tddist import _fs
 from tddist import format as fmt
 from tddist.errors import CheckpointNotFoundError, ManifestError
-from tddist.pinned import PinnedCheckpoint
+from tddist.storage import open as manifest_io
+from tddist.storage.pinned import PinnedCheckpoint
 
 # --- _fs: the kernel and C-library decisions ------------------------------------------------
 
@@ -394,7 +395,7 @@ def side_kinds(target: Path) -> list[tuple[str, str]]:
 def test_publish_onto_an_absent_target_is_durable_at_renamed(tmp_path, fsynced):
     from tddist._faults import inject
     from tddist.errors import InjectedFault
-    from tddist.publish import publish
+    from tddist.storage.publish import publish
 
     target = tmp_path / "ckpt"
     with inject("renamed", 0), pytest.raises(InjectedFault, match="'renamed'"):
@@ -410,7 +411,7 @@ def test_publish_by_exchange_struck_at_renamed(tmp_path):
     the staging name (never at a backup name), for recover to remove."""
     from tddist._faults import inject
     from tddist.errors import InjectedFault
-    from tddist.publish import publish
+    from tddist.storage.publish import publish
 
     target = tmp_path / "ckpt"
     publish(staged_checkpoint(target, "one"), str(target))
@@ -426,7 +427,7 @@ def test_publish_through_a_backup_struck_after_the_commit(tmp_path, point):
     backup name; recover removes it (the target is committed), it never restores it."""
     from tddist._faults import inject, without_exchange
     from tddist.errors import InjectedFault
-    from tddist.publish import publish
+    from tddist.storage.publish import publish
 
     target = tmp_path / "ckpt"
     publish(staged_checkpoint(target, "one"), str(target))
@@ -442,7 +443,7 @@ def test_publish_through_a_backup_struck_between_the_renames(tmp_path, fsynced):
     recover puts it back."""
     from tddist._faults import inject, without_exchange
     from tddist.errors import InjectedFault
-    from tddist.publish import publish
+    from tddist.storage.publish import publish
 
     target = tmp_path / "ckpt"
     publish(staged_checkpoint(target, "one"), str(target))
@@ -651,7 +652,7 @@ def header(**changes) -> dict:
 
 
 def test_parse_header_reads_every_member_and_its_defaults():
-    from tddist.manifest import Parser, parse_header
+    from tddist.manifest.model import Parser, parse_header
 
     m = parse_header(Parser(WHERE), header())
     assert (m.version, m.world_size, m.layout, m.robust_key, m.metadata, m.created, m.tddist_version) == (
@@ -693,7 +694,7 @@ def test_parse_header_reads_every_member_and_its_defaults():
     ],
 )
 def test_parse_header_refusals(changes, why):
-    from tddist.manifest import Parser, parse_header
+    from tddist.manifest.model import Parser, parse_header
 
     with refused_as(why):
         parse_header(Parser(WHERE), header(**changes))
@@ -701,14 +702,14 @@ def test_parse_header_refusals(changes, why):
 
 @pytest.mark.parametrize("obj", [[1], "tddist", None, 3])
 def test_parse_header_refuses_what_is_not_an_object(obj):
-    from tddist.manifest import Parser, parse_header
+    from tddist.manifest.model import Parser, parse_header
 
     with refused_as("is not a JSON object"):
         parse_header(Parser(WHERE), obj)
 
 
 def test_parse_header_refuses_a_newer_version_only():
-    from tddist.manifest import READS_UP_TO, Parser, parse_header
+    from tddist.manifest.model import READS_UP_TO, Parser, parse_header
 
     assert parse_header(Parser(WHERE), header(version=READS_UP_TO)).version == READS_UP_TO
     with pytest.raises(ManifestError) as e:
@@ -720,7 +721,7 @@ def test_parse_header_refuses_a_newer_version_only():
 
 
 def test_parser_shape_bounds():
-    from tddist.manifest import MAX_ELEMENTS, Parser
+    from tddist.manifest.model import MAX_ELEMENTS, Parser
 
     p = Parser(WHERE)
     assert p.shape([], "s") == () and p.shape([0, 3], "s") == (0, 3)
@@ -735,7 +736,7 @@ def test_parser_shape_bounds():
 
 
 def test_parser_key_and_list_of():
-    from tddist.manifest import Parser
+    from tddist.manifest.model import Parser
 
     p = Parser(WHERE)
     assert p.key([], allow_empty=True) == () and p.key(["a", "b"], allow_empty=False) == ("a", "b")
@@ -749,13 +750,13 @@ def test_parser_key_and_list_of():
 
 
 def empty_manifest(world: int = 2):
-    from tddist.manifest import Manifest
+    from tddist.manifest.model import Manifest
 
     return Manifest(world_size=world, nodes={}, leaves={})
 
 
 def test_parse_nodes_with_version_1_rows():
-    from tddist.manifest import Parser, parse_nodes
+    from tddist.manifest.model import Parser, parse_nodes
 
     m = empty_manifest()
     obj = {
@@ -786,7 +787,7 @@ def test_parse_nodes_with_version_1_rows():
     ],
 )  # fmt: skip
 def test_parse_nodes_refusals(nodes, why):
-    from tddist.manifest import Parser, parse_nodes
+    from tddist.manifest.model import Parser, parse_nodes
 
     with refused_as(why):
         parse_nodes(Parser(WHERE), {"nodes": nodes}, empty_manifest())
@@ -800,7 +801,7 @@ def objects_manifest():
 
 
 def test_parse_objects_of_every_placement():
-    from tddist.manifest import ObjectLeaf, Parser, parse_objects
+    from tddist.manifest.model import ObjectLeaf, Parser, parse_objects
 
     m = objects_manifest()
     objs = [
@@ -847,14 +848,14 @@ def test_parse_objects_of_every_placement():
     ],
 )  # fmt: skip
 def test_parse_objects_refusals(objects, why):
-    from tddist.manifest import Parser, parse_objects
+    from tddist.manifest.model import Parser, parse_objects
 
     with refused_as(why):
         parse_objects(Parser(WHERE), {"objects": objects}, objects_manifest())
 
 
 def test_verbatim_keys_of_non_tensor_values_must_be_file_names():
-    from tddist.manifest import Parser, check_keys, parse_objects
+    from tddist.manifest.model import Parser, check_keys, parse_objects
 
     m = objects_manifest()
     parse_objects(Parser(WHERE), {"objects": [{"key": ["n", "a/b"], "placement": "replicate", "values": [1]}]}, m)
@@ -954,7 +955,7 @@ def test_v2_body_refusals(v2_files, tamper, why):
 
 
 def test_a_version_1_manifest_without_rows_cannot_be_written_as_version_2():
-    from tddist.manifest_v2 import encode
+    from tddist.manifest.v2 import encode
 
     cs = "0123456789abcdef"
     obj = header(
@@ -1021,7 +1022,7 @@ def logged(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
 def test_a_removal_that_fails_is_logged_with_its_path_and_does_not_raise(tmp_path, caplog):
     import logging
 
-    from tddist.publish import discard
+    from tddist.storage.publish import discard
 
     (tmp_path / "file").write_text("x")
     bad = tmp_path / "file" / "old"  # a path under a regular file: unlink fails with ENOTDIR
@@ -1039,7 +1040,7 @@ def test_replacing_through_a_backup_is_logged_with_the_target(tmp_path, caplog):
     import logging
 
     from tddist._faults import without_exchange
-    from tddist.publish import publish
+    from tddist.storage.publish import publish
 
     target = tmp_path / "ckpt"
     publish(staged_checkpoint(target, "one"), str(target))
@@ -1093,7 +1094,7 @@ def test_a_refused_manifest_is_named_by_its_path(tmp_path, damage, why):
 
 def test_an_archive_whose_manifest_declares_a_directory_is_refused(tmp_path):
     """The layout in an archive's manifest must be "archive" (an extracted archive, a directory, may say so)."""
-    from tddist.manifest_checksum import seal
+    from tddist.manifest.checksum import seal
 
     src, path = tmp_path / "a.tdz", tmp_path / "b.tdz"
     tddist.save({"x": torch.arange(3)}, src, archive=True)

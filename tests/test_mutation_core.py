@@ -17,11 +17,12 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist import _fs, recovery
+from tddist import _fs
 from tddist import format as fmt
 from tddist._faults import inject, without_exchange
 from tddist.errors import InjectedFault, InvalidArgumentError
-from tddist.publish import publish
+from tddist.storage import recovery
+from tddist.storage.publish import publish
 from tests.helpers import leftovers
 
 # --- _fs ------------------------------------------------------------------------------------
@@ -393,7 +394,7 @@ def memmap_checkpoint(tmp_path: Path) -> Path:
 
 
 def chunk_file(ckpt: Path, rank: int) -> Path:
-    from tddist.locate import Locator
+    from tddist.manifest.locate import Locator
 
     m = tddist.read_manifest(ckpt)
     leaf = m.leaves[("x",)]
@@ -404,7 +405,7 @@ def test_verify_memmap_reports_each_damaged_file(tmp_path):
     """Layout "memmap": a missing rank directory, a missing, resized or symlinked chunk file, each reported."""
     import shutil
 
-    from tddist.verify import MISSING, NOT_A_FILE, SIZE, STRUCTURE, verify
+    from tddist.tools.verify import MISSING, NOT_A_FILE, SIZE, STRUCTURE, verify
 
     ckpt = memmap_checkpoint(tmp_path)
     assert verify(ckpt).ok and verify(ckpt, quick=True).ok

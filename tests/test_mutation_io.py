@@ -30,13 +30,15 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist import _fs, reader, writer
+from tddist import _fs
 from tddist import format as fmt
-from tddist._memmaps import allocated_by_torch
 from tddist.checksum import EMPTY, combine_digests, hash_blocks
-from tddist.locate import Locator
-from tddist.s3.files import ChunkRange
-from tddist.types import StoredBytes
+from tddist.core.types import StoredBytes
+from tddist.loading import read as reader
+from tddist.manifest.locate import Locator
+from tddist.saving.memmaps import allocated_by_torch
+from tddist.storage import writer
+from tddist.storage.s3.files import ChunkRange
 from tests.helpers import assert_td_equal
 
 # --- reader._needed: the bytes of each chunk a request reads ------------------------------
@@ -427,7 +429,7 @@ def test_a_damaged_chunk_file_is_named_with_its_leaf_and_rank(tmp_path, damage):
 
 
 def test_check_target_refusals_and_what_it_finds(tmp_path):
-    from tddist.layouts.directory import check_target
+    from tddist.storage.directory import check_target
 
     assert check_target(str(tmp_path / "absent")) is False
     (tmp_path / "empty").mkdir()
@@ -487,9 +489,9 @@ def test_a_non_atomic_save_replaces_every_entry_of_the_old_checkpoint(tmp_path):
 
 
 def test_open_files_reads_a_directory_or_an_archive_by_path_or_opened(tmp_path):
-    from tddist.layouts.archive import ArchiveFiles
-    from tddist.layouts.directory import DirectoryFiles
-    from tddist.manifest_io import open_checkpoint
+    from tddist.storage.archive import ArchiveFiles
+    from tddist.storage.directory import DirectoryFiles
+    from tddist.storage.open import open_checkpoint
 
     tddist.save(two_leaves(), tmp_path / "d")
     tddist.save(two_leaves(), tmp_path / "a.tdz", archive=True)
@@ -596,10 +598,10 @@ def test_object_storage_chunks_have_their_own_reader_and_no_file_reader(tmp_path
     """A checkpoint opened on object storage (no request is sent here): its chunks are read by ``S3Files``, and
     operations that need files refuse it, naming it."""
     from tddist.errors import InvalidArgumentError
-    from tddist.manifest_io import OpenedCheckpoint
-    from tddist.s3.files import S3Files
-    from tddist.s3.pin import S3Pin
-    from tddist.s3.url import parse
+    from tddist.storage.open import OpenedCheckpoint
+    from tddist.storage.s3.files import S3Files
+    from tddist.storage.s3.pin import S3Pin
+    from tddist.storage.s3.url import parse
 
     tddist.save(two_leaves(), tmp_path / "d")
     opened = OpenedCheckpoint(S3Pin(parse("s3://bucket/ckpt"), None, False), tddist.read_manifest(tmp_path / "d"), "g")

@@ -27,8 +27,8 @@ import tddist
 from tddist import cli
 from tddist import format as fmt
 from tddist.errors import CorruptCheckpointError, TargetError
-from tddist.locate import Locator
-from tddist.verify import CHECKSUM, verify
+from tddist.manifest.locate import Locator
+from tddist.tools.verify import CHECKSUM, verify
 from tests.helpers import assert_td_equal, flip, leftovers
 
 RANKS = 4
@@ -222,7 +222,7 @@ def test_recover_restores_over_a_torn_checkpoint_but_not_over_hidden_entries(tmp
 
 def step_root(tmp_path: Path, kind: str) -> tuple[Path, Path, dict[str, bytes]]:
     """A root with two committed steps and a step-named directory that holds only a hidden entry."""
-    from tddist.retention import step_name
+    from tddist.jobs.retention import step_name
 
     root = tmp_path / "root"
     for step in (1, 2):
@@ -233,14 +233,14 @@ def step_root(tmp_path: Path, kind: str) -> tuple[Path, Path, dict[str, bytes]]:
 
 def steps(root: Path) -> list[str]:
     """The step checkpoints under ``root`` (leaving out whatever else the manager keeps there)."""
-    from tddist.retention import parse_step
+    from tddist.jobs.retention import parse_step
 
     return sorted(n for n in os.listdir(root) if parse_step(n) is not None)
 
 
 @pytest.mark.parametrize("kind", sorted(HIDDEN))
 def test_clean_up_and_retention_keep_hidden_only_directories(tmp_path, kind):
-    from tddist.retention import clean_root, step_name
+    from tddist.jobs.retention import clean_root, step_name
 
     root, hidden, before = step_root(tmp_path, kind)
     assert clean_root(str(root)) == []
@@ -254,8 +254,8 @@ def test_clean_up_and_retention_keep_hidden_only_directories(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", sorted(HIDDEN))
 def test_gc_keeps_hidden_only_directories(tmp_path, kind, capsys):
-    from tddist import inventory
-    from tddist.retention import step_name
+    from tddist.jobs import inventory
+    from tddist.jobs.retention import step_name
 
     root, hidden, before = step_root(tmp_path, kind)
     plan = inventory.plan_gc(root, keep_last=1)

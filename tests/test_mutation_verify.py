@@ -1,4 +1,4 @@
-"""Fast in-process tests of tddist.verify (the offline checker): each damage it must report, on real checkpoints.
+"""Fast in-process tests of tddist.tools.verify (the offline checker): each damage it must report, on real checkpoints.
 
 Written against the mutants that survived ``scripts/mutation.sh``: each test
 asserts a behaviour on real files (thread ranks, one process).
@@ -28,9 +28,9 @@ from tensordict import TensorDict
 import tddist
 from tddist import format as fmt
 from tddist.errors import InvalidArgumentError
-from tddist.locate import Location, Locator
-from tddist.manifest_v2 import encode
-from tddist.verify import (
+from tddist.manifest.locate import Location, Locator
+from tddist.manifest.v2 import encode
+from tddist.tools.verify import (
     CHECKSUM,
     MISSING,
     NOT_A_FILE,
@@ -164,7 +164,7 @@ def test_report_describes_the_checkpoint(tmp_path, layout, monkeypatch):
     nbytes = 3 * 16 + 3 * 6 + 3 + 20
     for quick in (False, True):
         report = verify(ckpt.name, quick=quick)  # a relative path: the report names the absolute one
-        assert report == tddist.verify.VerifyReport(
+        assert report == tddist.tools.verify.VerifyReport(
             path=str(ckpt),
             mode="quick" if quick else "full",
             layout="archive" if layout == "archive" else "directory",

@@ -22,7 +22,7 @@ from tensordict import NonTensorData, TensorDict
 
 import tddist
 from tddist._faults import inject
-from tddist.s3.client import s3_client
+from tddist.storage.s3.client import s3_client
 from tests.helpers import assert_td_equal
 from tests.launch_util import REPO, run_job
 
@@ -437,8 +437,8 @@ def test_load_into_a_target_reshards_in_place(s3):
 def test_a_load_pinned_before_an_overwrite_never_reads_the_new_one(s3, layout):
     """A load that opened the checkpoint before an overwrite committed reads no byte of the new one: the old
     generation is gone (directory) or the ETag no longer matches (archive, If-Match): CheckpointChangedError."""
-    from tddist.manifest_io import open_checkpoint
-    from tddist.reader import read_leaves
+    from tddist.loading.read import read_leaves
+    from tddist.storage.open import open_checkpoint
 
     _client, bucket = s3
     target = url(bucket, layout)

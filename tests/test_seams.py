@@ -15,12 +15,12 @@ import threading
 import pytest
 
 import tddist
-from tddist import commit
-from tddist.comm import run_threads
-from tddist.layouts.archive import ArchiveWriter
-from tddist.layouts.base import ShardWriter
-from tddist.layouts.directory import DirectoryWriter
-from tddist.types import Fragment, ManifestFiles, SavePlan, Staging, Structure
+from tddist.comm.base import run_threads
+from tddist.core.types import Fragment, ManifestFiles, SavePlan, Staging, Structure
+from tddist.saving import commit
+from tddist.storage.archive import ArchiveWriter
+from tddist.storage.base import ShardWriter
+from tddist.storage.directory import DirectoryWriter
 
 
 class RecordingWriter:

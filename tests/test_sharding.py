@@ -1,4 +1,4 @@
-"""Pure geometry of tddist.sharding: even splits, tiling checks, read plans."""
+"""Pure geometry of tddist.core.sharding: even splits, tiling checks, read plans."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tddist.sharding import (
+from tddist.core.sharding import (
     ReadPiece,
     even_split,
     full_box,

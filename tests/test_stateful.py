@@ -23,8 +23,8 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist.comm import LocalComm
-from tddist.manager import CheckpointManager
+from tddist.comm.base import LocalComm
+from tddist.jobs.manager import CheckpointManager
 from tests.launch_util import REPO, run_job
 from tests.stateful_rank import STEPS, Sampler, objects, position, rng_after, train_step
 
@@ -49,7 +49,7 @@ def test_per_rank_and_stateful_state_through_the_manager_on_2_then_3_ranks(tmp_p
 
 _HOLDER = """
 import sys, time
-from tddist.manager import CheckpointManager
+from tddist.jobs.manager import CheckpointManager
 mgr = CheckpointManager(sys.argv[1], preempt_signal=None)
 print("locked", flush=True)
 time.sleep(600)

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tddist import format as fmt
-from tddist import stream as stream_mod
 from tddist.checksum import checksum_bytes
-from tddist.merge import packed_offsets
-from tddist.stream import Arena, Stream, plan_slots, whole_state_budget
+from tddist.manifest.merge import packed_offsets
+from tddist.saving import stream as stream_mod
+from tddist.saving.stream import Arena, Stream, plan_slots, whole_state_budget
 
 #: Leaf sizes in bytes: empty, tiny, unaligned, one that spans several slots and checksum blocks.
 SIZES = [0, 1, 63, 64, 65, 1000, 4096, 10_000, 7, 3 * 4096 + 5]

@@ -30,8 +30,8 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import _faults
-from tddist.manager import EXIT_PREEMPTED, CheckpointManager
-from tddist.retention import parse_step, step_name
+from tddist.jobs.manager import EXIT_PREEMPTED, CheckpointManager
+from tddist.jobs.retention import parse_step, step_name
 from tests import crash_harness as ch
 from tests.helpers import assert_td_equal, leftovers
 from tests.manager_rank import expected, local_state, train

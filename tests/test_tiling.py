@@ -22,10 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tddist
-from tddist import ManifestError, sharding
+from tddist import ManifestError
 from tddist import format as fmt
 from tddist.checksum import checksum_bytes
-from tddist.sharding import box_tiling_problems, tiling_problems
+from tddist.core import sharding
+from tddist.core.sharding import box_tiling_problems, tiling_problems
 
 # --- crafted layouts ----------------------------------------------------------------------------------------
 

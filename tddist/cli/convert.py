@@ -84,7 +84,7 @@ def _bar() -> Iterator[Callable[[int, int], None]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..conversion import convert, detect_format, target_format
+    from ..interop.convert import convert, detect_format, target_format
 
     with _bar() as report:
         dst = convert(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import diff as difflib
+from ..tools import diff as difflib
 from ._output import emit_json, key_text
 
 HELP = "compare two checkpoints: keys, dtypes, shapes, placements, values and content"

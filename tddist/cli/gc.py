@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import inventory
+from ..jobs import inventory
 from ._output import emit_json, human_bytes, positive_int, shown_path
 
 HELP = "remove leftovers of interrupted saves and old checkpoints under a root, as the manager does"

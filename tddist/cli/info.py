@@ -7,13 +7,13 @@ import json
 import os
 
 from .. import format as fmt
-from .. import inventory
-from ..diff import placement_text
+from ..core.sharding import PerRank, Replicate, Shard
 from ..errors import CheckpointNotFoundError
-from ..manifest import Leaf, Manifest, ObjectLeaf
-from ..manifest_io import read_manifest
-from ..sharding import PerRank, Replicate, Shard
-from ..verify import leaf_nbytes
+from ..jobs import inventory
+from ..manifest.model import Leaf, Manifest, ObjectLeaf
+from ..storage.open import read_manifest
+from ..tools.diff import placement_text
+from ..tools.verify import leaf_nbytes
 from ._output import emit_json, human_age, human_bytes, key_text, table, value_text
 
 HELP = "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"

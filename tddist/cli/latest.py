@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .. import inventory
+from ..jobs import inventory
 from ._output import emit_json, shown_path
 
 HELP = "print the newest committed checkpoint under a directory (for scripts)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .. import inventory
+from ..jobs import inventory
 from ._output import emit_json, human_age, human_bytes, shown_path, table
 
 HELP = "list the checkpoints under a directory, with leftovers of interrupted saves"

@@ -71,8 +71,8 @@ def _refuse_existing(args: argparse.Namespace) -> None:
 
 
 def _total(path: str) -> int:
-    from ..manifest_io import read_manifest
-    from ..verify import stored_bytes
+    from ..storage.open import read_manifest
+    from ..tools.verify import stored_bytes
 
     return stored_bytes(read_manifest(path))
 
@@ -86,7 +86,7 @@ def _done(args: argparse.Namespace, name: str) -> int:
 
 
 def run_pack(args: argparse.Namespace) -> int:
-    from ..packing import pack
+    from ..tools.pack import pack
 
     _refuse_existing(args)
     with written_bytes_progress(_total(args.src), "pack"):
@@ -95,7 +95,7 @@ def run_pack(args: argparse.Namespace) -> int:
 
 
 def run_unpack(args: argparse.Namespace) -> int:
-    from ..packing import unpack
+    from ..tools.pack import unpack
 
     _refuse_existing(args)
     with written_bytes_progress(_total(args.src), "unpack"):

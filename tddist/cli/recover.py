@@ -28,12 +28,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..s3.url import is_s3
+    from ..storage.s3.url import is_s3
 
     if is_s3(args.path):  # s3://bucket/key[.tdz]: unfinished uploads and uncommitted generations
-        from ..s3.recovery import recover
+        from ..storage.s3.recovery import recover
     else:
-        from ..recovery import recover
+        from ..storage.recovery import recover
 
     done = recover(args.path)
     if args.json:

@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..manifest_io import read_manifest
-    from ..verify import stored_bytes, verify_manifest
+    from ..storage.open import read_manifest
+    from ..tools.verify import stored_bytes, verify_manifest
 
     manifest = read_manifest(args.path)
     with progress(0 if args.quick else stored_bytes(manifest), "verify") as update:

@@ -168,7 +168,7 @@ class _Spill:
         import torch
 
         from .._fs import pwrite_all
-        from .._memmaps import mapped_files
+        from ..saving.memmaps import mapped_files
 
         nbytes = t.numel() * t.element_size()
         if nbytes < SPILL_MIN_BYTES or t.device.type != "cpu" or mapped_files({0: t}):

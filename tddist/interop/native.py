@@ -17,11 +17,11 @@ import torch
 from tensordict import NonTensorData
 
 from ..api import read_manifest, save
-from ..comm import LocalComm
-from ..manifest import Manifest
-from ..plan import leaf_box, object_value
-from ..reader import read_leaves
-from ..types import AllRows
+from ..comm.base import LocalComm
+from ..core.types import AllRows
+from ..loading.read import read_leaves
+from ..loading.share import leaf_box, object_value
+from ..manifest.model import Manifest
 from . import Key, Selection, TensorEntry, nested_dict
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,185 @@
+"""The chunks of one leaf, in columns: numpy arrays instead of one object per chunk.
+
+At thousands of ranks and leaves a checkpoint has millions of chunks; a rank
+that loads its own rows needs a handful of them. A table keeps the chunks of
+a leaf as arrays (views of the manifest's index where possible) and builds a
+``Chunk`` only when one is asked for. Three kinds, one per placement:
+
+- ``ShardChunks``: one chunk per rank, cut along one dim; chunk ``r`` holds
+  ``lengths[r]`` rows starting at the sum of the lengths before it. Finding
+  the chunks a box overlaps is a bisection on those starts.
+- ``ReplicaChunks``: one chunk, the whole leaf, written by one rank.
+- ``BoxChunks``: any boxes (a DTensor's local shards), with their ranks.
+
+No torch here: the manifest is read and validated without it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.sharding import Box, full_box, shard_box
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One stored piece of a leaf: who wrote it, where it lies in the global tensor, its bytes."""
+
+    rank: int
+    box: Box
+    nbytes: int
+    checksum: str
+
+
+def hex_checksum(value: int) -> str:
+    """A chunk checksum (an unsigned 64-bit integer) as the manifest's 16 hex digits."""
+    return f"{int(value):016x}"
+
+
+def int_checksum(text: str) -> int:
+    """Inverse of ``hex_checksum``."""
+    return int(text, 16)
+
+
+class ShardChunks:
+    """One chunk per rank along ``dim``: ``lengths`` (int64) and ``checksums`` (uint64), in rank order."""
+
+    def __init__(self, shape: tuple[int, ...], dim: int, itemsize: int, lengths: np.ndarray, checksums: np.ndarray):
+        self.shape, self.dim, self.itemsize = shape, dim, itemsize
+        self.lengths, self.checksums = lengths, checksums
+        self._starts: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one index along the shard dim."""
+        return math.prod(s for i, s in enumerate(self.shape) if i != self.dim) * self.itemsize
+
+    def starts(self) -> np.ndarray:
+        """Where each rank's chunk starts along the shard dim, and the end (computed once, in numpy)."""
+        if self._starts is None:
+            self._starts = np.concatenate(([0], np.cumsum(self.lengths, dtype=np.int64)))
+        return self._starts
+
+    def chunk(self, i: int) -> Chunk:
+        start = int(self.starts()[i])
+        length = int(self.lengths[i])
+        box = shard_box(self.shape, self.dim, start, start + length)
+        return Chunk(i, box, length * self.row_bytes, hex_checksum(self.checksums[i]))
+
+    def overlapping(self, box: Box) -> list[int]:
+        """Indices of the chunks that share elements with ``box``."""
+        if math.prod(box[1]) == 0:
+            return []
+        lo, hi = box[0][self.dim], box[0][self.dim] + box[1][self.dim]
+        s = self.starts()
+        first = max(int(np.searchsorted(s, lo, side="right")) - 1, 0)
+        last = int(np.searchsorted(s, hi, side="left"))  # chunks from here on start at or after hi
+        return [i for i in range(first, min(last, len(self.lengths))) if s[i + 1] > lo and self.lengths[i] > 0]
+
+    def index_of_rank(self, rank: int) -> int | None:
+        return rank if 0 <= rank < len(self.lengths) else None
+
+    def nbytes_of_rank(self, rank: int) -> int:
+        """Bytes ``rank`` stored for this leaf."""
+        return int(self.lengths[rank]) * self.row_bytes
+
+    def nbytes_by_rank(self, world: int) -> np.ndarray:
+        """Bytes every rank stored for this leaf (int64[world])."""
+        return np.asarray(self.lengths, dtype=np.int64)[:world] * self.row_bytes
+
+
+class ReplicaChunks:
+    """The whole leaf, stored once by ``writer``."""
+
+    def __init__(self, shape: tuple[int, ...], itemsize: int, writer: int, checksum: int):
+        self.shape, self.itemsize, self.writer, self.checksum = shape, itemsize, writer, checksum
+
+    def __len__(self) -> int:
+        return 1
+
+    def chunk(self, i: int) -> Chunk:
+        nbytes = math.prod(self.shape) * self.itemsize
+        return Chunk(self.writer, full_box(self.shape), nbytes, hex_checksum(self.checksum))
+
+    def overlapping(self, box: Box) -> list[int]:
+        return [0] if math.prod(box[1]) else []
+
+    def index_of_rank(self, rank: int) -> int | None:
+        return 0 if rank == self.writer else None
+
+    def nbytes_of_rank(self, rank: int) -> int:
+        return math.prod(self.shape) * self.itemsize if rank == self.writer else 0
+
+    def nbytes_by_rank(self, world: int) -> np.ndarray:
+        out = np.zeros(world, dtype=np.int64)
+        out[self.writer] = math.prod(self.shape) * self.itemsize
+        return out
+
+
+class BoxChunks:
+    """Arbitrary boxes: ``ranks`` (int64[n]), ``offsets`` and ``sizes`` (int64[n, ndim]), ``checksums`` (uint64[n])."""
+
+    def __init__(self, itemsize: int, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, checksums: np.ndarray):
+        self.itemsize, self.ranks, self.offsets, self.sizes, self.checksums = itemsize, ranks, offsets, sizes, checksums
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def box(self, i: int) -> Box:
+        return tuple(int(x) for x in self.offsets[i]), tuple(int(x) for x in self.sizes[i])
+
+    def chunk(self, i: int) -> Chunk:
+        box = self.box(i)
+        return Chunk(int(self.ranks[i]), box, math.prod(box[1]) * self.itemsize, hex_checksum(self.checksums[i]))
+
+    def overlapping(self, box: Box) -> list[int]:
+        if len(self.ranks) == 0 or math.prod(box[1]) == 0:
+            return []
+        lo = np.asarray(box[0], dtype=np.int64)
+        hi = lo + np.asarray(box[1], dtype=np.int64)
+        inter = (np.minimum(self.offsets + self.sizes, hi) - np.maximum(self.offsets, lo)) > 0
+        return [int(i) for i in np.nonzero(inter.all(axis=1))[0]]
+
+    def index_of_rank(self, rank: int) -> int | None:
+        hits = np.nonzero(self.ranks == rank)[0]
+        return int(hits[0]) if len(hits) else None
+
+    def nbytes_of_rank(self, rank: int) -> int:
+        i = self.index_of_rank(rank)
+        return 0 if i is None else int(np.prod(self.sizes[i], dtype=np.int64)) * self.itemsize
+
+    def nbytes_by_rank(self, world: int) -> np.ndarray:
+        out = np.zeros(world, dtype=np.int64)
+        if len(self.ranks):
+            out[np.asarray(self.ranks, dtype=np.int64)] = np.prod(self.sizes, axis=1, dtype=np.int64) * self.itemsize
+        return out
+
+
+ChunkTable = ShardChunks | ReplicaChunks | BoxChunks
+
+
+def table_from_chunks(
+    shape: tuple[int, ...], placement_dim: int | None, itemsize: int, kind: str, chunks: list[Chunk]
+) -> ChunkTable:
+    """A table from ``Chunk`` objects (a version-1 manifest lists every chunk)."""
+    sums = np.array([int_checksum(c.checksum) for c in chunks], dtype=np.uint64)
+    if kind == "shard":
+        assert placement_dim is not None
+        lengths = np.array([c.box[1][placement_dim] for c in chunks], dtype=np.int64)
+        return ShardChunks(shape, placement_dim, itemsize, lengths, sums)
+    if kind == "replicate":
+        return ReplicaChunks(shape, itemsize, chunks[0].rank, int(sums[0]))
+    ndim = len(shape)
+    return BoxChunks(
+        itemsize,
+        np.array([c.rank for c in chunks], dtype=np.int64),
+        np.array([c.box[0] for c in chunks], dtype=np.int64).reshape(-1, ndim),
+        np.array([c.box[1] for c in chunks], dtype=np.int64).reshape(-1, ndim),
+        sums,
+    )

@@ -1,0 +1,246 @@
+"""Rank 0's merge of the ranks' votes into the manifest, column by column.
+
+Every fragment is a few arrays in the order of the save's ``Structure``
+(rank 0's, which the commit compared with every rank's by digest), so the
+merge stacks them into matrices (ranks x leaves) and reads each leaf's column:
+no object per chunk, no dict per leaf and rank. A save whose structure,
+world size and DTensor boxes are those of the previous save on the same
+communicator takes the cached path: the ranks leave their boxes out and rank
+0 reuses the boxes it validated last time (``PlanCache``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import format as fmt
+from ..core.sharding import Box, Boxes, PerRank, Replicate, Shard, box_tiling_problems, replica_writers
+from ..core.types import Fragment, Key, LeafSpec, Structure
+from ..errors import ShardingError
+from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
+from .model import Leaf, Manifest, ObjectLeaf
+
+logger = logging.getLogger(__name__)
+
+_I8 = np.dtype("<i8")
+_U8 = np.dtype("<u8")
+
+
+@dataclass
+class PlanCache:
+    """What a communicator remembers between saves, for the cached path.
+
+    On rank 0: the world size, structure digest, every rank's boxes and the
+    merged DTensor boxes (whose tiling was validated) of the last committed
+    save. On every rank: the digest and boxes it sent in its last committed
+    save; when both are unchanged it sends no boxes. A merge's state becomes
+    current only once its save is committed (``committed``), so a save that
+    failed after the merge never feeds the next one.
+    """
+
+    world: int = 0
+    digest: str = ""
+    rank_boxes: list[bytes] = field(default_factory=list)
+    boxes: dict[Key, BoxChunks] = field(default_factory=dict)
+    sent_digest: str = ""
+    sent_boxes: bytes | None = None
+    pending: tuple[int, str, list[bytes], dict[Key, BoxChunks]] | None = None
+    full_merges: int = 0
+    cached_merges: int = 0
+
+    def committed(self, digest: str, boxes: bytes) -> None:
+        """The save this rank took part in is committed: what it sent (and rank 0 merged) becomes current."""
+        self.sent_digest, self.sent_boxes = digest, boxes
+        if self.pending is not None:
+            self.world, self.digest, self.rank_boxes, self.boxes = self.pending
+            self.pending = None
+
+
+def merge_fragments(
+    fragments: list[Fragment],
+    reference: Structure,
+    *,
+    metadata: dict,
+    robust_key: bool,
+    version: str,
+    layout: str,
+    packing: str,
+    cache: PlanCache | None = None,
+) -> Manifest:
+    """The manifest of a save from every rank's fragment (rank 0).
+
+    Args:
+        fragments: every rank's vote, in rank order.
+        reference: rank 0's structure; every fragment must have its digest.
+        metadata, robust_key, version, layout, packing: stored as given.
+        cache: this communicator's ``PlanCache`` (updated here).
+
+    Raises:
+        ShardingError: the ranks' shards do not fit together (a DTensor's
+            boxes do not tile it, replicas differ, structures differ).
+    """
+    world = len(fragments)
+    for f in fragments:
+        if f.digest != reference.digest:
+            raise ShardingError(
+                f"rank {f.rank} saves a different structure than rank 0 (digest {f.digest} vs {reference.digest})"
+            )
+    node_rows = np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1)
+    lengths = np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1)
+    sums = np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1)
+    known = cache is not None and cache.world == world and cache.digest == reference.digest
+    rank_boxes = [
+        f.boxes if f.boxes is not None else (cache.rank_boxes[f.rank] if known and cache is not None else None)
+        for f in fragments
+    ]
+    cached = known and cache is not None and rank_boxes == cache.rank_boxes
+    boxes = dict(cache.boxes) if cached and cache is not None else _boxes(rank_boxes, reference)
+    m = Manifest(
+        world_size=world,
+        nodes={},
+        leaves={},
+        metadata=dict(metadata),
+        robust_key=robust_key,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        tddist_version=version,
+        version=fmt.FORMAT_VERSION,
+        layout=layout,
+        packing=packing,
+        structure_digest=reference.digest,
+    )
+    for i, node in enumerate(reference.nodes):
+        if node.batch:
+            rows = node_rows[:, i]
+            m.nodes[node.key] = (int(rows.sum()), *node.batch[1:])
+            m.node_rows[node.key] = rows.tolist()
+        else:
+            m.nodes[node.key] = ()
+    writers = replica_writers(
+        {
+            s.key: math.prod(s.shape) * fmt.dtype_itemsize(s.dtype)
+            for s in reference.leaves
+            if isinstance(s.placement, Replicate)
+        },
+        world,
+    )  # as each rank's prepare_shard chose them
+    for i, spec in enumerate(reference.leaves):
+        lengths_i, sums_i = np.ascontiguousarray(lengths[:, i]), np.ascontiguousarray(sums[:, i])
+        table = _table(spec, lengths_i, sums_i, boxes, cached, writers.get(spec.key, 0))
+        shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
+        m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table)
+    m.objects = _merge_objects(fragments, reference)
+    if cache is not None:
+        merged = {k: t for k, t in ((k, m.leaves[k].table) for k in boxes) if isinstance(t, BoxChunks)}
+        cache.pending = (world, reference.digest, [b or b"" for b in rank_boxes], merged)
+        if cached:
+            cache.cached_merges += 1
+        else:
+            cache.full_merges += 1
+    logger.debug("merged %d fragments (%s path)", world, "cached" if cached else "full")
+    return m
+
+
+def _table(
+    spec: LeafSpec, lengths: np.ndarray, sums: np.ndarray, boxes: dict[Key, BoxChunks], cached: bool, writer: int
+) -> ChunkTable:
+    itemsize = fmt.dtype_itemsize(spec.dtype)
+    if isinstance(spec.placement, Shard):
+        dim = spec.placement.dim
+        shape = spec.shape[:dim] + (int(lengths.sum()),) + spec.shape[dim + 1 :]
+        return ShardChunks(shape, dim, itemsize, lengths, sums)
+    if isinstance(spec.placement, PerRank):  # the ranks' values stacked along a new dim 0, one row each
+        world = len(lengths)
+        return ShardChunks((world, *spec.shape), 0, itemsize, np.ones(world, dtype=_I8), sums)
+    if isinstance(spec.placement, Replicate):
+        differing = [r for r in range(len(sums)) if r != writer and sums[r] not in (0, sums[writer])]
+        if differing:
+            raise ShardingError(
+                f"replicated leaf {_show(spec.key)} differs between ranks: rank(s) {differing[:16]} hold other values "
+                f"than rank {writer}, whose copy would be written; if each rank's value is its own (an RNG state, a "
+                f"sampler's position), save it with placements={{{_show(spec.key)}: tddist.PerRank()}}; otherwise "
+                f"make the replicas equal, or shard the leaf"
+            )
+        return ReplicaChunks(spec.shape, itemsize, writer, int(sums[writer]))
+    assert isinstance(spec.placement, Boxes)
+    known = boxes[spec.key]
+    table = BoxChunks(itemsize, known.ranks, known.offsets, known.sizes, sums[known.ranks])
+    if not cached:
+        gshape = spec.global_shape or ()
+        problems = box_tiling_problems(gshape, table.offsets, table.sizes)
+        if problems:
+            raise ShardingError(
+                f"the ranks' shards of DTensor leaf {_show(spec.key)} do not tile its global shape {list(gshape)}: "
+                f"{'; '.join(problems)}"
+            )
+    return table
+
+
+def _boxes(rank_boxes: list[bytes | None], reference: Structure) -> dict[Key, BoxChunks]:
+    """Every DTensor leaf's boxes from every rank's (the full path)."""
+    specs = [s for s in reference.leaves if isinstance(s.placement, Boxes)]
+    if not specs:
+        return {}
+    per_rank = []
+    for r, b in enumerate(rank_boxes):
+        if b is None:
+            raise ShardingError(f"rank {r} sent no DTensor boxes, and rank 0 has none cached for this save")
+        per_rank.append(np.frombuffer(b, dtype=_I8))
+    out = {}
+    pos = 0
+    for spec in specs:
+        d = len(spec.global_shape or ())
+        cols = np.stack([a[pos : pos + 1 + 2 * d] for a in per_rank])
+        pos += 1 + 2 * d
+        ranks = np.nonzero(cols[:, 0])[0].astype(_I8)
+        out[spec.key] = BoxChunks(0, ranks, cols[ranks, 1 : 1 + d], cols[ranks, 1 + d :], np.zeros(0, dtype=_U8))
+    return out
+
+
+def encode_boxes(boxes: list[tuple[bool, Box]]) -> bytes:
+    """A rank's boxes of its DTensor leaves, in structure order: writes (0/1), offsets, sizes (int64)."""
+    flat: list[int] = []
+    for writes, (offsets, sizes) in boxes:
+        flat += [int(writes), *offsets, *sizes]
+    return np.asarray(flat, dtype=_I8).tobytes()
+
+
+def _merge_objects(fragments: list[Fragment], reference: Structure) -> dict[Key, ObjectLeaf]:
+    """Non-tensor leaves: equal values on all ranks are stored once, others per rank; stacks are sharded."""
+    out: dict[Key, ObjectLeaf] = {}
+    for i, spec in enumerate(reference.objects):
+        values = [f.objects[i].value for f in fragments]
+        encoded = [fmt.dumps(v) for v in values]  # 1, 1.0 and True are ==, but not the same value
+        if spec.kind == "stack":
+            out[spec.key] = ObjectLeaf(spec.key, "shard", values)
+        elif spec.per_rank:
+            out[spec.key] = ObjectLeaf(spec.key, "per_rank", values, declared=True)
+        elif all(e == encoded[0] for e in encoded):
+            out[spec.key] = ObjectLeaf(spec.key, "replicate", values[:1])
+        else:
+            out[spec.key] = ObjectLeaf(spec.key, "per_rank", values)
+    return out
+
+
+def _show(key: Key) -> str:
+    return repr(key[0]) if len(key) == 1 else repr(tuple(key))
+
+
+def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each chunk of a packed data file starts, and the file's size.
+
+    Chunks follow the manifest's leaf order (axis 0 of ``nbytes``); each starts
+    at a multiple of ``format.PACK_ALIGN`` (its size rounded up), so a chunk
+    maps without a copy. ``nbytes`` holds 0 for leaves a rank did not store;
+    it is one rank's column (int64[leaves], the size is then a 0-d array) or
+    every rank's (int64[leaves, ranks]: offsets and sizes of every rank's
+    file at once). Writers and readers both call this: offsets are never stored.
+    """
+    padded = (nbytes + fmt.PACK_ALIGN - 1) // fmt.PACK_ALIGN * fmt.PACK_ALIGN
+    ends = np.cumsum(padded, axis=0, dtype=np.int64)
+    sizes = ends[-1] if len(ends) else np.zeros(nbytes.shape[1:], dtype=np.int64)
+    return ends - padded, sizes

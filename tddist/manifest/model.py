@@ -1,0 +1,280 @@
+"""The manifest model, and the validation of an untrusted manifest of any format version.
+
+A ``Manifest`` is what a committed checkpoint holds: its nodes, every tensor
+leaf with its chunks (in columns, ``chunks.py``), the non-tensor values and
+the metadata. ``merge.merge_fragments`` builds one on rank 0 from the ranks'
+votes; ``manifest_io.parse_manifest`` builds one from a file, trusting nothing in it:
+``manifest_v1`` reads version 1 (every chunk in the JSON), ``manifest_v2``
+reads and writes version 2 (the structure in the JSON, the per-rank columns
+in a binary index). No torch is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from .. import format as fmt
+from ..core.sharding import Box, Placement
+from ..core.types import Key
+from ..errors import ManifestError
+from .chunks import Chunk, ChunkTable, ShardChunks
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Chunk", "Leaf", "Manifest", "ObjectLeaf"]
+
+MAX_ELEMENTS = 1 << 56
+#: The newest format version this tddist reads.
+READS_UP_TO = 3
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One tensor leaf of the checkpoint: its global shape, placement and stored chunks.
+
+    Attributes:
+        key: The leaf's key, one string per nesting level.
+        dtype_name: The dtype's manifest name (``"float32"``); ``dtype`` gives the torch dtype.
+        shape: The global shape (all ranks' pieces together).
+        placement: How the ranks' pieces make up the global tensor.
+        table: The stored pieces, in columns; together they tile ``shape`` exactly.
+    """
+
+    key: Key
+    dtype_name: str  # see format.dtype_name; kept as a name so reading a manifest needs no torch
+    shape: tuple[int, ...]
+    placement: Placement
+    table: ChunkTable
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The leaf's torch dtype (imports torch)."""
+        return fmt.torch_dtype(self.dtype_name)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """Every stored piece as a ``Chunk`` (built on demand: a leaf of many ranks has many)."""
+        return [self.table.chunk(i) for i in range(len(self.table))]
+
+    def overlapping(self, box: Box) -> list[Chunk]:
+        """The chunks that share elements with ``box`` (only those are built)."""
+        return [self.table.chunk(i) for i in self.table.overlapping(box)]
+
+    def chunk_of_rank(self, rank: int) -> Chunk | None:
+        """The chunk ``rank`` stored, if any."""
+        i = self.table.index_of_rank(rank)
+        return None if i is None else self.table.chunk(i)
+
+
+@dataclass
+class ObjectLeaf:
+    """A non-tensor leaf. ``placement``: "replicate" (one value, written once), "per_rank"
+    (one value per saving rank) or "shard" (a stack: one list of row values per rank).
+
+    Attributes:
+        key: The leaf's key, one string per nesting level.
+        placement: "replicate", "per_rank" or "shard", as above.
+        values: The encoded values (see ``format.encode_object``): one, or one per rank.
+        declared: "per_rank" because it was saved under a ``PerRank()`` placement (not only because
+            the ranks' values differ): loading it on another world size follows ``load(per_rank=...)``.
+    """
+
+    key: Key
+    placement: str
+    values: list[Any]  # encoded values (see format.encode_object)
+    declared: bool = False
+
+
+@dataclass
+class Manifest:
+    """What a committed checkpoint holds: its structure, every leaf's chunks, metadata.
+
+    ``tddist.read_manifest`` returns it without reading any tensor data; it is
+    the parsed and validated ``tddist.json`` (see docs/format.md).
+
+    Attributes:
+        world_size: How many ranks saved the checkpoint.
+        nodes: Each (sub-)TensorDict's global batch size, by key; the root is ``()``.
+        leaves: Every tensor leaf, by key, in the order they are stored.
+        objects: Every non-tensor leaf, by key.
+        metadata: The ``metadata=`` given to ``save`` (JSON values).
+        robust_key: Whether file names percent-encode the keys (``robust_key=True`` of ``save``).
+        created: When the checkpoint was committed (ISO 8601, UTC).
+        tddist_version: The tddist version that wrote it.
+        version: The format version.
+        layout: "directory" or "archive".
+        node_rows: For each batched node, the dim-0 rows each rank saved, in rank order.
+        packing: "packed" (one data file per rank) or "memmap" (one file per leaf and rank).
+        structure_digest: The digest of the saved structure (version 2; "" before).
+    """
+
+    world_size: int
+    nodes: dict[Key, tuple[int, ...]]  # node key -> global batch size
+    leaves: dict[Key, Leaf]
+    objects: dict[Key, ObjectLeaf] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    robust_key: bool = True
+    created: str = ""
+    tddist_version: str = ""
+    version: int = fmt.FORMAT_VERSION
+    layout: str = "directory"
+    node_rows: dict[Key, list[int]] = field(default_factory=dict)  # batched node -> its dim-0 rows per rank
+    packing: str = "memmap"
+    structure_digest: str = ""
+
+    def rows_of(self, node_key: Key) -> list[int] | None:
+        """The dim-0 rows each rank saved of a batched node: recorded, or (manifests of version 1 written
+        before rows were recorded) those of a leaf under it sharded along dim 0; None if neither exists."""
+        rows = self.node_rows.get(tuple(node_key))
+        if rows is not None:
+            return rows
+        for leaf in self.leaves.values():
+            if (
+                leaf.key[: len(node_key)] == tuple(node_key)
+                and isinstance(leaf.table, ShardChunks)
+                and leaf.table.dim == 0
+            ):
+                return [int(x) for x in leaf.table.lengths]
+        return None
+
+
+def parse_header(p: Parser, obj: Any) -> Manifest:
+    """The members every version has, validated; nodes and leaves are left to the version's parser.
+
+    Raises:
+        ManifestError: anything malformed, or a version newer than this tddist reads.
+    """
+    p.check(isinstance(obj, dict), "is not a JSON object")
+    p.check(obj.get("format") == fmt.FORMAT_NAME, f"has format {obj.get('format')!r}, expected {fmt.FORMAT_NAME!r}")
+    version = obj.get("version")
+    p.check(type(version) is int, "has no integer 'version'")
+    if version > READS_UP_TO:
+        raise ManifestError(
+            f"{p.where} has format version {version}, newer than this tddist reads ({READS_UP_TO}); "
+            f"upgrade tddist to load it"
+        )
+    p.check(version >= 1, f"has invalid version {version}")
+    world = obj.get("world_size")
+    p.check(type(world) is int and world >= 1, f"has invalid world_size {world!r}")
+    p.check(obj.get("layout") in ("directory", "archive"), f"has unknown layout {obj.get('layout')!r}")
+    cs = obj.get("checksum")
+    p.check(
+        cs == {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
+        f"uses unknown checksum settings {cs!r}",
+    )
+    robust = obj.get("robust_key", True)
+    p.check(isinstance(robust, bool), "has a non-boolean 'robust_key'")
+    metadata = obj.get("metadata", {})
+    p.check(isinstance(metadata, dict), "has non-object 'metadata'")
+    return Manifest(
+        world_size=world,
+        nodes={},
+        leaves={},
+        metadata=metadata,
+        robust_key=robust,
+        created=str(obj.get("created", "")),
+        tddist_version=str(obj.get("tddist_version", "")),
+        version=version,
+        layout=obj["layout"],
+    )
+
+
+def check_keys(p: Parser, m: Manifest) -> None:
+    """With ``robust_key=False`` every key must be usable as a file name."""
+    if not m.robust_key:
+        for key in [*m.nodes, *m.leaves, *m.objects]:
+            for part in key:
+                why = fmt.verbatim_key_problem(part)
+                p.check(why is None, f"has key {list(key)}, unusable as a file name with robust_key=false: {why}")
+
+
+def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
+    """The ``nodes`` list (version 1 also gives each batched node's rows per rank)."""
+    for n in p.list_of(obj, "nodes"):
+        p.check(isinstance(n, dict), "has a node that is not an object")
+        key = p.key(n.get("key"), allow_empty=True)
+        p.check(key not in m.nodes, f"lists node {key!r} twice")
+        p.check(not key or key[:-1] in m.nodes, f"has node {key!r} whose parent node is not listed (before it)")
+        m.nodes[key] = p.shape(n.get("batch_size"), f"node {key!r} batch_size")
+        if "rows" in n:
+            rows = n["rows"]
+            ok = isinstance(rows, list) and len(rows) == m.world_size and all(type(r) is int and r >= 0 for r in rows)
+            p.check(
+                ok and m.nodes[key] != () and sum(rows) == m.nodes[key][0],
+                f"has invalid rows {rows!r} for node {key!r}",
+            )
+            m.node_rows[key] = rows
+
+
+def add_leaf(p: Parser, m: Manifest, leaf: Leaf) -> None:
+    """Add a parsed leaf, refusing duplicates and orphans."""
+    p.check(leaf.key not in m.leaves, f"lists leaf {leaf.key!r} twice")
+    p.check(leaf.key not in m.nodes, f"has {leaf.key!r} both as a node and as a leaf")
+    p.check(leaf.key[:-1] in m.nodes, f"has leaf {leaf.key!r} whose parent node is not listed")
+    m.leaves[leaf.key] = leaf
+
+
+def parse_objects(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
+    """The non-tensor values (the same in every version)."""
+    nodes, leaves, world = m.nodes, m.leaves, m.world_size
+    objects = m.objects
+    for o in obj.get("objects", []) if isinstance(obj.get("objects", []), list) else p.fail("has a non-list 'objects'"):
+        p.check(isinstance(o, dict), "has a non-tensor entry that is not an object")
+        key = p.key(o.get("key"), allow_empty=False)
+        p.check(key not in objects and key not in leaves and key not in nodes, f"lists {key!r} twice")
+        p.check(key[:-1] in nodes, f"has non-tensor entry {key!r} whose parent node is not listed")
+        placement, values = o.get("placement"), o.get("values")
+        p.check(
+            placement in ("replicate", "per_rank", "shard"),
+            f"has non-tensor entry {key!r} with unknown placement {placement!r}",
+        )
+        p.check(
+            isinstance(values, list) and len(values) == (1 if placement == "replicate" else world),
+            f"has non-tensor entry {key!r} with the wrong number of values",
+        )
+        if placement == "shard":
+            p.check(all(isinstance(v, list) for v in values), f"has non-tensor stack {key!r} with non-list values")
+        declared = o.get("declared", False)
+        p.check(
+            declared is False or (declared is True and placement == "per_rank"),
+            f"has non-tensor entry {key!r} with an invalid 'declared' {declared!r} (only true on a per_rank entry)",
+        )
+        objects[key] = ObjectLeaf(key, placement, values, declared)
+
+
+class Parser:
+    """Small helper that turns every malformed field into one ManifestError."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, why: str) -> NoReturn:
+        raise ManifestError(
+            f"{self.where} {why}; the checkpoint is damaged or was tampered with (restore it from a copy)"
+        )
+
+    def check(self, ok: bool, why: str) -> None:
+        if not ok:
+            self.fail(why)
+
+    def list_of(self, obj: dict[str, Any], name: str) -> list[Any]:
+        v = obj.get(name)
+        if not isinstance(v, list):
+            self.fail(f"has no list {name!r}")
+        return v
+
+    def key(self, v: Any, allow_empty: bool) -> Key:
+        ok = isinstance(v, list) and all(isinstance(k, str) for k in v) and (allow_empty or v)
+        self.check(bool(ok) or (allow_empty and v == []), f"has an invalid key {v!r}")
+        return tuple(v)
+
+    def shape(self, v: Any, what: str) -> tuple[int, ...]:
+        self.check(
+            isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < MAX_ELEMENTS for s in v),
+            f"has invalid {what} {v!r}",
+        )
+        self.check(math.prod(v) < MAX_ELEMENTS, f"has absurd {what} {v!r}")
+        return tuple(v)

@@ -1,0 +1,481 @@
+"""Background saves: one persistent worker thread and one private channel per communicator.
+
+``save(return_early=True)`` snapshots the data, then hands the writing and
+the whole two-phase commit to the channel's worker thread through a queue,
+over a duplicate of the communicator, so its messages never interleave with
+the caller's own collectives or with a later foreground save. At most one
+save per communicator is in flight.
+
+The worker is started once, before the first snapshot, and then waits on its
+queue (without the interpreter lock): handing a save over is one queue put,
+so the caller never waits for a thread to start or for a pool to accept
+work while the previous commit's threads hold the lock. Writing runs on the
+worker itself unless ``num_threads`` asks for more, so the background adds
+two Python threads (the worker and the copy helper, ``Channel.help_copy``),
+not one per block.
+
+The worker is a daemon thread, but an exit hook waits for an in-flight save
+before the interpreter shuts down, so the save commits or aborts cleanly
+instead of being cut off halfway (a killed process leaves only a staging
+directory, which ``recover`` removes).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .._compat import register_exit_hook
+from ..comm.base import DEFAULT_TIMEOUT, Communicator
+from ..core.types import Key, LocalShard, SaveOptions
+from ..errors import InvalidArgumentError, SaveInProgressError
+from ..manifest.merge import PlanCache
+from ..storage.archive import ArchiveWriter
+from ..storage.base import hashes_replica
+from ..storage.directory import DirectoryWriter
+from ..storage.s3.url import is_s3
+from .commit import Retire
+from .prepare import LayoutCache
+from .snapshot import SnapshotBuffers, Snapshotter
+from .stream import Arena, Stream, StreamingWriter, StreamSources, pipeline_slot, whole_state_budget
+from .writer_process import ProcessWriter, SaveRequest, supported
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+#: How long stopping a worker waits for its thread to end (its queue is empty by then: only the job's clean-up).
+STOP_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A submitted save: its function, the caller's Future (the value) and the channel's (only the outcome)."""
+
+    fn: Callable[[], Any]
+    future: Future
+    done: Future
+
+
+class Worker:
+    """A persistent daemon thread that runs the submitted jobs one after the other.
+
+    ``background`` lowers its CPU priority (``yield_cpu_to_training``): the commit's worker. The copy
+    helper keeps the training's priority, since the caller waits for its copies.
+    """
+
+    def __init__(self, name: str, background: bool = True) -> None:
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._deferred: list[Callable[[], None]] = []  # the running job's clean-ups (``defer``)
+        self.background = background
+        self.pid = os.getpid()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def alive(self) -> bool:
+        """False in a forked child (threads do not survive ``fork``) or once stopped."""
+        return self.pid == os.getpid() and self.thread.is_alive()
+
+    def submit(self, fn: Callable[[], Any]) -> tuple[Future, Future]:
+        """Queue ``fn``; return its Future and a second one that carries only its outcome (None or the error).
+
+        Only the caller holds the value (a saved TensorDict maps the checkpoint's files): the worker and
+        the channel keep neither, so the maps go when the caller drops them, not at some later save.
+        """
+        job = _Job(fn, Future(), Future())
+        self._queue.put(job)
+        return job.future, job.done
+
+    def defer(self, clean_up: Callable[[], None]) -> None:
+        """(the worker's thread, inside a job) Run ``clean_up`` once the job's futures are resolved, before the
+        next job: the removal of the checkpoint a save replaced (``commit.two_phase_commit``), which the
+        caller need not wait for. An error there is logged; a stop waits for it like for a job."""
+        self._deferred.append(clean_up)
+
+    def stop(self) -> None:
+        """Let the thread end once its queue is empty, and wait for it (a few seconds at most).
+
+        Joined, so that it never runs during the interpreter's finalization: a thread that frees a
+        tensor then is ended inside torch's destructor and the process aborts ("terminate called
+        without an active exception").
+        """
+        self._queue.put(None)
+        if self.thread is not threading.current_thread():
+            self.thread.join(STOP_TIMEOUT)
+
+    def _run(self) -> None:
+        if self.background:
+            yield_cpu_to_training()
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            _run_job(job)
+            del job  # nothing of the save stays referenced while the worker waits for the next one
+            while self._deferred:  # in a call, so that no local keeps the save's writer (and its leaves)
+                _run_clean_up(self._deferred.pop(0))
+
+
+def _run_clean_up(clean_up: Callable[[], None]) -> None:
+    try:
+        clean_up()
+    except Exception as e:  # the save is resolved already: only a warning is left to give
+        logger.warning("a clean-up after a background save failed: %s", e)
+
+
+def _run_job(job: _Job) -> None:
+    if not job.future.set_running_or_notify_cancel():
+        job.done.set_result(None)
+        return
+    try:
+        value = job.fn()
+    except BaseException as e:  # the caller sees it through the future
+        job.future.set_exception(e)
+        job.done.set_exception(e)
+    else:
+        job.future.set_result(value)
+        job.done.set_result(None)
+
+
+#: How much lower than the training's the background saves' CPU priority is (``nice`` steps, 0-19). Writing,
+#: hashing and committing in the background compete with the training loop for cores; where cores are short
+#: (ranks that share them, a Python-heavy step), the scheduler then gives the training first call. An idle core
+#: still runs the background at full speed, so a save's completion is delayed only while the training is busy.
+BACKGROUND_NICENESS = 10
+
+
+def yield_cpu_to_training() -> None:
+    """Lower the calling thread's CPU priority by ``BACKGROUND_NICENESS`` (threads it starts inherit it).
+
+    Linux keeps a nice value per thread, so this leaves the training thread
+    untouched; raising it needs no privilege. Elsewhere, or where refused, the
+    priority stays as it is.
+    """
+    try:
+        tid = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + BACKGROUND_NICENESS))
+    except (AttributeError, OSError) as e:
+        logger.debug("background saves keep the training's CPU priority: %s", e)
+
+
+class Channel:
+    """Per-communicator state of asynchronous saves."""
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+        self.buffers = SnapshotBuffers()
+        self.arena: Arena | None = None  # the slots of streamed saves (stream.py)
+        self.arena_allocations = 0  # how many arenas this channel allocated (a reused one is not counted again)
+        self.plans = PlanCache()  # the cached path of the next save's merge (see merge.py)
+        self.layouts = LayoutCache()  # what the latest saves derived from their structures (prepare.py)
+        self.pending: Future | None = None
+        self._bg_comm: Communicator | None = None
+        self._worker: Worker | None = None
+        self._helper: Worker | None = None  # copies a pipelined save beside the caller (``Stream.help``)
+        self._process: ProcessWriter | None = None
+        self._generation = 0  # writer processes started by this channel (their groups' prefixes)
+
+    def background_comm(self) -> Communicator:
+        """The duplicate communicator used by background commits (collective on first use).
+
+        Also starts the worker thread, so that no thread starts between the
+        snapshot and the return of ``save``.
+        """
+        if self._bg_comm is None:
+            dup = getattr(self.comm, "dup", None)
+            if dup is None:
+                raise InvalidArgumentError(
+                    f"return_early=True needs a communicator with dup(); {type(self.comm).__name__} has none"
+                )
+            self._bg_comm = dup()
+        self._ensure_worker()
+        return self._bg_comm
+
+    def arena_for(self, budget: int, pin: bool, slot: int | None = None) -> Arena:
+        """The reusable slots of a streamed save (re-allocated only when the budget, slots or pinning change)."""
+        a = self.arena
+        if a is None or a.budget != budget or a.pinned != pin or (slot is not None and a.slot_bytes != slot):
+            self.arena = a = None  # free the old one first (a budget bounds the memory)
+            a = self.arena = Arena(budget, pin, slot)
+            self.arena_allocations += 1
+        return a
+
+    def pipeline_arena(self, items: list[tuple[Key, torch.Tensor]]) -> Arena:
+        """The arena of a pipelined whole-state save of ``items`` (no ``snapshot_budget``).
+
+        The channel's arena is kept when there is nothing to copy, or when its
+        slots are at least as large as this state's and it holds the state
+        without being more than twice what a new one would be: saves that
+        alternate between two states on one communicator, or a rank that
+        writes nothing in every other save, reuse one arena instead of faulting
+        a new one in each time (tens of milliseconds on the caller's thread
+        per 64 MiB).
+        """
+        slot = pipeline_slot(items)
+        need = whole_state_budget(items, slot)
+        a = self.arena
+        if a is not None and not a.pinned:
+            if not any(t.numel() for _k, t in items):
+                return a
+            if a.slot_bytes >= slot and whole_state_budget(items, a.slot_bytes) <= a.budget <= 2 * need:
+                return a
+        return self.arena_for(need, False, slot)
+
+    def process_writer(self) -> ProcessWriter:
+        """This rank's writer process, started at the first process save and after one broke."""
+        self._ensure_worker()
+        # A writer found dead here is not replaced: this save fails on every rank (its peers lose it),
+        # and every rank replaces its writer at the next save, so the ranks' writers stay one group.
+        if self._process is None or self._process.broken or self._process.peer_died():
+            if self._process is not None:
+                self._process.close()
+            self._generation += 1
+            timeout = float(getattr(self.comm, "timeout", DEFAULT_TIMEOUT))
+            self._process = ProcessWriter(self.comm, timeout, self._generation)
+        return self._process
+
+    def _ensure_worker(self) -> Worker:
+        if self._worker is None or not self._worker.alive():
+            self._worker = Worker(f"tddist-save-rank{self.comm.rank}")
+        return self._worker
+
+    def help_copy(self, stream: Stream) -> None:
+        """Have the copy helper thread copy ``stream``'s slots from the last one back (``Stream.help``),
+        while the caller copies from the first one on.
+
+        Not the commit's worker: that one runs at a lower CPU priority, and
+        where ranks share cores (4 ranks on 2 here) the training threads of the
+        other ranks starve it, so the caller waited for its last slot (1.5x the
+        plain copy's time at N=4). The helper runs only while the caller is
+        inside ``save``, so it takes no time from training steps.
+        """
+        try:
+            if self._helper is None or not self._helper.alive():
+                self._helper = Worker(f"tddist-copy-rank{self.comm.rank}", background=False)
+        except RuntimeError as e:  # no thread could start: the caller copies everything itself
+            logger.warning(
+                "rank %d: no copy helper thread (%s); the caller copies the snapshot alone", self.comm.rank, e
+            )
+            return
+        self._helper.submit(stream.help)
+
+    def wait_idle(self, wait: bool, target: str) -> None:
+        """Block until no save is in flight (or raise if ``wait`` is False)."""
+        pending = self.pending
+        if pending is None or pending.done():
+            return
+        if not wait:
+            raise SaveInProgressError(
+                f"rank {self.comm.rank}: a save is still in flight on this communicator; saving to {target!r} "
+                f"would need to wait for it. Call .result() on the previous future first, or pass "
+                f"wait_for_pending=True"
+            )
+        logger.info("rank %d: waiting for the in-flight save before saving %s", self.comm.rank, target)
+        try:
+            pending.result()
+        except Exception:  # reported by that save's own future
+            pass
+
+    def defer(self, clean_up: Callable[[], None]) -> None:
+        """(the worker's thread, inside a save) Run ``clean_up`` after the save's future is resolved
+        (``Worker.defer``)."""
+        assert self._worker is not None
+        self._worker.defer(clean_up)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Hand ``fn`` to the worker thread; return its Future (its outcome becomes the pending save)."""
+        fut, self.pending = self._ensure_worker().submit(fn)
+        return fut
+
+    def stop(self) -> None:
+        for w in (self._worker, self._helper):
+            if w is not None and w.alive():
+                w.stop()
+        self._worker = self._helper = None
+        if self._process is not None:
+            self._process.close()
+            self._process = None
+
+
+_channels: dict[int, Channel] = {}
+_lock = threading.Lock()
+
+
+def wait_all() -> None:
+    """Wait for every in-flight save of this process; log the ones that failed; stop the workers."""
+    for ch in list(_channels.values()):
+        fut = ch.pending
+        if fut is not None and not fut.done():  # a finished save's outcome is its caller's to see
+            logger.warning("rank %d: waiting for an in-flight tddist save before exiting", ch.comm.rank)
+            try:
+                fut.result()
+            except Exception as e:
+                logger.error("rank %d: an asynchronous tddist save failed while exiting: %s", ch.comm.rank, e)
+        ch.stop()
+
+
+register_exit_hook(wait_all)  # in-flight saves finish before thread pools refuse work
+
+
+def channel(comm: Communicator) -> Channel:
+    """The channel of ``comm`` (communicators are cached by ``comm.resolve``, so identity is stable)."""
+    with _lock:
+        ch = _channels.get(id(comm))
+        if ch is None or ch.comm is not comm:
+            ch = _channels[id(comm)] = Channel(comm)
+        return ch
+
+
+Prepare = Callable[[Snapshotter], LocalShard | Exception]
+WriterFactory = Callable[[SaveOptions, int, LocalShard | Exception, PlanCache], DirectoryWriter | ArchiveWriter]
+Commit = Callable[[Communicator, SaveOptions, LocalShard | Exception, PlanCache, WriterFactory | None, Retire], Any]
+OpenSaved = Callable[[SaveOptions, LocalShard], Any]
+
+
+def start_save(
+    ch: Channel,
+    options: SaveOptions,
+    prepare: Prepare,
+    budget: int | None,
+    commit: Commit,
+    writer: str = "thread",
+    open_saved: OpenSaved | None = None,
+) -> Future:
+    """Snapshot this rank's data and hand the commit to the worker; return the save's Future.
+
+    ``commit(comm, options, shard, cache, writer_factory, retire)`` runs the
+    commit (``api``); ``retire`` is the worker's ``defer``, so removing the
+    checkpoint a save replaced follows the resolution of its future. Without
+    ``budget`` the whole shard is copied into the reusable snapshot buffers.
+    With it, a shard of at most ``budget`` bytes is copied the same way; a
+    larger one streams through the channel's arena (``stream.py``): this
+    returns only once its last byte is copied. With
+    ``writer="process"`` the shard is copied into the writer process's shared
+    arena and the commit runs there (``writer_process.py``); the worker thread
+    waits for it and maps the result with ``open_saved(options, shard)``.
+    """
+    if writer == "process":
+        why = supported(ch.comm)
+        if why is None:
+            assert open_saved is not None
+            pw = ch.process_writer()
+            sources = StreamSources()
+            shard = prepare(sources)
+            request = pw.snapshot(options, shard, sources.sources)
+            return ch.submit(partial(_run_process, pw, request, open_saved, shard))
+        logger.info("rank %d: async_writer='process' falls back to the thread writer: %s", ch.comm.rank, why)
+    bg = ch.background_comm()
+    if budget is None and not pipelines(options):
+        shard = prepare(ch.buffers)
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
+    sources = StreamSources()
+    shard = prepare(sources)
+    if isinstance(shard, Exception):
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
+    total = sum(t.numel() * t.element_size() for t in sources.sources.values())
+    on_gpu = any(t.device.type != "cpu" for t in sources.sources.values())
+    if (budget is None and on_gpu) or (budget is not None and total <= budget):
+        ch.arena = None  # a whole snapshot (GPU leaves: pinned buffers, copies on a side stream)
+        shard = _snapshot_into(ch.buffers, shard, sources)
+        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
+    ch.buffers.retain_only(set())  # the arena holds the state: no whole-state buffers beside it
+    shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
+    written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
+    if budget is None:
+        # The whole state fits in the arena: the copy helper copies from the last slot back while the caller
+        # copies from the first one on; the worker commits once both are done, writing every slot (``Stream``).
+        stream = Stream(ch.pipeline_arena(written), written, ch.comm.rank)
+    else:
+        stream = Stream(ch.arena_for(budget, on_gpu), written, ch.comm.rank)
+        logger.info(
+            "rank %d: %d bytes to save exceed snapshot_budget=%d; streaming them through %d slots of %d bytes",
+            ch.comm.rank, stream.nbytes, budget, stream.arena.nslots, stream.arena.slot_bytes,
+        )  # fmt: skip
+
+    def factory(o: SaveOptions, rank: int, s: LocalShard | Exception, cache: PlanCache) -> DirectoryWriter:
+        return StreamingWriter(o, rank, s, cache, stream)
+
+    fut = ch.submit(partial(_run_streamed, stream, commit, bg, options, shard, ch.plans, factory, ch.defer))
+    if stream.whole:
+        ch.help_copy(stream)
+    stream.produce()
+    return fut
+
+
+def pipelines(options: SaveOptions) -> bool:
+    """Whether a save without ``snapshot_budget`` is copied into the channel's arena while it is written.
+
+    Only the packed directory layout can write a slot before the whole state
+    is copied (``stream.py``); an archive, ``layout="memmap"``, object storage
+    and ``check_replicas`` (which compares the replicas' snapshots) copy the
+    whole state first.
+    """
+    return (
+        options.layout == "directory"
+        and options.packing == "packed"
+        and not options.check_replicas
+        and not is_s3(options.target)
+    )
+
+
+def _copy_hashed_replicas(shard: LocalShard, sources: StreamSources, check_replicas: bool) -> LocalShard:
+    """Copy now the replicas this rank does not write but its vote hashes (``hashes_replica``): only
+    written leaves go through the stream's slots."""
+    items = tuple(
+        replace(i, tensor=sources.sources[i.key].clone()) if hashes_replica(i, check_replicas) else i
+        for i in shard.items
+    )
+    return replace(shard, items=items)
+
+
+def _snapshot_into(buffers: SnapshotBuffers, shard: LocalShard, sources: StreamSources) -> LocalShard:
+    items = tuple(replace(i, tensor=buffers.snapshot(i.key, sources.sources[i.key])) for i in shard.items)
+    buffers.synchronize()
+    buffers.retain_only({i.key for i in items})
+    return replace(shard, items=items)
+
+
+def _run(
+    buffers: SnapshotBuffers,
+    commit: Commit,
+    comm: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: PlanCache,
+    retire: Retire,
+) -> Any:
+    buffers.wait_copies()  # device-to-host copies of the snapshot, if any
+    return commit(comm, options, shard, cache, None, retire)
+
+
+def _run_streamed(
+    stream: Stream,
+    commit: Commit,
+    comm: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: PlanCache,
+    factory: WriterFactory,
+    retire: Retire,
+) -> Any:
+    try:
+        stream.wait_copied()  # nothing competes with the copy the caller waits for
+        return commit(comm, options, shard, cache, factory, retire)
+    finally:
+        stream.cancel()  # a caller still copying (the commit failed before writing) stops waiting for slots
+
+
+def _run_process(pw: ProcessWriter, request: SaveRequest, open_saved: OpenSaved, shard: LocalShard | Exception) -> Any:
+    pw.run(request)
+    assert isinstance(shard, LocalShard)  # the commit raised otherwise
+    return open_saved(request.options, shard)

@@ -1,0 +1,11 @@
+"""Entry point of tddist's writer process: ``python -m tddist.saving.writer_main FD SPEC`` (see ``writer_process``)."""
+
+import sys
+
+from ..api import _commit_and_open
+from .background import yield_cpu_to_training
+from .writer_process import serve
+
+if __name__ == "__main__":
+    yield_cpu_to_training()  # the whole writer process: it writes, hashes and commits in the background
+    serve(int(sys.argv[1]), sys.argv[2], _commit_and_open)

@@ -1,0 +1,232 @@
+"""The archive layout: one zip file for the whole checkpoint, whose entries are exactly the directory tree.
+
+Every rank prepares (hashes and, if asked, compresses) its entries in memory
+and reports the size of its region (``plan``); rank 0 creates the staging
+file and reserves every region at once (``open``); each rank writes its
+local headers and payloads into its own region with positioned writes from
+several threads (``write``); rank 0 writes the manifest entry and the central
+directory (``finalize``), then the staging file replaces the target
+(``publish``). The zip details are in ``zipcodec``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import zipfile
+
+import torch
+
+from .. import format as fmt
+from .._fs import makedirs_durable
+from ..checksum import EMPTY, combine_digests
+from ..core.types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
+from ..errors import CorruptCheckpointError, TargetError
+from ..manifest.locate import Location
+from .base import WriterBase, map_copy_on_write, node_meta_files
+from .pinned import storage_failed
+from .publish import discard, swap_in
+from .recovery import is_tddist_archive
+from .zipcodec import (
+    ALIGN,
+    LOCAL_FMT,
+    LOCAL_SIZE,
+    Entry,
+    EntryReader,
+    check_compressed_entry,
+    entry_rows,
+    inflate_into,
+    place_entries,
+    prepare_entries,
+    write_region,
+    write_tail_and_directory,
+)
+
+
+def check_archive_target(target: str) -> bool:
+    """Refuse archive targets tddist must not replace; return whether one exists."""
+    if os.path.islink(target):
+        raise TargetError(f"archive target {target!r} is a symbolic link; pass the real path or another target")
+    if os.path.isdir(target):
+        raise TargetError(f"archive target {target!r} is a directory; choose a file path (ending in .tdz)")
+    if not os.path.exists(target):
+        return False
+    if not is_tddist_archive(target):
+        raise TargetError(
+            f"archive target {target!r} exists and is not a tddist archive; tddist never deletes foreign data: "
+            f"choose another path or remove it yourself"
+        )
+    return True
+
+
+class ArchiveWriter(WriterBase):
+    """One rank's side of an archive save (a ``layouts.base.ShardWriter``)."""
+
+    #: Where the first rank's region starts. Only tests change it: a large
+    #: value leaves a sparse hole, so zip64 offsets beyond 4 GiB are checked
+    #: without writing 4 GiB.
+    first_region_offset = 0
+
+    layout = "archive"
+    entries: list[Entry]
+    names: dict[Key, str]
+
+    def plan(self) -> SavePlan:
+        """Hash and compress this rank's entries; the plan carries the bytes its region needs."""
+        o, shard = self.options, self.local_shard()
+        written = shard.written()
+        files = node_meta_files(self.rank, shard, o.robust_key)
+        self.names = {k: fmt.leaf_relpath(self.rank, k, o.robust_key) for k, t in written.items() if t.numel()}
+        leaves = {self.names[k]: written[k] for k in self.names}
+        compression = o.compression or Compression(zipfile.ZIP_STORED)
+        self.entries = prepare_entries(files, leaves, compression, o.num_threads)
+        return self.make_plan(place_entries(self.entries, 0))
+
+    def open(self, plans: list[SavePlan]) -> Staging:
+        """Create the staging file beside the target and reserve every rank's region in it."""
+        makedirs_durable(os.path.dirname(os.path.abspath(self.target)))
+        check_archive_target(self.target)
+        staging = fmt.staging_path(self.target)
+        base = self.first_region_offset - self.first_region_offset % ALIGN
+        starts, end = [], base
+        for p in plans:
+            starts.append(end)
+            end += p.region_bytes
+        os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        try:
+            self._reserve(staging, base, end)
+        except OSError:
+            discard(staging)
+            raise
+        return Staging(staging, tuple(starts), end)
+
+    @staticmethod
+    def _reserve(staging: str, start: int, end: int) -> None:
+        """Allocate ``[start, end)`` of the staging file, so a full disk fails here, before any rank writes."""
+        if end > start:
+            fd = os.open(staging, os.O_WRONLY)
+            try:
+                os.posix_fallocate(fd, start, end - start)
+            finally:
+                os.close(fd)
+
+    def write(self, staging: Staging) -> Fragment:
+        """Write this rank's entries into its region; fsync."""
+        self.check_reference(staging)
+        place_entries(self.entries, staging.region_start(self.rank))
+        write_region(staging.path, self.entries, self.options.num_threads, self.rank)
+        return self.entries_fragment()
+
+    def entries_fragment(self) -> Fragment:
+        """This rank's vote: each written leaf's stored size and checksum (from its entry), and the entry rows."""
+        by_name = {e.name: e for e in self.entries}
+        stored = {}
+        for key in self.local_shard().written():
+            e = by_name.get(self.names.get(key, ""))
+            stored[key] = StoredBytes(len(e.data), combine_digests(e.digests)) if e else StoredBytes(0, EMPTY)
+        return self.fragment(stored, entry_rows(self.entries))
+
+    def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
+        rows = [row for f in fragments for row in f.entries]
+        tail = {fmt.INDEX_NAME: manifest.index, fmt.MANIFEST_NAME: manifest.manifest}
+        write_tail_and_directory(staging.path, staging.end, tail, rows)
+
+    def publish(self, staging: Staging) -> None:
+        self.replaced = swap_in(staging.path, self.target)
+
+    def abort(self, staging: Staging) -> None:
+        discard(staging.path)
+
+
+class ArchiveFiles:
+    """The entries of a committed archive, validated, read from one memory map."""
+
+    def __init__(self, path: str, opened_as: str | None = None):
+        """Open the archive ``path``; ``opened_as`` opens the same file pinned (``/proc/self/fd/N``)."""
+        self.path = path
+        self.source = source = opened_as or path
+        try:
+            zf = zipfile.ZipFile(source)
+        except OSError as e:
+            raise storage_failed(path, e) from e
+        except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as e:  # "zip file version"
+            raise CorruptCheckpointError(
+                f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
+            ) from None
+        size = os.path.getsize(source)
+        self.tensor = map_copy_on_write(source, size) if size else torch.empty(0, dtype=torch.uint8)
+        self.map = self.tensor.numpy()
+        self.entries: dict[str, tuple[int, zipfile.ZipInfo]] = {}
+        spans = []
+        with zf:
+            for zi in zf.infolist():
+                name = zi.filename
+                self._check_name(name, zi)
+                if zi.header_offset + LOCAL_SIZE > size:
+                    raise CorruptCheckpointError(
+                        f"archive {path!r}: entry {name!r} has a header past the end of the file"
+                    )
+                sig, *_rest, name_len, extra_len = struct.unpack_from(LOCAL_FMT, self.map.data, zi.header_offset)
+                if sig != b"PK\x03\x04":
+                    raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} has a bad local header offset")
+                start = zi.header_offset + LOCAL_SIZE + name_len + extra_len
+                if start + zi.compress_size > size:
+                    raise CorruptCheckpointError(
+                        f"archive {path!r}: entry {name!r} extends past the end of the file (truncated?)"
+                    )
+                spans.append((zi.header_offset, start + zi.compress_size, name))
+                self.entries[name] = (start, zi)
+        spans.sort()
+        for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise CorruptCheckpointError(f"archive {path!r}: entries {an!r} and {bn!r} overlap; refusing it")
+
+    def _check_name(self, name: str, zi: zipfile.ZipInfo) -> None:
+        parts = name.split("/")
+        if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or "\0" in name:
+            raise CorruptCheckpointError(
+                f"archive {self.path!r} has an entry named {name!r} that escapes its root; refusing it"
+            )
+        if name in self.entries:
+            raise CorruptCheckpointError(f"archive {self.path!r} lists entry {name!r} twice; refusing it")
+        if stat.S_ISLNK(zi.external_attr >> 16):
+            raise CorruptCheckpointError(f"archive {self.path!r} has a symbolic-link entry {name!r}; refusing it")
+
+    def span(self, loc: Location) -> torch.Tensor:
+        """A chunk's bytes (archives hold one entry per chunk)."""
+        return self.array(loc.relpath, loc.nbytes)
+
+    def array(self, name: str, nbytes: int) -> torch.Tensor:
+        """The uncompressed bytes of ``name`` as uint8: a view of the map when stored, else decompressed.
+
+        A compressed entry is checked first (its sizes against the manifest's
+        ``nbytes``, its method, its bounds in the file); only then is its
+        buffer allocated, and the stream inflated into it block by block.
+        """
+        found = self.entries.get(name)
+        if found is None:
+            raise CorruptCheckpointError(f"archive {self.path!r} has no entry {name!r}; the checkpoint is damaged")
+        start, zi = found
+        if zi.file_size != nbytes:
+            raise CorruptCheckpointError(
+                f"archive {self.path!r}: entry {name!r} declares {zi.file_size} bytes, the manifest says {nbytes}"
+            )
+        if zi.compress_type == zipfile.ZIP_STORED:
+            if zi.compress_size != nbytes:
+                raise CorruptCheckpointError(f"archive {self.path!r}: stored entry {name!r} has inconsistent sizes")
+            view = self.tensor[start : start + nbytes]
+            return view if start % ALIGN == 0 else view.clone()  # rewritten by another zip tool: unaligned
+        where = f"{self.path!r}: entry {name!r}"
+        check_compressed_entry(zi.compress_type, zi.compress_size, nbytes, where)
+        out = torch.empty(nbytes, dtype=torch.uint8)  # only now: its size is the manifest's, its bounds checked
+        fd = os.open(self.source, os.O_RDONLY)
+        try:
+            crc = inflate_into(zi.compress_type, EntryReader(fd, start, zi.compress_size), out.numpy().data, where)
+        finally:
+            os.close(fd)
+        if crc != zi.CRC:  # a damaged stream may still decompress, to other bytes
+            raise CorruptCheckpointError(
+                f"archive {where} decompresses to bytes that fail its CRC-32; the checkpoint is damaged"
+            )
+        return out

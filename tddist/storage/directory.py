@@ -1,0 +1,145 @@
+"""The directory layout: a checkpoint directory with one directory per rank.
+
+Each rank directory keeps tensordict's memmap layout (``<key>.memmap`` files
+plus a ``meta.json`` per node), written by ``writer.write_shard``. Rank 0
+writes the manifest last, then the staging directory replaces the target
+(``publish``). With ``atomic=False`` the ranks write into the target itself;
+the manifest is still written last, so an interrupted save leaves a directory
+that readers refuse instead of misread.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import torch
+
+from .. import format as fmt
+from .._fs import fsync_path, makedirs_durable, remove_tree, write_durable
+from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
+from ..errors import CorruptCheckpointError, TargetError
+from ..manifest.locate import Location
+from .base import WriterBase, map_copy_on_write
+from .pinned import PinnedCheckpoint
+from .publish import discard, swap_in
+from .recovery import is_tddist_dir
+from .writer import write_packed, write_shard
+
+
+def check_target(target: str) -> bool:
+    """Refuse directory targets tddist must not replace; return whether one exists."""
+    if os.path.islink(target):
+        raise TargetError(f"target {target!r} is a symbolic link; pass the real path or another target")
+    if os.path.isfile(target):
+        raise TargetError(
+            f"target {target!r} is an existing file, not a checkpoint directory; choose another path "
+            f"(it was left untouched)"
+        )
+    if not os.path.exists(target):
+        return False
+    if not os.path.isdir(target):
+        raise TargetError(f"target {target!r} exists and is not a directory; choose another path")
+    if not is_tddist_dir(target):
+        raise TargetError(
+            f"target {target!r} is a non-empty directory that is not a tddist checkpoint; tddist never "
+            f"deletes foreign data: choose another path or empty it yourself"
+        )
+    return True
+
+
+class DirectoryWriter(WriterBase):
+    """One rank's side of a directory save (a ``layouts.base.ShardWriter``)."""
+
+    layout = "directory"
+
+    def plan(self) -> SavePlan:
+        return self.make_plan()
+
+    def open(self, plans: list[SavePlan]) -> Staging:
+        parent = os.path.dirname(os.path.abspath(self.target))
+        makedirs_durable(parent)
+        exists = check_target(self.target)
+        if self.options.atomic:
+            staging = fmt.staging_path(self.target)
+            os.mkdir(staging)
+            return Staging(staging)
+        if exists:
+            manifest = os.path.join(self.target, fmt.MANIFEST_NAME)
+            if os.path.exists(manifest):
+                os.unlink(manifest)  # the old data stops being trusted first
+                fsync_path(self.target)
+            for name in os.listdir(self.target):
+                remove_tree(os.path.join(self.target, name))
+        else:
+            os.makedirs(self.target)
+        fsync_path(parent)
+        return Staging(os.path.abspath(self.target))
+
+    def write(self, staging: Staging) -> Fragment:
+        self.check_reference(staging)
+        o, shard = self.options, self.local_shard()
+        if o.packing == "packed":
+            data = os.path.join(staging.path, fmt.rank_data_name(self.rank))
+            stored = write_packed(data, shard.items, o.num_threads, self.rank)
+        else:
+            stored = write_shard(staging.path, self.rank, shard, o.robust_key, o.num_threads)
+        return self.fragment(stored)
+
+    def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
+        write_durable(os.path.join(staging.path, fmt.INDEX_NAME), manifest.index)
+        write_durable(os.path.join(staging.path, fmt.MANIFEST_NAME), manifest.manifest)
+        fsync_path(staging.path)
+
+    def publish(self, staging: Staging) -> None:
+        if self.options.atomic:
+            self.replaced = swap_in(staging.path, self.target)
+        else:
+            fsync_path(os.path.dirname(os.path.abspath(self.target)))
+
+    def abort(self, staging: Staging) -> None:
+        if self.options.atomic:  # a torn non-atomic target has no manifest: readers refuse it
+            discard(staging.path)
+
+
+class DirectoryFiles:
+    """The files of a committed directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``).
+
+    Every file is opened through the pinned directory descriptor (see
+    ``pinned.py``): one generation is read whole even while an overwrite
+    replaces the checkpoint, and no name can lead outside it.
+    """
+
+    def __init__(self, root: str, pin: PinnedCheckpoint | None = None):
+        self.root = root
+        self.pin = pin if pin is not None else PinnedCheckpoint(root)  # kept open while this object lives
+        self._maps: dict[str, torch.Tensor] = {}
+
+    def span(self, loc: Location) -> torch.Tensor:
+        """A chunk's bytes: a view of its file's copy-on-write map (each file is mapped once)."""
+        if loc.nbytes == loc.file_size:
+            return self.array(loc.relpath, loc.nbytes)
+        whole = self._maps.get(loc.relpath)
+        if whole is None:
+            whole = self._maps[loc.relpath] = self.array(loc.relpath, loc.file_size)
+        return whole[loc.offset : loc.offset + loc.nbytes]
+
+    def array(self, rel: str, nbytes: int) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""
+        path = os.path.join(self.root, rel)
+        fd = self.pin.open_file(rel)
+        if fd is None:
+            raise self.pin.missing(rel, "file")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{path!r} is not a regular file; refusing it")
+            if st.st_size != nbytes:
+                raise CorruptCheckpointError(
+                    f"file {path!r} has {st.st_size} bytes, the manifest says {nbytes}; the checkpoint is damaged or "
+                    f"truncated"
+                )
+            # the descriptor's own inode, whatever is at ``path`` now
+            return map_copy_on_write(f"/proc/self/fd/{fd}", nbytes)
+        finally:
+            os.close(fd)

@@ -1,0 +1,185 @@
+"""A checkpoint opened once, so that one load reads one generation whole.
+
+An overwrite replaces a checkpoint with a rename (``RENAME_EXCHANGE`` swaps
+the directory entries, then the old tree is removed). A reader that opened
+files by path could read the manifest of one generation and the data of the
+next. Here the checkpoint directory, or the archive file, is opened once;
+the manifest, the index and every data file are then opened relative to that
+descriptor (``dir_fd``), one path component at a time without following
+symbolic links, so they all belong to the inode that was at the path when
+the load began, whatever renames happen meanwhile. A file stays readable
+once opened, even after it is unlinked; a file that the removal of the old
+generation unlinked before it could be opened is reported as
+``CheckpointChangedError`` (retry the load), never as corruption.
+
+Linux only, as the commit is: a mapped file is reopened through
+``/proc/self/fd`` because ``torch.from_file`` and ``zipfile`` take a path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from ..errors import (
+    CheckpointChangedError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ManifestError,
+    StorageError,
+)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO must not block the open
+
+
+class PinnedCheckpoint:
+    """The descriptor of a checkpoint directory or archive, opened once; files inside are opened through it.
+
+    Use as a context manager (or call ``close``). The descriptor only pins
+    what a reader sees; it locks nothing, so writers are never delayed.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = -1
+        try:
+            # the checkpoint path itself may be a symbolic link (a "latest" link, say); what is inside may not
+            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist") from None
+        except NotADirectoryError:
+            raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist (a parent is not a directory)") from None
+        except OSError as e:
+            raise storage_failed(path, e) from e
+        st = os.fstat(self.fd)
+        self.inode = (st.st_dev, st.st_ino)
+        self.archive = stat.S_ISREG(st.st_mode)
+        if not (self.archive or stat.S_ISDIR(st.st_mode)):
+            os.close(self.fd)
+            raise CheckpointNotFoundError(
+                f"{path!r} is neither a directory nor a regular file, so it is not a tddist checkpoint; pass a "
+                f"checkpoint directory or a .tdz archive"
+            )
+
+    @property
+    def fd_path(self) -> str:
+        """A path that opens the pinned directory or archive itself, whatever is at ``path`` now."""
+        return f"/proc/self/fd/{self.fd}"
+
+    def read_regular(self, relpath: str, limit: int, what: str) -> bytes | None:
+        """The bytes of the regular file ``relpath`` inside (None if absent), read with one bounded read.
+
+        A FIFO, a device, a directory or a symbolic link is refused (a FIFO
+        would block, ``/dev/zero`` never ends), as is a file larger than ``limit``.
+        """
+        shown = os.path.join(self.path, relpath)
+        try:
+            fd = self.open_file(relpath)
+        except CorruptCheckpointError as e:
+            raise ManifestError(f"{what} {shown!r}: {e}") from None
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ManifestError(
+                    f"{what} {shown!r} is not a regular file; the checkpoint is damaged or was tampered with"
+                )
+            if st.st_size > limit:
+                raise ManifestError(
+                    f"{what} {shown!r} has {st.st_size} bytes, more than tddist reads ({limit}); refusing it"
+                )
+            data = _read_up_to(fd, st.st_size + 1)
+        except OSError as e:
+            raise storage_failed(shown, e) from e
+        finally:
+            os.close(fd)
+        if len(data) != st.st_size:
+            raise ManifestError(f"{what} {shown!r} changed size while it was read; retry")
+        return data
+
+    def open_file(self, relpath: str) -> int | None:
+        """A read-only descriptor of ``relpath`` inside the pinned directory, or None if it does not exist.
+
+        Raises:
+            CorruptCheckpointError: the name leaves the directory, or a component is a symbolic link.
+        """
+        parts = relpath.split("/")
+        if any(p in ("", ".", "..") for p in parts) or "\0" in relpath:
+            raise CorruptCheckpointError(f"{relpath!r} is not a plain relative name inside the checkpoint; refusing it")
+        fds = []
+        try:
+            parent = self.fd
+            for part in parts[:-1]:
+                parent = os.open(part, _DIR_FLAGS, dir_fd=parent)
+                fds.append(parent)
+            return os.open(parts[-1], _FILE_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CorruptCheckpointError(
+                    f"{relpath!r} is a symbolic link or passes through one (it could lead outside the checkpoint), not a "
+                    f"regular file inside it; "
+                    f"refusing it"
+                ) from None
+            raise storage_failed(os.path.join(self.path, relpath), e) from e
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def replaced(self) -> bool:
+        """Whether ``path`` names another directory or file now (an overwrite committed meanwhile), or nothing."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self.inode
+
+    def missing(self, relpath: str, what: str) -> Exception:
+        """The error for a file the manifest names but the pinned directory lacks: changed, or damaged."""
+        if self.replaced():
+            return CheckpointChangedError(
+                f"checkpoint {self.path!r} was replaced while it was being read ({what} of the old one is gone); "
+                f"load it again"
+            )
+        return CorruptCheckpointError(
+            f"{what} {os.path.join(self.path, relpath)!r} is missing; the checkpoint is damaged"
+        )
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> PinnedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def storage_failed(path: str, e: OSError) -> StorageError:
+    """The error for an I/O failure reading ``path`` of a checkpoint: the storage failed, not the checkpoint."""
+    return StorageError(
+        f"reading {path!r} failed: {e.strerror or e} (errno {e.errno}); the storage failed, which does not mean the "
+        f"checkpoint is damaged: check the file system (its mount, the kernel log, permissions) and load it again "
+        f"once it is readable"
+    )
+
+
+def _read_up_to(fd: int, n: int) -> bytes:
+    """Up to ``n`` bytes from ``fd`` (os.read returns at most 2 GiB at once)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = os.read(fd, min(n - got, 1 << 30))
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)

@@ -1,0 +1,198 @@
+"""The directory layout on object storage: data objects under a generation's prefix, then the manifest.
+
+Object layout of ``s3://bucket/key`` (docs/format.md, "Object storage"):
+
+    key/tddist.json                          the manifest: the commit point, written last
+    key/tddist-gen-<32 hex>/tddist.idx       the manifest's index
+    key/tddist-gen-<32 hex>/rank-NNNNN.data  each rank's packed data file (or rank-NNNNN/... with "memmap")
+
+Rank 0 picks a fresh generation (``open``); every rank uploads its objects
+under it (``write``); rank 0 uploads the index (``finalize``) and then the
+manifest, whose metadata names the generation (``publish``: one PUT, atomic
+on every S3-compatible service). An overwrite uploads a new generation, then
+the new manifest, and only then deletes the old generation, so a reader holds
+one generation whole or is told that the checkpoint changed. A generation no
+committed manifest names is invisible to readers and removed by ``abort`` or
+``recover``.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from ... import format as fmt
+from ..._faults import fault_point
+from ...checksum import checksum_bytes, tensor_bytes
+from ...core.types import Fragment, ManifestFiles, SavePlan, Staging, StoredBytes
+from ...errors import TargetError, TddistError
+from ...manifest.merge import packed_offsets
+from ..base import Retirement, WriterBase, node_meta_files
+from .client import bucket_missing, client_errors, is_missing, no_bucket, s3_client, s3_failed
+from .pin import GENERATION_META, GENERATION_PREFIX, is_generation
+from .upload import Segment, run, upload_object
+from .url import S3Url, parse
+
+logger = logging.getLogger(__name__)
+
+#: Threads uploading a rank's objects when the save asks for fewer (requests wait on the network).
+MIN_THREADS = 8
+
+
+def delete_prefix(client: Any, bucket: str, prefix: str) -> int:
+    """Delete every object under ``prefix`` (1000 per request); return how many."""
+    n = 0
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    for page in pages:
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            n += len(keys)
+    return n
+
+
+def committed_generation(client: Any, url: S3Url) -> str | None:
+    """The generation the committed manifest at ``url`` names, or None when nothing is committed there."""
+    try:
+        head = client.head_object(Bucket=url.bucket, Key=url.child(fmt.MANIFEST_NAME))
+    except client_errors() as e:
+        if is_missing(e):
+            return None
+        raise
+    gen = head.get("Metadata", {}).get(GENERATION_META, "")
+    return gen if is_generation(gen) else ""
+
+
+def check_target(client: Any, url: S3Url) -> str | None:
+    """Refuse a missing bucket, or a prefix holding objects tddist did not write; return the committed
+    generation (None: none)."""
+    if bucket_missing(client, url.bucket):
+        raise no_bucket("a save to", url.url, url.bucket, 0, TargetError)
+    page = client.list_objects_v2(Bucket=url.bucket, Prefix=url.key + "/", Delimiter="/", MaxKeys=1000)
+    names = [o["Key"][len(url.key) + 1 :] for o in page.get("Contents", [])]
+    names += [p["Prefix"][len(url.key) + 1 :].rstrip("/") for p in page.get("CommonPrefixes", [])]
+    foreign = [n for n in names if n != fmt.MANIFEST_NAME and not is_generation(n)]
+    if foreign:
+        raise TargetError(
+            f"target {url.url!r} holds objects tddist did not write ({', '.join(sorted(foreign)[:5])}); tddist "
+            f"never deletes foreign data: choose another key or remove them yourself"
+        )
+    return committed_generation(client, url)
+
+
+class S3DirectoryWriter(WriterBase):
+    """One rank's side of a directory save to object storage (a ``layouts.base.ShardWriter``)."""
+
+    layout = "directory"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.url = parse(self.target)
+        self.old_generation: str | None = None  # rank 0: what the commit replaces
+        self.uploaded: dict[tuple[str, int], memoryview] = {}  # (file, offset) -> bytes, see ``S3Pin.local``
+        self.manifest = b""
+
+    def _failed(self, what: str, e: BaseException) -> TddistError:
+        return s3_failed(what, self.url.url, e, self.rank, TargetError)
+
+    def plan(self) -> SavePlan:
+        return self.make_plan()
+
+    def open(self, plans: list[SavePlan]) -> Staging:
+        """(rank 0) Check the target; pick the new generation (nothing is written yet)."""
+        try:
+            self.old_generation = check_target(s3_client(), self.url)
+        except client_errors() as e:
+            raise self._failed("preparing a save to", e) from e
+        return Staging(GENERATION_PREFIX + uuid.uuid4().hex)
+
+    def write(self, staging: Staging) -> Fragment:
+        """Upload this rank's objects under the generation's prefix."""
+        self.check_reference(staging)
+        o, shard = self.options, self.local_shard()
+        client = s3_client()
+        prefix = self.url.child(staging.path)
+        stored: dict = {}
+        objects: list[tuple[str, list[Segment], int]] = []
+        if o.packing == "packed":
+            written = [(i.key, tensor_bytes(i.tensor)) for i in shard.items if i.writes]
+            offsets, end = packed_offsets(np.array([a.size for _k, a in written], dtype=np.int64))
+            segments = []
+            for (key, data), offset in zip(written, offsets):
+                stored[key] = StoredBytes(int(data.size), checksum_bytes(data))
+                if data.size:
+                    segments.append(Segment(int(offset), memoryview(data.data).cast("B")))
+                    self.uploaded[(fmt.rank_data_name(self.rank), int(offset))] = segments[-1].data
+            objects.append((fmt.rank_data_name(self.rank), segments, int(end)))
+        else:
+            for key, t in shard.written().items():
+                data = tensor_bytes(t)
+                stored[key] = StoredBytes(int(data.size), checksum_bytes(data))
+                if data.size:  # a chunk with no elements has no file (as in tensordict)
+                    rel = fmt.leaf_relpath(self.rank, key, o.robust_key)
+                    objects.append((rel, [Segment(0, memoryview(data.data).cast("B"))], int(data.size)))
+                    self.uploaded[(rel, 0)] = objects[-1][1][0].data
+            for rel, raw in node_meta_files(self.rank, shard, o.robust_key).items():
+                objects.append((rel, [Segment(0, memoryview(raw))], len(raw)))
+        threads = max(o.num_threads, MIN_THREADS)
+        tasks: list[Callable[[], object]] = [
+            partial(upload_object, client, self.url.bucket, f"{prefix}/{rel}", segs, size, threads)
+            for rel, segs, size in objects
+        ]
+        tasks.insert(len(tasks) // 2, partial(fault_point, "midwrite", self.rank))
+        try:
+            run(tasks, min(threads, len(tasks)))
+        except client_errors() as e:
+            raise self._failed("uploading to", e) from e
+        return self.fragment(stored)
+
+    def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
+        """(rank 0) Upload the index into the generation; keep the manifest for ``publish``."""
+        key = self.url.child(f"{staging.path}/{fmt.INDEX_NAME}")
+        try:
+            s3_client().put_object(Bucket=self.url.bucket, Key=key, Body=manifest.index)
+        except client_errors() as e:
+            raise self._failed("uploading the index of", e) from e
+        self.manifest = manifest.manifest
+
+    def publish(self, staging: Staging) -> None:
+        """(rank 0) The commit point: PUT the manifest naming the generation (``retirement`` deletes the old one)."""
+        client = s3_client()
+        try:
+            client.put_object(
+                Bucket=self.url.bucket,
+                Key=self.url.child(fmt.MANIFEST_NAME),
+                Body=self.manifest,
+                Metadata={GENERATION_META: staging.path},
+            )
+        except client_errors() as e:
+            raise self._failed("committing the manifest of", e) from e
+        fault_point("replace", 0)
+        old = self.old_generation
+        if old and old != staging.path:
+            self.replaced = old
+
+    def removal(self, replaced: str) -> Retirement:
+        """(rank 0, once the commit is announced) The deletion of the generation the commit replaced."""
+        return Retirement(
+            0, f"the old generation {replaced} of {self.url.url}", partial(_delete_generation, self.url, replaced)
+        )
+
+    def abort(self, staging: Staging) -> None:
+        """(rank 0) Delete what was uploaded under the generation; never raises."""
+        try:
+            delete_prefix(s3_client(), self.url.bucket, self.url.child(staging.path) + "/")
+        except Exception as e:
+            logger.warning(
+                "rank 0: could not delete the staged generation of %s (%s); run tddist.recover", self.url.url, e
+            )
+
+
+def _delete_generation(url: S3Url, generation: str) -> None:
+    """Delete every object of a replaced generation (``Retirement`` turns a failure into a warning)."""
+    delete_prefix(s3_client(), url.bucket, url.child(generation) + "/")

@@ -1,0 +1,497 @@
+"""Checking a committed checkpoint, chunk by chunk, and reporting every problem found.
+
+``verify(path)`` checks every stored chunk of a directory or archive
+checkpoint against its manifest and, unless ``quick``, that its bytes match
+its checksum. Where a chunk's bytes are is ``locate.Locator``'s business:
+a span of its rank's data file (packing "packed", the default of format
+version 2), a file of its own (packing "memmap": version 1 and
+``layout="memmap"``) or an archive entry. ``quick`` reads no data: it checks
+that every file exists, is a regular file inside the checkpoint and has the
+size the manifest implies (a rank's data file: the sum of its chunks, each
+padded to ``format.PACK_ALIGN``). Unlike ``load(..., verify=True)``, which
+stops at the first bad chunk, it goes on and returns a ``VerifyReport``
+listing all of them.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import stat
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import format as fmt
+from .._fs import is_inside
+from ..checksum import EMPTY, block_digest, blocks, combine_digests
+from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
+from ..manifest.chunks import BoxChunks
+from ..manifest.locate import Location, Locator
+from ..manifest.merge import packed_offsets
+from ..manifest.model import Chunk, Leaf, Manifest
+from ..storage.open import read_manifest
+
+#: Kinds of ``Problem``.
+MISSING = "missing"  # the chunk's file (a rank's data file) or archive entry is not there
+SIZE = "size"  # it has another size than the manifest says
+NOT_A_FILE = "not-a-file"  # a symbolic link, a directory, or a path resolving outside the checkpoint
+CHECKSUM = "checksum"  # its bytes do not match the checksum
+UNREADABLE = "unreadable"  # reading or decompressing it failed
+STRUCTURE = "structure"  # the checkpoint as a whole: an archive that is not a valid zip, a missing rank directory
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a checkpoint.
+
+    Attributes:
+        kind: ``"missing"``, ``"size"``, ``"not-a-file"``, ``"checksum"``,
+            ``"unreadable"`` or ``"structure"``.
+        key: the leaf the chunk belongs to, or None for a problem of a whole
+            file (a rank's data file) or of the whole checkpoint.
+        rank: the rank that wrote the chunk (or the file), or None.
+        file: the file relative to the checkpoint (a rank's data file, the
+            chunk's own file, its archive entry's name), or None.
+        message: what is wrong and what to do, in words.
+        offset: where the chunk starts in ``file`` (a rank's data file), or
+            None when the chunk is the whole file or the problem is not a chunk's.
+    """
+
+    kind: str
+    key: tuple[str, ...] | None
+    rank: int | None
+    file: str | None
+    message: str
+    offset: int | None = None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of ``verify``.
+
+    Attributes:
+        path: the checkpoint checked.
+        mode: ``"quick"`` (sizes and structure) or ``"full"`` (checksums too).
+        layout: ``"directory"`` or ``"archive"``.
+        world_size: the number of ranks that saved it.
+        chunks: the number of chunks checked.
+        nbytes: the bytes those chunks hold (what a full check reads).
+        problems: every problem found: those of whole files and of the
+            checkpoint first (by rank), then the chunks' in manifest order.
+        packing: ``"packed"`` (one data file per rank) or ``"memmap"`` (one file
+            or archive entry per chunk).
+    """
+
+    path: str
+    mode: str
+    layout: str
+    world_size: int
+    chunks: int
+    nbytes: int
+    problems: tuple[Problem, ...]
+    packing: str = "memmap"
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+
+def leaf_nbytes(leaf: Leaf) -> int:
+    """The bytes a leaf's chunks hold together (its chunks tile its shape exactly); builds no chunk."""
+    return math.prod(leaf.shape) * fmt.dtype_itemsize(leaf.dtype_name)
+
+
+def stored_bytes(manifest: Manifest) -> int:
+    """The bytes of tensor data a checkpoint holds (what a full ``verify`` reads), from its manifest alone."""
+    return sum(leaf_nbytes(leaf) for leaf in manifest.leaves.values())
+
+
+def chunk_count(manifest: Manifest) -> int:
+    """The number of chunks a checkpoint stores (empty ones included), without building them."""
+    return sum(len(leaf.table) for leaf in manifest.leaves.values())
+
+
+def data_file_sizes(manifest: Manifest) -> np.ndarray:
+    """The size of every rank's data file (packing "packed"), for all ranks at once (int64[world_size])."""
+    world = manifest.world_size
+    rows = [leaf.table.nbytes_by_rank(world) for leaf in manifest.leaves.values()]
+    _offsets, sizes = packed_offsets(np.stack(rows) if rows else np.zeros((0, world), dtype=np.int64))
+    return np.asarray(sizes, dtype=np.int64).reshape(world)
+
+
+def verify(
+    path: str | os.PathLike,
+    *,
+    quick: bool = False,
+    num_threads: int = 2,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Check every chunk of the committed checkpoint at ``path``; return all problems found.
+
+    Args:
+        path: a checkpoint directory or ``.tdz`` archive.
+        quick: check only that every file (a rank's data file, a chunk's file,
+            an archive entry) exists with the size the manifest implies, and the
+            archive's structure; read no data.
+        num_threads: threads that read and hash (1: the calling thread only).
+        progress: called with the number of bytes just checked, as the check goes.
+
+    Returns:
+        A ``VerifyReport``; ``report.ok`` is True when nothing is wrong.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``path``.
+        ManifestError: the manifest (or its index) is unreadable or invalid
+            (nothing else can be checked).
+        InvalidArgumentError: ``num_threads`` is not a positive int.
+    """
+    path = os.path.abspath(os.fspath(path))
+    _check_threads(num_threads)
+    return verify_manifest(path, read_manifest(path), quick=quick, num_threads=num_threads, progress=progress)
+
+
+def verify_manifest(
+    path: str | os.PathLike,
+    manifest: Manifest,
+    *,
+    quick: bool = False,
+    num_threads: int = 2,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """``verify`` with the checkpoint's manifest already read (``read_manifest(path)``), so it is read once.
+
+    Args:
+        path: the checkpoint directory or ``.tdz`` archive ``manifest`` was read from.
+        manifest: its manifest.
+        quick, num_threads, progress: as for ``verify``.
+
+    Returns:
+        A ``VerifyReport``, as ``verify``.
+    """
+    path = os.path.abspath(os.fspath(path))
+    _check_threads(num_threads)
+    archive = os.path.isfile(path)
+    check = _Check(path, manifest, quick, progress)
+    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-verify") if num_threads > 1 else None
+    check.pool = pool
+    try:
+        if archive:
+            check.archive()
+        elif manifest.packing == "packed":
+            check.packed()
+        else:
+            check.memmap()
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return VerifyReport(
+        path=path,
+        mode="quick" if quick else "full",
+        layout="archive" if archive else "directory",
+        world_size=manifest.world_size,
+        chunks=chunk_count(manifest),
+        nbytes=stored_bytes(manifest),
+        problems=tuple(check.problems),
+        packing=manifest.packing,
+    )
+
+
+def _check_threads(num_threads: object) -> None:
+    if type(num_threads) is not int or num_threads < 1:
+        raise InvalidArgumentError(f"num_threads must be a positive int, got {num_threads!r}")
+
+
+def _chunks(leaf: Leaf) -> Iterator[Chunk]:
+    """A leaf's chunks, built one at a time."""
+    table = leaf.table
+    for i in range(len(table)):
+        yield table.chunk(i)
+
+
+def _where(leaf: Leaf, chunk: Chunk) -> str:
+    return f"leaf {list(leaf.key)} (written by rank {chunk.rank})"
+
+
+class _Check:
+    """One run of ``verify``: the checks of each packing, and the problems found."""
+
+    def __init__(self, root: str, manifest: Manifest, quick: bool, progress: Callable[[int], None] | None):
+        self.root, self.manifest, self.quick = root, manifest, quick
+        self.real_root = os.path.realpath(root)
+        self.spans = manifest.packing == "packed" and not os.path.isfile(root)  # chunks lie at offsets of files
+        self.locator = Locator(manifest)
+        self.tick = progress or (lambda n: None)
+        self.pool: ThreadPoolExecutor | None = None
+        self.problems: list[Problem] = []
+
+    # --- packing "packed": one data file per rank ---------------------------------------------
+
+    def packed(self) -> None:
+        """Each rank's data file (exists, regular, inside, exact size); then, unless quick, every chunk's span."""
+        m = self.manifest
+        bad = set()
+        sizes = data_file_sizes(m).tolist()
+        for rank in range(m.world_size):
+            found = self._check_data_file(rank, sizes[rank])
+            if found is not None:
+                self.problems.append(found)
+                bad.add(rank)
+        if self.quick:
+            return
+        leaves = list(m.leaves.values())
+        # A DTensor leaf's chunk of a rank is found by a search; index them once.
+        by_rank = [
+            {int(r): i for i, r in enumerate(leaf.table.ranks)} if isinstance(leaf.table, BoxChunks) else None
+            for leaf in leaves
+        ]
+        found_in_chunks: list[tuple[int, int, Problem]] = []
+        from ..loading.read import open_files  # imports torch
+
+        for rank in range(m.world_size):
+            if rank in bad:
+                continue
+            files = open_files(self.root)  # this rank's file is mapped once, and unmapped after it
+            for li, leaf in enumerate(leaves):
+                index = by_rank[li]
+                i = index.get(rank) if index is not None else leaf.table.index_of_rank(rank)
+                if i is None:
+                    continue
+                chunk = leaf.table.chunk(i)
+                loc = self.locator.locate(leaf, chunk)
+                problem = self._check_chunk_bytes(files, leaf, chunk, loc)
+                if problem is not None:
+                    found_in_chunks.append((li, i, problem))
+            del files
+        found_in_chunks.sort(key=lambda t: (t[0], t[1]))
+        self.problems.extend(p for _li, _i, p in found_in_chunks)
+
+    def _check_data_file(self, rank: int, size: int) -> Problem | None:
+        rel = fmt.rank_data_name(rank)
+        full = os.path.join(self.root, rel)
+        what = f"data file {full!r} of rank {rank}"
+        held = self._held(rank)
+        if not is_inside(self.real_root, os.path.dirname(full)):
+            return Problem(NOT_A_FILE, None, rank, rel, f"{what} resolves outside the checkpoint; {held}")
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            return Problem(MISSING, None, rank, rel, f"{what} is missing; {held}; restore the checkpoint from a copy")
+        except OSError as e:
+            return Problem(UNREADABLE, None, rank, rel, f"cannot stat {what}: {e}; {held}")
+        if not stat.S_ISREG(st.st_mode):
+            return Problem(
+                NOT_A_FILE,
+                None,
+                rank,
+                rel,
+                f"{what} is not a regular file (a symbolic link or a directory); {held}; restore the checkpoint "
+                f"from a copy",
+            )
+        if st.st_size != size:
+            return Problem(
+                SIZE,
+                None,
+                rank,
+                rel,
+                f"{what} has {st.st_size} bytes, its chunks need exactly {size} (truncated or overwritten); "
+                f"{held}; restore the checkpoint from a copy",
+            )
+        return None
+
+    def _held(self, rank: int) -> str:
+        """What a rank's data file holds, in words (for a problem of the whole file)."""
+        keys = [leaf.key for leaf in self.manifest.leaves.values() if leaf.table.nbytes_of_rank(rank)]
+        shown = ", ".join(str(list(k)) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+        return f"it holds {len(keys)} chunk(s)" + (f" (leaves {shown})" if keys else "")
+
+    # --- packing "memmap": one file per chunk, in rank directories --------------------------
+
+    def memmap(self) -> None:
+        """Each rank directory that should hold files; each chunk's file; unless quick, its bytes."""
+        m = self.manifest
+        for rank in range(m.world_size):
+            d = os.path.join(self.root, fmt.rank_dir(rank))
+            stores = any(leaf.table.nbytes_of_rank(rank) for leaf in m.leaves.values())
+            if stores and not os.path.isdir(d):
+                self.problems.append(
+                    Problem(
+                        STRUCTURE,
+                        None,
+                        rank,
+                        fmt.rank_dir(rank),
+                        f"rank directory {d!r} is missing; the checkpoint is damaged (restore it from a copy)",
+                    )
+                )
+        files: Any = None
+        for leaf in m.leaves.values():
+            for chunk in _chunks(leaf):
+                if self._empty(leaf, chunk):
+                    continue
+                loc = self.locator.locate(leaf, chunk)
+                found = self._check_file(leaf, chunk, loc.relpath)
+                if found is not None:
+                    self.problems.append(found)
+                    continue
+                if self.quick:
+                    continue
+                if files is None:
+                    from ..loading.read import open_files  # imports torch
+
+                    files = open_files(self.root)
+                found = self._check_chunk_bytes(files, leaf, chunk, loc)
+                if found is not None:
+                    self.problems.append(found)
+
+    def _check_file(self, leaf: Leaf, chunk: Chunk, rel: str) -> Problem | None:
+        """A chunk's own file: a regular file inside the checkpoint, of the declared size."""
+        full = os.path.join(self.root, rel)
+        if not is_inside(self.real_root, os.path.dirname(full)):
+            return Problem(
+                NOT_A_FILE,
+                leaf.key,
+                chunk.rank,
+                rel,
+                f"{_where(leaf, chunk)}: {full!r} resolves outside the checkpoint",
+            )
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            return Problem(
+                MISSING,
+                leaf.key,
+                chunk.rank,
+                rel,
+                f"{_where(leaf, chunk)}: file {full!r} is missing; restore the checkpoint from a copy",
+            )
+        except OSError as e:
+            return Problem(UNREADABLE, leaf.key, chunk.rank, rel, f"{_where(leaf, chunk)}: cannot stat {full!r}: {e}")
+        if not stat.S_ISREG(st.st_mode):
+            return Problem(
+                NOT_A_FILE,
+                leaf.key,
+                chunk.rank,
+                rel,
+                f"{_where(leaf, chunk)}: {full!r} is not a regular file (a symbolic link or a directory)",
+            )
+        if st.st_size != chunk.nbytes:
+            return Problem(
+                SIZE,
+                leaf.key,
+                chunk.rank,
+                rel,
+                f"{_where(leaf, chunk)}: file {full!r} has {st.st_size} bytes, the manifest says {chunk.nbytes} "
+                f"(truncated or overwritten)",
+            )
+        return None
+
+    # --- archives: one entry per chunk ---------------------------------------------------------
+
+    def archive(self) -> None:
+        """The archive's structure; each chunk's entry and its declared size; unless quick, its bytes."""
+        from ..loading.read import open_files  # imports torch
+
+        try:
+            files = open_files(self.root)
+        except CorruptCheckpointError as e:
+            self.problems.append(Problem(STRUCTURE, None, None, None, str(e)))
+            return  # nothing in it can be checked
+        for leaf in self.manifest.leaves.values():
+            for chunk in _chunks(leaf):
+                if self._empty(leaf, chunk):
+                    continue
+                loc = self.locator.locate(leaf, chunk)
+                name = loc.relpath.replace(os.sep, "/")
+                loc = Location(name, loc.offset, loc.nbytes, loc.file_size)
+                found = self._check_entry(files, leaf, chunk, name)
+                if found is None and not self.quick:
+                    found = self._check_chunk_bytes(files, leaf, chunk, loc)
+                if found is not None:
+                    self.problems.append(found)
+
+    @staticmethod
+    def _check_entry(files: Any, leaf: Leaf, chunk: Chunk, name: str) -> Problem | None:
+        found = files.entries.get(name)
+        if found is None:
+            return Problem(
+                MISSING, leaf.key, chunk.rank, name, f"{_where(leaf, chunk)}: the archive has no entry {name!r}"
+            )
+        zi = found[1]
+        if zi.file_size != chunk.nbytes:
+            return Problem(
+                SIZE,
+                leaf.key,
+                chunk.rank,
+                name,
+                f"{_where(leaf, chunk)}: entry {name!r} declares {zi.file_size} bytes, the manifest says "
+                f"{chunk.nbytes}",
+            )
+        return None
+
+    # --- every packing ----------------------------------------------------------------------
+
+    def _empty(self, leaf: Leaf, chunk: Chunk) -> bool:
+        """True for a chunk of no bytes (it has no file); its checksum must be that of nothing."""
+        if chunk.nbytes:
+            return False
+        if not self.quick and chunk.checksum != EMPTY:
+            loc = self.locator.locate(leaf, chunk)
+            self.problems.append(self._checksum_problem(leaf, chunk, loc, EMPTY))
+        return True
+
+    def _check_chunk_bytes(self, files: Any, leaf: Leaf, chunk: Chunk, loc: Location) -> Problem | None:
+        """Read a chunk's bytes where ``loc`` says and compare their checksum with the manifest's."""
+        if chunk.nbytes == 0:
+            return self._checksum_problem(leaf, chunk, loc, EMPTY) if chunk.checksum != EMPTY else None
+        offset = self._offset(loc)
+        try:
+            data = files.span(loc).numpy()
+            views = blocks(data)
+            pool = self.pool
+            mapper = pool.map if pool is not None and len(views) > 1 else map
+            digests = []
+            for view, digest in zip(views, mapper(block_digest, views)):
+                digests.append(digest)
+                self.tick(len(view))
+        except CorruptCheckpointError as e:
+            return Problem(UNREADABLE, leaf.key, chunk.rank, loc.relpath, f"{_where(leaf, chunk)}: {e}", offset)
+        except (OSError, StorageError) as e:  # a directory's reader wraps a failed open in StorageError
+            cause = e if isinstance(e, OSError) else e.__cause__
+            if isinstance(cause, OSError) and cause.errno == errno.ENOMEM:
+                raise
+            return Problem(
+                UNREADABLE,
+                leaf.key,
+                chunk.rank,
+                loc.relpath,
+                f"{_where(leaf, chunk)}: cannot read {self._span_text(loc)}: {e}",
+                offset,
+            )
+        actual = combine_digests(digests)
+        if actual != chunk.checksum:
+            return self._checksum_problem(leaf, chunk, loc, actual)
+        return None
+
+    def _offset(self, loc: Location) -> int | None:
+        return loc.offset if self.spans else None
+
+    def _span_text(self, loc: Location) -> str:
+        if self._offset(loc) is None:
+            return repr(loc.relpath)
+        return f"{loc.relpath!r}, offset {loc.offset}, {loc.nbytes} bytes"
+
+    def _checksum_problem(self, leaf: Leaf, chunk: Chunk, loc: Location, actual: str) -> Problem:
+        return Problem(
+            CHECKSUM,
+            leaf.key,
+            chunk.rank,
+            loc.relpath,
+            f"{_where(leaf, chunk)}: checksum mismatch in {self._span_text(loc)} (expected {chunk.checksum}, "
+            f"found {actual}); the data is corrupted, restore it from a copy or an older checkpoint",
+            self._offset(loc),
+        )
