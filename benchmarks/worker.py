@@ -737,7 +737,7 @@ class Job:
     def scenario_async(self) -> None:
         if self.ctx.launcher != "torchrun":
             return
-        from tddist.comm.base import resolve
+        from tddist.comm.resolve import resolve
         from tddist.saving import background
 
         m = dcp()

@@ -35,7 +35,8 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .api import load, read_manifest, recover, save
-    from .comm.base import Communicator, LocalComm, ThreadComm, run_threads
+    from .comm.base import Communicator, LocalComm
+    from .comm.threads import ThreadComm, run_threads
     from .core.sharding import PerRank, Replicate, Shard
     from .interop.convert import convert
     from .jobs.manager import EXIT_PREEMPTED, CheckpointManager, Restored
@@ -65,8 +66,8 @@ _LAZY = {
     "Manifest": "manifest.model",
     "Communicator": "comm.base",
     "LocalComm": "comm.base",
-    "ThreadComm": "comm.base",
-    "run_threads": "comm.base",
+    "ThreadComm": "comm.threads",
+    "run_threads": "comm.threads",
 }
 
 

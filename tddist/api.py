@@ -18,7 +18,9 @@ from tensordict import TensorDict
 
 from ._version import __version__
 from .arguments import check_budget, check_device, check_int, check_s3, check_save_args, save_options, target_of
-from .comm.base import Communicator, LocalComm, resolve, run_step
+from .comm.base import Communicator, LocalComm
+from .comm.collective import run_step
+from .comm.resolve import resolve
 from .core.sharding import Box, PerRank
 from .core.tree import build, normalize_keys, select
 from .core.types import Fragment, Key, LoadOptions, LocalShard, ManifestFiles, SavedRows, SaveOptions, Structure

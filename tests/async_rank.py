@@ -20,7 +20,7 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import _faults
-from tddist.comm.base import resolve
+from tddist.comm.resolve import resolve
 from tddist.saving.background import channel
 from tests.helpers import assert_td_equal
 from tests.launch_util import write_report

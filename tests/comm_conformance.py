@@ -42,7 +42,9 @@ if __name__ == "__main__":  # run as a script: make ``tests`` importable
 import pytest
 import torch
 
-from tddist.comm.base import Communicator, ThreadComm, agree, run_step
+from tddist.comm.base import Communicator
+from tddist.comm.collective import agree, run_step
+from tddist.comm.threads import ThreadComm
 from tddist.errors import CollectiveError, CommTimeoutError, TargetError, TddistError
 
 #: Timeout of the communicators under test (generous: the machine may be busy).

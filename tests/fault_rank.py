@@ -155,13 +155,13 @@ def reserve_point():
 
 
 def unit_save(rank: int, unit: dict) -> dict:
-    import tddist.comm.base
+    import tddist.comm.resolve
 
     timeout = float(unit["timeout"])
     if unit["old"]:
         save_version("old", unit["target"], rank, timeout=timeout)
     else:
-        tddist.comm.base.resolve(None, timeout).barrier()  # creates the group that save(timeout=) reuses
+        tddist.comm.resolve.resolve(None, timeout).barrier()  # creates the group that save(timeout=) reuses
     os.environ["TDDIST_FAULT"] = unit["fault"]
     return outcome_of(lambda: save_version("new", unit["target"], rank, timeout=timeout))
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from tddist.comm.base import resolve
+from tddist.comm.resolve import resolve
 from tddist.jobs.manager import EXIT_PREEMPTED, CheckpointManager
 from tests.helpers import assert_td_equal
 from tests.launch_util import write_report

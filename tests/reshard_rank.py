@@ -27,7 +27,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 import tddist
-from tddist.comm.base import resolve
+from tddist.comm.resolve import resolve
 from tests.helpers import assert_td_equal
 from tests.launch_util import write_report
 

@@ -18,7 +18,7 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist.comm.base import resolve
+from tddist.comm.resolve import resolve
 from tests.launch_util import write_report
 
 LEAVES = 5000

@@ -33,7 +33,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 import tddist
-from tddist.comm.base import LocalComm, ThreadComm, resolve
+from tddist.comm.base import LocalComm
+from tddist.comm.resolve import resolve
+from tddist.comm.threads import ThreadComm
 from tddist.core.sharding import replica_writers
 from tests.helpers import assert_td_equal, leftovers
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import tddist
-from tddist.comm.base import resolve
+from tddist.comm.resolve import resolve
 from tddist.jobs.manager import CheckpointManager
 from tests.launch_util import write_report
 

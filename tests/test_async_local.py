@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist.comm.base import resolve
+from tddist.comm.resolve import resolve
 from tddist.saving import background
 from tddist.saving.stream import MIN_BUDGET
 from tests.helpers import assert_td_equal, leftovers, require

@@ -117,7 +117,7 @@ def test_group_is_live_and_release_at_exit(tmp_path):
 import os, torch.distributed as dist
 os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0", LOCAL_RANK="0")
 os.environ["TORCH_DIST_INIT_BARRIER"] = "0"
-from tddist.comm import base as comm, gloo as comm_torch
+from tddist.comm import resolve as comm, gloo as comm_torch
 from tddist._compat import group_is_live
 from tddist.errors import CommError
 threads = lambda: len(os.listdir("/proc/self/task"))

@@ -15,7 +15,7 @@ import threading
 import pytest
 
 import tddist
-from tddist.comm.base import run_threads
+from tddist.comm.threads import run_threads
 from tddist.core.types import Fragment, ManifestFiles, SavePlan, Staging, Structure
 from tddist.saving import commit
 from tddist.storage.archive import ArchiveWriter

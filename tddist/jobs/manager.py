@@ -31,7 +31,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..api import load, save
-from ..comm.base import Communicator, decide_on_rank0, resolve
+from ..comm.base import Communicator
+from ..comm.collective import decide_on_rank0
+from ..comm.resolve import resolve
 from ..errors import CheckpointNotFoundError, CommError, InvalidArgumentError, TddistError
 from ..loading.share import LoadReport
 from ..storage.open import read_manifest

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..comm.base import Communicator, collective_error, contribute, describe, run_step
+from ..comm.base import Communicator
+from ..comm.collective import collective_error, contribute, describe, run_step
 from ..errors import CommError, TddistError
 from ..loading.share import LoadReport
 from . import promotion

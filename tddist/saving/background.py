@@ -33,7 +33,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from .._compat import register_exit_hook
-from ..comm.base import DEFAULT_TIMEOUT, Communicator
+from ..comm.base import Communicator, default_timeout
 from ..core.types import Key, LocalShard, SaveOptions
 from ..errors import InvalidArgumentError, SaveInProgressError
 from ..manifest.merge import PlanCache
@@ -240,7 +240,7 @@ class Channel:
             if self._process is not None:
                 self._process.close()
             self._generation += 1
-            timeout = float(getattr(self.comm, "timeout", DEFAULT_TIMEOUT))
+            timeout = float(getattr(self.comm, "timeout", None) or default_timeout())
             self._process = ProcessWriter(self.comm, timeout, self._generation)
         return self._process
 

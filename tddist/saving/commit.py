@@ -72,7 +72,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .._faults import fault_point
-from ..comm.base import Communicator, contribute, decide_on_rank0
+from ..comm.base import Communicator
+from ..comm.collective import contribute, decide_on_rank0
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging, Structure
 from ..errors import CommError, InvalidArgumentError, TargetError
 from ..storage.base import ShardWriter
