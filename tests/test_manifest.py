@@ -17,10 +17,10 @@ from tddist.core.sharding import Boxes
 from tddist.core.structure import describe_difference
 from tddist.core.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBytes
 from tddist.manifest.merge import PlanCache, merge_fragments
+from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
 from tddist.saving.prepare import prepare_shard
 from tddist.storage.base import WriterBase
-from tddist.storage.open import parse_manifest
 
 CS = "0123456789abcdef"  # a well-formed checksum
 

@@ -33,8 +33,8 @@ import tddist.loading.read
 from tddist import CorruptCheckpointError, ManifestError
 from tddist import format as fmt
 from tddist.manifest.checksum import seal
+from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
-from tddist.storage.open import parse_manifest
 from tddist.tools.verify import verify as verify_checkpoint
 from tests.helpers import assert_td_equal
 

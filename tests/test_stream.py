@@ -18,7 +18,7 @@ import torch
 
 from tddist import format as fmt
 from tddist.checksum import checksum_bytes
-from tddist.manifest.merge import packed_offsets
+from tddist.manifest.locate import packed_offsets
 from tddist.saving import stream as stream_mod
 from tddist.saving.stream import Arena, Stream, plan_slots, whole_state_budget
 

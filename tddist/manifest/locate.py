@@ -16,7 +16,6 @@ import numpy as np
 from .. import format as fmt
 from ..core.types import Key
 from .chunks import Chunk
-from .merge import packed_offsets
 from .model import Leaf, Manifest
 
 
@@ -72,3 +71,19 @@ class Locator:
         world = self.manifest.world_size
         rows = [leaf.table.nbytes_by_rank(world) for leaf in self.manifest.leaves.values()]
         return packed_offsets(np.stack(rows) if rows else np.zeros((0, world), dtype=np.int64))
+
+
+def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each chunk of a packed data file starts, and the file's size.
+
+    Chunks follow the manifest's leaf order (axis 0 of ``nbytes``); each starts
+    at a multiple of ``format.PACK_ALIGN`` (its size rounded up), so a chunk
+    maps without a copy. ``nbytes`` holds 0 for leaves a rank did not store;
+    it is one rank's column (int64[leaves], the size is then a 0-d array) or
+    every rank's (int64[leaves, ranks]: offsets and sizes of every rank's
+    file at once). Writers and readers both call this: offsets are never stored.
+    """
+    padded = (nbytes + fmt.PACK_ALIGN - 1) // fmt.PACK_ALIGN * fmt.PACK_ALIGN
+    ends = np.cumsum(padded, axis=0, dtype=np.int64)
+    sizes = ends[-1] if len(ends) else np.zeros(nbytes.shape[1:], dtype=np.int64)
+    return ends - padded, sizes

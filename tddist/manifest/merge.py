@@ -228,19 +228,3 @@ def _merge_objects(fragments: list[Fragment], reference: Structure) -> dict[Key,
 
 def _show(key: Key) -> str:
     return repr(key[0]) if len(key) == 1 else repr(tuple(key))
-
-
-def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where each chunk of a packed data file starts, and the file's size.
-
-    Chunks follow the manifest's leaf order (axis 0 of ``nbytes``); each starts
-    at a multiple of ``format.PACK_ALIGN`` (its size rounded up), so a chunk
-    maps without a copy. ``nbytes`` holds 0 for leaves a rank did not store;
-    it is one rank's column (int64[leaves], the size is then a 0-d array) or
-    every rank's (int64[leaves, ranks]: offsets and sizes of every rank's
-    file at once). Writers and readers both call this: offsets are never stored.
-    """
-    padded = (nbytes + fmt.PACK_ALIGN - 1) // fmt.PACK_ALIGN * fmt.PACK_ALIGN
-    ends = np.cumsum(padded, axis=0, dtype=np.int64)
-    sizes = ends[-1] if len(ends) else np.zeros(nbytes.shape[1:], dtype=np.int64)
-    return ends - padded, sizes

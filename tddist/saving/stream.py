@@ -42,7 +42,8 @@ from .. import format as fmt
 from .._fs import WRITE_STEP, write_and_start_writeback
 from ..checksum import combine_digests
 from ..core.types import Fragment, Key, LocalShard, SaveOptions, Staging, StoredBytes
-from ..manifest.merge import PlanCache, packed_offsets
+from ..manifest.locate import packed_offsets
+from ..manifest.merge import PlanCache
 from ..storage.directory import DirectoryWriter
 from .snapshot import local_source
 

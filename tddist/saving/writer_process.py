@@ -46,7 +46,7 @@ import torch
 from ..comm.base import Communicator, LocalComm
 from ..core.types import LocalShard, SaveOptions
 from ..errors import CommError, InvalidArgumentError
-from ..manifest.merge import packed_offsets
+from ..manifest.locate import packed_offsets
 from .stream import copy_bytes
 
 logger = logging.getLogger(__name__)

@@ -24,10 +24,11 @@ from ..checksum import EMPTY, combine_digests
 from ..core.types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..errors import CorruptCheckpointError, TargetError
 from ..manifest.locate import Location
-from .base import WriterBase, map_copy_on_write, node_meta_files
+from .base import WriterBase, map_copy_on_write
 from .pinned import storage_failed
 from .publish import discard, swap_in
 from .recovery import is_tddist_archive
+from .tdmeta import node_meta_files
 from .zipcodec import (
     ALIGN,
     LOCAL_FMT,

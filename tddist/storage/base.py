@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -20,13 +19,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .. import format as fmt
 from ..checksum import checksum_bytes, tensor_bytes
-from ..core.sharding import Shard, consistent_batch
+from ..core.sharding import Shard
 from ..core.structure import describe_difference, structure_of
 from ..core.types import (
     ArchiveEntryRow,
-    EncodedObject,
     Fragment,
     FragmentObject,
     Key,
@@ -234,45 +231,3 @@ def hashes_replica(item: SaveItem, check_replicas: bool) -> bool:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def node_meta_files(rank: int, shard: LocalShard, robust_key: bool) -> dict[str, bytes]:
-    """tensordict's meta.json of every node of this rank's shard, by relative path (see ``meta_files``)."""
-    leaves = {k: (list(t.shape), fmt.dtype_name(t.dtype)) for k, t in shard.written().items()}
-    return meta_files(rank, shard.nodes, leaves, shard.objects, robust_key)
-
-
-def meta_files(
-    rank: int,
-    nodes: Mapping[Key, tuple[int, ...]],
-    leaves: Mapping[Key, tuple[list[int], str]],
-    objects: Mapping[Key, EncodedObject],
-    robust_key: bool,
-) -> dict[str, bytes]:
-    """tensordict's meta.json of every node of one rank, by relative path, so
-    ``TensorDict.load_memmap(<rank dir>)`` opens what that rank stored.
-
-    ``nodes`` are the rank's batch sizes, ``leaves`` the local shape and dtype
-    name of every leaf it stored. Non-tensor values stored as JSON get
-    tensordict's NonTensorData / NonTensorStack entries; pickled ones are left
-    out (tddist never writes pickle files).
-    """
-    children: dict[Key, list[str]] = {k: [] for k in nodes}
-    node_leaves: dict[Key, dict[str, tuple[list[int], str]]] = {k: {} for k in nodes}
-    node_objects: dict[Key, dict[str, str]] = {k: {} for k in nodes}
-    files: dict[str, bytes] = {}
-    for key in nodes:
-        if key:
-            children[key[:-1]].append(key[-1])
-    for key, (shape, dtype) in leaves.items():
-        node_leaves[key[:-1]][key[-1]] = (shape, f"torch.{dtype}")
-    for key, obj in objects.items():
-        meta = fmt.td_object_meta(obj.kind, obj.value)
-        if meta is not None:
-            files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
-            node_objects[key[:-1]][key[-1]] = "NonTensorStack" if obj.kind == "stack" else "NonTensorData"
-    for key, saved_batch in nodes.items():
-        batch = consistent_batch(saved_batch, [s for s, _ in node_leaves[key].values()])
-        meta = fmt.td_meta(batch, node_leaves[key], children[key], node_objects[key])
-        files[os.path.join(fmt.node_relpath(rank, key, robust_key), fmt.TD_META_NAME)] = fmt.dumps(meta)
-    return files

@@ -11,14 +11,12 @@ import errno
 import os
 import zipfile
 from dataclasses import dataclass
-from typing import Any
 
 from .. import format as fmt
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, ManifestError
 from ..manifest import checksum as manifest_checksum
-from ..manifest import v1 as manifest_v1
-from ..manifest import v2 as manifest_v2
-from ..manifest.model import Manifest, Parser, check_keys, parse_header, parse_objects
+from ..manifest.model import Manifest
+from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES, parse_manifest
 from .pinned import PinnedCheckpoint, storage_failed
 from .s3.pin import S3Pin, open_s3
 from .s3.url import is_s3
@@ -113,12 +111,6 @@ def read_manifest(path: str) -> Manifest:
         return opened.manifest
 
 
-#: The largest manifest and index tddist reads (a version-1 manifest of 4,096 ranks x 1,000 leaves
-#: is about 150 MiB; version 2 keeps the JSON small and the index at 16 bytes per chunk).
-MAX_MANIFEST_BYTES = 1 << 30
-MAX_INDEX_BYTES = 16 << 30
-
-
 def _not_found(path: str, what: str) -> CheckpointNotFoundError:
     side = fmt.side_entries(path)
     hint = (
@@ -191,28 +183,3 @@ def _read_entry(zf: zipfile.ZipFile, zi: zipfile.ZipInfo, limit: int, path: str)
     if zi.file_size > limit or zi.compress_size != zi.file_size:
         raise ManifestError(f"archive {path!r}: entry {zi.filename!r} declares {zi.file_size} bytes; refusing it")
     return zf.read(zi)
-
-
-def parse_manifest(obj: Any, where: str = "manifest", index: bytes | None = None) -> Manifest:
-    """Build a Manifest from parsed JSON (and, from version 2 on, the index bytes), validating everything.
-
-    Args:
-        obj: The parsed ``tddist.json``.
-        where: How to name the file in error messages.
-        index: The bytes of ``tddist.idx`` (version 2).
-
-    Returns:
-        The validated manifest, whatever its version.
-
-    Raises:
-        ManifestError: anything malformed, inconsistent, or of a newer version.
-    """
-    p = Parser(where)
-    m = parse_header(p, obj)
-    if m.version == 1:
-        manifest_v1.parse_body(p, obj, m)
-    else:
-        manifest_v2.parse_body(p, obj, m, index)
-    parse_objects(p, obj, m)
-    check_keys(p, m)
-    return m

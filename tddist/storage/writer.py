@@ -29,8 +29,8 @@ from .._faults import fault_point
 from .._fs import WRITE_STEP, fsync_path, fsync_tree_dirs, syncfs, write_and_start_writeback, write_durable
 from ..checksum import EMPTY, block_digest, combine_digests, tensor_bytes
 from ..core.types import Key, LocalShard, SaveItem, StoredBytes
-from ..manifest.merge import packed_offsets
-from .base import node_meta_files
+from ..manifest.locate import packed_offsets
+from .tdmeta import node_meta_files
 
 _MANY_FILES = 64
 

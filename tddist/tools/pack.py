@@ -28,10 +28,10 @@ from ..manifest.locate import Locator
 from ..manifest.model import Manifest
 from ..manifest.v2 import encode
 from ..storage.archive import ArchiveFiles, check_archive_target
-from ..storage.base import meta_files
 from ..storage.directory import DirectoryFiles, check_target
 from ..storage.open import OpenedCheckpoint, open_checkpoint
 from ..storage.publish import publish
+from ..storage.tdmeta import meta_files
 from ..storage.zipcodec import (
     entry_rows,
     place_entries,

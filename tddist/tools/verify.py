@@ -31,8 +31,7 @@ from .._fs import is_inside
 from ..checksum import EMPTY, block_digest, blocks, combine_digests
 from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 from ..manifest.chunks import BoxChunks
-from ..manifest.locate import Location, Locator
-from ..manifest.merge import packed_offsets
+from ..manifest.locate import Location, Locator, packed_offsets
 from ..manifest.model import Chunk, Leaf, Manifest
 from ..storage.open import read_manifest
 

@@ -31,8 +31,9 @@ from ..._faults import fault_point
 from ...checksum import checksum_bytes, tensor_bytes
 from ...core.types import Fragment, ManifestFiles, SavePlan, Staging, StoredBytes
 from ...errors import TargetError, TddistError
-from ...manifest.merge import packed_offsets
-from ..base import Retirement, WriterBase, node_meta_files
+from ...manifest.locate import packed_offsets
+from ..base import Retirement, WriterBase
+from ..tdmeta import node_meta_files
 from .client import bucket_missing, client_errors, is_missing, no_bucket, s3_client, s3_failed
 from .pin import GENERATION_META, GENERATION_PREFIX, is_generation
 from .upload import Segment, run, upload_object
