@@ -65,10 +65,10 @@ from tddist.core.structure import structure_of
 from tddist.core.types import AllRows, Fragment, LocalShard, Structure
 from tddist.loading.share import leaf_box
 from tddist.manifest.locate import Locator
-from tddist.manifest.merge import PlanCache, merge_fragments
+from tddist.manifest.merge import MergeCache, merge_fragments
 from tddist.manifest.v2 import encode
 from tddist.saving.prepare import prepare_shard
-from tddist.storage.open import read_manifest
+from tddist.storage.backends import read_manifest
 
 ROWS, COLS = 8, 64  # each rank's shard of each leaf: 8 rows of 64 float32
 
@@ -95,9 +95,9 @@ def build_fragments(ranks: int, leaves: int) -> tuple[Structure, list[Fragment],
     return structure, frags, pickled
 
 
-def _merge(structure: Structure, frags: list[Fragment], cache: PlanCache | None):
+def _merge(structure: Structure, frags: list[Fragment], cache: MergeCache | None):
     return merge_fragments(
-        frags, structure, metadata={}, robust_key=True, version=tddist.__version__, layout="directory",
+        frags, structure, metadata={}, robust_key=True, version=tddist.__version__, container="directory",
         packing="packed", cache=cache,
     )  # fmt: skip
 
@@ -164,7 +164,7 @@ def one_run(structure: Structure, frags: list[Fragment], directory: str, whole: 
         return len(files.manifest) + len(files.index)
 
     full = _stage(lambda: write(None))
-    cache = PlanCache()
+    cache = MergeCache()
     _merge(structure, frags, cache)
     cache.committed(structure.digest, b"")
     cached = _stage(lambda: write(cache))

@@ -1,52 +1,34 @@
-"""Public entry points: choosing the communicator and delegating (the arguments are checked by ``arguments``).
+"""Public entry points: ``save``, ``load``, ``read_manifest`` and ``recover``, with their documented signatures.
 
-No I/O happens here; ``commit`` runs the protocol, ``writer`` and ``reader``
-touch files.
+Each checks and normalises its arguments (``arguments``) and hands them to
+its pipeline: ``saving.pipeline`` (prepare, snapshot, write, commit, open)
+and ``loading.pipeline`` (open one generation on every rank, read). The
+prefix's store is chosen by ``storage.backends``. No I/O happens here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from ._version import __version__
-from .arguments import check_budget, check_device, check_int, check_s3, check_save_args, save_options, target_of
-from .comm.base import Communicator, LocalComm
-from .comm.collective import run_step
+from .arguments import check_device, check_int, save_request
+from .comm.base import LocalComm
 from .comm.resolve import resolve
-from .core.sharding import Box, PerRank
-from .core.tree import build, normalize_keys, select
-from .core.types import Fragment, Key, LoadOptions, LocalShard, ManifestFiles, SavedRows, SaveOptions, Structure
-from .errors import CheckpointChangedError, InvalidArgumentError, StorageError, TargetError, TddistError
+from .core.tree import normalize_keys
+from .core.types import LoadOptions
 from .loading import per_rank as pr
-from .loading.into import fill
-from .loading.read import read_leaves
-from .loading.share import LoadReport, check_exclude, in_scope, leaf_box, node_rows, object_value, shard_request
-from .manifest.merge import PlanCache, merge_fragments
+from .loading import pipeline as loading
+from .loading.share import LoadReport, shard_request
 from .manifest.model import Manifest
-from .manifest.v2 import encode
-from .saving import background
-from .saving.commit import Retire, two_phase_commit
-from .saving.prepare import prepare_shard
-from .saving.snapshot import Snapshotter
-from .storage.archive import ArchiveWriter
-from .storage.directory import DirectoryWriter
-from .storage.open import OpenedCheckpoint, open_checkpoint
-from .storage.open import read_manifest as _read_manifest
-from .storage.recovery import recover as _recover
-from .storage.s3.archive import S3ArchiveWriter
-from .storage.s3.client import s3_client
-from .storage.s3.directory import S3DirectoryWriter
-from .storage.s3.pin import S3Pin
-from .storage.s3.recovery import recover as s3_recover
-from .storage.s3.url import is_s3
+from .saving import pipeline as saving
+from .storage import backends
+from .storage.backends import store_for
 
 logger = logging.getLogger(__name__)
 
@@ -151,107 +133,28 @@ def save(
             the previous checkpoint or, if rank 0 committed, the new one.
         CollectiveError: ranks failed with different errors.
     """
-    check_save_args(prefix, num_threads, metadata)
-    check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
-    if is_s3(prefix):
-        check_s3(prefix, snapshot_budget, async_writer, archive)
-    if async_writer not in ("thread", "process") or (async_writer == "process" and snapshot_budget is not None):
-        raise InvalidArgumentError(
-            f"async_writer={async_writer!r} is not supported: use 'thread' or 'process' (snapshot_budget needs "
-            f"'thread')"
-        )
-    options = save_options(
-        prefix, metadata, robust_key, num_threads, check_replicas, atomic, share_non_tensor, allow_pickle, archive,
-        compression, layout,
-    )  # fmt: skip
-    c = resolve(comm, timeout)
-    ch = background.channel(c)
-    ch.wait_idle(wait_for_pending, options.target)
-
-    def prepare(buffers: Snapshotter | None) -> LocalShard | Exception:
-        return prepare_shard(
-            data,
-            c.rank,
-            c.size,
-            cast(Any, buffers),
-            placements=placements,
-            robust_key=robust_key,
-            allow_pickle=allow_pickle,
-            copy_existing=copy_existing,
-            layouts=ch.layouts,
-        )
-
-    if not return_early:
-        return _commit_and_open(c, options, prepare(None), ch.plans)
-    options = replace(options, num_threads=max(num_threads, 1))
-
-    def open_saved(o: SaveOptions, s: LocalShard) -> TensorDict:
-        return _commit_and_open(c, o, s, ch.plans, open_only=True)
-
-    return background.start_save(ch, options, prepare, snapshot_budget, _commit_and_open, async_writer, open_saved)
-
-
-def _commit_and_open(
-    c: Communicator,
-    options: SaveOptions,
-    shard: LocalShard | Exception,
-    cache: PlanCache,
-    make_writer: background.WriterFactory | None = None,
-    retire: Retire | None = None,
-    open_only: bool = False,
-) -> TensorDict:
-    """Run the two-phase commit with this rank's prepared shard, then map what it saved.
-
-    ``retire``: where the removal of the replaced checkpoint goes (``two_phase_commit``); ``open_only``:
-    another process committed it; only map it.
-    """
-    writer: DirectoryWriter | ArchiveWriter | S3DirectoryWriter
-    if make_writer is not None:
-        writer = make_writer(options, c.rank, shard, cache)
-    elif is_s3(options.target):
-        writer = (S3ArchiveWriter if options.layout == "archive" else S3DirectoryWriter)(options, c.rank, shard, cache)
-    else:
-        writer = (ArchiveWriter if options.layout == "archive" else DirectoryWriter)(options, c.rank, shard, cache)
-
-    def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
-        m = merge_fragments(
-            fragments,
-            structure,
-            metadata=dict(options.metadata),
-            robust_key=options.robust_key,
-            version=__version__,
-            layout=options.layout,
-            packing=options.packing,
-            cache=cache,
-        )
-        return encode(m)
-
-    if not open_only:
-        two_phase_commit(c, writer, build_manifest, retire)
-        writer.committed()
-        logger.info("rank %d: committed %s", c.rank, options.target)
-    assert isinstance(shard, LocalShard)  # the commit raised otherwise
-    try:
-        own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
-        opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
-        with open_checkpoint(options.target) as opened:
-            if isinstance(writer, (S3DirectoryWriter, S3ArchiveWriter)) and isinstance(opened.pin, S3Pin):
-                opened.pin.local = writer.uploaded  # what this rank uploaded is read back from memory
-            return _load_from(opened.manifest, options.target, c, opts, own, pinned=opened)
-    except StorageError as e:
-        raise _unreadable_after_commit(c.rank, options.target, e) from e
-    except TddistError:
-        raise
-    except OSError as e:  # the file system failed after the commit (an I/O error, a power loss)
-        raise _unreadable_after_commit(c.rank, options.target, e) from e
-
-
-def _unreadable_after_commit(rank: int, target: str, e: OSError | StorageError) -> TargetError:
-    """The error of a save whose commit is durable but whose checkpoint could not be read back (the I/O failed)."""
-    return TargetError(
-        f"rank {rank}: the save to {target!r} was committed and is durable, but opening it to return it failed: "
-        f"{e}; once the file system is readable again, tddist.load reads it"
+    request = save_request(
+        prefix,
+        comm=comm,
+        placements=placements,
+        num_threads=num_threads,
+        return_early=return_early,
+        snapshot_budget=snapshot_budget,
+        async_writer=async_writer,
+        atomic=atomic,
+        metadata=metadata,
+        copy_existing=copy_existing,
+        share_non_tensor=share_non_tensor,
+        robust_key=robust_key,
+        allow_pickle=allow_pickle,
+        check_replicas=check_replicas,
+        wait_for_pending=wait_for_pending,
+        timeout=timeout,
+        archive=archive,
+        compression=compression,
+        layout=layout,
     )
+    return saving.save(data, request)
 
 
 def load(
@@ -329,9 +232,7 @@ def load(
     """
     check_int("num_threads", num_threads)
     check_device(device)
-    target = target_of(prefix)
-    if is_s3(target):
-        s3_client()
+    store = store_for(prefix)
     c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)
     options = LoadOptions(
         shard=shard_request(shard, c.size),
@@ -343,124 +244,7 @@ def load(
         num_threads=num_threads,
         allow_pickle=allow_pickle,
     )
-
-    def read(opened: OpenedCheckpoint) -> TensorDict | LoadReport:
-        if into is not None:
-            return fill(
-                opened.manifest, target, into, strict=strict, options=options, rank=c.rank, size=c.size, pinned=opened
-            )
-        return _load_from(opened.manifest, target, c, options, pinned=opened)
-
-    alone = c.size == 1 or (shard is None and into is None)
-    for attempt in range(1, _LOAD_ATTEMPTS + 1):
-        try:
-            return _load_pinned(c, target, read, alone)
-        except CheckpointChangedError:
-            if attempt == _LOAD_ATTEMPTS:
-                raise
-            logger.info("rank %d: %s was replaced while it was read; reading it again", c.rank, target)
-    raise AssertionError("unreachable")
-
-
-T = TypeVar("T")
-
-#: How often ``load`` reads a checkpoint that an overwrite keeps replacing before it gives up.
-_LOAD_ATTEMPTS = 3
-
-
-def _load_pinned(c: Communicator, target: str, read: Callable[[OpenedCheckpoint], T], alone: bool) -> T:
-    """Open the checkpoint once and ``read`` it; on several ranks, every rank reads the same generation.
-
-    Alone: open, read, close. On several ranks: every rank opens it (or all
-    raise), they compare the generations they pinned (an overwrite may have
-    committed between two ranks' opens: then every rank raises
-    ``CheckpointChangedError``), then every rank reads, or all raise.
-    """
-    if alone:
-        with open_checkpoint(target) as opened:
-            return read(opened)
-    pinned = run_step(c, f"opening {target!r}", lambda: open_checkpoint(target))
-    assert pinned is not None  # run_step raised on every rank otherwise
-    with pinned:
-        generations = c.allgather(pinned.generation)
-        if len(set(generations)) > 1:
-            raise CheckpointChangedError(
-                f"rank {c.rank}: {target!r} was replaced while the ranks opened it ({len(set(generations))} "
-                f"generations among {c.size} ranks); load it again"
-            )
-        result = run_step(c, f"load of {target!r}", lambda: read(pinned))
-    assert result is not None  # run_step raised on every rank otherwise
-    return result
-
-
-def _load_from(
-    manifest: Manifest,
-    target: str,
-    c: Communicator,
-    options: LoadOptions,
-    own_boxes: Mapping[Key, Box] | None = None,
-    *,
-    pinned: OpenedCheckpoint | None = None,
-) -> TensorDict:
-    """This rank's part of the checkpoint as a TensorDict (``own_boxes``: DTensor boxes this rank just saved).
-
-    ``pinned``: the checkpoint ``manifest`` was read from, so the data comes from the same generation.
-    """
-    shard = options.shard
-    if isinstance(shard, SavedRows) and manifest.world_size != c.size:
-        raise InvalidArgumentError(
-            f"rank {c.rank}: shard='saved' needs the saving world size ({manifest.world_size} ranks), this job has "
-            f"{c.size}; use shard='even' to reshard"
-        )
-    leaf_keys, node_keys = select(list(manifest.leaves) + list(manifest.objects), manifest.nodes, options.keys)
-    if options.exclude:
-        check_exclude(options.exclude, [*manifest.nodes, *manifest.leaves, *manifest.objects], f"{target!r}")
-        leaf_keys = [k for k in leaf_keys if in_scope(k, None, options.exclude)]
-        node_keys = [k for k in node_keys if not k or in_scope(k, None, options.exclude)]
-    res = pr.resolve(manifest, leaf_keys, shard, options.per_rank, c.rank, c.size, f"the checkpoint at {target!r}")
-    if res.dropped:
-        logger.info(
-            "rank %d: left out per-rank keys %s: %s",
-            c.rank,
-            [list(k) for k in res.dropped],
-            "; ".join(set(res.dropped.values())),
-        )
-    objects = {}
-    for k in leaf_keys:
-        obj = manifest.objects.get(k)
-        if obj is None or k in res.dropped:
-            continue
-        if obj.declared:
-            found, value = pr.object_value(obj, res, options.allow_pickle, c.rank, c.size)
-            if found:
-                objects[k] = ("data", value)
-        else:
-            objects[k] = object_value(obj, shard, c.rank, c.size, options.allow_pickle)
-    leaf_keys = [k for k in leaf_keys if k in manifest.leaves and k not in res.dropped]
-    own_boxes = own_boxes or {}
-    requests: list[tuple[Key, list[Box]]] = []
-    for k in leaf_keys:
-        leaf = manifest.leaves[k]
-        if isinstance(leaf.placement, PerRank):
-            requests.append((k, pr.boxes_to_read(leaf, res)))
-        else:
-            requests.append((k, [own_boxes.get(k) or leaf_box(leaf, shard, c.rank, c.size)]))
-    flat = [(manifest.leaves[k], box) for k, boxes in requests for box in boxes]
-    read = iter(read_leaves(pinned or target, manifest, flat, options.num_threads, options.verify))
-    loaded = {}
-    for k, boxes in requests:
-        got = [next(read) for _box in boxes]
-        leaf = manifest.leaves[k]
-        value = pr.tensor_value(k, leaf, got, res, c.rank, c.size) if isinstance(leaf.placement, PerRank) else got[0]
-        if value is not None:
-            loaded[k] = value if options.device is None else value.to(options.device)
-
-    def rows(key: Key, batch: tuple[int, ...]) -> int:
-        return node_rows(manifest, key, batch[0], shard, c.rank, c.size)
-
-    return build(
-        {k: manifest.nodes[k] for k in node_keys}, loaded, rows, options.device, objects, options.share_non_tensor
-    )
+    return loading.load(store, c, options, into, strict)
 
 
 def read_manifest(prefix: str | os.PathLike) -> Manifest:
@@ -476,7 +260,7 @@ def read_manifest(prefix: str | os.PathLike) -> Manifest:
         CheckpointNotFoundError: nothing committed is at ``prefix``.
         ManifestError: the manifest is damaged or from a newer tddist.
     """
-    return _read_manifest(target_of(prefix))
+    return backends.read_manifest(prefix)
 
 
 def recover(prefix: str | os.PathLike) -> list[str]:
@@ -500,5 +284,4 @@ def recover(prefix: str | os.PathLike) -> list[str]:
         OSError: a leftover could not be removed (permissions, I/O error).
         StorageError: on object storage, a request failed.
     """
-    target = target_of(prefix)
-    return s3_recover(target) if is_s3(target) else _recover(target)
+    return backends.recover(prefix)

@@ -2,49 +2,80 @@
 
 Every rank checks its own arguments the same way, so a bad argument fails
 every rank with the same ``InvalidArgumentError`` before any rank waits for
-another; ``save_options`` turns a save's keyword arguments into the typed
-``SaveOptions`` that the commit and the layouts use.
+another; ``save_request`` turns a save's keyword arguments into the typed
+``SaveRequest`` (with the ``SaveOptions`` that the commit and the stores use),
+asking the prefix's store (``storage.backends``) what it cannot do.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from . import format as fmt
-from .core.types import SaveOptions
+from .core.types import EarlyReturn, SaveOptions, SaveRequest
 from .errors import InvalidArgumentError
 from .saving.stream import MIN_BUDGET
-from .storage.s3 import url as s3_url
-from .storage.s3.client import s3_client
-from .storage.s3.url import is_s3
+from .storage.backends import store_for
 from .storage.zipcodec import resolve_compression
 
 
-def save_options(
-    prefix: str | os.PathLike,
-    metadata: Mapping | None,
-    robust_key: bool,
+def save_request(
+    prefix: Any,
+    *,
+    comm: Any,
+    placements: Mapping | None,
     num_threads: int,
-    check_replicas: bool,
+    return_early: bool,
+    snapshot_budget: int | None,
+    async_writer: str,
     atomic: bool,
+    metadata: Mapping | None,
+    copy_existing: bool,
     share_non_tensor: bool,
+    robust_key: bool,
     allow_pickle: bool,
+    check_replicas: bool,
+    wait_for_pending: bool,
+    timeout: float | None,
     archive: bool | None,
     compression: Any,
     layout: str | None,
-) -> SaveOptions:
-    """The typed options of a save; refuses combinations that cannot work."""
-    target = target_of(prefix)
-    if is_s3(target) and not atomic:
+) -> SaveRequest:
+    """``save``'s keyword arguments (tensordict's, plus tddist's), checked and normalised; every rank
+    refuses a bad argument the same way, before any collective."""
+    check_save_args(prefix, num_threads, metadata)
+    check_budget(snapshot_budget, return_early, check_replicas, archive, layout, prefix)
+    store = store_for(prefix, archive)
+    store.check_save(atomic=atomic, archive=archive, snapshot_budget=snapshot_budget, async_writer=async_writer)
+    if async_writer not in ("thread", "process") or (async_writer == "process" and snapshot_budget is not None):
         raise InvalidArgumentError(
-            f"atomic=False is not supported on object storage ({target!r}): a save there is always atomic; drop it"
+            f"async_writer={async_writer!r} is not supported: use 'thread' or 'process' (snapshot_budget needs "
+            f"'thread')"
         )
-    if archive is None:
-        archive = target.endswith(fmt.ARCHIVE_SUFFIX)
+    check_container(store.archive, atomic, compression, layout)
+    options = SaveOptions(
+        target=store.target,
+        container="archive" if store.archive else "directory",
+        metadata=dict(metadata or {}),
+        robust_key=robust_key,
+        num_threads=max(num_threads, 1) if return_early else num_threads,
+        check_replicas=check_replicas,
+        atomic=atomic,
+        share_non_tensor=share_non_tensor,
+        allow_pickle=allow_pickle,
+        compression=resolve_compression(compression) if store.archive else None,
+        packing="memmap" if store.archive or layout == "memmap" else "packed",
+    )
+    early = EarlyReturn(snapshot_budget, cast(Any, async_writer)) if return_early else None
+    return SaveRequest(options, comm, timeout, placements, copy_existing, wait_for_pending, early)
+
+
+def check_container(archive: bool, atomic: bool, compression: Any, layout: str | None) -> None:
+    """Refuse options the container (an archive or a directory) cannot honour."""
     if archive and not atomic:
         raise InvalidArgumentError(
             "atomic=False is not supported for archives: an archive is always written whole to a staging "
@@ -64,44 +95,6 @@ def save_options(
             "layout='packed' is for directories: an archive stores one entry per leaf (layout 'memmap'); "
             "drop layout= or save a directory"
         )
-    return SaveOptions(
-        target=target,
-        layout="archive" if archive else "directory",
-        metadata=dict(metadata or {}),
-        robust_key=robust_key,
-        num_threads=num_threads,
-        check_replicas=check_replicas,
-        atomic=atomic,
-        share_non_tensor=share_non_tensor,
-        allow_pickle=allow_pickle,
-        compression=resolve_compression(compression) if archive else None,
-        packing="memmap" if archive or layout == "memmap" else "packed",
-    )
-
-
-def target_of(prefix: str | os.PathLike) -> str:
-    """The checkpoint's location: an ``s3://`` URL as given, else an absolute path."""
-    p = os.fspath(prefix)
-    if is_s3(p):
-        s3_url.parse(p)  # refuses a URL that cannot name a checkpoint
-        return p.rstrip("/")
-    return os.path.abspath(p)
-
-
-def check_s3(prefix: Any, snapshot_budget: int | None, async_writer: str, archive: bool | None) -> None:
-    """Options object storage does not support are refused up front; boto3 must be installed."""
-    url = s3_url.parse(os.fspath(prefix))
-    if archive is not None and archive != url.archive:
-        raise InvalidArgumentError(
-            f"{url.url!r}: on object storage the key's suffix decides the layout (an archive ends in "
-            f"{fmt.ARCHIVE_SUFFIX}, a directory does not); drop archive= or change the key"
-        )
-    if snapshot_budget is not None or async_writer != "thread":
-        raise InvalidArgumentError(
-            f"{os.fspath(prefix)!r}: snapshot_budget and async_writer='process' are for file systems; on object "
-            f"storage use return_early=True alone"
-        )
-    s3_client()  # raises the error that says how to install boto3, on every rank before any collective
 
 
 def check_save_args(prefix: Any, num_threads: int, metadata: Mapping[str, Any] | None) -> None:

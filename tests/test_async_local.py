@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 import tddist
 from tddist.saving import background
-from tddist.comm.base import resolve
+from tddist.comm.resolve import resolve
 
 def rss_mib():
     with open("/proc/self/status") as f:

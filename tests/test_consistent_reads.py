@@ -21,7 +21,7 @@ import tddist
 from tddist.core.sharding import full_box
 from tddist.errors import CheckpointChangedError, CorruptCheckpointError, ManifestError
 from tddist.loading.read import read_leaves
-from tddist.storage.open import open_checkpoint
+from tddist.storage.backends import open_checkpoint
 from tests.launch_util import REPO
 
 LAYOUTS = {

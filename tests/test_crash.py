@@ -184,8 +184,8 @@ def _read_after_shut_down(mnt: str, report: str) -> None:
     from tddist._faults import shut_down
     from tddist.core.sharding import full_box
     from tddist.loading.read import read_leaves
+    from tddist.storage.backends import open_checkpoint
     from tddist.storage.base import map_copy_on_write
-    from tddist.storage.open import open_checkpoint
 
     td = TensorDict({"w": torch.arange(1 << 16, dtype=torch.float32)}, batch_size=[])
     targets = {"directory": os.path.join(mnt, "ckpt"), "archive": os.path.join(mnt, "ckpt.tdz")}

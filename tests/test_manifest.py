@@ -16,7 +16,7 @@ from tddist.checksum import checksum_bytes, tensor_bytes
 from tddist.core.sharding import Boxes
 from tddist.core.structure import describe_difference
 from tddist.core.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBytes
-from tddist.manifest.merge import PlanCache, merge_fragments
+from tddist.manifest.merge import MergeCache, merge_fragments
 from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
 from tddist.saving.prepare import prepare_shard
@@ -34,7 +34,7 @@ def shard_of(rank: int, data, placements=None, world: int = 3) -> LocalShard:
     return out
 
 
-def vote(rank: int, shard: LocalShard, check_replicas: bool = False, cache: PlanCache | None = None):
+def vote(rank: int, shard: LocalShard, check_replicas: bool = False, cache: MergeCache | None = None):
     """(plan, fragment) of a rank that stored its shard, computed by the layouts' own code."""
     options = SaveOptions("/t", "directory", {}, True, 0, check_replicas, True, False, False)
     w = WriterBase(options, rank, shard, cache)
@@ -47,14 +47,14 @@ def vote(rank: int, shard: LocalShard, check_replicas: bool = False, cache: Plan
 def merge(shards, cache=None, check_replicas=False, metadata=None, senders=None):
     """Rank 0's merge of the ranks' votes; with ``cache`` (rank 0's), the save then commits.
 
-    ``senders``: each rank's own PlanCache (what it sent last), as each rank process keeps one.
+    ``senders``: each rank's own MergeCache (what it sent last), as each rank process keeps one.
     """
     senders = senders or [None] * len(shards)
     votes = [vote(r, s, check_replicas, senders[r]) for r, s in enumerate(shards)]
     reference = votes[0][0].structure
     m = merge_fragments(
         [f for _p, f in votes], reference, metadata=metadata or {}, robust_key=True, version="test",
-        layout="directory", packing="packed", cache=cache,
+        container="directory", packing="packed", cache=cache,
     )  # fmt: skip
     if cache is not None:
         cache.committed(reference.digest, b"")
@@ -162,7 +162,7 @@ def _box_shard(box, writes=True, gshape=(4, 2)) -> LocalShard:
 def test_dtensor_boxes_must_tile_and_take_the_cached_path():
     """Boxes that tile merge (full path); the same boxes again are left out (cached path); new boxes
     take the full path again; a gap is refused."""
-    cache, senders = PlanCache(), [PlanCache(), PlanCache()]
+    cache, senders = MergeCache(), [MergeCache(), MergeCache()]
     halves = [_box_shard(((0, 0), (2, 2))), _box_shard(((2, 0), (2, 2)))]
     m = merge(halves, cache=cache, senders=senders)
     assert [c.box for c in m.leaves[("d",)].chunks] == [((0, 0), (2, 2)), ((2, 0), (2, 2))]
@@ -177,16 +177,16 @@ def test_dtensor_boxes_must_tile_and_take_the_cached_path():
     assert [c.box for c in m3.leaves[("d",)].chunks] == [((0, 0), (3, 2)), ((3, 0), (1, 2))]
     gap = [_box_shard(((0, 0), (1, 2))), _box_shard(((2, 0), (2, 2)))]
     with pytest.raises(ShardingError, match="do not tile"):
-        merge(gap, cache=PlanCache())
+        merge(gap, cache=MergeCache())
 
 
 def test_a_failed_save_does_not_feed_the_next_merge():
     """What rank 0 merged for a save that never committed is not reused by the next save."""
-    cache = PlanCache()
+    cache = MergeCache()
     halves = [_box_shard(((0, 0), (2, 2))), _box_shard(((2, 0), (2, 2)))]
     votes = [vote(r, s) for r, s in enumerate(halves)]
     merge_fragments([f for _p, f in votes], votes[0][0].structure, metadata={}, robust_key=True, version="t",
-                    layout="directory", packing="packed", cache=cache)  # fmt: skip
+                    container="directory", packing="packed", cache=cache)  # fmt: skip
     assert cache.pending is not None and cache.world == 0  # merged, not committed
     merge(halves, cache=cache)
     assert (cache.full_merges, cache.cached_merges) == (2, 0)
@@ -194,7 +194,7 @@ def test_a_failed_save_does_not_feed_the_next_merge():
 
 def test_cached_path_switches_back_on_any_change():
     """Keys, shapes or world size that change take the full path again; other rows do not."""
-    cache = PlanCache()
+    cache = MergeCache()
     merge(three_ranks(), cache=cache)
     merge(three_ranks(), cache=cache)
     assert (cache.full_merges, cache.cached_merges) == (1, 1)

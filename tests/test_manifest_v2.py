@@ -136,7 +136,7 @@ def refused(path: Path, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
     with monkeypatch.context() as mp:
         mp.setattr(tddist.loading.read, "ChunkSource", no_data)
-        mp.setattr(tddist.loading.read, "open_files", no_data)
+        mp.setattr(tddist.loading.read, "local_files", no_data)
         mp.setattr(torch, "from_file", no_data)
         with pytest.raises(ManifestError, match=match):
             tddist.load(path, shard=None)

@@ -28,7 +28,9 @@ import tddist
 from tddist import _fs
 from tddist import format as fmt
 from tddist.errors import CheckpointNotFoundError, ManifestError
-from tddist.storage import open as manifest_io
+from tddist.manifest.parse import parse_manifest
+from tddist.storage import pinned
+from tddist.storage.backends import open_checkpoint
 from tddist.storage.pinned import PinnedCheckpoint
 
 # --- _fs: the kernel and C-library decisions ------------------------------------------------
@@ -131,7 +133,7 @@ def test_syncfs_of_the_real_c_library(tmp_path):
     assert _fs.syncfs(str(tmp_path / "f")) is ((major, minor) >= (5, 8))
 
 
-# --- manifest_io ----------------------------------------------------------------------------
+# --- reading the manifest ----------------------------------------------------------------------------
 
 
 def test_a_missing_checkpoint_is_named_without_a_hint_when_nothing_is_beside_it(tmp_path):
@@ -158,7 +160,7 @@ def test_an_unreadable_archive_is_a_storage_error_naming_it(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
     with PinnedCheckpoint(str(d)) as pin, pytest.raises(tddist.StorageError) as e:
-        manifest_io._archive_manifest(pin)
+        pinned._archive_manifest(pin)
     assert f"reading {str(d)!r} failed: {os.strerror(errno.EISDIR)} (errno {errno.EISDIR})" in str(e.value)
 
 
@@ -183,9 +185,9 @@ def test_a_manifest_entry_of_exactly_the_limit_is_read(tmp_path):
         zf.writestr(fmt.MANIFEST_NAME, b"0123456789")
     with zipfile.ZipFile(z) as zf:
         zi = zf.getinfo(fmt.MANIFEST_NAME)
-        assert manifest_io._read_entry(zf, zi, 10, str(z)) == b"0123456789"
+        assert pinned._read_entry(zf, zi, 10, str(z)) == b"0123456789"
         with pytest.raises(ManifestError, match="declares 10 bytes; refusing it"):
-            manifest_io._read_entry(zf, zi, 9, str(z))
+            pinned._read_entry(zf, zi, 9, str(z))
 
 
 # --- manifest_v2: declared per-rank values --------------------------------------------------
@@ -540,7 +542,7 @@ def test_a_save_struck_at_prepare_removes_its_staging_area(tmp_path):
     assert not target.exists() and fmt.side_entries(str(target)) == []
 
 
-# --- manifest_io: reading the manifest through the pinned directory ---------------------------
+# --- reading the manifest through the pinned directory ---------------------------
 
 
 def test_a_manifest_or_index_that_is_not_a_file_is_named(tmp_path):
@@ -575,7 +577,7 @@ def test_a_file_gone_from_a_replaced_checkpoint_is_a_change_not_damage(tmp_path,
         os.unlink(target / name)
         replace_dir(target, tmp_path)
         with pytest.raises(CheckpointChangedError) as e:
-            manifest_io._directory_manifest(pin)
+            pinned._directory_manifest(pin)
     assert f"was replaced while it was being read ({what} of the old one is gone)" in str(e.value), e.value
 
 
@@ -585,7 +587,8 @@ def test_a_pinned_checkpoint_reads_its_own_generation_after_a_replace(tmp_path):
     raw, index = (target / fmt.MANIFEST_NAME).read_bytes(), (target / fmt.INDEX_NAME).read_bytes()
     with PinnedCheckpoint(str(target)) as pin:
         replace_dir(target, tmp_path)
-        assert manifest_io._directory_manifest(pin) == (raw, index, f"manifest {str(target / fmt.MANIFEST_NAME)!r}")
+        found = pinned._directory_manifest(pin)
+        assert (found.raw, found.index, found.where) == (raw, index, f"manifest {str(target / fmt.MANIFEST_NAME)!r}")
 
 
 def test_a_missing_index_of_a_checkpoint_in_place_is_left_to_the_parser(tmp_path):
@@ -593,8 +596,8 @@ def test_a_missing_index_of_a_checkpoint_in_place_is_left_to_the_parser(tmp_path
     tddist.save({"x": torch.arange(3)}, target)
     os.unlink(target / fmt.INDEX_NAME)
     with PinnedCheckpoint(str(target)) as pin:
-        raw, index, _where = manifest_io._directory_manifest(pin)
-    assert index is None and raw == (target / fmt.MANIFEST_NAME).read_bytes()
+        found = pinned._directory_manifest(pin)
+    assert found.index is None and found.raw == (target / fmt.MANIFEST_NAME).read_bytes()
     with pytest.raises(ManifestError, match=rf"has no index \({fmt.INDEX_NAME}\)"):
         tddist.read_manifest(target)
 
@@ -606,7 +609,7 @@ def test_generation_is_the_manifest_checksum_or_the_hash_of_an_unsealed_manifest
     tddist.save({"x": torch.arange(3)}, target)
     raw = (target / fmt.MANIFEST_NAME).read_bytes()
     obj = json.loads(raw)
-    with manifest_io.open_checkpoint(str(target)) as opened:
+    with open_checkpoint(str(target)) as opened:
         assert opened.generation == obj["manifest_checksum"] and opened.manifest.version == 3
         assert opened.path == str(target)
     del obj["manifest_checksum"]
@@ -616,13 +619,13 @@ def test_generation_is_the_manifest_checksum_or_the_hash_of_an_unsealed_manifest
         tddist.read_manifest(target)
     obj["version"] = 2
     (target / fmt.MANIFEST_NAME).write_bytes(fmt.dumps(obj))
-    with manifest_io.open_checkpoint(str(target)) as opened:
+    with open_checkpoint(str(target)) as opened:
         assert opened.generation == xxhash.xxh3_64_hexdigest(fmt.dumps(obj)) and opened.manifest.version == 2
 
 
 def test_parse_manifest_names_the_manifest_by_default():
     with pytest.raises(ManifestError) as e:
-        manifest_io.parse_manifest({"format": "other"})
+        parse_manifest({"format": "other"})
     assert str(e.value).startswith("manifest has format 'other', expected "), e.value
 
 
@@ -917,12 +920,12 @@ def v2_leaf(obj: dict, *key: str) -> dict:
 
 def test_v2_body_parses_and_keeps_its_structure_digest(v2_files):
     obj, index = v2_files
-    m = manifest_io.parse_manifest(obj, where=WHERE, index=index)
+    m = parse_manifest(obj, where=WHERE, index=index)
     assert m.structure_digest == obj["structure_digest"] and len(m.structure_digest) <= 64
     assert m.packing == obj["packing"] and m.node_rows == {("batch",): [1, 2]}
     assert isinstance(m.leaves[("g",)].placement, tddist.PerRank) and m.leaves[("g",)].shape == (2, 4)
     obj["structure_digest"] = "f" * 64
-    assert manifest_io.parse_manifest(obj, where=WHERE, index=index).structure_digest == "f" * 64
+    assert parse_manifest(obj, where=WHERE, index=index).structure_digest == "f" * 64
 
 
 @pytest.mark.parametrize(
@@ -951,7 +954,7 @@ def test_v2_body_refusals(v2_files, tamper, why):
     obj, index = v2_files
     tamper(obj)
     with refused_as(why):
-        manifest_io.parse_manifest(obj, where=WHERE, index=index)
+        parse_manifest(obj, where=WHERE, index=index)
 
 
 def test_a_version_1_manifest_without_rows_cannot_be_written_as_version_2():
@@ -963,7 +966,7 @@ def test_a_version_1_manifest_without_rows_cannot_be_written_as_version_2():
         nodes=[{"key": [], "batch_size": [4]}],
         leaves=[{"key": ["w"], "dtype": "int64", "shape": [5], "placement": {"type": "replicate"}, "chunks": [[0, 40, cs]]}],
     )  # fmt: skip
-    m = manifest_io.parse_manifest(obj, where=WHERE)
+    m = parse_manifest(obj, where=WHERE)
     assert m.rows_of(()) is None
     with pytest.raises(ManifestError, match=r"node \[\] has batch dims but the checkpoint does not record its rows"):
         encode(m)

@@ -35,10 +35,10 @@ from tddist import format as fmt
 from tddist.checksum import EMPTY, combine_digests, hash_blocks
 from tddist.core.types import StoredBytes
 from tddist.loading import read as reader
-from tddist.manifest.locate import Locator
+from tddist.manifest.locate import ChunkRange, Locator
 from tddist.saving.memmaps import allocated_by_torch
 from tddist.storage import writer
-from tddist.storage.s3.files import ChunkRange
+from tddist.storage.pinned import local_files
 from tests.helpers import assert_td_equal
 
 # --- reader._needed: the bytes of each chunk a request reads ------------------------------
@@ -488,20 +488,20 @@ def test_a_non_atomic_save_replaces_every_entry_of_the_old_checkpoint(tmp_path):
     assert_td_equal(tddist.load(target, verify=True), two_leaves() + 1, "saved into an empty directory")
 
 
-def test_open_files_reads_a_directory_or_an_archive_by_path_or_opened(tmp_path):
+def test_local_files_reads_a_directory_or_an_archive_by_path_or_opened(tmp_path):
     from tddist.storage.archive import ArchiveFiles
+    from tddist.storage.backends import open_checkpoint
     from tddist.storage.directory import DirectoryFiles
-    from tddist.storage.open import open_checkpoint
 
     tddist.save(two_leaves(), tmp_path / "d")
     tddist.save(two_leaves(), tmp_path / "a.tdz", archive=True)
     for name, kind in (("d", DirectoryFiles), ("a.tdz", ArchiveFiles)):
         path = str(tmp_path / name)
-        by_path = reader.open_files(path)
-        assert type(by_path) is kind and type(reader.chunk_files(path)) is kind
+        by_path = local_files(path)
+        assert type(by_path) is kind and type(reader.ChunkSource(path, tddist.read_manifest(path)).files) is kind
         with open_checkpoint(path) as opened:
-            files = reader.open_files(opened)
-            assert type(files) is kind and type(reader.chunk_files(opened)) is kind
+            files = local_files(opened)
+            assert type(files) is kind and type(opened.files()) is kind and not files.fetches_ahead
             if kind is DirectoryFiles:
                 assert files.root == path and files.pin is opened.pin
             else:
@@ -598,17 +598,17 @@ def test_object_storage_chunks_have_their_own_reader_and_no_file_reader(tmp_path
     """A checkpoint opened on object storage (no request is sent here): its chunks are read by ``S3Files``, and
     operations that need files refuse it, naming it."""
     from tddist.errors import InvalidArgumentError
-    from tddist.storage.open import OpenedCheckpoint
+    from tddist.storage.opened import OpenedCheckpoint
     from tddist.storage.s3.files import S3Files
     from tddist.storage.s3.pin import S3Pin
     from tddist.storage.s3.url import parse
 
     tddist.save(two_leaves(), tmp_path / "d")
     opened = OpenedCheckpoint(S3Pin(parse("s3://bucket/ckpt"), None, False), tddist.read_manifest(tmp_path / "d"), "g")
-    files = reader.chunk_files(opened)
-    assert type(files) is S3Files and files.pin is opened.pin
+    files = opened.files()
+    assert type(files) is S3Files and files.pin is opened.pin and files.fetches_ahead
     with pytest.raises(InvalidArgumentError) as e:
-        reader.open_files(opened)
+        local_files(opened)
     assert str(e.value) == "'s3://bucket/ckpt' is on object storage, which this operation does not support"
 
 

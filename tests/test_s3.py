@@ -438,7 +438,7 @@ def test_a_load_pinned_before_an_overwrite_never_reads_the_new_one(s3, layout):
     """A load that opened the checkpoint before an overwrite committed reads no byte of the new one: the old
     generation is gone (directory) or the ETag no longer matches (archive, If-Match): CheckpointChangedError."""
     from tddist.loading.read import read_leaves
-    from tddist.storage.open import open_checkpoint
+    from tddist.storage.backends import open_checkpoint
 
     _client, bucket = s3
     target = url(bucket, layout)

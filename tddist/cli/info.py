@@ -11,7 +11,7 @@ from ..core.sharding import PerRank, Replicate, Shard
 from ..errors import CheckpointNotFoundError
 from ..jobs import inventory
 from ..manifest.model import Leaf, Manifest, ObjectLeaf
-from ..storage.open import read_manifest
+from ..storage.backends import read_manifest
 from ..tools.diff import placement_text
 from ..tools.verify import leaf_nbytes
 from ._output import emit_json, human_age, human_bytes, key_text, table, value_text

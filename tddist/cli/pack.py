@@ -71,7 +71,7 @@ def _refuse_existing(args: argparse.Namespace) -> None:
 
 
 def _total(path: str) -> int:
-    from ..storage.open import read_manifest
+    from ..storage.backends import read_manifest
     from ..tools.verify import stored_bytes
 
     return stored_bytes(read_manifest(path))

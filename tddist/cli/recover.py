@@ -28,12 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..storage.s3.url import is_s3
-
-    if is_s3(args.path):  # s3://bucket/key[.tdz]: unfinished uploads and uncommitted generations
-        from ..storage.s3.recovery import recover
-    else:
-        from ..storage.recovery import recover
+    from ..storage.backends import recover  # s3://bucket/key[.tdz]: unfinished uploads and uncommitted generations
 
     done = recover(args.path)
     if args.json:

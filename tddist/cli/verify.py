@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..storage.open import read_manifest
+    from ..storage.backends import read_manifest
     from ..tools.verify import stored_bytes, verify_manifest
 
     manifest = read_manifest(args.path)

@@ -16,7 +16,7 @@ from .base import Communicator, LocalComm, default_timeout
 from .threads import ThreadComm
 
 #: The communicator of a process without torch.distributed or MPI: one per process, so that what is
-#: kept per communicator (the channel of asynchronous saves, its buffers and plan cache) is kept once.
+#: kept per communicator (the channel of asynchronous saves, its buffers and merge cache) is kept once.
 _LOCAL = LocalComm()
 
 

@@ -22,7 +22,8 @@ Key = tuple[str, ...]
 T = TypeVar("T")
 
 #: The checkpoint layouts: a directory tree, or one zip archive for all ranks.
-LayoutName = Literal["directory", "archive"]
+#: A checkpoint's container: a directory tree or one zip archive (stored in the manifest as ``layout``).
+ContainerName = Literal["directory", "archive"]
 
 
 # --- agreement between ranks ------------------------------------------------------------
@@ -116,7 +117,7 @@ class SaveOptions:
     """The options of one save that the commit and the layouts need, normalised by ``api.save``."""
 
     target: str
-    layout: LayoutName
+    container: ContainerName
     metadata: Mapping[str, Any]
     robust_key: bool
     num_threads: int
@@ -126,6 +127,31 @@ class SaveOptions:
     allow_pickle: bool
     compression: Compression | None = None
     packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyReturn:
+    """How a ``return_early=True`` save snapshots its data and where its commit runs."""
+
+    snapshot_budget: int | None  # the most bytes the snapshot may hold (None: the whole state)
+    writer: Literal["thread", "process"]  # ``async_writer``
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """A save's keyword arguments, checked and normalised in one place (``save_request``).
+
+    ``options`` is what the commit and the stores need; the rest is how the
+    pipeline runs the save (``saving.pipeline.save``).
+    """
+
+    options: SaveOptions
+    comm: Any  # as the caller passed it; resolved by the pipeline
+    timeout: float | None
+    placements: Mapping[Any, Any] | None
+    copy_existing: bool
+    wait_for_pending: bool
+    early: EarlyReturn | None  # None: a synchronous save
 
 
 # --- the structure every rank must share ---------------------------------------------------
@@ -179,12 +205,12 @@ class Structure:
 class SavePlan:
     """A rank's contribution to the first round of the commit.
 
-    Rank 0 compares every rank's target, layout, atomicity and packing (they
+    Rank 0 compares every rank's target, container, atomicity and packing (they
     must be equal) and reserves ``region_bytes`` for each rank (archives).
     """
 
     target: str
-    layout: LayoutName
+    container: ContainerName
     atomic: bool
     region_bytes: int = 0
     digest: str = ""  # of the rank's Structure

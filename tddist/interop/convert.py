@@ -186,7 +186,7 @@ def convert(
 
 def _done(src: str, dst: str, kind: str, out: str, progress: Callable[[int, int], None] | None) -> str:
     if progress is not None:
-        from ..storage.open import read_manifest
+        from ..storage.backends import read_manifest
         from ..tools.verify import stored_bytes
 
         total = stored_bytes(read_manifest(dst))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .. import format as fmt
 from ..errors import CheckpointNotFoundError, TddistError
-from ..storage.open import read_manifest
+from ..storage.backends import read_manifest
 from ..storage.recovery import is_committed, is_tddist_dir, recover
 from .retention import delete_checkpoint, parse_step, step_entries
 

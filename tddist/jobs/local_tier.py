@@ -28,7 +28,7 @@ from ..api import load, save
 from ..comm.base import Communicator, LocalComm
 from ..errors import InvalidArgumentError, TddistError
 from ..loading.share import LoadReport
-from ..storage.open import read_manifest
+from ..storage.backends import read_manifest
 from ..storage.recovery import recover
 from . import local_shards
 from .retention import parse_step, step_name

@@ -36,7 +36,7 @@ from ..comm.collective import decide_on_rank0
 from ..comm.resolve import resolve
 from ..errors import CheckpointNotFoundError, CommError, InvalidArgumentError, TddistError
 from ..loading.share import LoadReport
-from ..storage.open import read_manifest
+from ..storage.backends import read_manifest
 from . import root_lock
 from .preemption import PreemptionSignals, parse_signals
 from .retention import clean_root, delete_checkpoint, newest_checkpoint, retired, step_entries, step_name

@@ -14,7 +14,7 @@ import re
 from .. import format as fmt
 from .._fs import fsync_path, remove_tree
 from ..errors import TddistError
-from ..storage.open import read_manifest
+from ..storage.backends import read_manifest
 from ..storage.recovery import is_committed, is_tddist_dir, recover
 
 logger = logging.getLogger(__name__)

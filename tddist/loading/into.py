@@ -19,7 +19,7 @@ from ..core.tree import dtensor_box, flatten, is_dtensor, stack_of
 from ..core.types import AllRows, EvenRows, Key, LoadOptions, ShardRequest
 from ..errors import IncompatibleCheckpointError, InvalidArgumentError
 from ..manifest.model import Leaf, Manifest
-from ..storage.open import OpenedCheckpoint
+from ..storage.opened import OpenedCheckpoint
 from . import per_rank as pr
 from .read import read_leaves
 from .share import LoadReport, check_exclude, compare, in_scope, leaf_box, object_value

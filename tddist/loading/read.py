@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import math
-import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,46 +18,21 @@ import torch
 from ..checksum import EMPTY, combine_digests, hash_blocks
 from ..core.sharding import Box, ReadPiece, plan_reads
 from ..core.types import Key
-from ..errors import CorruptCheckpointError, InvalidArgumentError
-from ..manifest.locate import Locator
+from ..errors import CorruptCheckpointError
+from ..manifest.locate import ChunkRange, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
-from ..storage.archive import ArchiveFiles
-from ..storage.directory import DirectoryFiles
-from ..storage.open import OpenedCheckpoint
-from ..storage.pinned import PinnedCheckpoint, storage_failed
-from ..storage.s3.files import ChunkRange, S3Files
-from ..storage.s3.pin import S3Pin
-
-
-def open_files(checkpoint: str | OpenedCheckpoint) -> ArchiveFiles | DirectoryFiles:
-    """The reader of a checkpoint's files: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``.
-
-    Given an ``OpenedCheckpoint``, the files are read through its pinned
-    descriptor, so they belong to the generation its manifest describes.
-    (Object storage has its own reader, ``s3.files.S3Files``, see ``chunk_files``.)
-    """
-    if isinstance(checkpoint, str):
-        return ArchiveFiles(checkpoint) if os.path.isfile(checkpoint) else DirectoryFiles(checkpoint)
-    pin = checkpoint.pin
-    if not isinstance(pin, PinnedCheckpoint):
-        raise InvalidArgumentError(f"{pin.path!r} is on object storage, which this operation does not support")
-    return ArchiveFiles(pin.path, opened_as=pin.fd_path) if pin.archive else DirectoryFiles(pin.path, pin)
-
-
-def chunk_files(checkpoint: str | OpenedCheckpoint) -> ArchiveFiles | DirectoryFiles | S3Files:
-    """The reader of a checkpoint's chunks: on a file system ``open_files``, on object storage ``S3Files``."""
-    if isinstance(checkpoint, OpenedCheckpoint) and isinstance(checkpoint.pin, S3Pin):
-        return S3Files(checkpoint.pin)
-    return open_files(checkpoint)
+from ..storage.opened import ChunkFiles, OpenedCheckpoint
+from ..storage.pinned import local_files, storage_failed
 
 
 class ChunkSource:
     """Opens (and caches) the chunks of one checkpoint as tensors."""
 
     def __init__(self, checkpoint: str | OpenedCheckpoint, manifest: Manifest) -> None:
+        """``checkpoint``: opened (its ``ChunkFiles``, one generation), or the path of a local one."""
         self.root = checkpoint if isinstance(checkpoint, str) else checkpoint.path
         self.manifest = manifest
-        self.files = chunk_files(checkpoint)
+        self.files: ChunkFiles = local_files(checkpoint) if isinstance(checkpoint, str) else checkpoint.files()
         self.locator = Locator(manifest)
         self._maps: dict[tuple[Key, int], torch.Tensor] = {}
         self._verified: set[tuple[Key, int]] = set()
@@ -166,7 +140,7 @@ def read_leaves(
     source = ChunkSource(checkpoint, manifest)
     root = source.root
     requests = list(requests)
-    if isinstance(source.files, S3Files):  # every range this load needs, fetched in parallel up front
+    if source.files.fetches_ahead:  # a store that pays per request: every range this load reads, in parallel
         source.files.prefetch(_needed(source, requests, verify), num_threads)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:

@@ -87,3 +87,12 @@ def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     ends = np.cumsum(padded, axis=0, dtype=np.int64)
     sizes = ends[-1] if len(ends) else np.zeros(nbytes.shape[1:], dtype=np.int64)
     return ends - padded, sizes
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRange:
+    """Bytes ``[start, stop)`` of the chunk at ``location`` that a load reads."""
+
+    location: Location
+    start: int
+    stop: int

@@ -6,7 +6,7 @@ merge stacks them into matrices (ranks x leaves) and reads each leaf's column:
 no object per chunk, no dict per leaf and rank. A save whose structure,
 world size and DTensor boxes are those of the previous save on the same
 communicator takes the cached path: the ranks leave their boxes out and rank
-0 reuses the boxes it validated last time (``PlanCache``).
+0 reuses the boxes it validated last time (``MergeCache``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _U8 = np.dtype("<u8")
 
 
 @dataclass
-class PlanCache:
+class MergeCache:
     """What a communicator remembers between saves, for the cached path.
 
     On rank 0: the world size, structure digest, every rank's boxes and the
@@ -68,17 +68,18 @@ def merge_fragments(
     metadata: dict,
     robust_key: bool,
     version: str,
-    layout: str,
+    container: str,
     packing: str,
-    cache: PlanCache | None = None,
+    cache: MergeCache | None = None,
 ) -> Manifest:
     """The manifest of a save from every rank's fragment (rank 0).
 
     Args:
         fragments: every rank's vote, in rank order.
         reference: rank 0's structure; every fragment must have its digest.
-        metadata, robust_key, version, layout, packing: stored as given.
-        cache: this communicator's ``PlanCache`` (updated here).
+        metadata, robust_key, version, packing: stored as given; container: stored as the manifest's
+            ``layout`` ("directory" or "archive").
+        cache: this communicator's ``MergeCache`` (updated here).
 
     Raises:
         ShardingError: the ranks' shards do not fit together (a DTensor's
@@ -109,7 +110,7 @@ def merge_fragments(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         tddist_version=version,
         version=fmt.FORMAT_VERSION,
-        layout=layout,
+        layout=container,
         packing=packing,
         structure_digest=reference.digest,
     )

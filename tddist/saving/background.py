@@ -1,7 +1,8 @@
 """Background saves: one persistent worker thread and one private channel per communicator.
 
-``save(return_early=True)`` snapshots the data, then hands the writing and
-the whole two-phase commit to the channel's worker thread through a queue,
+``save(return_early=True)`` snapshots the data (``pipeline.start_early``),
+then hands the writing and the whole two-phase commit to the channel's
+worker thread through a queue,
 over a duplicate of the communicator, so its messages never interleave with
 the caller's own collectives or with a later foreground save. At most one
 save per communicator is in flight.
@@ -28,24 +29,18 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .._compat import register_exit_hook
 from ..comm.base import Communicator, default_timeout
-from ..core.types import Key, LocalShard, SaveOptions
+from ..core.types import Key
 from ..errors import InvalidArgumentError, SaveInProgressError
-from ..manifest.merge import PlanCache
-from ..storage.archive import ArchiveWriter
-from ..storage.base import hashes_replica
-from ..storage.directory import DirectoryWriter
-from ..storage.s3.url import is_s3
-from .commit import Retire
-from .prepare import LayoutCache
-from .snapshot import SnapshotBuffers, Snapshotter
-from .stream import Arena, Stream, StreamingWriter, StreamSources, pipeline_slot, whole_state_budget
-from .writer_process import ProcessWriter, SaveRequest, supported
+from ..manifest.merge import MergeCache
+from .prepare import PlacementCache
+from .snapshot import SnapshotBuffers
+from .stream import Arena, Stream, pipeline_slot, whole_state_budget
+from .writer_process import ProcessWriter
 
 if TYPE_CHECKING:
     import torch
@@ -176,8 +171,8 @@ class Channel:
         self.buffers = SnapshotBuffers()
         self.arena: Arena | None = None  # the slots of streamed saves (stream.py)
         self.arena_allocations = 0  # how many arenas this channel allocated (a reused one is not counted again)
-        self.plans = PlanCache()  # the cached path of the next save's merge (see merge.py)
-        self.layouts = LayoutCache()  # what the latest saves derived from their structures (prepare.py)
+        self.merges = MergeCache()  # the cached path of the next save's merge (see merge.py)
+        self.placements = PlacementCache()  # what the latest saves derived from their structures (prepare.py)
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
         self._worker: Worker | None = None
@@ -334,148 +329,3 @@ def channel(comm: Communicator) -> Channel:
         if ch is None or ch.comm is not comm:
             ch = _channels[id(comm)] = Channel(comm)
         return ch
-
-
-Prepare = Callable[[Snapshotter], LocalShard | Exception]
-WriterFactory = Callable[[SaveOptions, int, LocalShard | Exception, PlanCache], DirectoryWriter | ArchiveWriter]
-Commit = Callable[[Communicator, SaveOptions, LocalShard | Exception, PlanCache, WriterFactory | None, Retire], Any]
-OpenSaved = Callable[[SaveOptions, LocalShard], Any]
-
-
-def start_save(
-    ch: Channel,
-    options: SaveOptions,
-    prepare: Prepare,
-    budget: int | None,
-    commit: Commit,
-    writer: str = "thread",
-    open_saved: OpenSaved | None = None,
-) -> Future:
-    """Snapshot this rank's data and hand the commit to the worker; return the save's Future.
-
-    ``commit(comm, options, shard, cache, writer_factory, retire)`` runs the
-    commit (``api``); ``retire`` is the worker's ``defer``, so removing the
-    checkpoint a save replaced follows the resolution of its future. Without
-    ``budget`` the whole shard is copied into the reusable snapshot buffers.
-    With it, a shard of at most ``budget`` bytes is copied the same way; a
-    larger one streams through the channel's arena (``stream.py``): this
-    returns only once its last byte is copied. With
-    ``writer="process"`` the shard is copied into the writer process's shared
-    arena and the commit runs there (``writer_process.py``); the worker thread
-    waits for it and maps the result with ``open_saved(options, shard)``.
-    """
-    if writer == "process":
-        why = supported(ch.comm)
-        if why is None:
-            assert open_saved is not None
-            pw = ch.process_writer()
-            sources = StreamSources()
-            shard = prepare(sources)
-            request = pw.snapshot(options, shard, sources.sources)
-            return ch.submit(partial(_run_process, pw, request, open_saved, shard))
-        logger.info("rank %d: async_writer='process' falls back to the thread writer: %s", ch.comm.rank, why)
-    bg = ch.background_comm()
-    if budget is None and not pipelines(options):
-        shard = prepare(ch.buffers)
-        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
-    sources = StreamSources()
-    shard = prepare(sources)
-    if isinstance(shard, Exception):
-        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
-    total = sum(t.numel() * t.element_size() for t in sources.sources.values())
-    on_gpu = any(t.device.type != "cpu" for t in sources.sources.values())
-    if (budget is None and on_gpu) or (budget is not None and total <= budget):
-        ch.arena = None  # a whole snapshot (GPU leaves: pinned buffers, copies on a side stream)
-        shard = _snapshot_into(ch.buffers, shard, sources)
-        return ch.submit(partial(_run, ch.buffers, commit, bg, options, shard, ch.plans, ch.defer))
-    ch.buffers.retain_only(set())  # the arena holds the state: no whole-state buffers beside it
-    shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
-    written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
-    if budget is None:
-        # The whole state fits in the arena: the copy helper copies from the last slot back while the caller
-        # copies from the first one on; the worker commits once both are done, writing every slot (``Stream``).
-        stream = Stream(ch.pipeline_arena(written), written, ch.comm.rank)
-    else:
-        stream = Stream(ch.arena_for(budget, on_gpu), written, ch.comm.rank)
-        logger.info(
-            "rank %d: %d bytes to save exceed snapshot_budget=%d; streaming them through %d slots of %d bytes",
-            ch.comm.rank, stream.nbytes, budget, stream.arena.nslots, stream.arena.slot_bytes,
-        )  # fmt: skip
-
-    def factory(o: SaveOptions, rank: int, s: LocalShard | Exception, cache: PlanCache) -> DirectoryWriter:
-        return StreamingWriter(o, rank, s, cache, stream)
-
-    fut = ch.submit(partial(_run_streamed, stream, commit, bg, options, shard, ch.plans, factory, ch.defer))
-    if stream.whole:
-        ch.help_copy(stream)
-    stream.produce()
-    return fut
-
-
-def pipelines(options: SaveOptions) -> bool:
-    """Whether a save without ``snapshot_budget`` is copied into the channel's arena while it is written.
-
-    Only the packed directory layout can write a slot before the whole state
-    is copied (``stream.py``); an archive, ``layout="memmap"``, object storage
-    and ``check_replicas`` (which compares the replicas' snapshots) copy the
-    whole state first.
-    """
-    return (
-        options.layout == "directory"
-        and options.packing == "packed"
-        and not options.check_replicas
-        and not is_s3(options.target)
-    )
-
-
-def _copy_hashed_replicas(shard: LocalShard, sources: StreamSources, check_replicas: bool) -> LocalShard:
-    """Copy now the replicas this rank does not write but its vote hashes (``hashes_replica``): only
-    written leaves go through the stream's slots."""
-    items = tuple(
-        replace(i, tensor=sources.sources[i.key].clone()) if hashes_replica(i, check_replicas) else i
-        for i in shard.items
-    )
-    return replace(shard, items=items)
-
-
-def _snapshot_into(buffers: SnapshotBuffers, shard: LocalShard, sources: StreamSources) -> LocalShard:
-    items = tuple(replace(i, tensor=buffers.snapshot(i.key, sources.sources[i.key])) for i in shard.items)
-    buffers.synchronize()
-    buffers.retain_only({i.key for i in items})
-    return replace(shard, items=items)
-
-
-def _run(
-    buffers: SnapshotBuffers,
-    commit: Commit,
-    comm: Communicator,
-    options: SaveOptions,
-    shard: LocalShard | Exception,
-    cache: PlanCache,
-    retire: Retire,
-) -> Any:
-    buffers.wait_copies()  # device-to-host copies of the snapshot, if any
-    return commit(comm, options, shard, cache, None, retire)
-
-
-def _run_streamed(
-    stream: Stream,
-    commit: Commit,
-    comm: Communicator,
-    options: SaveOptions,
-    shard: LocalShard | Exception,
-    cache: PlanCache,
-    factory: WriterFactory,
-    retire: Retire,
-) -> Any:
-    try:
-        stream.wait_copied()  # nothing competes with the copy the caller waits for
-        return commit(comm, options, shard, cache, factory, retire)
-    finally:
-        stream.cancel()  # a caller still copying (the commit failed before writing) stops waiting for slots
-
-
-def _run_process(pw: ProcessWriter, request: SaveRequest, open_saved: OpenSaved, shard: LocalShard | Exception) -> Any:
-    pw.run(request)
-    assert isinstance(shard, LocalShard)  # the commit raised otherwise
-    return open_saved(request.options, shard)

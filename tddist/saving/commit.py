@@ -1,14 +1,14 @@
 """The two-phase commit that makes a multi-rank checkpoint appear atomically.
 
-The commit drives a ``layouts.base.ShardWriter`` (the layout: a directory or
-an archive) through two rounds in which rank 0 decides and every rank learns
+The commit drives a ``storage.base.ShardWriter`` (the store's writer: a
+directory or an archive, on a file system or object storage) through two rounds in which rank 0 decides and every rank learns
 the decision or the same error (``comm.decide_on_rank0``). Steps (the names in
 brackets are the fault-injection points of ``_faults``):
 
 1. Open. (all ranks) Prepare the local shard in memory (``plan``: for an
    archive, hash and compress the entries and size the region) and send the
    plan, or the error, to rank 0. (rank 0) Refuse plans that disagree on the
-   target, layout or atomicity; check the target (a file, a symbolic link or a
+   target, container or atomicity; check the target (a file, a symbolic link or a
    foreign non-empty directory is refused, never deleted); create missing
    parent directories durably and the staging area beside the target, on the
    same file system, named ``.<target>.tddist-staging-<uuid>`` (a directory,
@@ -151,13 +151,14 @@ def _open(writer: ShardWriter, plans: list[SavePlan]) -> Staging:
 
 
 def _check_plans(plans: list[SavePlan]) -> None:
-    """Every rank must save to the same target, in the same layout, packing and mode."""
+    """Every rank must save to the same target, in the same container, packing and mode."""
     first = plans[0]
     for r, p in enumerate(plans):
-        for name in ("target", "layout", "atomic", "packing"):
+        for name in ("target", "container", "atomic", "packing"):
             if getattr(p, name) != getattr(first, name):
+                shown = "layout" if name == "container" else name  # the manifest's word for it
                 raise InvalidArgumentError(
-                    f"the ranks disagree on the save's {name}: rank 0 has {getattr(first, name)!r}, rank {r} has "
+                    f"the ranks disagree on the save's {shown}: rank 0 has {getattr(first, name)!r}, rank {r} has "
                     f"{getattr(p, name)!r}; every rank must call save with the same path and options"
                 )
 

@@ -27,7 +27,7 @@ from .snapshot import SnapshotBuffers
 
 
 @dataclass(frozen=True, slots=True)
-class LeafLayout:
+class LeafPlacement:
     """What a save derives for one tensor leaf from the structure alone: its placement, whether this
     rank writes it, and a DTensor's box."""
 
@@ -37,25 +37,25 @@ class LeafLayout:
 
 
 @dataclass(frozen=True, slots=True)
-class ShardLayout:
+class ShardPlacements:
     """What ``prepare_shard`` derives from a save's structure, in the order of ``flatten``'s leaves and
-    non-tensor values: the keys passed their checks, each leaf's ``LeafLayout``, and whether each
+    non-tensor values: the keys passed their checks, each leaf's ``LeafPlacement``, and whether each
     non-tensor value is per-rank (``PerRank()``)."""
 
-    leaves: tuple[LeafLayout, ...]
+    leaves: tuple[LeafPlacement, ...]
     objects_per_rank: tuple[bool, ...]
 
 
-class LayoutCache:
-    """The layouts of a communicator's latest saves, by structure signature, so that a save of the same
+class PlacementCache:
+    """The placements of a communicator's latest saves, by structure signature, so that a save of the same
     structure skips the key checks and placement choices (about 20 us a leaf; 22 ms of blocking at
     1,000 leaves, 41 ms with DTensors).
 
-    A signature holds everything a layout depends on: the rank and world
+    A signature holds everything the placements depend on: the rank and world
     size, ``placements=`` and ``robust_key``, every node's key and batch
     size, every leaf's key, shape, dtype and device (a DTensor's spec: its
     mesh, placements and global shape), and every non-tensor value's key and
-    kind. Values are never part of a layout; they are checked and encoded at
+    kind. Values are never part of the placements; they are checked and encoded at
     every save. Used on the caller's thread only.
     """
 
@@ -63,35 +63,35 @@ class LayoutCache:
     SIZE = 4
 
     def __init__(self) -> None:
-        self._layouts: list[tuple[tuple, ShardLayout]] = []
-        self.hits = 0  # saves that reused a layout (tests read it)
+        self._kept: list[tuple[tuple, ShardPlacements]] = []
+        self.hits = 0  # saves that reused kept placements (tests read it)
 
-    def get(self, signature: tuple) -> ShardLayout | None:
-        for i, (sig, layout) in enumerate(self._layouts):
+    def get(self, signature: tuple) -> ShardPlacements | None:
+        for i, (sig, placements) in enumerate(self._kept):
             if sig == signature:  # tuples compare their items by identity first: a steady state is cheap
-                self._layouts.insert(0, self._layouts.pop(i))
+                self._kept.insert(0, self._kept.pop(i))
                 self.hits += 1
-                return layout
+                return placements
         return None
 
-    def put(self, signature: tuple, layout: ShardLayout) -> None:
-        self._layouts.insert(0, (signature, layout))
-        del self._layouts[self.SIZE :]
+    def put(self, signature: tuple, placements: ShardPlacements) -> None:
+        self._kept.insert(0, (signature, placements))
+        del self._kept[self.SIZE :]
 
-    def layout_of(self, structure: SavedStructure) -> ShardLayout:
-        """``structure``'s layout: a kept one of the same signature, else derived (and kept when it has one)."""
+    def placements_of(self, structure: SavedStructure) -> ShardPlacements:
+        """``structure``'s placements: a kept one of the same signature, else derived (and kept when it has one)."""
         signature = structure.signature()
-        layout = None if signature is None else self.get(signature)
-        if layout is None:
-            layout = structure.derive_layout()
+        placements = None if signature is None else self.get(signature)
+        if placements is None:
+            placements = structure.derive_placements()
             if signature is not None:
-                self.put(signature, layout)
-        return layout
+                self.put(signature, placements)
+        return placements
 
 
 @dataclass(frozen=True, slots=True)
 class SavedStructure:
-    """What a save's ``ShardLayout`` is derived from: the flattened data (``tree.flatten``), this rank's
+    """What a save's ``ShardPlacements`` is derived from: the flattened data (``tree.flatten``), this rank's
     place in the world, and the options that choose placements and file names."""
 
     nodes: Mapping[Key, tuple[int, ...]]
@@ -103,8 +103,8 @@ class SavedStructure:
     robust_key: bool
 
     def signature(self) -> tuple | None:
-        """What the layout depends on (``LayoutCache``); None when ``placements=`` cannot be compared (an
-        unhashable key or placement): such a save derives its layout every time."""
+        """What the placements depend on (``PlacementCache``); None when ``placements=`` cannot be compared (an
+        unhashable key or placement): such a save derives its placements every time."""
         overrides = tuple(self.placements.items()) if self.placements else ()
         try:
             hash(overrides)
@@ -116,7 +116,7 @@ class SavedStructure:
         nodes = tuple(self.nodes.items())
         return (self.rank, self.world, self.robust_key, overrides, nodes, tuple(leaves), shapes, tuple(objects), kinds)
 
-    def derive_layout(self) -> ShardLayout:
+    def derive_placements(self) -> ShardPlacements:
         """Check the keys and choose each leaf's placement, writer and DTensor box (raises on bad input)."""
         nodes, leaves, objects, rank = self.nodes, self.leaves, self.objects, self.rank
         if not self.robust_key:
@@ -148,8 +148,8 @@ class SavedStructure:
                 dtensor = DTensorBox(box or ((0,) * t.dim(), (0,) * t.dim()), tuple(t.shape))
             else:
                 writes = isinstance(chosen[k], (Shard, PerRank)) or writers[k] == rank
-            out.append(LeafLayout(chosen[k], writes, dtensor))
-        return ShardLayout(tuple(out), tuple(objects_per_rank))
+            out.append(LeafPlacement(chosen[k], writes, dtensor))
+        return ShardPlacements(tuple(out), tuple(objects_per_rank))
 
 
 def prepare_shard(
@@ -162,12 +162,12 @@ def prepare_shard(
     robust_key: bool,
     allow_pickle: bool,
     copy_existing: bool,
-    layouts: LayoutCache | None = None,
+    placement_cache: PlacementCache | None = None,
 ) -> LocalShard | Exception:
     """Flatten and check the data; with ``buffers``, snapshot it (asynchronous save).
 
-    ``layouts``: reuse what an earlier save of the same structure derived
-    (``LayoutCache``). Errors are returned, not raised: every rank must still
+    ``placement_cache``: reuse what an earlier save of the same structure derived
+    (``PlacementCache``). Errors are returned, not raised: every rank must still
     take part in the commit so that all of them raise the same error instead
     of some hanging.
     """
@@ -175,18 +175,18 @@ def prepare_shard(
         nodes, leaves, objects = flatten(data)
         _check_materialised(leaves, rank)
         structure = SavedStructure(nodes, leaves, objects, rank, world, placements, robust_key)
-        layout = structure.derive_layout() if layouts is None else layouts.layout_of(structure)
+        derived = structure.derive_placements() if placement_cache is None else placement_cache.placements_of(structure)
         if not copy_existing:
             _check_not_mapped(leaves, rank)
         encoded = {}
-        for (k, (kind, value)), own in zip(objects.items(), layout.objects_per_rank):
+        for (k, (kind, value)), own in zip(objects.items(), derived.objects_per_rank):
             where = f"rank {rank}: non-tensor leaf {list(k)}"
             if kind == "stack":
                 encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
             else:
                 encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where), own)
         items = []
-        for (k, t), leaf in zip(leaves.items(), layout.leaves):
+        for (k, t), leaf in zip(leaves.items(), derived.leaves):
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
             items.append(SaveItem(k, local, leaf.placement, leaf.writes, leaf.dtensor))
         if buffers is not None:

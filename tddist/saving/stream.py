@@ -43,7 +43,7 @@ from .._fs import WRITE_STEP, write_and_start_writeback
 from ..checksum import combine_digests
 from ..core.types import Fragment, Key, LocalShard, SaveOptions, Staging, StoredBytes
 from ..manifest.locate import packed_offsets
-from ..manifest.merge import PlanCache
+from ..manifest.merge import MergeCache
 from ..storage.directory import DirectoryWriter
 from .snapshot import local_source
 
@@ -499,7 +499,7 @@ class StreamingWriter(DirectoryWriter):
     """A packed directory writer whose bytes come from a ``Stream`` instead of snapshot buffers."""
 
     def __init__(
-        self, options: SaveOptions, rank: int, shard: LocalShard | Exception, cache: PlanCache | None, stream: Stream
+        self, options: SaveOptions, rank: int, shard: LocalShard | Exception, cache: MergeCache | None, stream: Stream
     ) -> None:
         super().__init__(options, rank, shard, cache)
         self.stream = stream

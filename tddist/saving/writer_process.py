@@ -67,7 +67,7 @@ class Placed:
 
 
 @dataclass(frozen=True, slots=True)
-class SaveRequest:
+class WriterRequest:
     """What the trainer sends its writer for one save (no tensor bytes: those are in the arena)."""
 
     options: SaveOptions
@@ -124,10 +124,10 @@ class ProcessWriter:
         self.broken = False
         logger.info("rank %d: started writer process %d (%s)", self.rank, self.process.pid, prefix)
 
-    def snapshot(self, options: SaveOptions, shard: LocalShard | Exception, sources: dict) -> SaveRequest:
+    def snapshot(self, options: SaveOptions, shard: LocalShard | Exception, sources: dict) -> WriterRequest:
         """Copy the shard into the shared arena (grown if needed); the request that describes it."""
         if isinstance(shard, Exception):
-            return SaveRequest(options, shard, (), "", 0)
+            return WriterRequest(options, shard, (), "", 0)
         tensors = [sources[i.key] for i in shard.items]
         sizes = np.array([t.numel() * t.element_size() for t in tensors], dtype=np.int64)
         offsets, end = packed_offsets(sizes)
@@ -146,7 +146,7 @@ class ProcessWriter:
             placed.append(Placed(int(offset), int(n), t.dtype, tuple(t.shape)))
         del arena
         items = tuple(replace(i, tensor=cast(Any, None)) for i in shard.items)
-        return SaveRequest(options, replace(shard, items=items), tuple(placed), self.path, self.size_bytes)
+        return WriterRequest(options, replace(shard, items=items), tuple(placed), self.path, self.size_bytes)
 
     def _new_arena(self, nbytes: int) -> None:
         self._release()
@@ -160,7 +160,7 @@ class ProcessWriter:
             os.close(fd)
         self.path, self.size_bytes, self.linked = path, nbytes, True
 
-    def run(self, request: SaveRequest) -> None:
+    def run(self, request: WriterRequest) -> None:
         """Hand the request to the writer and wait for its outcome (raises the commit's error)."""
         try:
             self.conn.send(request)
@@ -235,19 +235,19 @@ class ProcessWriter:
 # --- the writer process ---------------------------------------------------------------------
 
 
-def serve(fd: int, spec: str, commit_and_open: Callable[[Communicator, SaveOptions, Any, Any], Any]) -> None:
+def serve(fd: int, spec: str, commit: Callable[[Communicator, SaveOptions, Any, Any], Any]) -> None:
     """The writer process (``python -m tddist.saving.writer_main FD SPEC``): join the writers' group, then
     commit each request until told to stop or the trainer is gone.
 
-    ``commit_and_open`` is ``api._commit_and_open``, passed in by the entry
-    point so that this module (which ``background`` imports) never imports ``api``.
+    ``commit`` is ``pipeline.commit``, passed in by the entry point, since
+    the pipeline imports this module.
     """
     conn = Connection(fd)
     s = json.loads(spec)
     rank, size, prefix, timeout = s["rank"], s["size"], s["prefix"], s["timeout"]
     address = tuple(s["address"]) if s["address"] else None
     torch.set_num_threads(1)
-    from ..manifest.merge import PlanCache
+    from ..manifest.merge import MergeCache
 
     comm: Communicator
     if size == 1:
@@ -262,7 +262,7 @@ def serve(fd: int, spec: str, commit_and_open: Callable[[Communicator, SaveOptio
         store = dist.PrefixStore(prefix, dist.TCPStore(address[0], address[1], is_master=False, timeout=td))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=td)
         comm = TorchComm(cast(Any, dist.group.WORLD), timeout)
-    cache = PlanCache()
+    cache = MergeCache()
     arena: tuple[str, mmap.mmap] | None = None
     while True:
         try:
@@ -275,7 +275,7 @@ def serve(fd: int, spec: str, commit_and_open: Callable[[Communicator, SaveOptio
             if request.arena and (arena is None or arena[0] != request.arena):
                 arena = (request.arena, _attach(request.arena, request.arena_bytes, arena))
             shard = _rebuild(request, arena[1] if arena else None)
-            commit_and_open(comm, request.options, shard, cache)
+            commit(comm, request.options, shard, cache)
             conn.send(("ok", None))
         except Exception as e:
             conn.send(("error", e))
@@ -303,7 +303,7 @@ def _attach(path: str, nbytes: int, old: tuple[str, mmap.mmap] | None) -> mmap.m
         os.unlink(path)  # both processes map it: the name is no longer needed
 
 
-def _rebuild(request: SaveRequest, arena: mmap.mmap | None) -> LocalShard | Exception:
+def _rebuild(request: WriterRequest, arena: mmap.mmap | None) -> LocalShard | Exception:
     shard = request.shard
     if isinstance(shard, Exception):
         return shard

@@ -15,6 +15,7 @@ import os
 import stat
 import struct
 import zipfile
+from collections.abc import Sequence
 
 import torch
 
@@ -23,7 +24,7 @@ from .._fs import makedirs_durable
 from ..checksum import EMPTY, combine_digests
 from ..core.types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..errors import CorruptCheckpointError, TargetError
-from ..manifest.locate import Location
+from ..manifest.locate import ChunkRange, Location
 from .base import WriterBase, map_copy_on_write
 from .pinned import storage_failed
 from .publish import discard, swap_in
@@ -69,7 +70,7 @@ class ArchiveWriter(WriterBase):
     #: without writing 4 GiB.
     first_region_offset = 0
 
-    layout = "archive"
+    container = "archive"
     entries: list[Entry]
     names: dict[Key, str]
 
@@ -141,11 +142,11 @@ class ArchiveWriter(WriterBase):
 
 
 class ArchiveFiles:
-    """The entries of a committed archive, validated, read from one memory map."""
+    """The entries of a committed archive, validated, read from one memory map (an ``opened.ChunkFiles``)."""
 
     def __init__(self, path: str, opened_as: str | None = None):
         """Open the archive ``path``; ``opened_as`` opens the same file pinned (``/proc/self/fd/N``)."""
-        self.path = path
+        self.path = self.root = path
         self.source = source = opened_as or path
         try:
             zf = zipfile.ZipFile(source)
@@ -193,6 +194,11 @@ class ArchiveFiles:
             raise CorruptCheckpointError(f"archive {self.path!r} lists entry {name!r} twice; refusing it")
         if stat.S_ISLNK(zi.external_attr >> 16):
             raise CorruptCheckpointError(f"archive {self.path!r} has a symbolic-link entry {name!r}; refusing it")
+
+    fetches_ahead = False
+
+    def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
+        """Nothing to fetch ahead: the archive is mapped."""
 
     def span(self, loc: Location) -> torch.Tensor:
         """A chunk's bytes (archives hold one entry per chunk)."""

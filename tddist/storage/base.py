@@ -24,10 +24,10 @@ from ..core.sharding import Shard
 from ..core.structure import describe_difference, structure_of
 from ..core.types import (
     ArchiveEntryRow,
+    ContainerName,
     Fragment,
     FragmentObject,
     Key,
-    LayoutName,
     LocalShard,
     ManifestFiles,
     SaveItem,
@@ -38,7 +38,7 @@ from ..core.types import (
     Structure,
 )
 from ..manifest.chunks import int_checksum
-from ..manifest.merge import PlanCache, encode_boxes
+from ..manifest.merge import MergeCache, encode_boxes
 from .publish import discard
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,9 @@ class ShardWriter(Protocol):
        function that never raises; the commit runs it at once, or a
        ``return_early`` save on its worker after resolving its future.
 
+    7. (all ranks, once the commit is announced) ``committed()``: remember
+       what this rank sent, the cached path of the next save (``MergeCache``).
+
     (rank 0) ``abort(staging)`` after a failure at any step from 3 on (and
     after a fault right after 2): remove what was staged; it never raises.
     """
@@ -92,6 +95,8 @@ class ShardWriter(Protocol):
     def retirement(self) -> Retirement | None: ...
 
     def abort(self, staging: Staging) -> None: ...
+
+    def committed(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -119,9 +124,9 @@ class Retirement:
 class WriterBase:
     """What both layouts' writers share: the options, this rank's shard and structure, the vote."""
 
-    layout: LayoutName = "directory"
+    container: ContainerName = "directory"
 
-    def __init__(self, options: SaveOptions, rank: int, shard: LocalShard | Exception, cache: PlanCache | None = None):
+    def __init__(self, options: SaveOptions, rank: int, shard: LocalShard | Exception, cache: MergeCache | None = None):
         self.options = options
         self.target = options.target
         self.rank = rank
@@ -153,7 +158,7 @@ class WriterBase:
         self.boxes = encode_boxes([(item.writes, item.dtensor.box) for item in shard.items if item.dtensor is not None])
         return SavePlan(
             self.target,
-            self.layout,
+            self.container,
             self.options.atomic,
             region_bytes,
             self.structure.digest,

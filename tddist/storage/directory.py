@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Sequence
 
 import torch
 
@@ -19,7 +20,7 @@ from .. import format as fmt
 from .._fs import fsync_path, makedirs_durable, remove_tree, write_durable
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ..errors import CorruptCheckpointError, TargetError
-from ..manifest.locate import Location
+from ..manifest.locate import ChunkRange, Location
 from .base import WriterBase, map_copy_on_write
 from .pinned import PinnedCheckpoint
 from .publish import discard, swap_in
@@ -51,7 +52,7 @@ def check_target(target: str) -> bool:
 class DirectoryWriter(WriterBase):
     """One rank's side of a directory save (a ``layouts.base.ShardWriter``)."""
 
-    layout = "directory"
+    container = "directory"
 
     def plan(self) -> SavePlan:
         return self.make_plan()
@@ -103,7 +104,8 @@ class DirectoryWriter(WriterBase):
 
 
 class DirectoryFiles:
-    """The files of a committed directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``).
+    """The files of a committed directory checkpoint, each mapped copy-on-write (``MAP_PRIVATE``); an
+    ``opened.ChunkFiles``.
 
     Every file is opened through the pinned directory descriptor (see
     ``pinned.py``): one generation is read whole even while an overwrite
@@ -114,6 +116,11 @@ class DirectoryFiles:
         self.root = root
         self.pin = pin if pin is not None else PinnedCheckpoint(root)  # kept open while this object lives
         self._maps: dict[str, torch.Tensor] = {}
+
+    fetches_ahead = False
+
+    def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
+        """Nothing to fetch ahead: files are mapped."""
 
     def span(self, loc: Location) -> torch.Tensor:
         """A chunk's bytes: a view of its file's copy-on-write map (each file is mapped once)."""

@@ -21,14 +21,24 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import zipfile
+from typing import TYPE_CHECKING
 
+from .. import format as fmt
 from ..errors import (
     CheckpointChangedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    InvalidArgumentError,
     ManifestError,
     StorageError,
 )
+from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+from .opened import ChunkFiles, ManifestBytes, OpenedCheckpoint
+
+if TYPE_CHECKING:
+    from .archive import ArchiveFiles
+    from .directory import DirectoryFiles
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO must not block the open
@@ -57,11 +67,25 @@ class PinnedCheckpoint:
         self.inode = (st.st_dev, st.st_ino)
         self.archive = stat.S_ISREG(st.st_mode)
         if not (self.archive or stat.S_ISDIR(st.st_mode)):
-            os.close(self.fd)
+            self.close()  # once: ``__del__`` closes it again otherwise, maybe another file's descriptor by then
             raise CheckpointNotFoundError(
                 f"{path!r} is neither a directory nor a regular file, so it is not a tddist checkpoint; pass a "
                 f"checkpoint directory or a .tdz archive"
             )
+
+    def files(self) -> ChunkFiles:
+        """The reader of the pinned checkpoint's chunks (an ``opened.Pin``; imports torch)."""
+        return self.local_files()
+
+    def local_files(self) -> ArchiveFiles | DirectoryFiles:
+        """The pinned checkpoint's files: ``ArchiveFiles`` for an archive, else ``DirectoryFiles`` (imports torch)."""
+        if self.archive:
+            from .archive import ArchiveFiles
+
+            return ArchiveFiles(self.path, opened_as=self.fd_path)
+        from .directory import DirectoryFiles
+
+        return DirectoryFiles(self.path, self)
 
     @property
     def fd_path(self) -> str:
@@ -183,3 +207,120 @@ def _read_up_to(fd: int, n: int) -> bytes:
         parts.append(chunk)
         got += len(chunk)
     return b"".join(parts)
+
+
+def open_local(path: str) -> ManifestBytes:
+    """Pin the committed directory or archive at ``path`` and read its manifest and index (not validated here).
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``path``.
+        ManifestError: the manifest or index is not a bounded regular file or stored entry.
+        CorruptCheckpointError: an archive that is not a readable zip file.
+    """
+    try:
+        pin = PinnedCheckpoint(path)
+    except CheckpointNotFoundError:
+        raise _not_found(path, "does not exist") from None
+    try:
+        return _archive_manifest(pin) if pin.archive else _directory_manifest(pin)
+    except BaseException:
+        pin.close()
+        raise
+
+
+def _not_found(path: str, what: str) -> CheckpointNotFoundError:
+    side = fmt.side_entries(path)
+    hint = (
+        f"; leftovers of an interrupted save exist beside it ({len(side)}), run tddist.recover({path!r})"
+        if side
+        else ""
+    )
+    return CheckpointNotFoundError(f"checkpoint {path!r} {what}{hint}")
+
+
+def _directory_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
+    manifest = os.path.join(pin.path, fmt.MANIFEST_NAME)
+    raw = pin.read_regular(fmt.MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest")
+    if raw is None:
+        if pin.replaced():  # the old generation's tree was removed between the open and this read
+            raise pin.missing(fmt.MANIFEST_NAME, "the manifest")
+        raise _not_found(pin.path, "has no manifest (it is not a committed tddist checkpoint)")
+    index = pin.read_regular(fmt.INDEX_NAME, MAX_INDEX_BYTES, "index")
+    if index is None and pin.replaced():
+        raise pin.missing(fmt.INDEX_NAME, "the index")
+    return ManifestBytes(
+        pin, raw, index, f"manifest {manifest!r}"
+    )  # no index: version 1 (a version-2 manifest without one is refused)
+
+
+def _archive_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
+    path = pin.path
+    try:
+        os.pread(pin.fd, 4, 0)  # is_zipfile would call a file it cannot read "not a zip file"
+    except OSError as e:
+        raise storage_failed(path, e) from e
+    if not zipfile.is_zipfile(pin.fd_path):
+        raise CheckpointNotFoundError(
+            f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
+        )
+    try:
+        with zipfile.ZipFile(pin.fd_path) as zf:
+            infos = {zi.filename: zi for zi in zf.infolist()}
+            found = fmt.MANIFEST_NAME in infos
+            raw = _read_entry(zf, infos[fmt.MANIFEST_NAME], MAX_MANIFEST_BYTES, path) if found else b""
+            index = _read_entry(zf, infos[fmt.INDEX_NAME], MAX_INDEX_BYTES, path) if fmt.INDEX_NAME in infos else None
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # zipfile seeking to a negative offset that a damaged record gave it
+            raise CorruptCheckpointError(
+                f"{path!r} is not a readable zip archive (a record points outside the file: {e}); the checkpoint "
+                f"is damaged"
+            ) from None
+        raise storage_failed(path, e) from e
+    except (
+        zipfile.BadZipFile,
+        ValueError,
+        EOFError,
+        NotImplementedError,
+    ) as e:  # NotImplemented: a zip version
+        raise CorruptCheckpointError(
+            f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
+        ) from None
+    if not found:
+        raise CheckpointNotFoundError(
+            f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
+        )
+    return ManifestBytes(pin, raw, index, f"manifest of archive {path!r}")
+
+
+def _read_entry(zf: zipfile.ZipFile, zi: zipfile.ZipInfo, limit: int, path: str) -> bytes:
+    """A manifest or index entry: stored (never compressed, as the format requires) and bounded."""
+    if zi.compress_type != zipfile.ZIP_STORED:
+        raise ManifestError(
+            f"archive {path!r}: entry {zi.filename!r} is compressed (method {zi.compress_type}); the format stores "
+            f"it uncompressed, so the archive was not written by tddist or was tampered with"
+        )
+    if zi.file_size > limit or zi.compress_size != zi.file_size:
+        raise ManifestError(f"archive {path!r}: entry {zi.filename!r} declares {zi.file_size} bytes; refusing it")
+    return zf.read(zi)
+
+
+def local_files(checkpoint: str | OpenedCheckpoint) -> ArchiveFiles | DirectoryFiles:
+    """The files of a checkpoint on this file system: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``.
+
+    Given an ``OpenedCheckpoint``, they are read through its pinned
+    descriptor, so they belong to the generation its manifest describes; a
+    path is opened as it is now. For the tools that work on files
+    (``verify``, ``pack``); a load reads any store through ``files()``.
+
+    Raises:
+        InvalidArgumentError: the checkpoint is not on a file system.
+    """
+    if isinstance(checkpoint, str):
+        from .archive import ArchiveFiles
+        from .directory import DirectoryFiles
+
+        return ArchiveFiles(checkpoint) if os.path.isfile(checkpoint) else DirectoryFiles(checkpoint)
+    pin = checkpoint.pin
+    if not isinstance(pin, PinnedCheckpoint):
+        raise InvalidArgumentError(f"{pin.path!r} is on object storage, which this operation does not support")
+    return pin.local_files()

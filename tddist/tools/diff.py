@@ -20,7 +20,7 @@ from .. import format as fmt
 from ..core.sharding import Boxes, PerRank, Replicate, Shard
 from ..manifest.chunks import ReplicaChunks, ShardChunks
 from ..manifest.model import Leaf, Manifest, ObjectLeaf
-from ..storage.open import read_manifest
+from ..storage.backends import read_manifest
 
 #: How the content of a leaf present in both was compared (``LeafDiff.content``).
 SAME = "same"

@@ -23,13 +23,14 @@ from ..checksum import combine_digests, hash_blocks
 from ..core.sharding import PerRank
 from ..core.types import EncodedObject, Key
 from ..errors import CorruptCheckpointError
-from ..loading.read import open_files
 from ..manifest.locate import Locator
 from ..manifest.model import Manifest
 from ..manifest.v2 import encode
 from ..storage.archive import ArchiveFiles, check_archive_target
+from ..storage.backends import open_checkpoint
 from ..storage.directory import DirectoryFiles, check_target
-from ..storage.open import OpenedCheckpoint, open_checkpoint
+from ..storage.opened import OpenedCheckpoint
+from ..storage.pinned import local_files
 from ..storage.publish import publish
 from ..storage.tdmeta import meta_files
 from ..storage.zipcodec import (
@@ -51,7 +52,7 @@ def _files(manifest: Manifest, src: OpenedCheckpoint) -> tuple[dict[str, bytes],
     the source's packing: an archive always holds that tree. The files are
     read through ``src``'s pinned descriptor: the generation its manifest describes.
     """
-    files = open_files(src)
+    files = local_files(src)
     locator = Locator(manifest)
     leaves = {}
     for leaf in manifest.leaves.values():

@@ -33,7 +33,7 @@ from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
 from ..manifest.chunks import BoxChunks
 from ..manifest.locate import Location, Locator, packed_offsets
 from ..manifest.model import Chunk, Leaf, Manifest
-from ..storage.open import read_manifest
+from ..storage.backends import read_manifest
 
 #: Kinds of ``Problem``.
 MISSING = "missing"  # the chunk's file (a rank's data file) or archive entry is not there
@@ -250,12 +250,12 @@ class _Check:
             for leaf in leaves
         ]
         found_in_chunks: list[tuple[int, int, Problem]] = []
-        from ..loading.read import open_files  # imports torch
+        from ..storage.pinned import local_files  # imports torch
 
         for rank in range(m.world_size):
             if rank in bad:
                 continue
-            files = open_files(self.root)  # this rank's file is mapped once, and unmapped after it
+            files = local_files(self.root)  # this rank's file is mapped once, and unmapped after it
             for li, leaf in enumerate(leaves):
                 index = by_rank[li]
                 i = index.get(rank) if index is not None else leaf.table.index_of_rank(rank)
@@ -340,9 +340,9 @@ class _Check:
                 if self.quick:
                     continue
                 if files is None:
-                    from ..loading.read import open_files  # imports torch
+                    from ..storage.pinned import local_files  # imports torch
 
-                    files = open_files(self.root)
+                    files = local_files(self.root)
                 found = self._check_chunk_bytes(files, leaf, chunk, loc)
                 if found is not None:
                     self.problems.append(found)
@@ -393,10 +393,10 @@ class _Check:
 
     def archive(self) -> None:
         """The archive's structure; each chunk's entry and its declared size; unless quick, its bytes."""
-        from ..loading.read import open_files  # imports torch
+        from ..storage.pinned import local_files  # imports torch
 
         try:
-            files = open_files(self.root)
+            files = local_files(self.root)
         except CorruptCheckpointError as e:
             self.problems.append(Problem(STRUCTURE, None, None, None, str(e)))
             return  # nothing in it can be checked

@@ -89,7 +89,7 @@ def check_target(client: Any, url: S3Url) -> str | None:
 class S3DirectoryWriter(WriterBase):
     """One rank's side of a directory save to object storage (a ``layouts.base.ShardWriter``)."""
 
-    layout = "directory"
+    container = "directory"
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

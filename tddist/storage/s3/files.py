@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ...errors import CorruptCheckpointError
-from ...manifest.locate import Location
+from ...manifest.locate import ChunkRange, Location
 from ..zipcodec import ALIGN, LOCAL_FMT, LOCAL_SIZE, check_compressed_entry, inflate_into
 from .pin import S3Pin
 
@@ -44,17 +44,10 @@ class Span:
     size: int | None
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkRange:
-    """Bytes ``[start, stop)`` of the chunk at ``location`` that a load reads."""
-
-    location: Location
-    start: int
-    stop: int
-
-
 class S3Files:
-    """The chunks of one committed checkpoint on object storage, fetched once each."""
+    """The chunks of one committed checkpoint on object storage, fetched once each (an ``opened.ChunkFiles``)."""
+
+    fetches_ahead = True
 
     def __init__(self, pin: S3Pin):
         self.pin = pin

@@ -20,6 +20,7 @@ from typing import Any
 
 from ... import format as fmt
 from ...errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from ..opened import ChunkFiles, ManifestBytes
 from .client import bucket_missing, client_errors, error_code, is_missing, no_bucket, s3_client, s3_failed
 from .url import S3Url, parse
 
@@ -106,8 +107,14 @@ class S3Pin:
         except client_errors():
             return True
 
+    def files(self) -> ChunkFiles:
+        """The reader of the pinned generation's chunks: ranged GETs (``files.S3Files``; imports torch)."""
+        from .files import S3Files
+
+        return S3Files(self)
+
     def close(self) -> None:
-        """Nothing is held open (kept for ``OpenedCheckpoint``)."""
+        """Nothing is held open (an ``opened.Pin``)."""
 
 
 def _no_bucket(client: Any, url: S3Url) -> bool:
@@ -123,17 +130,7 @@ def _total_size(content_range: str, default: int) -> int:
     return int(total) if total.isdigit() else int(default)
 
 
-@dataclass(frozen=True, slots=True)
-class S3Manifest:
-    """What opening found: the pin, the manifest's bytes, the index's (None when absent) and how to name them."""
-
-    pin: S3Pin
-    raw: bytes
-    index: bytes | None
-    where: str
-
-
-def open_s3(prefix: str, max_manifest: int, max_index: int) -> S3Manifest:
+def open_s3(prefix: str, max_manifest: int, max_index: int) -> ManifestBytes:
     """Find the committed checkpoint at ``prefix`` and read its manifest and index (not validated here).
 
     Raises:
@@ -161,7 +158,7 @@ def _read_object(client: Any, url: S3Url, key: str, limit: int, what: str) -> tu
         raise s3_failed(f"reading the {what} of", url.url, e) from e
 
 
-def _open_directory(url: S3Url, client: Any, max_manifest: int, max_index: int) -> S3Manifest:
+def _open_directory(url: S3Url, client: Any, max_manifest: int, max_index: int) -> ManifestBytes:
     found = _read_object(client, url, url.child(fmt.MANIFEST_NAME), max_manifest, "manifest")
     if found is None and _no_bucket(client, url):
         raise no_bucket("opening", url.url, url.bucket, None, CheckpointNotFoundError)
@@ -182,7 +179,7 @@ def _open_directory(url: S3Url, client: Any, max_manifest: int, max_index: int) 
     got = _read_object(client, url, pin.data_key(fmt.INDEX_NAME), max_index, "index")
     if got is None and pin.replaced():
         raise pin.changed("the index")
-    return S3Manifest(pin, raw, None if got is None else got[0], where)
+    return ManifestBytes(pin, raw, None if got is None else got[0], where)
 
 
 class _RangedFile:
@@ -220,7 +217,7 @@ class _RangedFile:
         pass
 
 
-def _open_archive(url: S3Url, client: Any, max_manifest: int, max_index: int) -> S3Manifest:
+def _open_archive(url: S3Url, client: Any, max_manifest: int, max_index: int) -> ManifestBytes:
     try:
         head = client.head_object(Bucket=url.bucket, Key=url.key)
     except client_errors() as e:
@@ -247,7 +244,7 @@ def _open_archive(url: S3Url, client: Any, max_manifest: int, max_index: int) ->
         raise CheckpointNotFoundError(
             f"archive {url.url!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
         )
-    return S3Manifest(pin, raw, index, where)
+    return ManifestBytes(pin, raw, index, where)
 
 
 def _entry(zf: zipfile.ZipFile, zi: zipfile.ZipInfo | None, limit: int, url: S3Url) -> bytes | None:

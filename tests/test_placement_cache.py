@@ -14,13 +14,13 @@ from tddist import InvalidDataError, PerRank, Replicate, Shard
 from tddist.comm.base import LocalComm
 from tddist.core.types import LocalShard
 from tddist.saving import background
-from tddist.saving.prepare import LayoutCache, prepare_shard
+from tddist.saving.prepare import PlacementCache, prepare_shard
 
 
-def _prepare(data, cache: LayoutCache, *, rank: int = 0, world: int = 2, placements=None, allow_pickle=False):
+def _prepare(data, cache: PlacementCache, *, rank: int = 0, world: int = 2, placements=None, allow_pickle=False):
     return prepare_shard(
         data, rank, world, None, placements=placements, robust_key=True, allow_pickle=allow_pickle,
-        copy_existing=False, layouts=cache,
+        copy_existing=False, placement_cache=cache,
     )  # fmt: skip
 
 
@@ -36,8 +36,8 @@ def _layout_of(shard: LocalShard | Exception) -> list:
 
 
 def test_the_same_structure_reuses_the_layout_and_gives_the_same_shard():
-    cache = LayoutCache()
-    fresh = _layout_of(_prepare(_state(), LayoutCache()))
+    cache = PlacementCache()
+    fresh = _layout_of(_prepare(_state(), PlacementCache()))
     assert _layout_of(_prepare(_state(), cache)) == fresh and cache.hits == 0
     for expected_hits in (1, 2):  # new tensors, new values, the same structure
         assert _layout_of(_prepare(_state(), cache)) == fresh
@@ -55,16 +55,16 @@ def test_the_same_structure_reuses_the_layout_and_gives_the_same_shard():
     ids=["key", "shape", "dtype", "kind"],
 )
 def test_a_changed_structure_derives_its_layout_again(change):
-    cache = LayoutCache()
+    cache = PlacementCache()
     _prepare(_state(), cache)
     changed = _state()
     change(changed)
-    assert _layout_of(_prepare(changed, cache)) == _layout_of(_prepare(changed, LayoutCache()))
+    assert _layout_of(_prepare(changed, cache)) == _layout_of(_prepare(changed, PlacementCache()))
     assert cache.hits == 0
 
 
 def test_placements_rank_and_world_are_part_of_the_signature():
-    cache = LayoutCache()
+    cache = PlacementCache()
     td = TensorDict({"a": torch.zeros(4, 2), "b": torch.zeros(4, 2)}, [])
     base = _layout_of(_prepare(td, cache))
     assert {p for _k, p, _w, _d in base} == {Replicate()}
@@ -81,7 +81,7 @@ def test_placements_rank_and_world_are_part_of_the_signature():
 def test_values_are_still_checked_when_the_layout_is_reused(tmp_path):
     """A reused layout skips only what the structure decides: a leaf now memory-mapped from a file and a
     non-tensor value that needs pickle are refused as on the first save."""
-    cache = LayoutCache()
+    cache = PlacementCache()
     td = TensorDict({"w": torch.zeros(16), "meta": {"k": "text"}}, [])
     assert isinstance(_prepare(td, cache), LocalShard)
     path = tmp_path / "mapped.bin"
@@ -103,7 +103,7 @@ def test_unhashable_placements_are_never_cached():
         def __init__(self, dim: int) -> None:
             self.dim = dim
 
-    cache = LayoutCache()
+    cache = PlacementCache()
     td = TensorDict({"a": torch.zeros(4)}, [])
     for _ in range(2):
         assert _layout_of(_prepare(td, cache, placements={"a": Shard(0)}))[0][1] == tddist.Shard(0)
@@ -132,4 +132,4 @@ def test_saves_whose_structure_changes_on_one_channel_load_back_exactly(tmp_path
             )
             for k, v in td.items(include_nested=True, leaves_only=True):
                 assert torch.equal(loaded[k], v), (round_, i, k)
-    assert background.channel(comm).layouts.hits >= 3
+    assert background.channel(comm).placements.hits >= 3

@@ -1,0 +1,333 @@
+"""The path of a save, read top to bottom: prepare, snapshot, write, commit, open.
+
+``save`` (``tddist.save`` checks the arguments into a ``SaveRequest`` and
+calls it) runs on every rank:
+
+1. ``prepare``: flatten this rank's data into a ``LocalShard`` (checks,
+   placements, non-tensor values); an error becomes this rank's vote, so
+   every rank still meets in the commit and all raise the same error;
+2. synchronous: ``commit`` (the store's ``ShardWriter`` writes this rank's
+   bytes, then ``commit.two_phase_commit`` publishes the checkpoint), then
+   ``open_committed`` maps what this rank saved and returns it;
+3. ``return_early``: ``start_early`` takes the snapshot on the caller's
+   thread, the one way that fits the save (``snapshot_whole``: copy the
+   whole state into reused buffers; ``stream``: copy into the channel's
+   arena while the worker writes the copied slots; ``in_writer_process``:
+   copy into a writer process's shared arena), and hands ``commit`` and
+   ``open_committed`` to the channel's worker (``background``); the caller
+   gets a Future.
+
+The writer process runs ``commit`` alone (``writer_main``); the trainer's
+worker then runs ``open_committed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+from tensordict import TensorDict
+
+from .._version import __version__
+from ..comm.base import Communicator
+from ..comm.resolve import resolve
+from ..core.types import (
+    Fragment,
+    LoadOptions,
+    LocalShard,
+    ManifestFiles,
+    SavedRows,
+    SaveOptions,
+    SaveRequest,
+    Structure,
+)
+from ..errors import StorageError, TargetError, TddistError
+from ..loading.pipeline import read_shard
+from ..manifest.merge import MergeCache, merge_fragments
+from ..manifest.v2 import encode
+from ..storage.backends import Store, store_for
+from ..storage.base import ShardWriter, hashes_replica
+from . import background
+from .background import Channel
+from .commit import Retire, two_phase_commit
+from .prepare import prepare_shard
+from .snapshot import SnapshotBuffers, Snapshotter
+from .stream import Stream, StreamingWriter, StreamSources
+from .writer_process import ProcessWriter, WriterRequest, supported
+
+logger = logging.getLogger(__name__)
+
+#: A function that prepares this rank's shard, snapshotting its tensors into the given buffers.
+Prepare = Callable[[Snapshotter | None], LocalShard | Exception]
+#: A function that makes this rank's writer of a save (the store's, or one that writes a streamed snapshot).
+WriterFactory = Callable[[SaveOptions, int, LocalShard | Exception, MergeCache], ShardWriter]
+
+
+def save(data: Any, request: SaveRequest) -> TensorDict | Future:
+    """Save ``data`` (this rank's shard) as ``request`` says; see ``tddist.save``."""
+    options = request.options
+    c = resolve(request.comm, request.timeout)
+    ch = background.channel(c)
+    ch.wait_idle(request.wait_for_pending, options.target)
+
+    def prepare(buffers: Snapshotter | None) -> LocalShard | Exception:
+        return prepare_shard(
+            data,
+            c.rank,
+            c.size,
+            buffers,  # type: ignore[arg-type]  # a Snapshotter: buffers, sources or the process writer's
+            placements=request.placements,
+            robust_key=options.robust_key,
+            allow_pickle=options.allow_pickle,
+            copy_existing=request.copy_existing,
+            placement_cache=ch.placements,
+        )
+
+    if request.early is None:
+        shard = prepare(None)
+        writer = commit(c, options, shard, ch.merges)
+        return open_committed(c, options, shard, writer)
+    return start_early(ch, options, prepare, request.early.snapshot_budget, request.early.writer)
+
+
+def store_of(options: SaveOptions) -> Store:
+    """The store a save writes to (``storage.backends``)."""
+    return store_for(options.target, options.container == "archive")
+
+
+def commit(
+    c: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: MergeCache,
+    make_writer: WriterFactory | None = None,
+    retire: Retire | None = None,
+) -> ShardWriter:
+    """Write this rank's shard and run the two-phase commit; return the writer once the checkpoint is published.
+
+    ``make_writer``: a writer other than the store's own (a streamed
+    snapshot's); ``retire``: where the removal of the replaced checkpoint goes
+    (``two_phase_commit``).
+    """
+    writer = (make_writer or store_of(options).writer)(options, c.rank, shard, cache)
+
+    def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
+        m = merge_fragments(
+            fragments,
+            structure,
+            metadata=dict(options.metadata),
+            robust_key=options.robust_key,
+            version=__version__,
+            container=options.container,
+            packing=options.packing,
+            cache=cache,
+        )
+        return encode(m)
+
+    two_phase_commit(c, writer, build_manifest, retire)
+    writer.committed()
+    logger.info("rank %d: committed %s", c.rank, options.target)
+    return writer
+
+
+def open_committed(
+    c: Communicator, options: SaveOptions, shard: LocalShard | Exception, writer: ShardWriter | None = None
+) -> TensorDict:
+    """This rank's saved shard, mapped from the committed checkpoint (``writer``: this process committed it).
+
+    Raises ``TargetError`` when the commit is durable but the file system
+    failed when the checkpoint was read back.
+    """
+    assert isinstance(shard, LocalShard)  # the commit raised otherwise
+    store = store_of(options)
+    own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
+    opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
+    try:
+        with store.open() if writer is None else store.open_saved(writer) as opened:
+            return read_shard(opened, c, opts, own)
+    except StorageError as e:
+        raise _unreadable_after_commit(c.rank, options.target, e) from e
+    except TddistError:
+        raise
+    except OSError as e:  # the file system failed after the commit (an I/O error, a power loss)
+        raise _unreadable_after_commit(c.rank, options.target, e) from e
+
+
+def _commit_and_open(
+    c: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: MergeCache,
+    make_writer: WriterFactory | None = None,
+    retire: Retire | None = None,
+) -> TensorDict:
+    """(a ``return_early`` save's worker) ``commit``, then ``open_committed`` with the writer."""
+    writer = commit(c, options, shard, cache, make_writer, retire)
+    return open_committed(c, options, shard, writer)
+
+
+def _unreadable_after_commit(rank: int, target: str, e: OSError | StorageError) -> TargetError:
+    """The error of a save whose commit is durable but whose checkpoint could not be read back (the I/O failed)."""
+    return TargetError(
+        f"rank {rank}: the save to {target!r} was committed and is durable, but opening it to return it failed: "
+        f"{e}; once the file system is readable again, tddist.load reads it"
+    )
+
+
+# --- return_early: snapshot on the caller's thread, commit on the channel's worker ---------------------------
+
+
+def start_early(ch: Channel, options: SaveOptions, prepare: Prepare, budget: int | None, writer: str) -> Future:
+    """Snapshot this rank's data and hand the commit to the channel's worker; return the save's Future.
+
+    With ``writer="process"`` the shard is copied into the writer process's
+    shared arena and the commit runs there. Otherwise, without ``budget``
+    and where the store cannot stream, the whole shard is copied into the
+    reusable snapshot buffers (``snapshot_whole``); else it streams through
+    the channel's arena (``stream``), and this returns only once its last
+    byte is copied. The removal of a replaced checkpoint is deferred to the
+    worker (``Channel.defer``), after the Future is resolved.
+    """
+    if writer == "process":
+        why = supported(ch.comm)
+        if why is None:
+            return in_writer_process(ch, options, prepare)
+        logger.info("rank %d: async_writer='process' falls back to the thread writer: %s", ch.comm.rank, why)
+    if budget is None and not streams(options):
+        return snapshot_whole(ch, options, prepare(ch.buffers))
+    sources = StreamSources()
+    shard = prepare(sources)
+    if isinstance(shard, Exception):
+        return snapshot_whole(ch, options, shard)
+    total = sum(t.numel() * t.element_size() for t in sources.sources.values())
+    on_gpu = any(t.device.type != "cpu" for t in sources.sources.values())
+    if (budget is None and on_gpu) or (budget is not None and total <= budget):
+        ch.arena = None  # a whole snapshot (GPU leaves: pinned buffers, copies on a side stream)
+        return snapshot_whole(ch, options, _snapshot_into(ch.buffers, shard, sources))
+    return stream(ch, options, shard, sources, budget, on_gpu)
+
+
+def streams(options: SaveOptions) -> bool:
+    """Whether a save without ``snapshot_budget`` is copied into the channel's arena while it is written.
+
+    Only the packed directory layout of a store that ``streams`` can write a
+    slot before the whole state is copied (``stream.py``); an archive,
+    ``layout="memmap"``, object storage and ``check_replicas`` (which
+    compares the replicas' snapshots) copy the whole state first.
+    """
+    return (
+        options.container == "directory"
+        and options.packing == "packed"
+        and not options.check_replicas
+        and store_of(options).streams
+    )
+
+
+def snapshot_whole(ch: Channel, options: SaveOptions, shard: LocalShard | Exception) -> Future:
+    """Commit a shard already copied into the snapshot buffers (or the error preparing it) on the worker."""
+    bg = ch.background_comm()
+    return ch.submit(partial(_commit_snapshot, ch.buffers, bg, options, shard, ch.merges, ch.defer))
+
+
+def stream(
+    ch: Channel, options: SaveOptions, shard: LocalShard, sources: StreamSources, budget: int | None, on_gpu: bool
+) -> Future:
+    """Copy the written leaves into the channel's arena while the worker writes the copied slots.
+
+    Without ``budget`` the whole state fits in the arena: the copy helper
+    copies from the last slot back while the caller copies from the first
+    one on, and the worker commits once both are done. With it, the state
+    streams through slots of the budget, and the worker writes each slot
+    as soon as it is copied.
+    """
+    bg = ch.background_comm()
+    ch.buffers.retain_only(set())  # the arena holds the state: no whole-state buffers beside it
+    shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
+    written = [(i.key, sources.sources[i.key]) for i in shard.items if i.writes]
+    if budget is None:
+        s = Stream(ch.pipeline_arena(written), written, ch.comm.rank)
+    else:
+        s = Stream(ch.arena_for(budget, on_gpu), written, ch.comm.rank)
+        logger.info(
+            "rank %d: %d bytes to save exceed snapshot_budget=%d; streaming them through %d slots of %d bytes",
+            ch.comm.rank, s.nbytes, budget, s.arena.nslots, s.arena.slot_bytes,
+        )  # fmt: skip
+
+    def factory(o: SaveOptions, rank: int, sh: LocalShard | Exception, cache: MergeCache) -> ShardWriter:
+        return StreamingWriter(o, rank, sh, cache, s)
+
+    fut = ch.submit(partial(_commit_streamed, s, bg, options, shard, ch.merges, factory, ch.defer))
+    if s.whole:
+        ch.help_copy(s)
+    s.produce()
+    return fut
+
+
+def in_writer_process(ch: Channel, options: SaveOptions, prepare: Prepare) -> Future:
+    """Copy the shard into this rank's writer process's shared arena; its commit runs there
+    (``writer_process``), and the worker maps the result once it answers."""
+    pw = ch.process_writer()
+    sources = StreamSources()
+    shard = prepare(sources)
+    request = pw.snapshot(options, shard, sources.sources)
+    return ch.submit(partial(_commit_in_process, ch.comm, pw, request, shard))
+
+
+def _copy_hashed_replicas(shard: LocalShard, sources: StreamSources, check_replicas: bool) -> LocalShard:
+    """Copy now the replicas this rank does not write but its vote hashes (``hashes_replica``): only
+    written leaves go through the stream's slots."""
+    items = tuple(
+        replace(i, tensor=sources.sources[i.key].clone()) if hashes_replica(i, check_replicas) else i
+        for i in shard.items
+    )
+    return replace(shard, items=items)
+
+
+def _snapshot_into(buffers: SnapshotBuffers, shard: LocalShard, sources: StreamSources) -> LocalShard:
+    items = tuple(replace(i, tensor=buffers.snapshot(i.key, sources.sources[i.key])) for i in shard.items)
+    buffers.synchronize()
+    buffers.retain_only({i.key for i in items})
+    return replace(shard, items=items)
+
+
+def _commit_snapshot(
+    buffers: SnapshotBuffers,
+    comm: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: MergeCache,
+    retire: Retire,
+) -> TensorDict:
+    """(the worker) Wait for device-to-host copies of the snapshot, if any, then commit and open."""
+    buffers.wait_copies()
+    return _commit_and_open(comm, options, shard, cache, None, retire)
+
+
+def _commit_streamed(
+    s: Stream,
+    comm: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: MergeCache,
+    factory: WriterFactory,
+    retire: Retire,
+) -> TensorDict:
+    """(the worker) Commit a streamed snapshot once its copy is done (nothing competes with the copy the
+    caller waits for); a failed commit stops the caller's copy waiting for slots."""
+    try:
+        s.wait_copied()
+        return _commit_and_open(comm, options, shard, cache, factory, retire)
+    finally:
+        s.cancel()
+
+
+def _commit_in_process(
+    c: Communicator, pw: ProcessWriter, request: WriterRequest, shard: LocalShard | Exception
+) -> TensorDict:
+    """(the worker) Wait for the writer process's commit, then map what this rank saved."""
+    pw.run(request)
+    return open_committed(c, request.options, shard)

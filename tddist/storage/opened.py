@@ -1,0 +1,162 @@
+"""The read side of every store: a committed checkpoint opened once (``OpenedCheckpoint``) and its protocols.
+
+A store's ``open`` pins one generation of the checkpoint (a directory or
+archive descriptor, an object's ETag, a manifest's data generation), reads
+the manifest and index bytes of that generation (``ManifestBytes``), and
+``validate`` turns them into an ``OpenedCheckpoint``: the checked manifest,
+its generation, and the ``Pin`` every chunk is then read through. So a load
+reads one generation whole even while an overwrite replaces the checkpoint.
+
+Call order, on every rank that reads (``loading.pipeline`` runs it):
+
+1. (every rank) ``backends.store_for(prefix).open()``: pin one generation and
+   read its manifest; raises ``CheckpointNotFoundError``, ``ManifestError``,
+   ``CorruptCheckpointError`` or ``StorageError``.
+2. (several ranks) compare ``generation`` on every rank: an overwrite may have
+   committed between two ranks' opens (then every rank raises
+   ``CheckpointChangedError`` and the load opens again).
+3. (every rank) ``files()``: the ``ChunkFiles`` of the pinned generation; then
+   ``prefetch(ranges, num_threads)`` once with every range the load reads
+   where ``fetches_ahead`` (a store that pays per request fetches them in
+   parallel), then ``span(location)`` for each chunk read.
+4. (every rank) ``close()``: the pin is released; tensors already mapped stay
+   valid.
+
+Nothing here imports torch, so the ``tddist`` command lists and describes
+checkpoints without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .. import format as fmt
+from ..errors import ManifestError
+from ..manifest import checksum as manifest_checksum
+from ..manifest.model import Manifest
+from ..manifest.parse import parse_manifest
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..manifest.locate import ChunkRange, Location
+
+
+class ChunkFiles(Protocol):
+    """The chunks of one pinned generation, read as uint8 tensors (the read-side counterpart of ``ShardWriter``).
+
+    Call order: ``prefetch`` at most once, with every range the load will
+    read; then ``span`` for each chunk, in any order, from any thread.
+    """
+
+    root: str  # the checkpoint, as errors name it
+    #: whether ``prefetch`` fetches anything (object storage); a file system maps chunks in ``span``
+    fetches_ahead: bool
+
+    def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
+        """Fetch ahead the bytes a load will read (a no-op where ``span`` maps files)."""
+        ...
+
+    def span(self, location: Location) -> torch.Tensor:
+        """The chunk's bytes at ``location``: a copy-on-write map, a decompressed copy or fetched bytes.
+
+        Sizes are checked against the manifest's before the bytes are used.
+        Raises ``CorruptCheckpointError`` for a missing or damaged chunk,
+        ``CheckpointChangedError`` when an overwrite removed it meanwhile.
+        """
+        ...
+
+
+class Pin(Protocol):
+    """One generation of a committed checkpoint, held while it is read (see the module's call order)."""
+
+    @property
+    def path(self) -> str:
+        """The checkpoint, as the user named it."""
+        ...
+
+    @property
+    def archive(self) -> bool:
+        """One zip archive (else a directory tree)."""
+        ...
+
+    def files(self) -> ChunkFiles:
+        """The reader of this generation's chunks (imports torch)."""
+        ...
+
+    def close(self) -> None:
+        """Release the pin (idempotent)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestBytes:
+    """What a store's ``open`` found: the pin, the manifest's bytes, the index's (None: absent), how to name them."""
+
+    pin: Pin
+    raw: bytes
+    index: bytes | None
+    where: str
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A committed checkpoint opened once: its validated manifest, its generation, and its ``Pin``.
+
+    Every chunk a load reads is read through ``files()``, so manifest and
+    data come from one generation even while an overwrite replaces the
+    checkpoint. Close it (or use it as a context manager) once the data is
+    mapped.
+    """
+
+    pin: Pin
+    manifest: Manifest
+    #: the manifest's checksum (version 3) or the hash of its bytes: equal generations hold equal data
+    generation: str
+
+    @property
+    def path(self) -> str:
+        return self.pin.path
+
+    def files(self) -> ChunkFiles:
+        """The reader of the pinned generation's chunks."""
+        return self.pin.files()
+
+    def close(self) -> None:
+        self.pin.close()
+
+    def __enter__(self) -> OpenedCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def validate(found: ManifestBytes) -> OpenedCheckpoint:
+    """Check the manifest's own checksum, parse and validate it (with its index); close the pin if it fails."""
+    try:
+        return _validate(found)
+    except BaseException:
+        found.pin.close()
+        raise
+
+
+def _validate(found: ManifestBytes) -> OpenedCheckpoint:
+    where = found.where
+    gen, sealed = manifest_checksum.generation(found.raw, where)
+    try:
+        obj = fmt.loads(found.raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
+    except RecursionError:
+        raise ManifestError(f"{where} is JSON nested too deeply to be a tddist manifest; refusing it") from None
+    m = parse_manifest(obj, where=where, index=found.index)
+    if m.version >= 3 and not sealed:
+        raise ManifestError(f"{where} (format version {m.version}) lacks its manifest_checksum; it was tampered with")
+    if found.pin.archive and m.layout != "archive":
+        raise ManifestError(
+            f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
+        )
+    return OpenedCheckpoint(found.pin, m, gen)  # a directory may hold an extracted archive: the tree is the same
