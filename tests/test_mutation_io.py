@@ -38,7 +38,7 @@ from tddist.loading import read as reader
 from tddist.manifest.locate import ChunkRange, Locator
 from tddist.saving.memmaps import allocated_by_torch
 from tddist.storage import writer
-from tddist.storage.pinned import local_files
+from tddist.storage.backends import local_files
 from tests.helpers import assert_td_equal
 
 # --- reader._needed: the bytes of each chunk a request reads ------------------------------
@@ -598,13 +598,17 @@ def test_object_storage_chunks_have_their_own_reader_and_no_file_reader(tmp_path
     """A checkpoint opened on object storage (no request is sent here): its chunks are read by ``S3Files``, and
     operations that need files refuse it, naming it."""
     from tddist.errors import InvalidArgumentError
+    from tddist.storage.backends import store_for
     from tddist.storage.opened import OpenedCheckpoint
     from tddist.storage.s3.files import S3Files
     from tddist.storage.s3.pin import S3Pin
     from tddist.storage.s3.url import parse
 
     tddist.save(two_leaves(), tmp_path / "d")
-    opened = OpenedCheckpoint(S3Pin(parse("s3://bucket/ckpt"), None, False), tddist.read_manifest(tmp_path / "d"), "g")
+    store = store_for("s3://bucket/ckpt")
+    opened = OpenedCheckpoint(
+        S3Pin(parse(store.target), None, False), tddist.read_manifest(tmp_path / "d"), "g", store.files
+    )
     files = opened.files()
     assert type(files) is S3Files and files.pin is opened.pin and files.fetches_ahead
     with pytest.raises(InvalidArgumentError) as e:

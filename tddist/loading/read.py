@@ -21,8 +21,9 @@ from ..core.types import Key
 from ..errors import CorruptCheckpointError
 from ..manifest.locate import ChunkRange, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
+from ..storage.backends import local_files
 from ..storage.opened import ChunkFiles, OpenedCheckpoint
-from ..storage.pinned import local_files, storage_failed
+from ..storage.pinned import storage_failed
 
 
 class ChunkSource:

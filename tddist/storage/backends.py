@@ -23,13 +23,16 @@ from typing import TYPE_CHECKING, Protocol, cast
 from .. import format as fmt
 from ..errors import InvalidArgumentError
 from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
-from .opened import OpenedCheckpoint, validate
+from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 
 if TYPE_CHECKING:
     from ..core.types import LocalShard, SaveOptions
     from ..manifest.merge import MergeCache
     from ..manifest.model import Manifest
+    from .archive import ArchiveFiles
     from .base import ShardWriter
+    from .directory import DirectoryFiles
+    from .pinned import PinnedCheckpoint
 
 #: How a prefix on object storage begins.
 S3_SCHEME = "s3://"
@@ -73,6 +76,10 @@ class Store(Protocol):
         """Pin the committed checkpoint's generation and read its validated manifest."""
         ...
 
+    def files(self, pin: Pin) -> ChunkFiles:
+        """The reader of ``pin``'s chunks (``OpenedCheckpoint.files``; imports torch)."""
+        ...
+
     def open_saved(self, writer: ShardWriter) -> OpenedCheckpoint:
         """Open the checkpoint ``writer`` just committed (a store may read this rank's own bytes from memory)."""
         ...
@@ -108,7 +115,10 @@ class FileStore:
     def open(self) -> OpenedCheckpoint:
         from .pinned import open_local
 
-        return validate(open_local(self.target))
+        return validate(open_local(self.target), self.files)
+
+    def files(self, pin: Pin) -> ChunkFiles:
+        return local_files(cast("PinnedCheckpoint", pin))
 
     def open_saved(self, writer: ShardWriter) -> OpenedCheckpoint:
         return self.open()
@@ -164,7 +174,14 @@ class ObjectStore:
     def open(self) -> OpenedCheckpoint:
         from .s3.pin import open_s3
 
-        return validate(open_s3(self.target, MAX_MANIFEST_BYTES, MAX_INDEX_BYTES))
+        return validate(open_s3(self.target, MAX_MANIFEST_BYTES, MAX_INDEX_BYTES), self.files)
+
+    def files(self, pin: Pin) -> ChunkFiles:
+        """Ranged GETs of the pinned generation's objects, in parallel (``s3.files.S3Files``)."""
+        from .s3.files import S3Files
+        from .s3.pin import S3Pin
+
+        return S3Files(cast(S3Pin, pin))
 
     def open_saved(self, writer: ShardWriter) -> OpenedCheckpoint:
         """Open it, reading back from memory what this rank uploaded instead of downloading it again."""
@@ -236,3 +253,26 @@ def read_manifest(prefix: str | os.PathLike) -> Manifest:
 def recover(prefix: str | os.PathLike) -> list[str]:
     """Remove leftovers of interrupted saves at ``prefix`` (its store's ``recover``)."""
     return store_for(prefix).recover()
+
+
+def local_files(checkpoint: str | OpenedCheckpoint | PinnedCheckpoint) -> ArchiveFiles | DirectoryFiles:
+    """The files of a checkpoint on this file system: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``.
+
+    Opened (or pinned), they are read through the pinned descriptor, so they
+    belong to the generation the manifest describes; a path is opened as it
+    is now. For the tools that work on files (``verify``, ``pack``) and the
+    file store's reader; a load reads any store through ``files()``.
+
+    Raises:
+        InvalidArgumentError: the checkpoint is not on a file system.
+    """
+    from .archive import ArchiveFiles
+    from .directory import DirectoryFiles
+    from .pinned import PinnedCheckpoint
+
+    if isinstance(checkpoint, str):
+        return ArchiveFiles(checkpoint) if os.path.isfile(checkpoint) else DirectoryFiles(checkpoint)
+    pin = checkpoint.pin if isinstance(checkpoint, OpenedCheckpoint) else checkpoint
+    if not isinstance(pin, PinnedCheckpoint):
+        raise InvalidArgumentError(f"{pin.path!r} is on object storage, which this operation does not support")
+    return ArchiveFiles(pin.path, opened_as=pin.fd_path) if pin.archive else DirectoryFiles(pin.path, pin)

@@ -10,12 +10,13 @@ reads one generation whole even while an overwrite replaces the checkpoint.
 Call order, on every rank that reads (``loading.pipeline`` runs it):
 
 1. (every rank) ``backends.store_for(prefix).open()``: pin one generation and
-   read its manifest; raises ``CheckpointNotFoundError``, ``ManifestError``,
+   read its manifest (the store's ``ManifestBytes``, checked by ``validate``); raises ``CheckpointNotFoundError``, ``ManifestError``,
    ``CorruptCheckpointError`` or ``StorageError``.
 2. (several ranks) compare ``generation`` on every rank: an overwrite may have
    committed between two ranks' opens (then every rank raises
    ``CheckpointChangedError`` and the load opens again).
-3. (every rank) ``files()``: the ``ChunkFiles`` of the pinned generation; then
+3. (every rank) ``files()``: the ``ChunkFiles`` of the pinned generation (the
+   store's reader); then
    ``prefetch(ranges, num_threads)`` once with every range the load reads
    where ``fetches_ahead`` (a store that pays per request fetches them in
    parallel), then ``span(location)`` for each chunk read.
@@ -28,7 +29,7 @@ checkpoints without it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -70,7 +71,8 @@ class ChunkFiles(Protocol):
 
 
 class Pin(Protocol):
-    """One generation of a committed checkpoint, held while it is read (see the module's call order)."""
+    """One generation of a committed checkpoint, held while it is read (see the module's call order); its
+    store reads its chunks (``Store.files``)."""
 
     @property
     def path(self) -> str:
@@ -80,10 +82,6 @@ class Pin(Protocol):
     @property
     def archive(self) -> bool:
         """One zip archive (else a directory tree)."""
-        ...
-
-    def files(self) -> ChunkFiles:
-        """The reader of this generation's chunks (imports torch)."""
         ...
 
     def close(self) -> None:
@@ -115,14 +113,16 @@ class OpenedCheckpoint:
     manifest: Manifest
     #: the manifest's checksum (version 3) or the hash of its bytes: equal generations hold equal data
     generation: str
+    #: the store's reader of a pin's chunks (``backends.Store.files``)
+    reader: Callable[[Pin], ChunkFiles]
 
     @property
     def path(self) -> str:
         return self.pin.path
 
     def files(self) -> ChunkFiles:
-        """The reader of the pinned generation's chunks."""
-        return self.pin.files()
+        """The reader of the pinned generation's chunks (imports torch)."""
+        return self.reader(self.pin)
 
     def close(self) -> None:
         self.pin.close()
@@ -134,16 +134,19 @@ class OpenedCheckpoint:
         self.close()
 
 
-def validate(found: ManifestBytes) -> OpenedCheckpoint:
-    """Check the manifest's own checksum, parse and validate it (with its index); close the pin if it fails."""
+def validate(found: ManifestBytes, reader: Callable[[Pin], ChunkFiles]) -> OpenedCheckpoint:
+    """Check the manifest's own checksum, parse and validate it (with its index); close the pin if it fails.
+
+    ``reader``: how the store reads the pin's chunks.
+    """
     try:
-        return _validate(found)
+        return _validate(found, reader)
     except BaseException:
         found.pin.close()
         raise
 
 
-def _validate(found: ManifestBytes) -> OpenedCheckpoint:
+def _validate(found: ManifestBytes, reader: Callable[[Pin], ChunkFiles]) -> OpenedCheckpoint:
     where = found.where
     gen, sealed = manifest_checksum.generation(found.raw, where)
     try:
@@ -159,4 +162,6 @@ def _validate(found: ManifestBytes) -> OpenedCheckpoint:
         raise ManifestError(
             f"{where} declares layout {m.layout!r}, but the checkpoint is an archive; it was tampered with"
         )
-    return OpenedCheckpoint(found.pin, m, gen)  # a directory may hold an extracted archive: the tree is the same
+    return OpenedCheckpoint(
+        found.pin, m, gen, reader
+    )  # a directory may hold an extracted archive: the tree is the same

@@ -22,23 +22,17 @@ import errno
 import os
 import stat
 import zipfile
-from typing import TYPE_CHECKING
 
 from .. import format as fmt
 from ..errors import (
     CheckpointChangedError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    InvalidArgumentError,
     ManifestError,
     StorageError,
 )
 from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
-from .opened import ChunkFiles, ManifestBytes, OpenedCheckpoint
-
-if TYPE_CHECKING:
-    from .archive import ArchiveFiles
-    from .directory import DirectoryFiles
+from .opened import ManifestBytes
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO must not block the open
@@ -72,20 +66,6 @@ class PinnedCheckpoint:
                 f"{path!r} is neither a directory nor a regular file, so it is not a tddist checkpoint; pass a "
                 f"checkpoint directory or a .tdz archive"
             )
-
-    def files(self) -> ChunkFiles:
-        """The reader of the pinned checkpoint's chunks (an ``opened.Pin``; imports torch)."""
-        return self.local_files()
-
-    def local_files(self) -> ArchiveFiles | DirectoryFiles:
-        """The pinned checkpoint's files: ``ArchiveFiles`` for an archive, else ``DirectoryFiles`` (imports torch)."""
-        if self.archive:
-            from .archive import ArchiveFiles
-
-            return ArchiveFiles(self.path, opened_as=self.fd_path)
-        from .directory import DirectoryFiles
-
-        return DirectoryFiles(self.path, self)
 
     @property
     def fd_path(self) -> str:
@@ -302,25 +282,3 @@ def _read_entry(zf: zipfile.ZipFile, zi: zipfile.ZipInfo, limit: int, path: str)
     if zi.file_size > limit or zi.compress_size != zi.file_size:
         raise ManifestError(f"archive {path!r}: entry {zi.filename!r} declares {zi.file_size} bytes; refusing it")
     return zf.read(zi)
-
-
-def local_files(checkpoint: str | OpenedCheckpoint) -> ArchiveFiles | DirectoryFiles:
-    """The files of a checkpoint on this file system: ``ArchiveFiles`` for an archive, else ``DirectoryFiles``.
-
-    Given an ``OpenedCheckpoint``, they are read through its pinned
-    descriptor, so they belong to the generation its manifest describes; a
-    path is opened as it is now. For the tools that work on files
-    (``verify``, ``pack``); a load reads any store through ``files()``.
-
-    Raises:
-        InvalidArgumentError: the checkpoint is not on a file system.
-    """
-    if isinstance(checkpoint, str):
-        from .archive import ArchiveFiles
-        from .directory import DirectoryFiles
-
-        return ArchiveFiles(checkpoint) if os.path.isfile(checkpoint) else DirectoryFiles(checkpoint)
-    pin = checkpoint.pin
-    if not isinstance(pin, PinnedCheckpoint):
-        raise InvalidArgumentError(f"{pin.path!r} is on object storage, which this operation does not support")
-    return pin.local_files()

@@ -27,10 +27,9 @@ from ..manifest.locate import Locator
 from ..manifest.model import Manifest
 from ..manifest.v2 import encode
 from ..storage.archive import ArchiveFiles, check_archive_target
-from ..storage.backends import open_checkpoint
+from ..storage.backends import local_files, open_checkpoint
 from ..storage.directory import DirectoryFiles, check_target
 from ..storage.opened import OpenedCheckpoint
-from ..storage.pinned import local_files
 from ..storage.publish import publish
 from ..storage.tdmeta import meta_files
 from ..storage.zipcodec import (

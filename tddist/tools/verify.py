@@ -250,7 +250,7 @@ class _Check:
             for leaf in leaves
         ]
         found_in_chunks: list[tuple[int, int, Problem]] = []
-        from ..storage.pinned import local_files  # imports torch
+        from ..storage.backends import local_files  # imports torch
 
         for rank in range(m.world_size):
             if rank in bad:
@@ -340,7 +340,7 @@ class _Check:
                 if self.quick:
                     continue
                 if files is None:
-                    from ..storage.pinned import local_files  # imports torch
+                    from ..storage.backends import local_files  # imports torch
 
                     files = local_files(self.root)
                 found = self._check_chunk_bytes(files, leaf, chunk, loc)
@@ -393,7 +393,7 @@ class _Check:
 
     def archive(self) -> None:
         """The archive's structure; each chunk's entry and its declared size; unless quick, its bytes."""
-        from ..storage.pinned import local_files  # imports torch
+        from ..storage.backends import local_files  # imports torch
 
         try:
             files = local_files(self.root)

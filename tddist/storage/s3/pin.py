@@ -20,7 +20,7 @@ from typing import Any
 
 from ... import format as fmt
 from ...errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
-from ..opened import ChunkFiles, ManifestBytes
+from ..opened import ManifestBytes
 from .client import bucket_missing, client_errors, error_code, is_missing, no_bucket, s3_client, s3_failed
 from .url import S3Url, parse
 
@@ -106,12 +106,6 @@ class S3Pin:
             return bool(head.get("Metadata", {}).get(GENERATION_META) != self.generation)
         except client_errors():
             return True
-
-    def files(self) -> ChunkFiles:
-        """The reader of the pinned generation's chunks: ranged GETs (``files.S3Files``; imports torch)."""
-        from .files import S3Files
-
-        return S3Files(self)
 
     def close(self) -> None:
         """Nothing is held open (an ``opened.Pin``)."""
