@@ -2,7 +2,7 @@
 
 Each case is one of ``tests/crash_harness.py``: an old checkpoint committed by
 two gloo ranks, then their save of a new one struck at a random fault point
-of ``tddist/commit.py`` on a random rank, in a random layout (packed
+of ``tddist/saving/commit.py`` on a random rank, in a random layout (packed
 directory or ``.tdz`` archive), with or without RENAME_EXCHANGE; kills run on
 the ordinary disk, power cuts on loop-mounted ext4 and XFS (unmounted and
 mounted again after each cut). It prints a table of outcomes per step and

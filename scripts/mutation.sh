@@ -4,7 +4,7 @@
 #
 #   scripts/mutation.sh [COMMIT] [PATTERN...]
 #       score COMMIT (default HEAD), as committed; PATTERNs (mutmut's mutant names, with
-#       wildcards, e.g. 'tddist.commit.*') check only those mutants
+#       wildcards, e.g. 'tddist.saving.commit.*') check only those mutants
 #
 # The commit is exported (git archive) into a fresh directory, so the working tree, and
 # whatever others are editing in it, is neither read nor disturbed. mutmut copies tddist/
