@@ -85,7 +85,7 @@ PY
 fi
 # mutmut exits non-zero when mutants survive; the score below says how many
 "$venv/mutmut" run --max-children "${MUTATION_JOBS:-2}" "$@" >mutmut-run.log 2>&1 || true
-if grep -q "failed to collect stats" mutmut-run.log || ! ls mutants/tddist/*.meta >/dev/null 2>&1; then
+if grep -q "failed to collect stats" mutmut-run.log || [ -z "$(find mutants/tddist -name "*.meta" -print -quit 2>/dev/null)" ]; then
     tr '\r' '\n' <mutmut-run.log | grep -v "Generating mutants\|Running stats" | tail -40 >&2
     echo "mutmut did not run the mutants (see $work/mutmut-run.log)" >&2
     exit 1

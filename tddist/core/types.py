@@ -1,7 +1,7 @@
 """The values that cross the seams between modules, as frozen dataclasses.
 
 ``api`` builds them at the edge (the public string shortcuts, such as
-``shard="even"``, are normalised here once); ``commit``, the layouts, the
+``shard="even"``, are normalised here once); ``commit``, the stores, the
 manifest and the reader consume them. Everything a rank sends to another
 (a failure, a plan, a fragment, a decision) is one of these, so it pickles
 the same over every communicator. Nothing here imports torch at run time.
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 Key = tuple[str, ...]
 T = TypeVar("T")
 
-#: The checkpoint layouts: a directory tree, or one zip archive for all ranks.
 #: A checkpoint's container: a directory tree or one zip archive (stored in the manifest as ``layout``).
 ContainerName = Literal["directory", "archive"]
 
@@ -114,7 +113,7 @@ class Compression:
 
 @dataclass(frozen=True, slots=True)
 class SaveOptions:
-    """The options of one save that the commit and the layouts need, normalised by ``api.save``."""
+    """The options of one save that the commit and the stores need, normalised by ``arguments.save_request``."""
 
     target: str
     container: ContainerName

@@ -12,7 +12,7 @@ any rank makes every rank save at the same step, wait for the save, and then
 ``should_stop`` is True. The training script exits with ``EXIT_PREEMPTED``.
 See docs/jobs.md.
 
-The signal handlers are in ``preemption_signals.py``, how a user's state is
+The signal handlers are in ``preemption.py``, how a user's state is
 read and filled in ``train_state.py``, and the node-local tier (``local_dir``)
 in ``tiered.py``; ``parse_signals`` is importable from here too.
 """

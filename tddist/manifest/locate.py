@@ -3,7 +3,7 @@
 With packing "memmap" (version 1, archives, ``layout="memmap"``) each chunk
 is a file named after its rank and key. With packing "packed" each rank's
 chunks lie in one data file, in the manifest's leaf order, at offsets that
-``merge.packed_offsets`` derives from the chunk sizes: the writer and every
+``packed_offsets`` (below) derives from the chunk sizes: the writer and every
 reader compute them the same way, so the manifest stores none.
 """
 

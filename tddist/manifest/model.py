@@ -3,8 +3,8 @@
 A ``Manifest`` is what a committed checkpoint holds: its nodes, every tensor
 leaf with its chunks (in columns, ``chunks.py``), the non-tensor values and
 the metadata. ``merge.merge_fragments`` builds one on rank 0 from the ranks'
-votes; ``manifest_io.parse_manifest`` builds one from a file, trusting nothing in it:
-``manifest_v1`` reads version 1 (every chunk in the JSON), ``manifest_v2``
+votes; ``parse.parse_manifest`` builds one from a file, trusting nothing in it:
+``v1`` reads version 1 (every chunk in the JSON), ``v2``
 reads and writes version 2 (the structure in the JSON, the per-rank columns
 in a binary index). No torch is needed.
 """

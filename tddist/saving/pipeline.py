@@ -214,7 +214,7 @@ def start_early(ch: Channel, options: SaveOptions, prepare: Prepare, budget: int
 def streams(options: SaveOptions) -> bool:
     """Whether a save without ``snapshot_budget`` is copied into the channel's arena while it is written.
 
-    Only the packed directory layout of a store that ``streams`` can write a
+    Only the packed directory of a store that ``streams`` can write a
     slot before the whole state is copied (``stream.py``); an archive,
     ``layout="memmap"``, object storage and ``check_replicas`` (which
     compares the replicas' snapshots) copy the whole state first.

@@ -16,8 +16,8 @@ hashes and writes every slot.
 
 Either way the checkpoint holds the state as of the call: every byte is
 copied before ``save`` returns, i.e. before the training loop can change it
-again. Only the packed directory layout streams: its offsets are known
-before any byte is written (``merge.packed_offsets``), so slots are written
+again. Only the packed directory streams: its offsets are known
+before any byte is written (``manifest.locate.packed_offsets``), so slots are written
 at their place in any order the writer likes, while an archive hashes and
 compresses each entry before the staging area exists.
 """

@@ -282,7 +282,7 @@ def serve(fd: int, spec: str, commit: Callable[[Communicator, SaveOptions, Any, 
             if isinstance(e, CommError):  # the group lost a peer: leave it, so the other writers see it at once
                 break
     conn.close()
-    if size > 1:  # free the group before the interpreter finalizes (why: comm_torch's docstring)
+    if size > 1:  # free the group before the interpreter finalizes (why: ``comm.gloo``'s docstring)
         import torch.distributed as dist
 
         del comm

@@ -1,4 +1,4 @@
-"""The archive layout: one zip file for the whole checkpoint, whose entries are exactly the directory tree.
+"""The archive store on a file system: one zip file for the whole checkpoint, whose entries are exactly the directory tree.
 
 Every rank prepares (hashes and, if asked, compresses) its entries in memory
 and reports the size of its region (``plan``); rank 0 creates the staging
@@ -63,7 +63,7 @@ def check_archive_target(target: str) -> bool:
 
 
 class ArchiveWriter(WriterBase):
-    """One rank's side of an archive save (a ``layouts.base.ShardWriter``)."""
+    """One rank's side of an archive save (a ``base.ShardWriter``)."""
 
     #: Where the first rank's region starts. Only tests change it: a large
     #: value leaves a sparse hole, so zip64 offsets beyond 4 GiB are checked

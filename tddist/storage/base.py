@@ -1,10 +1,12 @@
-"""What every checkpoint layout implements (``ShardWriter``), and what all of them share.
+"""The write side of every store (``ShardWriter``, its call order) and what the writers share (``WriterBase``).
 
-A layout is where and how the ranks' bytes are stored: a directory tree
-(``layouts.directory``) or one zip archive (``layouts.archive``). The commit
-(``commit.two_phase_commit``) drives a ``ShardWriter`` through its steps and
-knows nothing else about the layout, so a new layout (packed files, object
-storage) is a new ``ShardWriter``, not new branches in the commit.
+A store's writer is where and how one rank's bytes of a save go: a
+directory tree (``directory``) or one zip archive (``archive``), on a file
+system or on object storage (``s3``); ``backends`` chooses it for a prefix.
+The commit (``saving.commit.two_phase_commit``) drives a ``ShardWriter``
+through its steps and knows nothing else about the store, so a new store is
+a new ``ShardWriter`` (and a ``backends.Store``), not new branches in the
+commit. The read side is ``opened``.
 """
 
 from __future__ import annotations
@@ -50,13 +52,13 @@ REPLICA_DIGEST_BYTES = 64 * 1024
 
 
 class ShardWriter(Protocol):
-    """One rank's side of a save in one layout; ``commit.two_phase_commit`` calls it.
+    """One rank's side of a save to one store; ``saving.commit.two_phase_commit`` calls it.
 
     Call order (rank 0 runs the "all ranks" steps too):
 
     1. (all ranks) ``plan()``: prepare this rank's part in memory (for an
        archive: hash and compress it) and return the ``SavePlan`` (target,
-       layout, bytes its region needs). Raises the error of a shard that could
+       container, bytes its region needs). Raises the error of a shard that could
        not be prepared; it becomes this rank's failure in the first round.
     2. (rank 0) ``open(plans)``: check the target, create the staging area
        and reserve every rank's region; return the ``Staging``. Cleans up
@@ -122,7 +124,7 @@ class Retirement:
 
 
 class WriterBase:
-    """What both layouts' writers share: the options, this rank's shard and structure, the vote."""
+    """What every store's writer shares: the options, this rank's shard and structure, the vote."""
 
     container: ContainerName = "directory"
 

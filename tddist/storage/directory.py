@@ -1,4 +1,4 @@
-"""The directory layout: a checkpoint directory with one directory per rank.
+"""The directory store on a file system: a checkpoint directory with one directory per rank.
 
 Each rank directory keeps tensordict's memmap layout (``<key>.memmap`` files
 plus a ``meta.json`` per node), written by ``writer.write_shard``. Rank 0
@@ -50,7 +50,7 @@ def check_target(target: str) -> bool:
 
 
 class DirectoryWriter(WriterBase):
-    """One rank's side of a directory save (a ``layouts.base.ShardWriter``)."""
+    """One rank's side of a directory save (a ``base.ShardWriter``)."""
 
     container = "directory"
 

@@ -1,6 +1,6 @@
 """The commit point: a fully written staging entry replaces the target in one rename.
 
-Used by every layout's ``publish`` and by ``pack``/``unpack``. An absent
+Used by every file-system writer's ``publish`` and by ``pack``/``unpack``. An absent
 target is created with a no-replace rename; an existing one is swapped with
 ``renameat2(RENAME_EXCHANGE)``, so the target path always holds either the old
 or the new checkpoint. Without RENAME_EXCHANGE the old checkpoint is moved to a

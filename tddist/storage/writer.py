@@ -184,7 +184,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
     """Write every chunk this rank stores into one data file (packing "packed"), durably.
 
     Chunks follow ``items`` (the save's structure order) at the offsets of
-    ``merge.packed_offsets``, which readers derive the same way. Large chunks
+    ``manifest.locate.packed_offsets``, which readers derive the same way. Large chunks
     are written in CHECKSUM_BLOCK blocks from several threads, each block
     hashed while in cache; small ones are gathered into batches of about
     ``WRITE_STEP`` bytes and written with one positioned write each (one

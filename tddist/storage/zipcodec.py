@@ -1,4 +1,4 @@
-"""The zip codec of the archive layout: compression methods, CRC-32 combination, entries laid
+"""The zip codec of the archive container: compression methods, CRC-32 combination, entries laid
 out in regions, local headers and the central directory.
 
 Header bytes come from ``zipfile`` (through ``_compat``): ``ZipInfo.FileHeader``

@@ -84,7 +84,7 @@ def assign_parts(starts: tuple[int, ...], end: int) -> PartLayout:
 
 
 class S3ArchiveWriter(ArchiveWriter):
-    """One rank's side of an archive save to object storage (a ``layouts.base.ShardWriter``)."""
+    """One rank's side of an archive save to object storage (a ``storage.base.ShardWriter``)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

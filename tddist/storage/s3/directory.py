@@ -87,7 +87,7 @@ def check_target(client: Any, url: S3Url) -> str | None:
 
 
 class S3DirectoryWriter(WriterBase):
-    """One rank's side of a directory save to object storage (a ``layouts.base.ShardWriter``)."""
+    """One rank's side of a directory save to object storage (a ``storage.base.ShardWriter``)."""
 
     container = "directory"
 

@@ -1,7 +1,7 @@
 """Reading a committed checkpoint's chunks from object storage with ranged GETs, in parallel.
 
-The object-storage counterpart of ``layouts.directory.DirectoryFiles`` and
-``layouts.archive.ArchiveFiles``: ``reader.ChunkSource`` plans the reads as on
+The object-storage counterpart of ``storage.directory.DirectoryFiles`` and
+``storage.archive.ArchiveFiles`` (an ``opened.ChunkFiles``): ``loading.read.ChunkSource`` plans the reads as on
 a file system and asks ``span`` for each chunk's bytes. Before that,
 ``prefetch`` fetches every chunk a load needs (only those byte ranges), cut
 into pieces of at most ``PIECE`` bytes, on a thread pool; ``span`` then
