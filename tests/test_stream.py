@@ -20,7 +20,7 @@ from tddist import format as fmt
 from tddist.checksum import checksum_bytes
 from tddist.manifest.locate import packed_offsets
 from tddist.saving import stream as stream_mod
-from tddist.saving.stream import Arena, Stream, plan_slots, whole_state_budget
+from tddist.saving.stream import Arena, Stream, fill_slots, whole_state_budget
 
 #: Leaf sizes in bytes: empty, tiny, unaligned, one that spans several slots and checksum blocks.
 SIZES = [0, 1, 63, 64, 65, 1000, 4096, 10_000, 7, 3 * 4096 + 5]
@@ -53,7 +53,7 @@ def test_the_plan_lays_every_byte_at_its_packed_offset_once(small_blocks, slot_b
     offset, inside one checksum block of its leaf; together the pieces cover every leaf byte exactly once."""
     offsets, _end = packed_offsets(np.array(SIZES, dtype=np.int64))
     offsets_l = [int(o) for o in offsets.tolist()]
-    plan = plan_slots(SIZES, offsets_l, slot_bytes)
+    plan = fill_slots(SIZES, offsets_l, slot_bytes)
     covered = [np.zeros(n, dtype=np.int64) for n in SIZES]
     last_end = 0
     for entry in plan:
@@ -81,7 +81,7 @@ def test_a_whole_stream_is_copied_by_either_thread_and_written_as_packed(tmp_pat
     before = [t.clone() for _k, t in items]
     arena = Arena(whole_state_budget(items, 128), slot=128)
     stream = Stream(arena, items, rank=0)
-    assert stream.whole and len(stream.plan) > 4
+    assert stream.whole and len(stream.fills) > 4
     if split == "writer alone":
         stream.help()
         stream.produce()
@@ -123,7 +123,7 @@ def test_the_helper_copies_from_the_back_while_the_caller_is_slow(tmp_path, smal
     helper.start()
     stream.produce()
     helper.join(10)
-    names = [copied_by[i] for i in range(len(stream.plan))]
+    names = [copied_by[i] for i in range(len(stream.fills))]
     assert set(names) == {"MainThread", "helper"}, names
     first_helped = names.index("helper")
     assert names[:first_helped] == ["MainThread"] * first_helped and set(names[first_helped:]) == {"helper"}
@@ -161,7 +161,7 @@ def test_a_cancelled_save_wakes_a_caller_waiting_for_the_writers_slot(small_bloc
     """The writer took the last slot and then failed (cancel): the caller, done with the others, returns."""
     items = _items([4096] * 4)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
-    assert stream._take_planned(front=False) == len(stream.plan) - 1  # the writer's, never copied
+    assert stream._take_planned(front=False) == len(stream.fills) - 1  # the writer's, never copied
     _waits_until(stream.produce, stream.cancel, "the caller waits for the writer's slot")
 
 
@@ -229,7 +229,7 @@ def test_a_bounded_stream_reuses_its_slots_while_the_writer_writes(tmp_path, sma
     (by one write thread or several); the file is the packed layout and the checksums those of the bytes."""
     items = _items(SIZES, seed=1)
     stream = Stream(Arena(256, slot=128), items, rank=0)
-    assert not stream.whole and stream.arena.nslots == 2 < len(stream.plan)
+    assert not stream.whole and stream.arena.nslots == 2 < len(stream.fills)
     stored: dict = {}
     writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"), write_threads)))
     writer.start()
@@ -280,7 +280,7 @@ def _save_whole(arena: Arena, items, path) -> Stream:
     return stream
 
 
-def test_saves_of_the_same_sizes_reuse_the_plan_and_the_padding_stays_zero(tmp_path, small_blocks):
+def test_saves_of_the_same_sizes_reuse_the_slot_assignment_and_the_padding_stays_zero(tmp_path, small_blocks):
     """A second whole stream of the same sizes (new values) takes the same plan and zeroed gaps, whose
     padding it does not rewrite; a bounded stream through the same arena in between fills every slot with
     its own bytes, and the whole stream after it still writes zeros between the leaves."""
@@ -291,7 +291,7 @@ def test_saves_of_the_same_sizes_reuse_the_plan_and_the_padding_stays_zero(tmp_p
 
     again = _items(SIZES, seed=1)
     second = _save_whole(arena, again, tmp_path / "b")
-    assert second.plan is first.plan and arena._zeroed_for is first.plan
+    assert second.fills is first.fills and arena._zeroed_for is first.fills
     assert (tmp_path / "b").read_bytes() == _packed_file(again)
 
     larger = [((f"x{i}",), torch.full((3000,), 0xAB, dtype=torch.uint8)) for i in range(len(SIZES) * 2)]
@@ -308,12 +308,12 @@ def test_saves_of_the_same_sizes_reuse_the_plan_and_the_padding_stays_zero(tmp_p
     assert (tmp_path / "c").read_bytes() == _packed_file(third)
 
 
-def test_a_plan_is_made_for_the_format_constants_in_force(monkeypatch):
+def test_a_slot_assignment_is_made_for_the_format_constants_in_force(monkeypatch):
     """The cached plan of some sizes is not reused under another checksum block (pieces never cross one)."""
     sizes = (5000, 3000)
-    default = stream_mod.plan_layout(sizes, 4096)
+    default = stream_mod.assign_slots(sizes, 4096)
     monkeypatch.setattr(fmt, "CHECKSUM_BLOCK", 1024)
-    small = stream_mod.plan_layout(sizes, 4096)
+    small = stream_mod.assign_slots(sizes, 4096)
     assert small is not default
-    assert all(at // 1024 == (at + k - 1) // 1024 for e in small.plan for _i, at, _lo, k in e.pieces)
-    assert stream_mod.plan_layout(sizes, 4096) is small
+    assert all(at // 1024 == (at + k - 1) // 1024 for e in small.fills for _i, at, _lo, k in e.pieces)
+    assert stream_mod.assign_slots(sizes, 4096) is small

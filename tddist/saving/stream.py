@@ -102,7 +102,7 @@ def whole_state_budget(items: list[tuple[Key, torch.Tensor]], slot: int) -> int:
 
     A slot closes early when the padding before the next leaf does not fit in
     it (less than ``PACK_ALIGN`` bytes lost), so one spare slot per
-    ``slot // PACK_ALIGN`` leaves, and one more, cover every layout.
+    ``slot // PACK_ALIGN`` leaves, and one more, cover every arrangement of the leaves.
     """
     sizes = np.array([t.numel() * t.element_size() for _k, t in items], dtype=np.int64)
     _offsets, end = packed_offsets(sizes)
@@ -143,26 +143,26 @@ class Arena:
         lo = i * self.slot_bytes
         return self._array[lo : lo + self.slot_bytes]
 
-    def zero_gaps(self, plan: tuple[_Filled, ...]) -> None:
-        """Zero the padding between the pieces of a whole-mode ``plan`` (entry ``i`` in slot ``i``).
+    def zero_gaps(self, fills: tuple[_Filled, ...]) -> None:
+        """Zero the padding between the pieces of a whole-mode ``fills`` (entry ``i`` in slot ``i``).
 
-        Done once for the latest plan (``plan_layout`` hands the same plan
+        Done once for the latest assignment (``assign_slots`` hands the same ``fills``
         object to saves of the same sizes): zeroing a gap costs microseconds,
         milliseconds per save at 1,000 leaves on the caller's thread. Copies of
-        the same plan never write into its gaps, so they stay zero until a
+        the same fills never write into its gaps, so they stay zero until a
         bounded save uses the slots (``forget_zeroed_gaps``).
         """
-        if self._zeroed_for is not plan:
-            for i, e in enumerate(plan):
+        if self._zeroed_for is not fills:
+            for i, e in enumerate(fills):
                 mem, fill = self.slot_array(i), 0
                 for _idx, _at, lo, k in e.pieces:
                     if lo > fill:
                         mem[fill:lo] = 0
                     fill = lo + k
-            self._zeroed_for = plan
+            self._zeroed_for = fills
 
     def forget_zeroed_gaps(self) -> None:
-        """A bounded save fills any slot with any entry: the gaps of the latest plan may no longer be zero."""
+        """A bounded save fills any slot with any entry: the gaps of the latest assignment may no longer be zero."""
         self._zeroed_for = None
 
     def slot_view(self, i: int, nbytes: int) -> memoryview:
@@ -173,7 +173,7 @@ class Arena:
 @dataclass(frozen=True, slots=True)
 class _Filled:
     """A slot's worth of the data file: the file range it holds and the leaf pieces in it (also for the
-    checksums). In a plan (``plan_slots``) ``slot`` is -1; once copied it is the arena slot that holds it."""
+    checksums). In an assignment (``fill_slots``) ``slot`` is -1; once copied it is the arena slot that holds it."""
 
     slot: int
     file_start: int
@@ -182,29 +182,29 @@ class _Filled:
 
 
 @dataclass(frozen=True, slots=True)
-class SlotLayout:
-    """Where leaves of some sizes lie in a packed data file and how they fill slots (``plan_layout``)."""
+class SlotAssignment:
+    """Where leaves of some sizes lie in a packed data file and how they fill slots (``assign_slots``)."""
 
     offsets: tuple[int, ...]
     total: int
-    plan: tuple[_Filled, ...]
+    fills: tuple[_Filled, ...]
 
 
-def plan_layout(sizes: tuple[int, ...], slot_bytes: int) -> SlotLayout:
-    """The packed offsets, file size and slot plan of leaves of ``sizes`` (bytes), made once per sizes: a
+def assign_slots(sizes: tuple[int, ...], slot_bytes: int) -> SlotAssignment:
+    """The packed offsets, file size and slot assignment of leaves of ``sizes`` (bytes), made once per sizes: a
     training loop saves the same sizes every time, and planning costs about 1 us a leaf."""
-    return _plan_layout(sizes, slot_bytes, fmt.PACK_ALIGN, fmt.CHECKSUM_BLOCK)
+    return _assign_slots(sizes, slot_bytes, fmt.PACK_ALIGN, fmt.CHECKSUM_BLOCK)
 
 
 @functools.lru_cache(maxsize=8)
-def _plan_layout(sizes: tuple[int, ...], slot_bytes: int, _align: int, _block: int) -> SlotLayout:
-    """``plan_layout``, cached by everything the plan depends on (the format's alignment and block too)."""
+def _assign_slots(sizes: tuple[int, ...], slot_bytes: int, _align: int, _block: int) -> SlotAssignment:
+    """``assign_slots``, cached by everything the assignment depends on (the format's alignment and block too)."""
     offsets, end = packed_offsets(np.array(sizes, dtype=np.int64))
     offsets_list = [int(o) for o in offsets.tolist()]
-    return SlotLayout(tuple(offsets_list), int(end), tuple(plan_slots(list(sizes), offsets_list, slot_bytes)))
+    return SlotAssignment(tuple(offsets_list), int(end), tuple(fill_slots(list(sizes), offsets_list, slot_bytes)))
 
 
-def plan_slots(sizes: list[int], offsets: list[int], slot_bytes: int) -> list[_Filled]:
+def fill_slots(sizes: list[int], offsets: list[int], slot_bytes: int) -> list[_Filled]:
     """How the bytes of leaves of ``sizes`` at packed ``offsets`` fill slots of ``slot_bytes``, in file order.
 
     Each slot holds one contiguous range of the data file: leaf pieces and
@@ -249,7 +249,7 @@ def copy_bytes(destination: int, source: int, nbytes: int) -> None:
     in 32 leaves) and twice as long per small one, and numpy's ``copyto``, as
     fast, needs the leaf exported to numpy, which marks the caller's storage
     not resizable for good. Addresses come from ``data_ptr()`` of tensors the
-    stream holds while it copies, and ranges from the plan (``plan_slots``),
+    stream holds while it copies, and ranges from the assignment (``fill_slots``),
     which never crosses a leaf's end or a slot's.
     """
     ctypes.memmove(destination, source, nbytes)
@@ -268,7 +268,7 @@ class Stream:
     Two modes, decided by the arena's size. **Bounded** (the arena is smaller
     than the data, ``snapshot_budget``): the caller copies each slot as one is
     free and the writer writes and frees slots meanwhile, so ``save`` returns
-    once the rest fits. **Whole** (every slot of the plan has its own place in
+    once the rest fits. **Whole** (every slot of the assignment has its own place in
     the arena, a pipelined save): the two threads share the copying, the
     caller from the first slot on and a helper thread (``Channel.help_copy``)
     from the last slot back; the writer writes only once every byte is copied. The copy is what the training thread waits for, so
@@ -287,11 +287,11 @@ class Stream:
         self.sources = [_bytes_of(t) for _k, t in items]
         # Host leaves are copied by address (``copy_bytes``); device leaves (None) by ``copy_``.
         self._addresses = [s.data_ptr() if s.is_cpu else None for s in self.sources]
-        layout = plan_layout(tuple(s.numel() for s in self.sources), arena.slot_bytes)
-        self.offsets, self.total, self.plan = layout.offsets, layout.total, layout.plan
-        self.whole = len(self.plan) <= arena.nslots
+        assigned = assign_slots(tuple(s.numel() for s in self.sources), arena.slot_bytes)
+        self.offsets, self.total, self.fills = assigned.offsets, assigned.total, assigned.fills
+        self.whole = len(self.fills) <= arena.nslots
         if self.whole:
-            arena.zero_gaps(self.plan)
+            arena.zero_gaps(self.fills)
         else:
             arena.forget_zeroed_gaps()
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -299,15 +299,15 @@ class Stream:
             self._free.put(i)
         self._ready: queue.SimpleQueue[_Filled | str | BaseException] = queue.SimpleQueue()
         self._cancelled = False
-        # The whole mode's shared state: the plan entries not yet taken are [_front, _back); _left are not copied.
+        # The whole mode's shared state: the fills not yet taken are [_front, _back); _left are not copied.
         self._lock = threading.Lock()
-        self._front, self._back, self._left = 0, len(self.plan), len(self.plan)
+        self._front, self._back, self._left = 0, len(self.fills), len(self.fills)
         self._copied = threading.Event()  # every byte copied, or the save failed
         # The caller is done with the stream (``produce`` returned or raised) or the save failed: the writer
         # waits for this, not for ``_copied``, so that it does not wake with the caller and take the
         # interpreter lock while the caller returns from ``save`` (0.7 ms per save measured).
         self._handed_over = threading.Event()
-        if self.whole and not self.plan:
+        if self.whole and not self.fills:
             self._ready.put(_END)
             self._copied.set()
 
@@ -327,7 +327,7 @@ class Stream:
                 if self._cancelled:
                     raise _Cancelled()
             else:
-                for entry in self.plan:
+                for entry in self.fills:
                     self._fill(entry, self._take())
                 self._ready.put(_END)
         except _Cancelled:
@@ -346,7 +346,7 @@ class Stream:
         return i
 
     def _take_planned(self, front: bool) -> int | None:
-        """The next plan entry to copy, from the front (the caller) or the back (the writer); None when all are taken."""
+        """The next fill to copy, from the front (the caller) or the back (the writer); None when all are taken."""
         with self._lock:
             if self._cancelled or self._front >= self._back:
                 return None
@@ -357,8 +357,8 @@ class Stream:
             return self._back
 
     def _fill_shared(self, i: int) -> None:
-        """Copy plan entry ``i`` into slot ``i`` (the whole mode); the thread that copies the last one says so."""
-        self._fill(self.plan[i], i)
+        """Copy fill ``i`` into slot ``i`` (the whole mode); the thread that copies the last one says so."""
+        self._fill(self.fills[i], i)
         with self._lock:
             self._left -= 1
             last = self._left == 0
@@ -367,7 +367,7 @@ class Stream:
             self._copied.set()
 
     def _fill(self, entry: _Filled, slot: int) -> None:
-        """Copy plan ``entry`` into ``slot`` and hand it to the writer (the whole mode's gaps are already zero)."""
+        """Copy the fill ``entry`` into ``slot`` and hand it to the writer (the whole mode's gaps are already zero)."""
         if not self.whole:
             mem, fill = self.arena.slot_array(slot), 0
             for _idx, _at, lo, k in entry.pieces:
@@ -387,7 +387,7 @@ class Stream:
     # --- the writer's thread ------------------------------------------------------------------
 
     def help(self) -> None:
-        """(a helper thread, while the caller copies) Copy plan entries from the last one back while the
+        """(a helper thread, while the caller copies) Copy fills from the last one back while the
         caller copies from the first one on, until none is left (the whole mode; otherwise nothing to do).
 
         An error here fails the save as the caller's own would, and wakes the caller.
