@@ -53,6 +53,7 @@ class _LeafHead:
 
 
 def _parse_leaf(p: Parser, e: dict[str, Any], world: int) -> Leaf:
+    """One leaf of a version-1 manifest, every chunk checked, as the columnar table a version-2 one gives."""
     key = p.key(e.get("key"), allow_empty=False)
     dtype = e.get("dtype")
     if not fmt.is_dtype_name(dtype):
