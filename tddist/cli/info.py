@@ -123,60 +123,86 @@ def leftovers(path: str) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``tddist info``: print the summary (or, with ``--json``, the JSON object) of the checkpoint at PATH."""
     m = _read(args.path)
     total = sum(leaf_nbytes(leaf) for leaf in m.leaves.values())
     left = leftovers(args.path)
     if args.json:
-        emit_json(
-            "info",
-            {
-                "path": args.path,
-                "format_version": m.version,
-                "layout": "archive" if _is_archive(args.path) else "directory",
-                "packing": m.packing,
-                "tddist_version": m.tddist_version,
-                "created": m.created or None,
-                "world_size": m.world_size,
-                "robust_key": m.robust_key,
-                "bytes": total,
-                "metadata": m.metadata,
-                "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
-                "leaves": [
-                    {
-                        "key": list(leaf.key),
-                        "dtype": leaf.dtype_name,
-                        "shape": list(leaf.shape),
-                        "placement": placement_json(leaf),
-                        "chunks": len(leaf.table),
-                        "bytes": leaf_nbytes(leaf),
-                    }
-                    for leaf in m.leaves.values()
-                ],
-                "objects": [
-                    {"key": list(o.key), "placement": o.placement, "values": object_values(o)}
-                    for o in m.objects.values()
-                ],
-                "leftovers": left,
-            },
-        )
+        emit_json("info", _info_json(args.path, m, total, left))
         return 0
-    archive = _is_archive(args.path)
-    layout = "archive" if archive else "directory"
-    age = inventory.describe(args.path)
-    when = m.created or "an unknown time"
-    if age is not None and m.created:
-        when += f" ({human_age(age.age_seconds)} ago)"
-    print(f"{args.path}: tddist checkpoint, {layout}, format version {m.version} ({packing_text(m, archive)})")
-    print(f"  world size {m.world_size} (ranks that saved it), saved at {when} by tddist {m.tddist_version or '?'}")
-    kinds: dict[str, int] = {}
-    for leaf in m.leaves.values():
-        kinds[placement_text(leaf).split(" on ")[0]] = kinds.get(placement_text(leaf).split(" on ")[0], 0) + 1
-    split = ", ".join(f"{n} {k}" for k, n in kinds.items())
-    print(f"  {len(m.leaves)} tensor(s){f' ({split})' if split else ''}, {human_bytes(total)} of tensor data")
+    _print_header(args.path, m, total)
     if m.metadata:
         print(f"  metadata: {value_text({'json': m.metadata}, 200)}")
     _print_groups(m)
-    if m.objects and not args.leaves:
+    _print_values(m, args.leaves)
+    if args.leaves:
+        _print_leaves(m)
+    elif m.leaves:
+        print("  (--leaves lists every tensor with its dtype, shape and placement)")
+    _print_leftovers(args.path, left)
+    return 0
+
+
+def _info_json(path: str, m: Manifest, total: int, left: list[dict]) -> dict:
+    """The ``--json`` object (schema tddist.info/1, docs/cli.md): the whole manifest, every leaf and value."""
+    return {
+        "path": path,
+        "format_version": m.version,
+        "layout": "archive" if _is_archive(path) else "directory",
+        "packing": m.packing,
+        "tddist_version": m.tddist_version,
+        "created": m.created or None,
+        "world_size": m.world_size,
+        "robust_key": m.robust_key,
+        "bytes": total,
+        "metadata": m.metadata,
+        "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
+        "leaves": [_leaf_json(leaf) for leaf in m.leaves.values()],
+        "objects": [
+            {"key": list(o.key), "placement": o.placement, "values": object_values(o)} for o in m.objects.values()
+        ],
+        "leftovers": left,
+    }
+
+
+def _leaf_json(leaf: Leaf) -> dict:
+    """One tensor of the ``--json`` object: its key, dtype, global shape, placement, pieces and size."""
+    return {
+        "key": list(leaf.key),
+        "dtype": leaf.dtype_name,
+        "shape": list(leaf.shape),
+        "placement": placement_json(leaf),
+        "chunks": len(leaf.table),
+        "bytes": leaf_nbytes(leaf),
+    }
+
+
+def _print_header(path: str, m: Manifest, total: int) -> None:
+    """The summary's first lines: what the checkpoint is, who saved it when, and its tensors by placement."""
+    archive = _is_archive(path)
+    layout = "archive" if archive else "directory"
+    age = inventory.describe(path)
+    when = m.created or "an unknown time"
+    if age is not None and m.created:
+        when += f" ({human_age(age.age_seconds)} ago)"
+    print(f"{path}: tddist checkpoint, {layout}, format version {m.version} ({packing_text(m, archive)})")
+    print(f"  world size {m.world_size} (ranks that saved it), saved at {when} by tddist {m.tddist_version or '?'}")
+    split = ", ".join(f"{n} {k}" for k, n in _placement_counts(m).items())
+    print(f"  {len(m.leaves)} tensor(s){f' ({split})' if split else ''}, {human_bytes(total)} of tensor data")
+
+
+def _placement_counts(m: Manifest) -> dict[str, int]:
+    """How many tensors have each kind of placement ("sharded", "replicated", ...), in the order first met."""
+    kinds: dict[str, int] = {}
+    for leaf in m.leaves.values():
+        kind = placement_text(leaf).split(" on ")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def _print_values(m: Manifest, listed: bool) -> None:
+    """The non-tensor values: the first ``SUMMARY_VALUES`` shown, or only their count when ``--leaves`` lists them."""
+    if m.objects and not listed:
         shown = list(m.objects.values())
         print(f"  {len(shown)} non-tensor value(s):")
         for o in shown[:SUMMARY_VALUES]:
@@ -185,18 +211,17 @@ def run(args: argparse.Namespace) -> int:
             print(f"    ... {len(shown) - SUMMARY_VALUES} more (--leaves lists all)")
     elif m.objects:
         print(f"  {len(m.objects)} non-tensor value(s)")
-    if args.leaves:
-        _print_leaves(m)
-    elif m.leaves:
-        print("  (--leaves lists every tensor with its dtype, shape and placement)")
+
+
+def _print_leftovers(path: str, left: list[dict]) -> None:
+    """The leftovers of interrupted saves beside the checkpoint, if any, with the command that removes them."""
     if left:
         size = human_bytes(sum(e["bytes"] for e in left))
         print(
             f"  {len(left)} leftover(s) of interrupted saves beside it ({size}): "
             + ", ".join(sorted({e["kind"] for e in left}))
         )
-        print(f"    remove them, when no save to it is running: tddist recover {args.path}")
-    return 0
+        print(f"    remove them, when no save to it is running: tddist recover {path}")
 
 
 def _print_groups(m: Manifest) -> None:

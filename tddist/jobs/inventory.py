@@ -133,6 +133,64 @@ def _leftover_fix(shown_root: str, target: str) -> str:
     return f"tddist recover {_quote(os.path.join(shown_root, name))}"
 
 
+@dataclass(frozen=True)
+class _OnDisk:
+    """What ``describe`` learns of a path before telling what it is, shared by every kind of ``Entry``.
+
+    Attributes:
+        path: the absolute path.
+        name: its last component (a step name, a side entry's name, or any other).
+        root: the directory being listed, as the commands in ``Entry.fix`` name it.
+        is_dir: a directory (else a file: an archive).
+        mtime: its modification time (seconds since the epoch).
+    """
+
+    path: str
+    name: str
+    root: str
+    is_dir: bool
+    mtime: float
+
+    @property
+    def layout(self) -> str:
+        """``Entry.layout``: ``"directory"`` or ``"archive"``."""
+        return "directory" if self.is_dir else "archive"
+
+    def entry(
+        self,
+        kind: str,
+        step: int | None,
+        *,
+        world_size: int | None = None,
+        created: str | None = None,
+        target: str | None = None,
+        problem: str | None = None,
+        fix: str | None = None,
+    ) -> Entry:
+        """The ``Entry`` of this path as ``kind``; what only some kinds have is passed by name."""
+        return Entry(
+            path=self.path,
+            kind=kind,
+            step=step,
+            layout=self.layout,
+            world_size=world_size,
+            nbytes=disk_usage(self.path),
+            mtime=self.mtime,
+            created=created,
+            target=target,
+            problem=problem,
+            fix=fix,
+        )
+
+
+#: What each kind of side entry is, in words (``Entry.problem``).
+_LEFTOVER_PROBLEMS = {
+    STAGING: "staging entry of an interrupted save (or of a save running now)",
+    TRASH: "a checkpoint whose deletion was interrupted",
+    BACKUP: "the previous checkpoint of an interrupted replace",
+}
+
+
 def describe(path: str | os.PathLike, root: str | os.PathLike | None = None) -> Entry | None:
     """The ``Entry`` for ``path``, or None if it is neither a checkpoint nor something tddist left.
 
@@ -141,93 +199,73 @@ def describe(path: str | os.PathLike, root: str | os.PathLike | None = None) -> 
     """
     path = os.path.abspath(os.fspath(path))
     root = os.fspath(root) if root is not None else os.path.dirname(path)
-    name = os.path.basename(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return None
     if stat.S_ISLNK(st.st_mode):
         return None
-    is_dir = stat.S_ISDIR(st.st_mode)
-    layout = "directory" if is_dir else "archive"
-    side = fmt.side_entry_kind(name)
+    found = _OnDisk(
+        path=path, name=os.path.basename(path), root=root, is_dir=stat.S_ISDIR(st.st_mode), mtime=st.st_mtime
+    )
+    side = fmt.side_entry_kind(found.name)
     if side is not None:
         base, kind = side
-        target = os.path.join(os.path.dirname(path), base)
-        problem = {
-            STAGING: "staging entry of an interrupted save (or of a save running now)",
-            TRASH: "a checkpoint whose deletion was interrupted",
-            BACKUP: "the previous checkpoint of an interrupted replace",
-        }[kind]
-        if kind == BACKUP and is_committed(path) and not is_committed(target):
-            problem += "; it is the only committed copy and recover moves it back"
-        return Entry(
-            path,
-            kind,
-            parse_step(base),
-            layout,
-            None,
-            disk_usage(path),
-            st.st_mtime,
-            None,
-            target,
-            problem,
-            _leftover_fix(root, target),
-        )
-    step = parse_step(name)
+        return _leftover_entry(found, base, kind)
     if is_committed(path):
-        try:
-            m = read_manifest(path)
-        except TddistError as e:
-            return Entry(path, DAMAGED, step, layout, None, disk_usage(path), st.st_mtime, None, None, str(e), None)
-        return Entry(
-            path,
-            CHECKPOINT,
-            step,
-            layout,
-            m.world_size,
-            disk_usage(path),
-            st.st_mtime,
-            m.created or None,
-            None,
-            None,
-            None,
-        )
-    if not is_dir:
+        return _committed_entry(found)
+    if not found.is_dir:
         return None
+    return _uncommitted_entry(found)
+
+
+def _leftover_entry(found: _OnDisk, base: str, kind: str) -> Entry:
+    """A side entry (staging, trash, backup) beside the checkpoint ``base``, with the command that clears it.
+
+    A committed backup whose target lost its checkpoint is the only copy left:
+    the problem says so, as ``recover`` restores it rather than removing it.
+    """
+    target = os.path.join(os.path.dirname(found.path), base)
+    problem = _LEFTOVER_PROBLEMS[kind]
+    if kind == BACKUP and is_committed(found.path) and not is_committed(target):
+        problem += "; it is the only committed copy and recover moves it back"
+    return found.entry(kind, parse_step(base), target=target, problem=problem, fix=_leftover_fix(found.root, target))
+
+
+def _committed_entry(found: _OnDisk) -> Entry:
+    """A committed checkpoint: valid (with its world size and commit time) or damaged (with the reason).
+
+    Nothing repairs a damaged manifest safely, so a damaged entry has no fix.
+    """
+    step = parse_step(found.name)
     try:
-        ours = is_tddist_dir(path)
-        empty = not os.listdir(path)
+        m = read_manifest(found.path)
+    except TddistError as e:
+        return found.entry(DAMAGED, step, problem=str(e))
+    return found.entry(CHECKPOINT, step, world_size=m.world_size, created=m.created or None)
+
+
+def _uncommitted_entry(found: _OnDisk) -> Entry | None:
+    """A directory without a manifest: a save cut off (tddist's own files), foreign files under a step name,
+    or None for anything else (an empty or unrelated directory is not listed)."""
+    step = parse_step(found.name)
+    try:
+        ours = is_tddist_dir(found.path)
+        empty = not os.listdir(found.path)
     except OSError:
         return None
     if ours and (step is not None or not empty):
-        fix = f"tddist gc {_quote(root)}" if step is not None else f"rm -r {_quote(os.path.join(root, name))}"
-        return Entry(
-            path,
-            PARTIAL,
-            step,
-            layout,
-            None,
-            disk_usage(path),
-            st.st_mtime,
-            None,
-            None,
-            "no manifest: a save cut off before its commit (atomic=False), or a removal",
-            fix,
+        fix = (
+            f"tddist gc {_quote(found.root)}"
+            if step is not None
+            else f"rm -r {_quote(os.path.join(found.root, found.name))}"
+        )
+        return found.entry(
+            PARTIAL, step, problem="no manifest: a save cut off before its commit (atomic=False), or a removal", fix=fix
         )
     if step is not None:
-        return Entry(
-            path,
-            FOREIGN,
-            step,
-            layout,
-            None,
-            disk_usage(path),
-            st.st_mtime,
-            None,
-            None,
-            "a step name without a manifest that holds files tddist did not write; left alone",
-            None,
+        return found.entry(
+            FOREIGN, step, problem="a step name without a manifest that holds files tddist did not write; left alone"
         )
     return None
 

@@ -126,6 +126,34 @@ class StepVote:
     promotion_done: bool
 
 
+@dataclass(frozen=True)
+class _RestoreSource:
+    """Rank 0's answer to which checkpoint of the shared root ``restore`` loads, broadcast to every rank.
+
+    Either there is one (``path`` and ``step`` set) or there is none and
+    ``missing`` says why, in words that every rank puts in its message.
+
+    Attributes:
+        path: the committed checkpoint to load, or None.
+        step: its step (as its manifest's metadata records it), or None.
+        missing: why there is none; "" when there is one.
+    """
+
+    path: str | None = None
+    step: int | None = None
+    missing: str = ""
+
+    @classmethod
+    def at(cls, path: str, step: int) -> _RestoreSource:
+        """The checkpoint at ``path``, of ``step``."""
+        return cls(path=path, step=step)
+
+    @classmethod
+    def none(cls, missing: str) -> _RestoreSource:
+        """No checkpoint to restore, because of ``missing``."""
+        return cls(missing=missing)
+
+
 class CheckpointManager:
     """Step checkpoints under ``root`` for a training loop, on every rank of ``comm``.
 
@@ -346,7 +374,7 @@ class CheckpointManager:
         tiered = self._tiered
         complete = tiered.complete() if tiered is not None else frozenset()
         found = self._on_rank0(f"finding the checkpoint to restore in {self.root}", lambda: self._find(step))
-        shared_step = found[1] if isinstance(found, tuple) else None
+        shared_step = found.step
         local = pick_local(complete, step, shared_step)
         local_error: TddistError | None = None
         if local is not None:
@@ -364,21 +392,24 @@ class CheckpointManager:
                     # its promotion never committed (a crash, a failure)
                     tiered.promote_restored(local, restored.layouts, self.save_kwargs)
                 return Restored(restored.step, restored.path, restored.report, "local")
-        if isinstance(found, str):
+        if found.path is None:
             if local_error is not None:
                 raise local_error
             if step is not None:
                 raise CheckpointNotFoundError(
-                    f"rank {self.comm.rank}: {found}; restore(step={step}) has nothing to load"
+                    f"rank {self.comm.rank}: {found.missing}; restore(step={step}) has nothing to load"
                 )
             if required:
-                raise CheckpointNotFoundError(f"rank {self.comm.rank}: {found}; nothing to restore (required=True)")
+                raise CheckpointNotFoundError(
+                    f"rank {self.comm.rank}: {found.missing}; nothing to restore (required=True)"
+                )
             if not os.path.isdir(self.root) and self.comm.rank == 0:
-                logger.warning("%s; starting from step 0 (check the path if this job should resume)", found)
+                logger.warning("%s; starting from step 0 (check the path if this job should resume)", found.missing)
             else:
-                logger.info("%s: starting from step 0", found)
+                logger.info("%s: starting from step 0", found.missing)
             return Restored(0)
-        path, at = found
+        path, at = found.path, found.step
+        assert at is not None  # found with its path
 
         def shared(into: Any) -> LoadReport:
             report = load(path, comm=self.comm, into=into, **load_kwargs)
@@ -397,21 +428,27 @@ class CheckpointManager:
             )  # fmt: skip
         logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, step)
 
-    def _find(self, step: int | None) -> tuple[str, int] | str:
-        """Rank 0: (path, step) of the checkpoint to restore, or why there is none."""
+    def _find(self, step: int | None) -> _RestoreSource:
+        """Rank 0: the checkpoint to restore (that of ``step``, else the newest), or why there is none."""
         if not os.path.isdir(self.root):
-            return f"checkpoint root {self.root!r} does not exist"
+            return _RestoreSource.none(f"checkpoint root {self.root!r} does not exist")
         if step is None:
-            return newest_checkpoint(self.root) or f"no committed checkpoint in {self.root!r}"
+            newest = newest_checkpoint(self.root)
+            if newest is None:
+                return _RestoreSource.none(f"no committed checkpoint in {self.root!r}")
+            path, at = newest
+            return _RestoreSource.at(path, at)
         for s, path in step_entries(self.root):
             if s == step:
                 try:
                     manifest = read_manifest(path)
                 except TddistError as e:
-                    return f"the checkpoint of step {step} ({path}) is not committed or unreadable: {e}"
-                return path, int(manifest.metadata.get("step", step))
+                    return _RestoreSource.none(
+                        f"the checkpoint of step {step} ({path}) is not committed or unreadable: {e}"
+                    )
+                return _RestoreSource.at(path, int(manifest.metadata.get("step", step)))
         steps = sorted({s for s, _p in step_entries(self.root)})
-        return f"no checkpoint of step {step} in {self.root!r} (steps there: {steps[-10:]})"
+        return _RestoreSource.none(f"no checkpoint of step {step} in {self.root!r} (steps there: {steps[-10:]})")
 
     def step(self, step: int, state: Any) -> bool:
         """Call after each training step (collective): save if due or preempted; True if it saved.

@@ -61,6 +61,46 @@ class MergeCache:
             self.pending = None
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The ranks' per-leaf numbers as matrices (ranks x nodes, ranks x leaves), from every fragment's arrays.
+
+    Attributes:
+        node_rows: each batched node's rows per rank.
+        lengths: each leaf's length along its shard dim per rank.
+        checksums: each leaf's chunk checksum per rank.
+    """
+
+    node_rows: np.ndarray
+    lengths: np.ndarray
+    checksums: np.ndarray
+
+    @classmethod
+    def stack(cls, fragments: list[Fragment]) -> _Columns:
+        """Stack the fragments' arrays, one row per rank, in rank order."""
+        world = len(fragments)
+        return cls(
+            node_rows=np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1),
+            lengths=np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1),
+            checksums=np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1),
+        )
+
+
+@dataclass(frozen=True)
+class _BoxPlan:
+    """The DTensor boxes a merge uses, and whether they come from the cache.
+
+    Attributes:
+        rank_boxes: every rank's encoded boxes (those the cache holds for a rank that sent none).
+        cached: every rank's boxes are those of the last committed save, whose tiling was validated.
+        boxes: every DTensor leaf's boxes.
+    """
+
+    rank_boxes: list[bytes | None]
+    cached: bool
+    boxes: dict[Key, BoxChunks]
+
+
 def merge_fragments(
     fragments: list[Fragment],
     reference: Structure,
@@ -86,21 +126,9 @@ def merge_fragments(
             boxes do not tile it, replicas differ, structures differ).
     """
     world = len(fragments)
-    for f in fragments:
-        if f.digest != reference.digest:
-            raise ShardingError(
-                f"rank {f.rank} saves a different structure than rank 0 (digest {f.digest} vs {reference.digest})"
-            )
-    node_rows = np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1)
-    lengths = np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1)
-    sums = np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1)
-    known = cache is not None and cache.world == world and cache.digest == reference.digest
-    rank_boxes = [
-        f.boxes if f.boxes is not None else (cache.rank_boxes[f.rank] if known and cache is not None else None)
-        for f in fragments
-    ]
-    cached = known and cache is not None and rank_boxes == cache.rank_boxes
-    boxes = dict(cache.boxes) if cached and cache is not None else _boxes(rank_boxes, reference)
+    _check_digests(fragments, reference)
+    columns = _Columns.stack(fragments)
+    plan = _plan_boxes(fragments, reference, cache)
     m = Manifest(
         world_size=world,
         nodes={},
@@ -114,6 +142,40 @@ def merge_fragments(
         packing=packing,
         structure_digest=reference.digest,
     )
+    _merge_nodes(m, reference, columns.node_rows)
+    _merge_leaves(m, reference, columns, plan)
+    m.objects = _merge_objects(fragments, reference)
+    if cache is not None:
+        _remember(cache, m, reference, plan)
+    logger.debug("merged %d fragments (%s path)", world, "cached" if plan.cached else "full")
+    return m
+
+
+def _check_digests(fragments: list[Fragment], reference: Structure) -> None:
+    """Refuse fragments of another structure than rank 0's: the columns would not line up."""
+    for f in fragments:
+        if f.digest != reference.digest:
+            raise ShardingError(
+                f"rank {f.rank} saves a different structure than rank 0 (digest {f.digest} vs {reference.digest})"
+            )
+
+
+def _plan_boxes(fragments: list[Fragment], reference: Structure, cache: PlanCache | None) -> _BoxPlan:
+    """The boxes of the DTensor leaves: the cache's when nothing changed since the last committed save
+    (the ranks may then send none), else merged and, later, validated from every rank's (the full path)."""
+    world = len(fragments)
+    known = cache is not None and cache.world == world and cache.digest == reference.digest
+    rank_boxes = [
+        f.boxes if f.boxes is not None else (cache.rank_boxes[f.rank] if known and cache is not None else None)
+        for f in fragments
+    ]
+    cached = known and cache is not None and rank_boxes == cache.rank_boxes
+    boxes = dict(cache.boxes) if cached and cache is not None else _boxes(rank_boxes, reference)
+    return _BoxPlan(rank_boxes=rank_boxes, cached=cached, boxes=boxes)
+
+
+def _merge_nodes(m: Manifest, reference: Structure, node_rows: np.ndarray) -> None:
+    """Every node's batch size into ``m``: a batched node's rows are the sum of the ranks' (kept per rank too)."""
     for i, node in enumerate(reference.nodes):
         if node.batch:
             rows = node_rows[:, i]
@@ -121,29 +183,34 @@ def merge_fragments(
             m.node_rows[node.key] = rows.tolist()
         else:
             m.nodes[node.key] = ()
+
+
+def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, plan: _BoxPlan) -> None:
+    """Every tensor leaf into ``m``, with its chunk table read from its column of the ranks' numbers."""
     writers = replica_writers(
         {
             s.key: math.prod(s.shape) * fmt.dtype_itemsize(s.dtype)
             for s in reference.leaves
             if isinstance(s.placement, Replicate)
         },
-        world,
+        m.world_size,
     )  # as each rank's prepare_shard chose them
     for i, spec in enumerate(reference.leaves):
-        lengths_i, sums_i = np.ascontiguousarray(lengths[:, i]), np.ascontiguousarray(sums[:, i])
-        table = _table(spec, lengths_i, sums_i, boxes, cached, writers.get(spec.key, 0))
+        lengths_i = np.ascontiguousarray(columns.lengths[:, i])
+        sums_i = np.ascontiguousarray(columns.checksums[:, i])
+        table = _table(spec, lengths_i, sums_i, plan.boxes, plan.cached, writers.get(spec.key, 0))
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
         m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table)
-    m.objects = _merge_objects(fragments, reference)
-    if cache is not None:
-        merged = {k: t for k, t in ((k, m.leaves[k].table) for k in boxes) if isinstance(t, BoxChunks)}
-        cache.pending = (world, reference.digest, [b or b"" for b in rank_boxes], merged)
-        if cached:
-            cache.cached_merges += 1
-        else:
-            cache.full_merges += 1
-    logger.debug("merged %d fragments (%s path)", world, "cached" if cached else "full")
-    return m
+
+
+def _remember(cache: PlanCache, m: Manifest, reference: Structure, plan: _BoxPlan) -> None:
+    """Keep this merge's boxes as the cache's pending state (current once the save commits) and count the path."""
+    merged = {k: t for k, t in ((k, m.leaves[k].table) for k in plan.boxes) if isinstance(t, BoxChunks)}
+    cache.pending = (m.world_size, reference.digest, [b or b"" for b in plan.rank_boxes], merged)
+    if plan.cached:
+        cache.cached_merges += 1
+    else:
+        cache.full_merges += 1
 
 
 def _table(

@@ -30,7 +30,7 @@ from ..core.sharding import Boxes, PerRank, Placement, Replicate, Shard, box_til
 from ..core.types import Key, ManifestFiles
 from ..errors import ManifestError
 from .checksum import seal
-from .chunks import BoxChunks, ReplicaChunks, ShardChunks
+from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
 from .model import Leaf, Manifest, ObjectLeaf, Parser, add_leaf, parse_nodes
 
 _I8 = np.dtype("<i8")
@@ -121,72 +121,124 @@ class _LeafEntry:
     chunks: int = 0
 
 
+@dataclass(frozen=True)
+class _IndexRows:
+    """The rows per rank read from the index (sections 1 and 2), which sharded leaves split by.
+
+    Attributes:
+        nodes: each batched node's rows per rank.
+        own: each sharded leaf's own lengths along its shard dim per rank (``"rows": "own"``).
+    """
+
+    nodes: dict[Key, np.ndarray]
+    own: dict[Key, np.ndarray]
+
+
 def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: bytes | None) -> None:
     """Nodes and leaves of a version-2 manifest and its index into ``m``."""
     world = m.world_size
+    _parse_packing_and_digest(p, obj, m)
+    parse_nodes(p, obj, m)
+    p.check(not m.node_rows, "lists node rows in the JSON; version 2 keeps them in the index")
+    p.check(() in m.nodes, "has no root node (key [])")
+    entries = [_leaf_entry(p, e, world) for e in p.list_of(obj, "leaves")]
+    batched = [k for k, b in m.nodes.items() if b]
+    data = _checked_index(p, obj, index, _index_size(entries, len(batched), world))
+    cursor = _Cursor(data)
+    node_rows = _node_rows(p, m, cursor, batched)  # the index's sections, in order
+    own_rows = {e.key: cursor.take(_I8, world) for e in entries if e.own_rows}
+    sums = {e.key: cursor.take(_U8, _chunk_count(e, world)) for e in entries}
+    rows = _IndexRows(nodes=node_rows, own=own_rows)
+    for e in entries:
+        table = _leaf_table(p, e, world, rows, sums[e.key], cursor)
+        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, table))
+    p.check(cursor.pos == len(data), "has bytes left over at the end of its index")
+
+
+def _parse_packing_and_digest(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
+    """The packing (an archive's is always "memmap") and the structure digest into ``m``."""
     m.packing = obj.get("packing", "")
     p.check(m.packing in PACKINGS, f"has unknown packing {m.packing!r}")
     p.check(m.layout == "directory" or m.packing == "memmap", "is an archive, whose packing must be 'memmap'")
     digest = obj.get("structure_digest", "")
     p.check(isinstance(digest, str) and len(digest) <= 64, "has an invalid structure_digest")
     m.structure_digest = digest
-    parse_nodes(p, obj, m)
-    p.check(not m.node_rows, "lists node rows in the JSON; version 2 keeps them in the index")
-    p.check(() in m.nodes, "has no root node (key [])")
-    entries = [_leaf_entry(p, e, world) for e in p.list_of(obj, "leaves")]
-    meta = obj.get("index")
-    p.check(isinstance(meta, dict) and type(meta.get("size")) is int, "has no index size")
-    assert isinstance(meta, dict)
-    batched = [k for k, b in m.nodes.items() if b]
-    expected = 8 * (
-        world * len(batched)
+
+
+def _index_size(entries: list[_LeafEntry], batched_nodes: int, world: int) -> int:
+    """The bytes of the index that the JSON's structure implies (its four sections, 8 bytes a number)."""
+    return 8 * (
+        world * batched_nodes
         + sum(world for e in entries if e.own_rows)
         + sum(_chunk_count(e, world) for e in entries)
         + sum(e.chunks * (1 + 2 * len(e.shape)) for e in entries if isinstance(e.placement, Boxes))
     )
+
+
+def _checked_index(p: Parser, obj: dict[str, Any], index: bytes | None, expected: int) -> bytes:
+    """The index, once its size (as declared and as read) and its checksum match what the JSON says.
+
+    A damaged or swapped index is refused here, before anything is read from it.
+    """
+    meta = obj.get("index")
+    p.check(isinstance(meta, dict) and type(meta.get("size")) is int, "has no index size")
+    assert isinstance(meta, dict)
     p.check(meta["size"] == expected, f"declares an index of {meta['size']} bytes, its structure needs {expected}")
     if index is None:
         p.fail(f"has no index ({fmt.INDEX_NAME})")
     p.check(len(index) == expected, f"has an index of {len(index)} bytes, expected {expected} (truncated?)")
     p.check(xxhash.xxh3_64_hexdigest(index) == meta.get("checksum"), "has an index that fails its checksum")
-    cursor = _Cursor(index)
+    return index
+
+
+def _node_rows(p: Parser, m: Manifest, cursor: _Cursor, batched: list[Key]) -> dict[Key, np.ndarray]:
+    """Each batched node's rows per rank (index section 1), checked against its batch size and kept in ``m``."""
     node_rows: dict[Key, np.ndarray] = {}
     for k in batched:
-        rows = node_rows[k] = cursor.take(_I8, world)
+        rows = node_rows[k] = cursor.take(_I8, m.world_size)
         p.check(bool((rows >= 0).all()) and int(rows.sum()) == m.nodes[k][0], f"has invalid rows for node {k!r}")
         m.node_rows[k] = rows.tolist()
-    lengths = {e.key: cursor.take(_I8, world) for e in entries if e.own_rows}
-    sums = {e.key: cursor.take(_U8, _chunk_count(e, world)) for e in entries}
-    for e in entries:
-        itemsize = fmt.dtype_itemsize(e.dtype)
-        if isinstance(e.placement, Shard):
-            dim = e.placement.dim
-            rows_of = lengths.get(e.key)
-            parent_rows = node_rows.get(e.key[:-1])
-            if rows_of is not None and dim == 0 and parent_rows is not None:
-                p.check(
-                    bool(np.array_equal(rows_of, parent_rows)),
-                    f"leaf {e.key!r} has rows per rank that differ from those of its node {e.key[:-1]!r}",
-                )
-            if rows_of is None:
-                parent = node_rows.get(e.key[:-1])
-                p.check(parent is not None, f"leaf {e.key!r} takes its rows from a node without rows")
-                p.check(dim == 0, f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
-                assert parent is not None
-                rows_of = parent
-            ok = bool((rows_of >= 0).all()) and int(rows_of.sum()) == e.shape[dim]
-            p.check(ok, f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[dim]}")
-            table: Any = ShardChunks(e.shape, dim, itemsize, rows_of, sums[e.key])
-        elif isinstance(e.placement, PerRank):
-            ok = len(e.shape) >= 1 and e.shape[0] == world
-            p.check(ok, f"per-rank leaf {e.key!r} has shape {list(e.shape)}, which does not start with {world} ranks")
-            table = ShardChunks(e.shape, 0, itemsize, np.ones(world, dtype=_I8), sums[e.key])
-        elif isinstance(e.placement, Replicate):
-            table = ReplicaChunks(e.shape, itemsize, e.writer, int(sums[e.key][0]))
-        else:
-            table = _boxes(p, e, cursor, itemsize, world, sums[e.key])
-        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, table))
-    p.check(cursor.pos == len(index), "has bytes left over at the end of its index")
+    return node_rows
+
+
+def _leaf_table(
+    p: Parser, e: _LeafEntry, world: int, rows: _IndexRows, sums: np.ndarray, cursor: _Cursor
+) -> ChunkTable:
+    """A leaf's chunk table from its JSON entry and its index columns (a DTensor's boxes read from ``cursor``)."""
+    itemsize = fmt.dtype_itemsize(e.dtype)
+    if isinstance(e.placement, Shard):
+        return _shard_table(p, e, e.placement.dim, rows, itemsize, sums)
+    if isinstance(e.placement, PerRank):
+        ok = len(e.shape) >= 1 and e.shape[0] == world
+        p.check(ok, f"per-rank leaf {e.key!r} has shape {list(e.shape)}, which does not start with {world} ranks")
+        return ShardChunks(e.shape, 0, itemsize, np.ones(world, dtype=_I8), sums)
+    if isinstance(e.placement, Replicate):
+        return ReplicaChunks(e.shape, itemsize, e.writer, int(sums[0]))
+    return _boxes(p, e, cursor, itemsize, world, sums)
+
+
+def _shard_table(p: Parser, e: _LeafEntry, dim: int, rows: _IndexRows, itemsize: int, sums: np.ndarray) -> ShardChunks:
+    """A sharded leaf's table: its own rows per rank, or its node's (``"rows": "node"``, dim 0 only).
+
+    Own rows along dim 0 must equal the node's where the node has rows: a
+    TensorDict's leaves split their batch dim as the node does.
+    """
+    rows_of = rows.own.get(e.key)
+    parent_rows = rows.nodes.get(e.key[:-1])
+    if rows_of is not None and dim == 0 and parent_rows is not None:
+        p.check(
+            bool(np.array_equal(rows_of, parent_rows)),
+            f"leaf {e.key!r} has rows per rank that differ from those of its node {e.key[:-1]!r}",
+        )
+    if rows_of is None:
+        parent = rows.nodes.get(e.key[:-1])
+        p.check(parent is not None, f"leaf {e.key!r} takes its rows from a node without rows")
+        p.check(dim == 0, f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
+        assert parent is not None
+        rows_of = parent
+    ok = bool((rows_of >= 0).all()) and int(rows_of.sum()) == e.shape[dim]
+    p.check(ok, f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[dim]}")
+    return ShardChunks(e.shape, dim, itemsize, rows_of, sums)
 
 
 def _chunk_count(e: _LeafEntry, world: int) -> int:

@@ -12,7 +12,7 @@ memory maps. ``read_data=False`` never reads data.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -113,86 +113,151 @@ def diff(a: str | os.PathLike, b: str | os.PathLike, *, read_data: bool = True) 
     """
     a, b = os.path.abspath(os.fspath(a)), os.path.abspath(os.fspath(b))
     ma, mb = read_manifest(a), read_manifest(b)
-    keys_a = {**{k: "tensor" for k in ma.leaves}, **{k: "value" for k in ma.objects}}
-    keys_b = {**{k: "tensor" for k in mb.leaves}, **{k: "value" for k in mb.objects}}
-    only_a = tuple(k for k in keys_a if k not in keys_b)
-    only_b = tuple(k for k in keys_b if k not in keys_a)
-    changed: list[LeafDiff] = []
-    unknown: list[tuple[str, ...]] = []
-    same = 0
-    data_pending: list[tuple[Leaf, Leaf, list[tuple[str, str, str]]]] = []
+    keys_a, keys_b = _key_kinds(ma), _key_kinds(mb)
+    tally = _compare_common(ma, mb, keys_a, keys_b, read_data)
+    if tally.pending:
+        _compare_data(tally, _DataComparer(a, ma, b, mb))
+    order = {k: i for i, k in enumerate(keys_a)}
+    tally.changed.sort(key=lambda d: order[d.key])
+    return DiffReport(
+        a=a,
+        b=b,
+        only_a=tuple(k for k in keys_a if k not in keys_b),
+        only_b=tuple(k for k in keys_b if k not in keys_a),
+        changed=tuple(tally.changed),
+        same=tally.same,
+        unknown=tuple(tally.unknown),
+        batch_sizes=_batch_size_changes(ma, mb),
+        metadata=_metadata_changes(ma, mb),
+        world_size=(ma.world_size, mb.world_size),
+        layout=(_layout(a), _layout(b)),
+    )
+
+
+@dataclass(frozen=True)
+class _PendingData:
+    """A tensor in both whose chunks differ: its bytes are compared once every checksum has been.
+
+    Attributes:
+        a: its leaf in the first checkpoint.
+        b: its leaf in the second.
+        changes: what already differs (its placement), as in ``LeafDiff.changes``.
+    """
+
+    a: Leaf
+    b: Leaf
+    changes: tuple[tuple[str, str, str], ...]
+
+
+@dataclass
+class _Tally:
+    """What comparing the keys present in both has found so far (``DiffReport.changed``, ``same``, ``unknown``),
+    and the tensors left to compare by their bytes."""
+
+    changed: list[LeafDiff] = field(default_factory=list)
+    unknown: list[tuple[str, ...]] = field(default_factory=list)
+    same: int = 0
+    pending: list[_PendingData] = field(default_factory=list)
+
+    def count_tensor(
+        self, key: tuple[str, ...], changes: tuple[tuple[str, str, str], ...], content: str, how: str | None
+    ) -> None:
+        """Count a tensor whose content was compared (or not, ``"unknown"``): the same, unknown or changed."""
+        if content == SAME and not changes:
+            self.same += 1
+        elif content == UNKNOWN and not changes:
+            self.unknown.append(key)
+        else:
+            self.changed.append(LeafDiff(key, "tensor", changes, content, how))
+
+
+def _key_kinds(m: Manifest) -> dict[tuple[str, ...], str]:
+    """Every key of a checkpoint, tensors then non-tensor values, as ``"tensor"`` or ``"value"``."""
+    return {**{k: "tensor" for k in m.leaves}, **{k: "value" for k in m.objects}}
+
+
+def _compare_common(
+    ma: Manifest, mb: Manifest, keys_a: dict[tuple[str, ...], str], keys_b: dict[tuple[str, ...], str], read_data: bool
+) -> _Tally:
+    """Compare every key present in both, in ``a``'s order, without reading data (see ``_compare_tensor``)."""
+    tally = _Tally()
     for key, kind in keys_a.items():
         if key not in keys_b:
             continue
         if kind != keys_b[key]:
             kinds = (("type", _type_text(ma, key), _type_text(mb, key)),)
-            changed.append(LeafDiff(key, "type", kinds, None, None))
-            continue
-        if kind == "value":
+            tally.changed.append(LeafDiff(key, "type", kinds, None, None))
+        elif kind == "value":
             d = _diff_value(ma.objects[key], mb.objects[key], ma.world_size, mb.world_size)
             if d is None:
-                same += 1
+                tally.same += 1
             else:
-                changed.append(d)
-            continue
-        la, lb = ma.leaves[key], mb.leaves[key]
-        changes: list[tuple[str, str, str]] = []
-        if la.dtype_name != lb.dtype_name:
-            changes.append(("dtype", la.dtype_name, lb.dtype_name))
-        if la.shape != lb.shape:
-            changes.append(("shape", str(list(la.shape)), str(list(lb.shape))))
-        if placement_text(la) != placement_text(lb):
-            changes.append(("placement", placement_text(la), placement_text(lb)))
-        if any(c[0] in ("dtype", "shape") for c in changes):
-            changed.append(LeafDiff(key, "tensor", tuple(changes), UNKNOWN, None))
-            continue
-        boxes_a, boxes_b = _stored_boxes(la), _stored_boxes(lb)
-        if _same_boxes(boxes_a, boxes_b):
-            equal = bool(np.array_equal(boxes_a[2], boxes_b[2]))
-            content, how = (SAME if equal else DIFFERENT), "checksum"
-        elif read_data:
-            data_pending.append((la, lb, changes))
-            continue
+                tally.changed.append(d)
         else:
-            content, how = UNKNOWN, None
-        if content == SAME and not changes:
-            same += 1
-        elif content == UNKNOWN and not changes:
-            unknown.append(key)
-        else:
-            changed.append(LeafDiff(key, "tensor", tuple(changes), content, how))
-    if data_pending:
-        compare = _DataComparer(a, ma, b, mb)
-        for la, lb, changes in data_pending:
-            content = SAME if compare.equal(la, lb) else DIFFERENT
-            if content == SAME and not changes:
-                same += 1
-            else:
-                changed.append(LeafDiff(la.key, "tensor", tuple(changes), content, "data"))
-    order = {k: i for i, k in enumerate(keys_a)}
-    changed.sort(key=lambda d: order[d.key])
-    batch = tuple(
+            _compare_tensor(tally, key, ma.leaves[key], mb.leaves[key], read_data)
+    return tally
+
+
+def _compare_tensor(tally: _Tally, key: tuple[str, ...], la: Leaf, lb: Leaf, read_data: bool) -> None:
+    """Compare a tensor in both: its dtype, shape and placement, then its content by checksum where both
+    checkpoints store it in the same chunks; else it is left to ``_compare_data`` (or unknown, without ``read_data``).
+
+    Content of another dtype or shape is not compared: it differs in any case.
+    """
+    changes = _header_changes(la, lb)
+    if any(c[0] in ("dtype", "shape") for c in changes):
+        tally.changed.append(LeafDiff(key, "tensor", changes, UNKNOWN, None))
+        return
+    boxes_a, boxes_b = _stored_boxes(la), _stored_boxes(lb)
+    if _same_boxes(boxes_a, boxes_b):
+        equal = bool(np.array_equal(boxes_a[2], boxes_b[2]))
+        tally.count_tensor(key, changes, SAME if equal else DIFFERENT, "checksum")
+    elif read_data:
+        tally.pending.append(_PendingData(a=la, b=lb, changes=changes))
+    else:
+        tally.count_tensor(key, changes, UNKNOWN, None)
+
+
+def _header_changes(la: Leaf, lb: Leaf) -> tuple[tuple[str, str, str], ...]:
+    """What differs between a tensor's two leaves but their content: dtype, shape, placement."""
+    changes: list[tuple[str, str, str]] = []
+    if la.dtype_name != lb.dtype_name:
+        changes.append(("dtype", la.dtype_name, lb.dtype_name))
+    if la.shape != lb.shape:
+        changes.append(("shape", str(list(la.shape)), str(list(lb.shape))))
+    if placement_text(la) != placement_text(lb):
+        changes.append(("placement", placement_text(la), placement_text(lb)))
+    return tuple(changes)
+
+
+def _compare_data(tally: _Tally, compare: _DataComparer) -> None:
+    """Compare the bytes of the tensors whose chunks differ (``tally.pending``), and count them."""
+    for pending in tally.pending:
+        content = SAME if compare.equal(pending.a, pending.b) else DIFFERENT
+        tally.count_tensor(pending.a.key, pending.changes, content, "data")
+
+
+def _batch_size_changes(ma: Manifest, mb: Manifest) -> tuple[tuple[tuple[str, ...], list[int], list[int]], ...]:
+    """The nodes in both whose batch size differs, as ``(key, in a, in b)``."""
+    return tuple(
         (k, list(ma.nodes[k]), list(mb.nodes[k])) for k in ma.nodes if k in mb.nodes and ma.nodes[k] != mb.nodes[k]
     )
+
+
+def _metadata_changes(ma: Manifest, mb: Manifest) -> tuple[tuple[str, str, str], ...]:
+    """The metadata keys whose values differ, as ``(key, in a, in b)`` in JSON text (``""`` when absent)."""
     meta = []
     for k in list(ma.metadata) + [k for k in mb.metadata if k not in ma.metadata]:
         va = _json(ma.metadata[k]) if k in ma.metadata else ""
         vb = _json(mb.metadata[k]) if k in mb.metadata else ""
         if va != vb:
             meta.append((k, va, vb))
-    return DiffReport(
-        a=a,
-        b=b,
-        only_a=only_a,
-        only_b=only_b,
-        changed=tuple(changed),
-        same=same,
-        unknown=tuple(unknown),
-        batch_sizes=batch,
-        metadata=tuple(meta),
-        world_size=(ma.world_size, mb.world_size),
-        layout=("archive" if os.path.isfile(a) else "directory", "archive" if os.path.isfile(b) else "directory"),
-    )
+    return tuple(meta)
+
+
+def _layout(path: str) -> str:
+    """``"archive"`` (a file) or ``"directory"``."""
+    return "archive" if os.path.isfile(path) else "directory"
 
 
 def _stored_boxes(leaf: Leaf) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
