@@ -161,7 +161,7 @@ def test_a_cancelled_save_wakes_a_caller_waiting_for_the_writers_slot(small_bloc
     """The writer took the last slot and then failed (cancel): the caller, done with the others, returns."""
     items = _items([4096] * 4)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
-    assert stream._take_planned(front=False) == len(stream.fills) - 1  # the writer's, never copied
+    assert stream._take_assigned(front=False) == len(stream.fills) - 1  # the writer's, never copied
     _waits_until(stream.produce, stream.cancel, "the caller waits for the writer's slot")
 
 

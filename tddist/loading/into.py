@@ -98,7 +98,7 @@ def fill(
     shard = _rows_of_plain_targets(options.shard)  # a per-rank target gets its own value unless it holds the stack
     res = pr.resolve(manifest, [k for k in target_keys if ctx.selects(k)], shard, options.per_rank, rank, size, where)
     report.skipped.update({k: why for k, why in res.dropped.items() if k in tensors or k in objects})
-    reads = _plan_tensor_reads(ctx, tensors, res, report)
+    reads = _tensor_reads(ctx, tensors, res, report)
     if strict and not report.ok:
         raise IncompatibleCheckpointError(
             f"rank {rank}: the checkpoint at {root!r} does not match the target: {report.describe()}; "
@@ -144,7 +144,7 @@ def _skip_unselected(ctx: _FillContext, target_keys: list[Key], report: LoadRepo
             )
 
 
-def _plan_tensor_reads(
+def _tensor_reads(
     ctx: _FillContext, tensors: dict[Key, Any], res: pr.Resolution, report: LoadReport
 ) -> list[_TensorRead]:
     """What to read for each selected target tensor that matches its leaf, before anything is read.

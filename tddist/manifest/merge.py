@@ -31,6 +31,16 @@ _I8 = np.dtype("<i8")
 _U8 = np.dtype("<u8")
 
 
+@dataclass(frozen=True)
+class _PendingMerge:
+    """What a merge leaves for the next save's cached path, current once its save commits."""
+
+    world: int
+    digest: str
+    rank_boxes: list[bytes]
+    boxes: dict[Key, BoxChunks]
+
+
 @dataclass
 class MergeCache:
     """What a communicator remembers between saves, for the cached path.
@@ -49,7 +59,7 @@ class MergeCache:
     boxes: dict[Key, BoxChunks] = field(default_factory=dict)
     sent_digest: str = ""
     sent_boxes: bytes | None = None
-    pending: tuple[int, str, list[bytes], dict[Key, BoxChunks]] | None = None
+    pending: _PendingMerge | None = None  # this merge's state until its save commits
     full_merges: int = 0
     cached_merges: int = 0
 
@@ -57,7 +67,8 @@ class MergeCache:
         """The save this rank took part in is committed: what it sent (and rank 0 merged) becomes current."""
         self.sent_digest, self.sent_boxes = digest, boxes
         if self.pending is not None:
-            self.world, self.digest, self.rank_boxes, self.boxes = self.pending
+            p = self.pending
+            self.world, self.digest, self.rank_boxes, self.boxes = p.world, p.digest, p.rank_boxes, p.boxes
             self.pending = None
 
 
@@ -87,18 +98,18 @@ class _Columns:
 
 
 @dataclass(frozen=True)
-class _BoxPlan:
+class _MergedBoxes:
     """The DTensor boxes a merge uses, and whether they come from the cache.
 
     Attributes:
         rank_boxes: every rank's encoded boxes (those the cache holds for a rank that sent none).
         cached: every rank's boxes are those of the last committed save, whose tiling was validated.
-        boxes: every DTensor leaf's boxes.
+        by_key: every DTensor leaf's boxes.
     """
 
     rank_boxes: list[bytes | None]
     cached: bool
-    boxes: dict[Key, BoxChunks]
+    by_key: dict[Key, BoxChunks]
 
 
 def merge_fragments(
@@ -128,7 +139,7 @@ def merge_fragments(
     world = len(fragments)
     _check_digests(fragments, reference)
     columns = _Columns.stack(fragments)
-    plan = _plan_boxes(fragments, reference, cache)
+    boxes = _merge_boxes(fragments, reference, cache)
     m = Manifest(
         world_size=world,
         nodes={},
@@ -143,11 +154,11 @@ def merge_fragments(
         structure_digest=reference.digest,
     )
     _merge_nodes(m, reference, columns.node_rows)
-    _merge_leaves(m, reference, columns, plan)
+    _merge_leaves(m, reference, columns, boxes)
     m.objects = _merge_objects(fragments, reference)
     if cache is not None:
-        _remember(cache, m, reference, plan)
-    logger.debug("merged %d fragments (%s path)", world, "cached" if plan.cached else "full")
+        _remember(cache, m, reference, boxes)
+    logger.debug("merged %d fragments (%s path)", world, "cached" if boxes.cached else "full")
     return m
 
 
@@ -160,7 +171,7 @@ def _check_digests(fragments: list[Fragment], reference: Structure) -> None:
             )
 
 
-def _plan_boxes(fragments: list[Fragment], reference: Structure, cache: PlanCache | None) -> _BoxPlan:
+def _merge_boxes(fragments: list[Fragment], reference: Structure, cache: MergeCache | None) -> _MergedBoxes:
     """The boxes of the DTensor leaves: the cache's when nothing changed since the last committed save
     (the ranks may then send none), else merged and, later, validated from every rank's (the full path)."""
     world = len(fragments)
@@ -171,7 +182,7 @@ def _plan_boxes(fragments: list[Fragment], reference: Structure, cache: PlanCach
     ]
     cached = known and cache is not None and rank_boxes == cache.rank_boxes
     boxes = dict(cache.boxes) if cached and cache is not None else _boxes(rank_boxes, reference)
-    return _BoxPlan(rank_boxes=rank_boxes, cached=cached, boxes=boxes)
+    return _MergedBoxes(rank_boxes=rank_boxes, cached=cached, by_key=boxes)
 
 
 def _merge_nodes(m: Manifest, reference: Structure, node_rows: np.ndarray) -> None:
@@ -185,7 +196,7 @@ def _merge_nodes(m: Manifest, reference: Structure, node_rows: np.ndarray) -> No
             m.nodes[node.key] = ()
 
 
-def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, plan: _BoxPlan) -> None:
+def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, boxes: _MergedBoxes) -> None:
     """Every tensor leaf into ``m``, with its chunk table read from its column of the ranks' numbers."""
     writers = replica_writers(
         {
@@ -198,16 +209,16 @@ def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, plan: _B
     for i, spec in enumerate(reference.leaves):
         lengths_i = np.ascontiguousarray(columns.lengths[:, i])
         sums_i = np.ascontiguousarray(columns.checksums[:, i])
-        table = _table(spec, lengths_i, sums_i, plan.boxes, plan.cached, writers.get(spec.key, 0))
+        table = _table(spec, lengths_i, sums_i, boxes.by_key, boxes.cached, writers.get(spec.key, 0))
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
         m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table)
 
 
-def _remember(cache: PlanCache, m: Manifest, reference: Structure, plan: _BoxPlan) -> None:
+def _remember(cache: MergeCache, m: Manifest, reference: Structure, boxes: _MergedBoxes) -> None:
     """Keep this merge's boxes as the cache's pending state (current once the save commits) and count the path."""
-    merged = {k: t for k, t in ((k, m.leaves[k].table) for k in plan.boxes) if isinstance(t, BoxChunks)}
-    cache.pending = (m.world_size, reference.digest, [b or b"" for b in plan.rank_boxes], merged)
-    if plan.cached:
+    merged = {k: t for k, t in ((k, m.leaves[k].table) for k in boxes.by_key) if isinstance(t, BoxChunks)}
+    cache.pending = _PendingMerge(m.world_size, reference.digest, [b or b"" for b in boxes.rank_boxes], merged)
+    if boxes.cached:
         cache.cached_merges += 1
     else:
         cache.full_merges += 1

@@ -321,7 +321,7 @@ class Stream:
         """Copy every byte into slots; return when the last one is copied (or the writer gave up)."""
         try:
             if self.whole:
-                while (i := self._take_planned(front=True)) is not None:
+                while (i := self._take_assigned(front=True)) is not None:
                     self._fill_shared(i)
                 self._copied.wait()  # the writer's last slot
                 if self._cancelled:
@@ -345,7 +345,7 @@ class Stream:
             raise _Cancelled()
         return i
 
-    def _take_planned(self, front: bool) -> int | None:
+    def _take_assigned(self, front: bool) -> int | None:
         """The next fill to copy, from the front (the caller) or the back (the writer); None when all are taken."""
         with self._lock:
             if self._cancelled or self._front >= self._back:
@@ -395,7 +395,7 @@ class Stream:
         if not self.whole:
             return
         try:
-            while (i := self._take_planned(front=False)) is not None:
+            while (i := self._take_assigned(front=False)) is not None:
                 self._fill_shared(i)
         except BaseException as e:
             self._ready.put(e)  # the writer raises it
