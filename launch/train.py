@@ -14,7 +14,7 @@ the data an uninterrupted one would. Launch it with:
 Each launch resumes from the newest checkpoint under ``--ckpt``, on any
 number of ranks. On the preemption signal (``--preempt-signal``, default
 SIGUSR1) every rank saves at the same step and the job exits with status
-``tddist.jobs.manager.EXIT_PREEMPTED`` (75). Rank 0 prints ``saved step=S
+``tddist.EXIT_PREEMPTED`` (75). Rank 0 prints ``saved step=S
 digest=D`` after each save and ``resumed step=S digest=D`` after a restore;
 the digest is a SHA-256 of the whole model and optimizer state.
 """
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import tddist
-from tddist.jobs.manager import EXIT_PREEMPTED, CheckpointManager
+from tddist import EXIT_PREEMPTED, CheckpointManager
 
 DIM, HIDDEN, BATCH = 16, 32, 64
 
