@@ -8,7 +8,6 @@ prefix's store is chosen by ``storage.backends``. No I/O happens here.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -29,8 +28,6 @@ from .manifest.model import Manifest
 from .saving import pipeline as saving
 from .storage import backends
 from .storage.backends import store_for
-
-logger = logging.getLogger(__name__)
 
 
 def save(
