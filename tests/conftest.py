@@ -15,6 +15,9 @@ skips and are left as they are.
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import pytest
 
 from tests.helpers import HARDWARE, SKIP_PREFIX, assert_td_equal, in_ci, leftovers
@@ -68,3 +71,22 @@ def s3_env(tmp_path_factory):
         yield dict(server.env)
     finally:
         server.stop()
+
+
+#: The one bucket of the tests on S3: each test gets a prefix of its own in it (SeaweedFS gives every bucket its
+#: own volumes, so a bucket per test would exhaust them).
+S3_BUCKET = "tddist-tests"
+_s3_prefixes = itertools.count()
+
+
+@pytest.fixture
+def s3(s3_env, monkeypatch):
+    """The S3 environment set in this process; returns (client, "BUCKET/PREFIX"), a fresh prefix of the bucket."""
+    from tddist.storage.s3.client import s3_client
+
+    for k, v in s3_env.items():
+        monkeypatch.setenv(k, v)
+    client = s3_client()
+    if S3_BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=S3_BUCKET)
+    return client, f"{S3_BUCKET}/t{os.getpid()}-{next(_s3_prefixes)}"

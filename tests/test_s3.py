@@ -1,15 +1,13 @@
 """Checkpoints on S3-compatible object storage, against a real S3 server (SeaweedFS on loopback).
 
 The server is the session fixture ``s3_env`` (tests/conftest.py,
-tests/s3_server.py); each test gets its own prefix in one bucket (SeaweedFS gives every bucket its own
-volumes, so a bucket per test would exhaust them). Multi-rank saves run on
+tests/s3_server.py); each test gets its own prefix in one bucket (the ``s3`` fixture there). Multi-rank saves run on
 the thread communicator (``tddist.run_threads``), one job on torchrun (gloo)
 and one with a killed rank on separate processes (``tests/launch_util.py``).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import subprocess
 import sys
@@ -22,24 +20,10 @@ from tensordict import NonTensorData, TensorDict
 
 import tddist
 from tddist._faults import inject
-from tddist.storage.s3.client import s3_client
 from tests.helpers import assert_td_equal
 from tests.launch_util import REPO, run_job
 
 LAYOUTS = ["directory", "archive"]
-BUCKET = "tddist-tests"
-_names = itertools.count()
-
-
-@pytest.fixture
-def s3(s3_env, monkeypatch):
-    """The S3 environment set in this process; returns (client, "BUCKET/PREFIX"), a fresh prefix of the bucket."""
-    for k, v in s3_env.items():
-        monkeypatch.setenv(k, v)
-    client = s3_client()
-    if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
-        client.create_bucket(Bucket=BUCKET)
-    return client, f"{BUCKET}/t{os.getpid()}-{next(_names)}"
 
 
 def url(bucket: str, layout: str, name: str = "ckpt") -> str:
