@@ -180,11 +180,11 @@ def test_publish_refuses_results_of_other_code(tmp_path: Path) -> None:
     assert f"Source digest **`{C.source_digest(files)}`**" in text
     assert "| save | 1 | raw pwrite+fsync | time | 1.00 s |" in text and "| raw is a floor | met | 0.80x |" in text
 
-    writer = root / "tddist" / "writer.py"
+    writer = root / "tddist" / "storage" / "writer.py"
     writer.write_text(writer.read_text() + "\n# an edit after the run\n")
     refused = run_publish()
     assert refused.returncode == 2, (refused.returncode, refused.stdout, refused.stderr)
-    assert "refused" in refused.stderr and "tddist/writer.py (changed)" in refused.stderr, refused.stderr
+    assert "refused" in refused.stderr and "tddist/storage/writer.py (changed)" in refused.stderr, refused.stderr
     assert readme.read_text() == text
 
     del result["tddist"]["source_digest"]  # results of a run.py that did not record the digest
