@@ -14,7 +14,9 @@ set this is one dict lookup. Actions:
   fails with EIO, as if the machine had lost power. It needs CAP_SYS_ADMIN
   and a file system that supports the call (ext4, XFS); unmount and mount it
   again to replay its journal;
-- ``hang``: sleep forever;
+- ``hang``: sleep forever (the process's other threads go on);
+- ``stop``: SIGSTOP this process: every thread stops, as under a debugger or
+  on a swapped-out node (a store this rank hosts stops answering too);
 - ``delay``: sleep one second, then go on.
 
 ``TDDIST_FAULT_THREAD=<prefix>`` strikes only threads whose name starts with
@@ -75,6 +77,9 @@ def fault_point(point: str, rank: int) -> None:
     if action == "hang":
         while True:
             time.sleep(3600)
+    if action == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if action == "delay":
         time.sleep(1.0)
         return

@@ -60,6 +60,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -190,7 +191,20 @@ def unit_matrix(rank: int, unit: dict) -> dict:
     return results
 
 
-UNITS = {"save": unit_save, "matrix": unit_matrix}
+def unit_signal(rank: int, unit: dict) -> dict:
+    """A peer stopped (SIGSTOP) or killed while it joins the job (``connect``: before its first save, so
+    the survivor waits in group creation, or in the rendezvous when tddist initialises torch.distributed
+    itself), or at the commit's ``write`` point; the survivor's save must end in a ``CommError`` in time."""
+    timeout = float(unit["timeout"])
+    victim, sig = int(unit["victim"]), str(unit["signal"])
+    if unit["phase"] == "connect" and rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP if sig == "stop" else signal.SIGKILL)
+    if unit["phase"] == "write":
+        os.environ["TDDIST_FAULT"] = f"write:{victim}:{sig}"
+    return outcome_of(lambda: save_version("new", unit["target"], rank, timeout=timeout))
+
+
+UNITS = {"save": unit_save, "matrix": unit_matrix, "signal": unit_signal}
 
 
 def _child(rank: int, unit: dict, report_dir: Path) -> int:
@@ -198,9 +212,12 @@ def _child(rank: int, unit: dict, report_dir: Path) -> int:
 
     own = report_dir / f"{unit['name']}.rank{rank}.json"
     try:
-        store = report_dir / f"{unit['name']}.store"
-        timeout = datetime.timedelta(seconds=float(unit.get("timeout", 120)))
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timeout)
+        if unit.get("init") == "tddist":  # tddist initialises torch.distributed from the environment; rank 0 hosts
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(unit["port"]))
+        else:
+            store = report_dir / f"{unit['name']}.store"
+            timeout = datetime.timedelta(seconds=float(unit.get("init_timeout", unit.get("timeout", 120))))
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2, timeout=timeout)
         outcome = UNITS[unit["kind"]](rank, unit)
         code, report = 0, {"status": "ok", "outcome": outcome}
     except BaseException:
@@ -228,7 +245,9 @@ def start_unit(rank: int, unit: dict, report_dir: Path) -> int:
 
 
 def made_to_hang(unit: dict, rank: int) -> bool:
-    """True if ``unit`` injects a ``hang`` on ``rank`` (its child then never ends on its own)."""
+    """True if ``unit`` makes ``rank`` hang or stop (its child then never ends on its own)."""
+    if unit.get("kind") == "signal":
+        return unit["signal"] == "stop" and int(unit["victim"]) == rank
     return any(f.split(":")[1:] == [str(rank), "hang"] for f in filter(None, unit.get("fault", "").split(",")))
 
 
@@ -303,13 +322,40 @@ def run_die_before_save(rank: int, cfg: dict, report_dir: Path) -> dict:
     return outcome_of(lambda: save_version("new", cfg["target"], rank, timeout=timeout))
 
 
-MODES = {"batch": run_batch, "die_before_save": run_die_before_save}
+def run_stopped_before_save(rank: int, cfg: dict, report_dir: Path) -> dict:
+    """Under torchrun (its agent hosts the store), torch.distributed initialised as a training script does it
+    (torch's default timeout): rank 0 stops (SIGSTOP) just as its first save begins, before tddist's gloo
+    group exists; rank 1 saves, reports, then kills the stopped rank 0."""
+    pid_file = report_dir / "rank0.pid"
+    if "PMI_RANK" in os.environ:  # under mpiexec, as an MPI program does; tddist then uses a Dup of COMM_WORLD
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()
+    else:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        dist.barrier()
+    if rank == 0:
+        pid_file.write_text(str(os.getpid()))
+        threading.Timer(float(cfg["stop_after"]), os.kill, (os.getpid(), signal.SIGSTOP)).start()
+        save_version("new", cfg["target"], rank, timeout=float(cfg["timeout"]))
+        time.sleep(3600)  # rank 1 kills this process
+    outcome = outcome_of(lambda: save_version("new", cfg["target"], rank, timeout=float(cfg["timeout"])))
+    from tests.launch_util import write_report
+
+    write_report(rank, "ok", outcome=outcome)  # before the peer's death can end this job
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    return outcome
+
+
+MODES = {"batch": run_batch, "die_before_save": run_die_before_save, "stopped_before_save": run_stopped_before_save}
 
 
 def main() -> int:
     from tests.launch_util import write_report
 
-    rank = int(os.environ["RANK"])
+    rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "-1")))
     report_dir = Path(os.environ["TDDIST_REPORT_DIR"])
     try:
         mode, cfg = sys.argv[1], json.loads(sys.argv[2])

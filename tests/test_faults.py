@@ -57,16 +57,19 @@ from tensordict import TensorDict
 import tddist
 from tddist import format as fmt
 from tddist._faults import inject
+from tddist.comm.gloo import DEADLINE_GRACE
 from tddist.storage.archive import ArchiveWriter
 from tests import fault_rank
 from tests.fault_rank import RESERVE, expected, outcome_of, reserve_point, save_version, shard
 from tests.helpers import assert_td_equal, leftovers, missing, require
-from tests.launch_util import Job, run_job
+from tests.launch_util import Job, free_port, run_job
 
 SCRIPT = Path(fault_rank.__file__)
 SAVE_TIMEOUT = 20  # the save timeout where no rank should wait it out (survivors of a SIGKILL included)
 SHORT_TIMEOUT = 3  # the save timeout where a rank is expected to wait it out
 HANG_TIMEOUT = 8  # the save timeout of the rank left alone with a hung peer
+SIGNAL_TIMEOUT = 8  # the save timeout of the rank whose peer was stopped or killed
+STOP_AFTER = float(os.environ.get("TDDIST_TEST_STOP_AFTER", "0.06"))  # seconds into a save that rank 0 stops
 MARGIN = 10  # slack on top of a timeout for a loaded machine
 MATRIX_DEADLINE = 180  # the watchdog's limit for the whole "raise" matrix
 JOB_TIMEOUT = 90  # one small job, interpreter start-up included
@@ -299,6 +302,31 @@ def hang_unit(mode: str) -> str:
     return f"hang-{mode}-write-rank1"
 
 
+@dataclass(frozen=True)
+class SignalCase:
+    """A peer stopped or killed: while the job connects (``connect``: before its first save) or at ``write``;
+    torch.distributed initialised by the user (a file store) or by tddist from the environment (rank 0
+    hosts the TCP store)."""
+
+    init: str  # "user" or "tddist"
+    phase: str  # "connect" or "write"
+    signal: str  # "stop" or "kill"
+    victim: int
+
+    @property
+    def id(self) -> str:
+        return f"signal-{self.init}-{self.phase}-{self.signal}-rank{self.victim}"
+
+
+SIGNAL_CASES = [
+    SignalCase(init, phase, sig, victim)
+    for init in ("user", "tddist")
+    for phase in ("connect", "write")
+    for sig in ("stop", "kill")
+    for victim in (0, 1)
+]
+
+
 def kill_unit(case: Case) -> str:
     return f"kill-{case.id}"
 
@@ -346,8 +374,25 @@ def _run_batch(base: Path) -> Job:
     matrix = {"kind": "matrix", "name": MATRIX, "cases": cases, "deadline": MATRIX_DEADLINE}
     hangs = [save_unit(hang_unit(mode), mode, True, "write:1:hang", HANG_TIMEOUT) for mode in MODES]
     kills = [save_unit(kill_unit(c), c.mode, c.old, f"{c.point}:{c.rank}:kill", SAVE_TIMEOUT) for c in KILL_CASES]
-    # The hangs mostly wait: they run alongside the matrix. Each SIGKILL case runs alone.
-    waves = [[matrix, *hangs], *([k] for k in kills)]
+    signals = [
+        {
+            "kind": "signal",
+            "name": c.id,
+            "target": target(c.id, "dir"),
+            "init": c.init,
+            "init_timeout": 1800,  # torch's default: the user's group waits long, tddist's must not
+            "port": free_port(),
+            "phase": c.phase,
+            "signal": c.signal,
+            "victim": c.victim,
+            "timeout": SIGNAL_TIMEOUT,
+            "deadline": SIGNAL_TIMEOUT + DEADLINE_GRACE + 2 * MARGIN,
+        }
+        for c in SIGNAL_CASES
+    ]
+    # The hangs and the stopped or killed peers mostly wait: they run alongside the matrix. Each SIGKILL case
+    # of the commit runs alone.
+    waves = [[matrix, *hangs, *signals], *([k] for k in kills)]
     args = ["batch", json.dumps({"waves": waves})]
     return run_job("spawn", 2, SCRIPT, args, base / "reports", timeout=BATCH_JOB_TIMEOUT)
 
@@ -526,6 +571,24 @@ def test_peer_dies_before_first_save(tmp_path):
         raise KnownBug(f"rank 1 raised {o['cls']} ({' < '.join(o['mro'])}): {o['msg']}")
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("launcher", ["torchrun", "mpiexec"])
+def test_rank_0_stopped_as_its_save_begins_does_not_hold_its_peer_past_the_timeout(launcher, tmp_path):
+    """Its own job: rank 0 stops (SIGSTOP) a few milliseconds into its first save, so rank 1 waits where
+    tddist's private communicator is made: torchrun's gloo group (torch bounds its creation by the store's
+    timeout, which the agent hosts), or MPI's duplicate of COMM_WORLD (a blocking ``Dup`` waits forever).
+    Rank 1 raises ``CommTimeoutError`` within the timeout and a small constant."""
+    target = tmp_path / "ckpt"
+    cfg = {"target": str(target), "timeout": SIGNAL_TIMEOUT, "stop_after": STOP_AFTER}
+    job = run_job(launcher, 2, SCRIPT, ["stopped_before_save", json.dumps(cfg)], tmp_path / "r", timeout=JOB_TIMEOUT)
+    assert job.returncodes != [0], job.output[-3000:]  # rank 0 was killed: the launcher reports the failure
+    o = job.reports[1]["outcome"]
+    assert raised(o, "CommTimeoutError") and "rank 1" in o["msg"], o
+    assert o["elapsed"] <= SIGNAL_TIMEOUT + DEADLINE_GRACE + MARGIN, o
+    assert 0 not in job.reports
+    check_target_and_recover(target, None)
+
+
 # --- 2. a hung rank -------------------------------------------------------------------------
 
 
@@ -545,6 +608,23 @@ def test_hang(mode, tmp_path_factory):
     assert "rank 0" in o["msg"] and f"within {HANG_TIMEOUT}s" in o["msg"], o["msg"]
     left = check_target_and_recover(target, "old")
     print(f"{name}: rank 0 {o['cls']} ({o['elapsed']:.1f}s): {o['msg'][:90]}; target old; leftovers {len(left)}")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", SIGNAL_CASES, ids=[c.id for c in SIGNAL_CASES])
+def test_a_stopped_or_killed_peer_ends_the_save_within_its_timeout(case, tmp_path_factory):
+    """Every step that waits on a peer honours ``timeout=``: group creation and the rendezvous too (torch
+    bounds those by its store, which a stopped rank 0 may host), so the survivor raises a ``CommError``
+    within the timeout and a small constant, whatever rank is stopped or killed and wherever; nothing is
+    committed and ``recover`` leaves nothing behind."""
+    res, base = unit_result(case.id, tmp_path_factory)
+    victim, survivor = res[case.victim], res[1 - case.victim]
+    assert victim["exit"] == -signal.SIGKILL and victim["report"] is None, victim  # killed: by itself or the watchdog
+    o = child_outcome(survivor, 1 - case.victim)
+    assert raised(o, "CommError"), o
+    assert o["elapsed"] <= SIGNAL_TIMEOUT + DEADLINE_GRACE + MARGIN, o
+    assert f"rank {1 - case.victim}" in o["msg"], o["msg"]
+    check_target_and_recover(base / case.id / TARGET_NAMES["dir"], None)
 
 
 # --- 3./4. disk full and read-only file system (tmpfs, thread ranks) --------------------------------

@@ -28,15 +28,16 @@ import atexit
 import datetime
 import logging
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch.distributed as dist
 
 from .._compat import group_is_live
-from ..errors import CommError, wrap_transport_error
+from ..errors import CommError, CommTimeoutError, wrap_transport_error
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +52,62 @@ _OWNS_DEFAULT = False
 _COMMS: weakref.WeakSet[TorchComm] = weakref.WeakSet()
 
 
+#: Seconds past ``timeout`` that creating a group or joining the job may take before this rank gives up on it.
+#: torch bounds these steps by its store's timeout, not by the group's: a peer that hosts the store and is
+#: stopped (SIGSTOP, a debugger, a swapped-out node) would hold the other ranks far past ``timeout=``.
+DEADLINE_GRACE = 5.0
+
+
 def init_from_env(timeout: float) -> None:
-    """Initialise torch.distributed with gloo from torchrun's environment variables."""
+    """Initialise torch.distributed with gloo from torchrun's environment variables, within ``timeout``.
+
+    Raises ``CommTimeoutError`` (a peer, or the store's host, is stopped or
+    gone) or ``CommError`` (the store refused us) instead of torch's
+    ``DistNetworkError``.
+    """
     global _OWNS_DEFAULT
     if not dist.is_initialized():
         logger.info("initialising torch.distributed (gloo) from the environment")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+        rank = int(os.environ.get("RANK", "-1"))
+        td = datetime.timedelta(seconds=timeout)
+        within_deadline(rank, "joining the job (torch.distributed.init_process_group, gloo)", timeout,
+                        lambda: dist.init_process_group("gloo", timeout=td))  # fmt: skip
         _OWNS_DEFAULT = True
+
+
+def within_deadline(rank: int, op: str, timeout: float, fn: Callable[[], T]) -> T:
+    """Run ``fn`` (a step that waits on the peers) and return its result, or raise a ``CommError`` once it
+    failed or ``timeout + DEADLINE_GRACE`` seconds passed.
+
+    The step runs on a daemon thread: past the deadline this rank raises
+    ``CommTimeoutError`` and leaves the thread waiting (torch offers no way to
+    cancel it); the rank's job is broken by then anyway, since a peer is
+    stopped or gone.
+    """
+    outcome: list[tuple[bool, Any]] = []
+    done = threading.Event()
+    start = time.monotonic()
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as e:  # handed to the waiting thread, which raises it typed
+            outcome.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"tddist-connect-rank{rank}", daemon=True).start()
+    if not done.wait(timeout + DEADLINE_GRACE):
+        raise CommTimeoutError(
+            f"rank {rank}: {op} did not complete within {timeout:g}s (waited "
+            f"{time.monotonic() - start:.1f}s): a peer rank, or the one hosting the job's store, is stopped or "
+            f"gone; see the other ranks' logs. Nothing was written; pass a larger timeout= (or TDDIST_TIMEOUT) "
+            f"if the job is only slow to start"
+        )
+    ok, value = outcome[0]
+    if ok:
+        return cast(T, value)
+    raise wrap_transport_error(rank, op, value, time.monotonic() - start, timeout) from value
 
 
 def release_groups() -> None:
@@ -167,14 +217,13 @@ def torch_comm(group: dist.ProcessGroup | None, timeout: float) -> TorchComm:
 
 
 def _new_gloo_group(ranks: tuple[int, ...], timeout: float) -> dist.ProcessGroup:
-    """A new gloo group over ``ranks`` (collective over them)."""
+    """A new gloo group over ``ranks`` (collective over them), within ``timeout`` (``within_deadline``)."""
     td = datetime.timedelta(seconds=timeout)
     local = len(ranks) != dist.get_world_size()
-    start = time.monotonic()
-    try:
-        group = dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=local)
-        _CREATED.append(group)
-        return group
-    except Exception as e:  # a peer died or hung while the group was being created
-        op = "creating the tddist gloo group"
-        raise wrap_transport_error(dist.get_rank(), op, e, time.monotonic() - start, timeout) from e
+
+    def create() -> dist.ProcessGroup:
+        return dist.new_group(ranks=list(ranks), backend="gloo", timeout=td, use_local_synchronization=local)
+
+    group = within_deadline(dist.get_rank(), "creating the tddist gloo group", timeout, create)
+    _CREATED.append(group)
+    return group

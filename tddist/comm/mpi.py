@@ -30,10 +30,13 @@ class MPIComm:
 
         self._MPI = MPI
         parent = comm if comm is not None else MPI.COMM_WORLD
-        self.comm = parent.Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+        self.rank = parent.Get_rank()
+        self.size = parent.Get_size()
         self.timeout = timeout
+        # A nonblocking duplicate, polled like every collective: a stopped peer cannot hold this rank past
+        # ``timeout`` (a blocking ``Dup()`` would wait for it forever).
+        self.comm, done = parent.Idup()
+        self._guard("duplicating the communicator", lambda start: self._poll("Idup", done.Test, start))
 
     def _poll(self, op: str, ready: Callable[[], object], start: float) -> None:
         """Yield the CPU for the first few milliseconds (a commit's messages arrive within
