@@ -347,9 +347,9 @@ def test_a_return_early_save_resolves_before_the_checkpoint_it_replaced_is_remov
     gate, removed = threading.Event(), []
     real = base.discard
 
-    def held_discard(path: str) -> None:
+    def held_discard(path: str, readers: bool = False) -> None:
         assert gate.wait(60), "the test never opened the gate"
-        real(path)
+        real(path, readers)
         removed.append(path)
 
     target = tmp_path / "ckpt"

@@ -149,7 +149,9 @@ def test_commit_has_no_layout_branch():
     assert len(source.splitlines()) < 40, "two_phase_commit should stay a short list of named steps"
     tree = ast.parse(inspect.getsource(commit))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not any(m and m.startswith(("layouts.archive", "layouts.directory")) for m in imported), imported
+    assert not any(
+        m and m.startswith(("storage.archive", "storage.directory", "..storage.archive")) for m in imported
+    ), imported
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
         n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
     }

@@ -76,6 +76,7 @@ from ..comm.base import Communicator
 from ..comm.collective import contribute, decide_on_rank0
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging, Structure
 from ..errors import CommError, InvalidArgumentError, TargetError
+from ..manifest import checksum
 from ..storage.base import ShardWriter
 
 ManifestBuilder = Callable[[list[Fragment], Structure], ManifestFiles]
@@ -86,24 +87,26 @@ Retire = Callable[[Callable[[], None]], None]
 
 
 def two_phase_commit(
-    comm: Communicator, writer: ShardWriter, build_manifest: ManifestBuilder, retire: Retire | None = None
-) -> None:
-    """Run the protocol above; returns on every rank only once the checkpoint is committed.
+    comm: Communicator,
+    writer: ShardWriter,
+    build_manifest: ManifestBuilder,
+    retire: Retire | None = None,
+    on_staged: Callable[[Staging], None] | None = None,
+) -> str:
+    """Run the protocol above; return on every rank, once it is committed, the generation rank 0 published.
 
-    ``build_manifest(fragments, structure)`` (rank 0) validates the ranks'
-    fragments against rank 0's structure and returns the manifest's files.
-    Raises the same error on every rank otherwise. Once rank 0 committed and
-    announced, ``writer.retirement()`` removes the checkpoint it replaced, at once or
-    handed to ``retire`` (a ``return_early`` save: its worker does it after
-    resolving the save's future).
+    ``build_manifest(fragments, structure)`` (rank 0): the manifest's files. ``on_staged(staging)`` runs on
+    every rank before it writes (its failure is the rank's vote). ``writer.retirement()`` removes the
+    replaced checkpoint after the announcement, at once or via ``retire`` (a ``return_early`` save's
+    worker). Raises the same error on every rank otherwise.
     """
     what, rank = f"save to {writer.target!r}", comm.rank
     fault_point("begin", rank)
     staging: Staging = decide_on_rank0(comm, what, lambda plans: _open(writer, plans), contribute(writer.plan))
-    vote = contribute(lambda: _write(writer, staging, rank))
+    vote = contribute(lambda: _write(writer, staging, rank, on_staged))
     committed: list[bool] = []
     try:
-        decide_on_rank0(
+        generation: str = decide_on_rank0(
             comm,
             what,
             lambda fragments: _decide(writer, staging, fragments, build_manifest, committed),
@@ -113,16 +116,21 @@ def two_phase_commit(
         )
     except CommError as e:
         if committed:  # rank 0 knows better than the generic advice
-            raise type(e)(
-                f"{e}\nrank 0 had already committed {writer.target!r}: it holds the new checkpoint, but not "
-                f"every rank could be told"
-            ) from e
+            raise _committed_untold(e, writer.target) from e
         raise
     finally:
         removal = writer.retirement() if committed else None
         if removal is not None:
             (retire or _at_once)(removal)
     fault_point("announce", rank)
+    return generation
+
+
+def _committed_untold(e: CommError, target: str) -> CommError:
+    """Rank 0's transport error of the decision round when it had committed: it says so."""
+    return type(e)(
+        f"{e}\nrank 0 had already committed {target!r}: it holds the new checkpoint, but not every rank could be told"
+    )
 
 
 def _at_once(clean_up: Callable[[], None]) -> None:
@@ -163,8 +171,10 @@ def _check_plans(plans: list[SavePlan]) -> None:
                 )
 
 
-def _write(writer: ShardWriter, staging: Staging, rank: int) -> Fragment:
+def _write(writer: ShardWriter, staging: Staging, rank: int, on_staged: Callable[[Staging], None] | None) -> Fragment:
     """(all ranks) Step 2: this rank's vote."""
+    if on_staged is not None:
+        on_staged(staging)
     fragment = writer.write(staging)
     fault_point("write", rank)
     return fragment
@@ -172,14 +182,16 @@ def _write(writer: ShardWriter, staging: Staging, rank: int) -> Fragment:
 
 def _decide(
     writer: ShardWriter, staging: Staging, fragments: list[Fragment], build: ManifestBuilder, committed: list[bool]
-) -> None:
-    """(rank 0) Step 4 when every rank voted yes: validate, write the manifest, publish."""
+) -> str:
+    """(rank 0) Step 4 when every rank voted yes: validate, write the manifest, publish; the generation."""
     structure = writer.structure
     assert structure is not None  # plan() set it
     manifest = build(fragments, structure)
+    generation, _sealed = checksum.generation(manifest.manifest, f"the manifest of {writer.target!r}")
     fault_point("validate", 0)
     writer.finalize(staging, manifest, fragments)
     fault_point("manifest", 0)
     writer.publish(staging)
     fault_point("publish", 0)
     committed.append(True)
+    return generation

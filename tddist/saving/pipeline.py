@@ -26,15 +26,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 from tensordict import TensorDict
 
+from .. import format as fmt
 from .._version import __version__
 from ..comm.base import Communicator
 from ..comm.resolve import resolve
+from ..core.tree import build
 from ..core.types import (
     Fragment,
     LoadOptions,
@@ -43,14 +45,16 @@ from ..core.types import (
     SavedRows,
     SaveOptions,
     SaveRequest,
+    Staging,
     Structure,
 )
-from ..errors import StorageError, TargetError, TddistError
+from ..errors import CheckpointChangedError, StorageError, TargetError, TddistError
 from ..loading.pipeline import read_shard
 from ..manifest.merge import MergeCache, merge_fragments
 from ..manifest.v2 import encode
 from ..storage.backends import Store, store_for
 from ..storage.base import ShardWriter, hashes_replica
+from ..storage.opened import Pin
 from . import background
 from .background import Channel
 from .commit import Retire, two_phase_commit
@@ -89,14 +93,23 @@ def save(data: Any, request: SaveRequest) -> TensorDict | Future:
 
     if request.early is None:
         shard = prepare(None)
-        writer = commit(c, options, shard, ch.merges)
-        return open_committed(c, options, shard, writer)
+        committed = commit(c, options, shard, ch.merges)
+        return open_committed(c, options, shard, committed, in_memory=shard)
     return start_early(ch, options, prepare, request.early.snapshot_budget, request.early.writer)
 
 
 def store_of(options: SaveOptions) -> Store:
     """The store a save writes to (``storage.backends``)."""
     return store_for(options.target, options.container == "archive")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A save this rank took part in, once committed: what ``open_committed`` reads back exactly."""
+
+    writer: ShardWriter | None  # None: a writer process wrote it
+    generation: str  # of the manifest rank 0 published
+    pin: Pin | None  # the checkpoint, pinned before it was published (file stores; ``Store.pin_staging``)
 
 
 def commit(
@@ -106,14 +119,23 @@ def commit(
     cache: MergeCache,
     make_writer: WriterFactory | None = None,
     retire: Retire | None = None,
-) -> ShardWriter:
-    """Write this rank's shard and run the two-phase commit; return the writer once the checkpoint is published.
+) -> Committed:
+    """Write this rank's shard and run the two-phase commit; return what was committed once it is published.
 
     ``make_writer``: a writer other than the store's own (a streamed
     snapshot's); ``retire``: where the removal of the replaced checkpoint goes
-    (``two_phase_commit``).
+    (``two_phase_commit``). The store pins the staging area on every rank
+    before its vote, so a save that replaces this one at once cannot make it
+    read back another save's data.
     """
-    writer = (make_writer or store_of(options).writer)(options, c.rank, shard, cache)
+    store = store_of(options)
+    writer = (make_writer or store.writer)(options, c.rank, shard, cache)
+    pins: list[Pin] = []
+
+    def pin(staging: Staging) -> None:
+        held = store.pin_staging(staging)
+        if held is not None:
+            pins.append(held)
 
     def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
         m = merge_fragments(
@@ -128,27 +150,50 @@ def commit(
         )
         return encode(m)
 
-    two_phase_commit(c, writer, build_manifest, retire)
+    try:
+        generation = two_phase_commit(c, writer, build_manifest, retire, on_staged=pin)
+    except BaseException:
+        for p in pins:
+            p.close()
+        raise
     writer.committed()
     logger.info("rank %d: committed %s", c.rank, options.target)
-    return writer
+    return Committed(writer, generation, pins[0] if pins else None)
 
 
 def open_committed(
-    c: Communicator, options: SaveOptions, shard: LocalShard | Exception, writer: ShardWriter | None = None
+    c: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    committed: Committed,
+    in_memory: LocalShard | Exception | None = None,
 ) -> TensorDict:
-    """This rank's saved shard, mapped from the committed checkpoint (``writer``: this process committed it).
+    """This rank's saved shard, mapped from the checkpoint ``committed`` names, never another save's.
 
-    Raises ``TargetError`` when the commit is durable but the file system
-    failed when the checkpoint was read back.
+    Through the pin taken before it was published (file stores), or by name
+    with its generation compared (object storage, a writer process). When a
+    concurrent save replaced it before it could be read (a store without a
+    pin, or a file system without ``flock``), this rank's shard is returned
+    from memory instead: ``in_memory``, the snapshot or the caller's own
+    tensors, which hold what was written (copied, as a map would be). Raises
+    ``TargetError`` only when the commit is durable but could not be read
+    back and no such copy exists (a streamed snapshot), or the file system
+    failed.
     """
     assert isinstance(shard, LocalShard)  # the commit raised otherwise
     store = store_of(options)
     own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
     opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
     try:
-        with store.open() if writer is None else store.open_saved(writer) as opened:
+        with store.open_saved(committed.writer, committed.pin) as opened:
+            if opened.generation != committed.generation:
+                raise CheckpointChangedError(
+                    f"rank {c.rank}: {options.target!r} holds another save's checkpoint (generation "
+                    f"{opened.generation}, this save committed {committed.generation})"
+                )
             return read_shard(opened, c, opts, own)
+    except CheckpointChangedError as e:
+        return _replaced_after_commit(c.rank, options, in_memory, e)
     except StorageError as e:
         raise _unreadable_after_commit(c.rank, options.target, e) from e
     except TddistError:
@@ -162,12 +207,46 @@ def _commit_and_open(
     options: SaveOptions,
     shard: LocalShard | Exception,
     cache: MergeCache,
-    make_writer: WriterFactory | None = None,
-    retire: Retire | None = None,
+    make_writer: WriterFactory | None,
+    retire: Retire,
+    in_memory: LocalShard | Exception | None,
 ) -> TensorDict:
-    """(a ``return_early`` save's worker) ``commit``, then ``open_committed`` with the writer."""
-    writer = commit(c, options, shard, cache, make_writer, retire)
-    return open_committed(c, options, shard, writer)
+    """(a ``return_early`` save's worker) ``commit``, then ``open_committed``; ``in_memory``: what was
+    written, kept until this save ends (a whole snapshot), or None (a streamed one, whose slots are reused)."""
+    committed = commit(c, options, shard, cache, make_writer, retire)
+    return open_committed(c, options, shard, committed, in_memory)
+
+
+def _replaced_after_commit(
+    rank: int, options: SaveOptions, in_memory: LocalShard | Exception | None, e: CheckpointChangedError
+) -> TensorDict:
+    """A concurrent save replaced this one's checkpoint before it was read back: this rank's shard from memory."""
+    if not isinstance(in_memory, LocalShard):
+        raise TargetError(
+            f"rank {rank}: the save to {options.target!r} was committed and is durable, but another save "
+            f"replaced it before it could be read back ({e}); save to distinct paths (or one process at a time) "
+            f"to get the saved shard back, or load the checkpoint you want"
+        ) from e
+    logger.info("rank %d: %s; returning the saved shard from memory", rank, e)
+    return shard_from_memory(in_memory, options)
+
+
+def shard_from_memory(shard: LocalShard, options: SaveOptions) -> TensorDict:
+    """This rank's shard as ``load(shard="saved")`` returns it, from the tensors that were written (copied).
+
+    Sharded leaves hold this rank's rows, replicated ones its copy (equal to
+    the written one: small replicas are compared in every save, larger ones
+    with ``check_replicas``), DTensor leaves their local shard.
+    """
+    leaves = {i.key: i.tensor.detach().to("cpu", copy=True) for i in shard.items}
+    objects = {}
+    for key, obj in shard.objects.items():
+        where = f"non-tensor leaf {list(key)}"
+        if obj.kind == "stack":
+            objects[key] = ("stack", [fmt.decode_object(v, True, where) for v in obj.value])
+        else:
+            objects[key] = ("data", fmt.decode_object(obj.value, True, where))
+    return build(dict(shard.nodes), leaves, lambda _key, batch: batch[0], None, objects, options.share_non_tensor)
 
 
 def _unreadable_after_commit(rank: int, target: str, e: OSError | StorageError) -> TargetError:
@@ -304,7 +383,7 @@ def _commit_snapshot(
 ) -> TensorDict:
     """(the worker) Wait for device-to-host copies of the snapshot, if any, then commit and open."""
     buffers.wait_copies()
-    return _commit_and_open(comm, options, shard, cache, None, retire)
+    return _commit_and_open(comm, options, shard, cache, None, retire, shard)
 
 
 def _commit_streamed(
@@ -320,7 +399,7 @@ def _commit_streamed(
     caller waits for); a failed commit stops the caller's copy waiting for slots."""
     try:
         s.wait_copied()
-        return _commit_and_open(comm, options, shard, cache, factory, retire)
+        return _commit_and_open(comm, options, shard, cache, factory, retire, None)
     finally:
         s.cancel()
 
@@ -328,6 +407,7 @@ def _commit_streamed(
 def _commit_in_process(
     c: Communicator, pw: ProcessWriter, request: WriterRequest, shard: LocalShard | Exception
 ) -> TensorDict:
-    """(the worker) Wait for the writer process's commit, then map what this rank saved."""
-    pw.run(request)
-    return open_committed(c, request.options, shard)
+    """(the worker) Wait for the writer process's commit, then map what this rank saved (from the shared arena
+    if another save replaced it at once)."""
+    generation = pw.run(request)
+    return open_committed(c, request.options, shard, Committed(None, generation, None), pw.arena_shard(request))

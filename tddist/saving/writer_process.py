@@ -160,8 +160,9 @@ class ProcessWriter:
             os.close(fd)
         self.path, self.size_bytes, self.linked = path, nbytes, True
 
-    def run(self, request: WriterRequest) -> None:
-        """Hand the request to the writer and wait for its outcome (raises the commit's error)."""
+    def run(self, request: WriterRequest) -> str:
+        """Hand the request to the writer and wait for its outcome: the generation it committed (raises the
+        commit's error)."""
         try:
             self.conn.send(request)
             while not self.conn.poll(_POLL):
@@ -176,7 +177,7 @@ class ProcessWriter:
                         f"the previous checkpoint or, if rank 0 committed, the new one; the next save starts new "
                         f"writer processes"
                     )
-            status, error = self.conn.recv()
+            status, value = self.conn.recv()
             if request.arena == self.path:
                 self.linked = False  # the writer mapped and unlinked it
         except (EOFError, OSError) as e:
@@ -194,9 +195,14 @@ class ProcessWriter:
                 f"new one; the next save starts a new writer process"
             ) from None
         if status != "ok":
-            if isinstance(error, CommError):
+            if isinstance(value, CommError):
                 self.broken = True  # its group lost a peer: the next save needs a new one
-            raise error
+            raise value
+        return str(value)
+
+    def arena_shard(self, request: WriterRequest) -> LocalShard | Exception:
+        """The shard of ``request`` as it lies in the shared arena (views of it; valid until the next save)."""
+        return _rebuild(request, self.map)
 
     def peer_died(self) -> bool:
         """Whether some rank announced that its writer of this generation died."""
@@ -240,7 +246,8 @@ def serve(fd: int, spec: str, commit: Callable[[Communicator, SaveOptions, Any, 
     commit each request until told to stop or the trainer is gone.
 
     ``commit`` is ``pipeline.commit``, passed in by the entry point, since
-    the pipeline imports this module.
+    the pipeline imports this module; the trainer gets the generation it
+    committed.
     """
     conn = Connection(fd)
     s = json.loads(spec)
@@ -275,8 +282,10 @@ def serve(fd: int, spec: str, commit: Callable[[Communicator, SaveOptions, Any, 
             if request.arena and (arena is None or arena[0] != request.arena):
                 arena = (request.arena, _attach(request.arena, request.arena_bytes, arena))
             shard = _rebuild(request, arena[1] if arena else None)
-            commit(comm, request.options, shard, cache)
-            conn.send(("ok", None))
+            committed = commit(comm, request.options, shard, cache)
+            if committed.pin is not None:
+                committed.pin.close()  # the trainer opens it (by name: it compares the generation)
+            conn.send(("ok", committed.generation))
         except Exception as e:
             conn.send(("error", e))
             if isinstance(e, CommError):  # the group lost a peer: leave it, so the other writers see it at once

@@ -26,7 +26,7 @@ from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 
 if TYPE_CHECKING:
-    from ..core.types import LocalShard, SaveOptions
+    from ..core.types import LocalShard, SaveOptions, Staging
     from ..manifest.merge import MergeCache
     from ..manifest.model import Manifest
     from .archive import ArchiveFiles
@@ -43,10 +43,11 @@ class Store(Protocol):
 
     Call order: a save asks ``check_save`` (every rank, before any
     collective), then ``writer`` (every rank; the commit drives it, see
-    ``base.ShardWriter``), then ``open_saved`` with that writer (every rank,
-    once the commit is announced). A load asks ``open`` (every rank; see
-    ``opened`` for what follows). ``recover`` runs alone, when no save to the
-    target is in flight.
+    ``base.ShardWriter``), ``pin_staging`` once the commit's first round
+    named the staging area (every rank, before it votes), then
+    ``open_saved`` with that writer and pin (every rank, once the commit is
+    announced). A load asks ``open`` (every rank; see ``opened`` for what
+    follows). ``recover`` runs alone, when no save to the target is in flight.
     """
 
     @property
@@ -80,8 +81,16 @@ class Store(Protocol):
         """The reader of ``pin``'s chunks (``OpenedCheckpoint.files``; imports torch)."""
         ...
 
-    def open_saved(self, writer: ShardWriter) -> OpenedCheckpoint:
-        """Open the checkpoint ``writer`` just committed (a store may read this rank's own bytes from memory)."""
+    def pin_staging(self, staging: Staging) -> Pin | None:
+        """Pin the staging area a save writes, before it is published, so the save reads back exactly what it
+        committed even if another save replaces it at once (None: this store cannot pin it; the save then
+        compares generations, ``open_saved``)."""
+        ...
+
+    def open_saved(self, writer: ShardWriter | None, pin: Pin | None) -> OpenedCheckpoint:
+        """Open the checkpoint ``writer`` just committed: through ``pin`` when there is one, else by name (then
+        it may be another save's by now: the caller compares generations). A store may read this rank's own
+        bytes from memory."""
         ...
 
     def recover(self) -> list[str]:
@@ -120,8 +129,21 @@ class FileStore:
     def files(self, pin: Pin) -> ChunkFiles:
         return local_files(cast("PinnedCheckpoint", pin))
 
-    def open_saved(self, writer: ShardWriter) -> OpenedCheckpoint:
-        return self.open()
+    def pin_staging(self, staging: Staging) -> Pin | None:
+        """The staging directory or archive file, opened (it becomes the target when it is published) and held
+        against removal by a concurrent save until the save has read it back (``hold_off_removal``)."""
+        from .pinned import PinnedCheckpoint
+
+        pin = PinnedCheckpoint(self.target, opened_as=staging.path)
+        pin.hold_off_removal()
+        return pin
+
+    def open_saved(self, writer: ShardWriter | None, pin: Pin | None) -> OpenedCheckpoint:
+        if pin is None:
+            return self.open()
+        from .pinned import pin_and_read
+
+        return validate(pin_and_read(cast("PinnedCheckpoint", pin)), self.files)
 
     def recover(self) -> list[str]:
         from .recovery import recover
@@ -183,7 +205,11 @@ class ObjectStore:
 
         return S3Files(cast(S3Pin, pin))
 
-    def open_saved(self, writer: ShardWriter) -> OpenedCheckpoint:
+    def pin_staging(self, staging: Staging) -> Pin | None:
+        """Nothing to pin: objects have no descriptors; the save compares generations instead."""
+        return None
+
+    def open_saved(self, writer: ShardWriter | None, pin: Pin | None) -> OpenedCheckpoint:
         """Open it, reading back from memory what this rank uploaded instead of downloading it again."""
         from .s3.pin import S3Pin
 

@@ -145,7 +145,7 @@ class WriterBase:
 
     def removal(self, replaced: str) -> Retirement:
         """How ``replaced``, what ``publish`` recorded, is removed: here the path of the old checkpoint."""
-        return Retirement(self.rank, replaced, partial(discard, replaced))
+        return Retirement(self.rank, replaced, partial(discard, replaced, readers=True))
 
     def local_shard(self) -> LocalShard:
         """The prepared shard, or the error that preparing it raised."""

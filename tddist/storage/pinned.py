@@ -19,8 +19,11 @@ Linux only, as the commit is: a mapped file is reopened through
 from __future__ import annotations
 
 import errno
+import fcntl
+import logging
 import os
 import stat
+import time
 import zipfile
 
 from .. import format as fmt
@@ -37,20 +40,32 @@ from .opened import ManifestBytes
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a FIFO must not block the open
 
+logger = logging.getLogger(__name__)
+
+#: The longest a save waits, before removing the checkpoint it replaced, for another save that is still
+#: reading that checkpoint back (``PinnedCheckpoint.hold_off_removal``); reading back maps files: milliseconds.
+READERS_GRACE = 10.0
+
 
 class PinnedCheckpoint:
     """The descriptor of a checkpoint directory or archive, opened once; files inside are opened through it.
 
     Use as a context manager (or call ``close``). The descriptor only pins
-    what a reader sees; it locks nothing, so writers are never delayed.
+    what a reader sees; it locks nothing, so writers are never delayed, except
+    for a save reading back what it committed: ``hold_off_removal`` then
+    keeps a concurrent save from removing it (``wait_for_readers``) until it
+    is closed.
+
+    ``opened_as``: open this path instead (a save's staging entry, which
+    becomes ``path`` when it is published); ``path`` names it in messages.
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, opened_as: str | None = None) -> None:
         self.path = path
         self.fd = -1
         try:
             # the checkpoint path itself may be a symbolic link (a "latest" link, say); what is inside may not
-            self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            self.fd = os.open(opened_as or path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             raise CheckpointNotFoundError(f"checkpoint {path!r} does not exist") from None
         except NotADirectoryError:
@@ -66,6 +81,17 @@ class PinnedCheckpoint:
                 f"{path!r} is neither a directory nor a regular file, so it is not a tddist checkpoint; pass a "
                 f"checkpoint directory or a .tdz archive"
             )
+
+    def hold_off_removal(self) -> bool:
+        """Take a shared lock on the pinned directory or archive, so that a save that replaces it waits for
+        this reader before removing it (``wait_for_readers``); released by ``close``. False where the file
+        system has no ``flock`` (the reader then relies on its pin alone)."""
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            logger.debug("%s: no shared lock (%s); a concurrent save may remove it while it is read", self.path, e)
+            return False
 
     @property
     def fd_path(self) -> str:
@@ -189,6 +215,40 @@ def _read_up_to(fd: int, n: int) -> bytes:
     return b"".join(parts)
 
 
+def wait_for_readers(path: str, limit: float = READERS_GRACE) -> None:
+    """Before ``path`` (a replaced checkpoint) is removed: wait until no save holds it for reading back
+    (an exclusive ``flock`` over their shared ones), at most ``limit`` seconds. Never raises: the removal
+    goes on anyway, and a reader still there sees ``CheckpointChangedError``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return  # gone already, or not openable: nothing to wait for
+    try:
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    logger.warning("%s is still being read back after %.0f s; removing it anyway", path, limit)
+                    return
+                time.sleep(0.005)
+            except OSError:
+                return  # no flock on this file system
+    finally:
+        os.close(fd)
+
+
+def pin_and_read(pin: PinnedCheckpoint) -> ManifestBytes:
+    """The manifest and index bytes of the checkpoint ``pin`` holds (not validated here); closes it if it fails."""
+    try:
+        return _archive_manifest(pin) if pin.archive else _directory_manifest(pin)
+    except BaseException:
+        pin.close()
+        raise
+
+
 def open_local(path: str) -> ManifestBytes:
     """Pin the committed directory or archive at ``path`` and read its manifest and index (not validated here).
 
@@ -201,11 +261,7 @@ def open_local(path: str) -> ManifestBytes:
         pin = PinnedCheckpoint(path)
     except CheckpointNotFoundError:
         raise _not_found(path, "does not exist") from None
-    try:
-        return _archive_manifest(pin) if pin.archive else _directory_manifest(pin)
-    except BaseException:
-        pin.close()
-        raise
+    return pin_and_read(pin)
 
 
 def _not_found(path: str, what: str) -> CheckpointNotFoundError:

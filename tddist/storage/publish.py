@@ -15,6 +15,7 @@ import os
 from .. import format as fmt
 from .._faults import exchange_disabled, fault_point
 from .._fs import exchange, fsync_path, remove_tree, rename_noreplace
+from .pinned import wait_for_readers
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def publish(staging: str, target: str) -> None:
     checkpoint it replaced."""
     replaced = swap_in(staging, target)
     if replaced is not None:
-        discard(replaced)
+        discard(replaced, readers=True)
 
 
 def swap_in(staging: str, target: str) -> str | None:
@@ -58,11 +59,15 @@ def swap_in(staging: str, target: str) -> str | None:
     return backup
 
 
-def discard(path: str) -> None:
+def discard(path: str, readers: bool = False) -> None:
     """Remove a staging area or an old checkpoint; a failure only warns (``recover`` removes it later).
 
     It must never stop a commit or keep rank 0 from announcing its decision.
+    ``readers``: ``path`` is a checkpoint this save replaced, which another
+    save may still be reading back: wait for it first (``wait_for_readers``).
     """
+    if readers:
+        wait_for_readers(path)
     try:
         remove_tree(path)
     except OSError as e:
