@@ -212,41 +212,34 @@ def test_corrupt_manifest_is_not_reported_as_data_corruption(tmp_path):
 
 SAVER = textwrap.dedent(
     """
-    import sys, time
+    import sys
     sys.path.insert(0, {repo!r})
-    import torch
     import tddist
     from tests.test_consistent_reads import generation_td, generations_in
 
-    target, me, saves = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    kw = eval(sys.argv[4])
-    wrong = errors = 0
+    me, saves, targets = int(sys.argv[1]), int(sys.argv[2]), eval(sys.argv[3])
+    wrong, errors = dict.fromkeys(targets, 0), dict.fromkeys(targets, 0)
     for i in range(saves):
         g = me * 100000 + i  # this process's generations only
-        try:
-            got = tddist.save(generation_td(g, rows=4), target, **kw)
-        except tddist.TddistError as e:
-            errors += 1
-            print("error:", type(e).__name__, e, file=sys.stderr)
-            continue
-        if generations_in(got) != {{float(g)}}:
-            wrong += 1
-    print(wrong, errors)
+        for target, kw in targets.items():
+            try:
+                got = tddist.save(generation_td(g, rows=4), target, **kw)
+            except tddist.TddistError as e:
+                errors[target] += 1
+                print("error:", type(e).__name__, e, file=sys.stderr)
+                continue
+            wrong[target] += generations_in(got) != {{float(g)}}
+    print(repr({{t: (wrong[t], errors[t]) for t in targets}}))
     """
 )
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_a_save_returns_what_it_committed_while_another_process_saves_to_the_same_path(tmp_path, layout):
-    """Two processes save to one target in a loop: each save returns exactly its own data (read back through
-    the staging area it pinned before publishing, or from memory), and none raises, although every commit
-    races with the other process's overwrite and its removal of what it replaced."""
-    name, kw = LAYOUTS[layout]
-    target = str(tmp_path / name)
-    saves = 60
+def race_two_savers(targets: dict[str, dict], saves: int) -> None:
+    """Two processes save to every one of ``targets`` in turn, ``saves`` times: every save must return its own
+    generation and none may raise; the target ends as the last save of one of them."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", SAVER.format(repo=str(REPO)), target, str(me), str(saves), repr(kw)],
+            [sys.executable, "-c", SAVER.format(repo=str(REPO)), str(me), str(saves), repr(targets)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -256,6 +249,18 @@ def test_a_save_returns_what_it_committed_while_another_process_saves_to_the_sam
     results = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
-        wrong, errors = map(int, out.split())
-        assert (wrong, errors) == (0, 0), f"{wrong} saves returned another's data, {errors} raised:\n{err[-3000:]}"
-    assert generations_in(tddist.load(target, shard=None, verify=True)) <= {100000 + saves - 1, 200000 + saves - 1}
+        for target, (wrong, errors) in eval(out).items():
+            assert (wrong, errors) == (0, 0), (
+                f"{target}: {wrong} saves returned another's data, {errors} raised:\n{err[-3000:]}"
+            )
+    for target in targets:
+        found = generations_in(tddist.load(target, shard=None, verify=True))
+        assert found <= {100000 + saves - 1, 200000 + saves - 1}, (target, found)
+
+
+def test_a_save_returns_what_it_committed_while_another_process_saves_to_the_same_path(tmp_path):
+    """Two processes save to one target in a loop (each of the three file-system stores): each save returns
+    exactly its own data (read back through the staging area it pinned before publishing, or from memory),
+    and none raises, although every commit races with the other process's overwrite and its removal of
+    what it replaced."""
+    race_two_savers({str(tmp_path / f"{layout}-{name}"): kw for layout, (name, kw) in LAYOUTS.items()}, saves=40)
