@@ -51,7 +51,8 @@ def _equal_tensors(got: dict, expected: dict, what: str) -> None:
 
 @pytest.mark.multirank
 def test_fsdp_and_dcp_checkpoints_convert_bit_exact(tmp_path):
-    """FSDP2 + AdamW on 2 ranks, saved by tddist and by dcp.save: to safetensors, to tddist, to DCP for 3 ranks."""
+    """FSDP2 + AdamW on 2 ranks, saved by tddist and by dcp.save: to safetensors, to tddist, to DCP for 3 ranks,
+    and nested into a CheckpointManager's root that 3 ranks resume."""
     run_job("spawn", 2, SCRIPT, [str(tmp_path), "save"], tmp_path / "rep-save", timeout=240).assert_ok(2)
     ref = torch.load(tmp_path / "ref.pt", weights_only=True)
     expected = _flat(ref)
@@ -81,6 +82,9 @@ def test_fsdp_and_dcp_checkpoints_convert_bit_exact(tmp_path):
     # tddist -> DCP, loaded by dcp.load on 3 ranks into FSDP2 + AdamW (checked in the rank program)
     tddist.convert(tmp_path / "fsdp", tmp_path / "export-dcp", "dcp")
     run_job("spawn", 3, SCRIPT, [str(tmp_path), "load"], tmp_path / "rep-load", timeout=240).assert_ok(3)
+    # dcp.save (2 ranks) -> a CheckpointManager's root, nested: resumed on 3 ranks (checked in the rank program)
+    tddist.convert(tmp_path / "dcp", tmp_path / "root" / "step-000000002", nested=True)
+    run_job("spawn", 3, SCRIPT, [str(tmp_path), "resume"], tmp_path / "rep-resume", timeout=240).assert_ok(3)
     # ... and back: the marked export gives tddist's nested keys again
     tddist.convert(tmp_path / "export-dcp", tmp_path / "back")
     assert_td_equal(
