@@ -164,15 +164,20 @@ def _checked(md: Any, path: str) -> Metadata:
         raise InvalidDataError(
             f"{os.path.join(path, METADATA_NAME)!r} does not hold DCP metadata; check the checkpoint"
         )
-    files = {getattr(info, "relative_path", None) for info in storage.values()}
-    for name in files:
+    names: set[str] = set()
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
         if not isinstance(name, str):
             raise InvalidDataError(f"the DCP metadata of {path!r} names a data file {name!r}, which is not a name")
+        names.add(name)
+    for name in names:
         os.close(open_regular(inside(path, name, "DCP data file"), "DCP data file"))  # a FIFO would block DCP
     for fqn, item in entries.items():
         if isinstance(item, TensorStorageMetadata):
-            dtype, size = getattr(item.properties, "dtype", None), item.size
-            if not isinstance(dtype, torch.dtype) or not all(type(n) is int and n >= 0 for n in size):
+            dtype, size = getattr(getattr(item, "properties", None), "dtype", None), getattr(item, "size", None)
+            if not (isinstance(dtype, torch.dtype) and isinstance(size, tuple)) or not all(
+                type(n) is int and n >= 0 for n in size
+            ):
                 raise InvalidDataError(f"entry {fqn!r} of the DCP metadata of {path!r} has no valid dtype and size")
     return md
 
