@@ -106,10 +106,6 @@ METADATA_GLOBALS = frozenset(
 _DTYPE_NAMES = frozenset(name for name, v in vars(torch).items() if isinstance(v, torch.dtype))
 
 
-def is_dcp_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA_NAME))
-
-
 @contextmanager
 def _one_process() -> Iterator[None]:
     """DCP warns that it runs in one process (``no_dist=True``); that is the intent here."""

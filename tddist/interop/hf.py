@@ -98,11 +98,6 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def is_hf_dir(path: str) -> bool:
-    """Whether ``path`` is a Hugging Face directory: ``model.safetensors`` or ``model.safetensors.index.json`` in it."""
-    return hf_weights(path) is not None
-
-
 class SafetensorsSource:
     """A ``.safetensors`` file, or a Hugging Face directory: ``model.safetensors``, or shards and their index.
 
