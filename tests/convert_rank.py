@@ -10,6 +10,10 @@ Roles:
   ``tddist.convert`` wrote from ``fsdp`` into an FSDP2 model and AdamW on 3
   ranks, through DCP's own state-dict API, and check every tensor and
   hyper-parameter of the full state against ``ref.pt``, bit for bit.
+- ``resume`` (3 torchrun ranks): ``CheckpointManager(root).restore((model,
+  optim))`` of an FSDP2 model and AdamW, from the checkpoint that
+  ``tddist.convert(..., nested=True)`` wrote from ``dcp`` into ``root``, and
+  the same check against ``ref.pt``.
 """
 
 from __future__ import annotations
@@ -73,7 +77,19 @@ def role_load(work: Path, rank: int) -> None:
     state = {"model": m, "optim": o}
     dcp.load(state, checkpoint_id=str(work / "export-dcp"))
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    got = full_state(model, optim)
+    check_against_ref(work, full_state(model, optim))
+
+
+def role_resume(work: Path, rank: int) -> None:
+    model, optim = make_model()
+    with tddist.CheckpointManager(work / "root") as mgr:
+        step = mgr.restore((model, optim), required=True)
+    assert step == 2 and not step.report.skipped, (int(step), step.report.skipped)
+    check_against_ref(work, full_state(model, optim))
+
+
+def check_against_ref(work: Path, got: dict) -> None:
+    """Every tensor and hyper-parameter of the full state ``got`` equals ``ref.pt``'s, bit for bit."""
     ref = torch.load(work / "ref.pt", weights_only=True)
     assert got["model"].keys() == ref["model"].keys()
     for k, v in ref["model"].items():
@@ -88,7 +104,7 @@ def role_load(work: Path, rank: int) -> None:
         }
 
 
-ROLES = {"save": role_save, "load": role_load}
+ROLES = {"save": role_save, "load": role_load, "resume": role_resume}
 
 
 def main() -> None:

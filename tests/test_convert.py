@@ -5,9 +5,11 @@ Every comparison is bit for bit (``torch.equal`` on same-dtype tensors).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
+import pickle
 import subprocess
 import sys
 from collections import OrderedDict
@@ -49,7 +51,8 @@ def _equal_tensors(got: dict, expected: dict, what: str) -> None:
 
 @pytest.mark.multirank
 def test_fsdp_and_dcp_checkpoints_convert_bit_exact(tmp_path):
-    """FSDP2 + AdamW on 2 ranks, saved by tddist and by dcp.save: to safetensors, to tddist, to DCP for 3 ranks."""
+    """FSDP2 + AdamW on 2 ranks, saved by tddist and by dcp.save: to safetensors, to tddist, to DCP for 3 ranks,
+    and nested into a CheckpointManager's root that 3 ranks resume."""
     run_job("spawn", 2, SCRIPT, [str(tmp_path), "save"], tmp_path / "rep-save", timeout=240).assert_ok(2)
     ref = torch.load(tmp_path / "ref.pt", weights_only=True)
     expected = _flat(ref)
@@ -79,6 +82,9 @@ def test_fsdp_and_dcp_checkpoints_convert_bit_exact(tmp_path):
     # tddist -> DCP, loaded by dcp.load on 3 ranks into FSDP2 + AdamW (checked in the rank program)
     tddist.convert(tmp_path / "fsdp", tmp_path / "export-dcp", "dcp")
     run_job("spawn", 3, SCRIPT, [str(tmp_path), "load"], tmp_path / "rep-load", timeout=240).assert_ok(3)
+    # dcp.save (2 ranks) -> a CheckpointManager's root, nested: resumed on 3 ranks (checked in the rank program)
+    tddist.convert(tmp_path / "dcp", tmp_path / "root" / "step-000000002", nested=True)
+    run_job("spawn", 3, SCRIPT, [str(tmp_path), "resume"], tmp_path / "rep-resume", timeout=240).assert_ok(3)
     # ... and back: the marked export gives tddist's nested keys again
     tddist.convert(tmp_path / "export-dcp", tmp_path / "back")
     assert_td_equal(
@@ -133,7 +139,7 @@ def test_torch_file_round_trips(tmp_path):
     assert list(tddist.read_manifest(tmp_path / "cfg").objects) == [("cfg",)]
     for flat in ("cfg.pt", "cfg.safetensors"):
         tddist.convert(tmp_path / "cfg", tmp_path / flat)
-        tddist.convert(tmp_path / flat, tmp_path / f"{flat}.back")
+        tddist.convert(tmp_path / flat, tmp_path / f"{flat}.back", "tddist")
         assert_td_equal(tddist.load(tmp_path / f"{flat}.back", shard=None), tddist.load(tmp_path / "cfg", shard=None))
 
 
@@ -370,3 +376,306 @@ def test_command_shows_a_bar_on_a_terminal_and_documents_its_json(tmp_path, caps
     assert doc["from"] == "safetensors" and doc["bytes"] == os.path.getsize(tmp_path / "b.pt")
     assert cli_main(["convert", str(tmp_path / "big"), str(tmp_path / "b.pt")]) == 1  # exists, no --force
     assert "--force" in capsys.readouterr().err
+
+
+# --- hostile and foreign sources: each ends in a TddistError, quickly (the timeouts catch a hang) ----------------
+
+
+def _dcp(path: Path, state: dict | None = None) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state or {"w": torch.arange(4.0), "step": 3}, checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+class _RunsCode:
+    """Unpickling it creates the directory ``marker``: what a hostile pickle can do, made visible."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.timeout(120)
+def test_dcp_metadata_runs_no_code_and_needs_trust_pickle_beyond_dcps_own(tmp_path):
+    src = _dcp(tmp_path / "dcp")
+    real = (src / ".metadata").read_bytes()
+    marker = tmp_path / "ran"
+    (src / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    with pytest.raises(tddist.InvalidArgumentError, match=r"names posix\.mkdir.*can run any code.*trust_pickle=True"):
+        tddist.convert(src, tmp_path / "out")
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+    # DCP's own metadata needs no opt-in (the other tests); an object beyond it, here a date that a custom planner
+    # kept in planner_data, is refused unless trust_pickle
+    md = pickle.loads(real)
+    md = dataclasses.replace(md, planner_data={**md.planner_data, "saved_on": datetime.date(2024, 1, 2)})
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(tddist.InvalidArgumentError, match=r"names datetime\.date.*trust_pickle=True"):
+        tddist.convert(src, tmp_path / "out")
+    tddist.convert(src, tmp_path / "out", trust_pickle=True)
+    td = tddist.load(tmp_path / "out", shard=None)
+    assert td["w"].tolist() == [0.0, 1.0, 2.0, 3.0] and td["step"] == 3
+
+
+@pytest.mark.timeout(120)
+def test_a_dcp_entry_weights_only_refuses_is_a_tddist_error(tmp_path):
+    """DCP raises CheckpointException, a BaseException, from inside dcp.load: it must not escape as such."""
+    src = _dcp(tmp_path / "dcp", {"w": torch.ones(2), "when": datetime.date(2024, 1, 2)})
+    with pytest.raises(tddist.InvalidArgumentError, match=r"DCP entry 'when' .*allow_pickle=True"):
+        tddist.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    tddist.convert(src, tmp_path / "out", allow_pickle=True)
+    assert tddist.load(tmp_path / "out", shard=None, allow_pickle=True)["when"] == datetime.date(2024, 1, 2)
+    data = next(src.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:10])  # truncated
+    with pytest.raises(tddist.InvalidDataError, match=r"cannot read the DCP entry 'w' .*damaged or incomplete"):
+        tddist.convert(src, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.timeout(120)
+def test_dcp_data_files_must_be_regular_files_inside_the_checkpoint(tmp_path):
+    src = _dcp(tmp_path / "dcp")
+    (data,) = src.glob("*.distcp")
+    md = pickle.loads((src / ".metadata").read_bytes())
+    outside = tmp_path / "outside.distcp"
+    os.rename(data, outside)
+    # metadata naming a file beside the checkpoint
+    storage = {k: dataclasses.replace(v, relative_path="../outside.distcp") for k, v in md.storage_data.items()}
+    (src / ".metadata").write_bytes(pickle.dumps(dataclasses.replace(md, storage_data=storage)))
+    with pytest.raises(tddist.InvalidDataError, match="'../outside.distcp' .* is not a plain file name"):
+        tddist.convert(src, tmp_path / "out")
+    # a symbolic link out of the checkpoint
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    os.symlink(outside, data)
+    with pytest.raises(tddist.InvalidDataError, match="symbolic link .* outside"):
+        tddist.convert(src, tmp_path / "out")
+    # a FIFO, which would block DCP's read forever
+    data.unlink()
+    os.mkfifo(data)
+    error, message = _convert_in_child(src, tmp_path / "out")
+    assert error == "InvalidDataError" and "not a regular file" in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> Path:
+    """A safetensors file as written by hand: ``<u64 header length><JSON header><data>``."""
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data)
+    return path
+
+
+_CHILD = r"""
+import json, sys, tddist
+try:
+    tddist.convert(sys.argv[1], sys.argv[2])
+except tddist.TddistError as e:
+    print(json.dumps([type(e).__name__, str(e)]))
+else:
+    print(json.dumps([None, "converted"]))
+"""
+
+
+def _convert_in_child(src: Path, dst: Path, timeout: float = 60) -> tuple[str | None, str]:
+    """``tddist.convert(src, dst)`` in a child process, killed (and the test failed) after ``timeout`` seconds.
+
+    A FIFO blocks an open inside native code (the safetensors library retries
+    an interrupted open), where no timeout of this process can reach it.
+    Returns the TddistError's class name and message (None, "converted" if it succeeded).
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(src), str(dst)], capture_output=True, text=True, cwd=REPO,
+        timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    error, message = json.loads(out.stdout.splitlines()[-1])
+    return error, message
+
+
+_SHARD = "model-00001-of-00001.safetensors"
+_DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested 100,000 deep
+
+
+def _hf_dir(tmp_path: Path, index: str) -> Path:
+    """A Hugging Face sharded directory holding only its index (the shards are up to the test)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "model.safetensors.index.json").write_text(index)
+    return hf
+
+
+@pytest.mark.timeout(120)
+def test_json_nested_too_deep_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = _hf_dir(tmp_path, json.dumps({"weight_map": {"w": _SHARD}, "metadata": "X"}).replace('"X"', _DEEP))
+    save_file({"w": torch.ones(2)}, str(hf / _SHARD))
+    with pytest.raises(tddist.InvalidDataError, match="deeper than 64 levels"):
+        tddist.convert(hf, tmp_path / "out")
+    # a marked export's values
+    save_file({"w": torch.ones(2)}, str(tmp_path / "deep.safetensors"), {"tddist.export": "1", "tddist.values": _DEEP})
+    with pytest.raises(tddist.InvalidDataError, match="deeper than 64 levels"):
+        tddist.convert(tmp_path / "deep.safetensors", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_fifo_named_as_a_shard_is_refused_without_blocking(tmp_path):
+    hf = _hf_dir(tmp_path, json.dumps({"weight_map": {"w": _SHARD}}))
+    os.mkfifo(hf / _SHARD)  # opening it for reading would wait for a writer forever
+    error, message = _convert_in_child(hf, tmp_path / "out")
+    assert error == "InvalidDataError" and "is not a regular file" in message, message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_shard_linked_from_outside_the_directory_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    hf = _hf_dir(tmp_path, json.dumps({"weight_map": {"w": _SHARD}}))
+    save_file({"w": torch.ones(2)}, str(tmp_path / "elsewhere.safetensors"))
+    os.symlink(tmp_path / "elsewhere.safetensors", hf / _SHARD)
+    with pytest.raises(tddist.InvalidDataError, match="symbolic link .* outside .* copy the file into it"):
+        tddist.convert(hf, tmp_path / "out")
+    # the same for a save_pretrained directory's model.safetensors
+    (hf / _SHARD).unlink()
+    (hf / "model.safetensors.index.json").unlink()
+    os.symlink(tmp_path / "elsewhere.safetensors", hf / "model.safetensors")
+    with pytest.raises(tddist.InvalidDataError, match="symbolic link .* outside"):
+        tddist.convert(hf, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # a link that stays inside the directory is followed
+    (hf / "model.safetensors").unlink()
+    os.rename(tmp_path / "elsewhere.safetensors", hf / "weights.bin")
+    os.symlink("weights.bin", hf / "model.safetensors")
+    tddist.convert(hf, tmp_path / "out.pt")
+    assert torch.load(tmp_path / "out.pt", weights_only=True)["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.timeout(120)
+def test_safetensors_tensors_must_not_share_bytes_or_leave_the_data(tmp_path):
+    def f32(start: int, end: int) -> dict:
+        return {"dtype": "F32", "shape": [(end - start) // 4], "data_offsets": [start, end]}
+
+    _raw_safetensors(tmp_path / "shared.safetensors", {"a": f32(0, 8), "b": f32(4, 12)}, bytes(12))
+    with pytest.raises(tddist.InvalidDataError, match="tensors 'a' and 'b' share bytes"):
+        tddist.convert(tmp_path / "shared.safetensors", tmp_path / "out")
+    _raw_safetensors(tmp_path / "same.safetensors", {"a": f32(0, 8), "b": f32(0, 8)}, bytes(8))
+    with pytest.raises(tddist.InvalidDataError, match="share bytes"):
+        tddist.convert(tmp_path / "same.safetensors", tmp_path / "out")
+    _raw_safetensors(tmp_path / "past.safetensors", {"a": f32(0, 8), "b": f32(8, 16)}, bytes(8))
+    with pytest.raises(tddist.InvalidDataError, match=r"'b' has the data_offsets \[8, 16\], outside the 8 bytes"):
+        tddist.convert(tmp_path / "past.safetensors", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    empty = {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]}  # holds no bytes: shares none
+    ok = _raw_safetensors(tmp_path / "ok.safetensors", {"a": f32(0, 8), "e": empty, "b": f32(8, 12)}, bytes(12))
+    tddist.convert(ok, tmp_path / "ok.pt")
+    assert {k: v.shape for k, v in torch.load(tmp_path / "ok.pt", weights_only=True).items()} == {
+        "a": (2,), "e": (0,), "b": (1,),
+    }  # fmt: skip
+
+
+def test_a_save_pretrained_directory_converts(tmp_path):
+    """What Hugging Face's save_pretrained writes for a small model: model.safetensors beside config.json."""
+    from safetensors.torch import save_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = {"tok.weight": torch.randn(5, 3), "out.bias": torch.zeros(3)}
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    (model / "config.json").write_text(json.dumps({"model_type": "toy"}))
+    assert tddist.interop.convert.detect_format(model) == "safetensors"
+    tddist.convert(model, tmp_path / "w.pt")
+    _equal_tensors(torch.load(tmp_path / "w.pt", weights_only=True), weights, "save_pretrained -> torch")
+    # replacing it would delete config.json: refused even with overwrite
+    with pytest.raises(tddist.TargetError, match="config.json"):
+        tddist.convert(tmp_path / "w.pt", model, "safetensors", overwrite=True)
+    assert (model / "config.json").exists() and load_file(model / "model.safetensors").keys() == weights.keys()
+
+
+def _toy_run() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A model with an embedding and a head, after one AdamW step."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"tok": torch.nn.Embedding(10, 4), "out": torch.nn.Linear(4, 3)})
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.95))
+    model["out"](model["tok"](torch.arange(5))).square().sum().backward()
+    optim.step()
+    return model, optim
+
+
+def test_nested_keeps_the_nesting_of_torch_save_files(tmp_path):
+    from safetensors.torch import save_file
+
+    model, optim = _toy_run()
+    torch.save({"model": model.state_dict(), "optimizer": optim.state_dict(), "epoch": 3}, tmp_path / "run.pt")
+    tddist.convert(tmp_path / "run.pt", tmp_path / "flat")
+    assert ("model.tok.weight",) in tddist.read_manifest(tmp_path / "flat").leaves  # one flat name per leaf
+    tddist.convert(tmp_path / "run.pt", tmp_path / "nested", nested=True)
+    m = tddist.read_manifest(tmp_path / "nested")
+    assert set(m.leaves) == {
+        ("model", "tok.weight"), ("model", "out.weight"), ("model", "out.bias"),
+        *(("optimizer", "state", str(i), name) for i in range(3) for name in ("step", "exp_avg", "exp_avg_sq")),
+    }  # fmt: skip
+    assert set(m.objects) == {("optimizer", "param_groups"), ("epoch",)}
+    td = tddist.load(tmp_path / "nested", shard=None)
+    assert torch.equal(td["model", "tok.weight"], model.state_dict()["tok.weight"]) and td["epoch"] == 3
+    assert td["optimizer", "param_groups"][0]["betas"] == [0.8, 0.95]
+    assert torch.equal(td["optimizer", "state", "1", "exp_avg"], optim.state_dict()["state"][1]["exp_avg"])
+    # names that collide once joined with "." are refused flat, and kept apart nested
+    torch.save({"a": {"b": torch.ones(1)}, "a.b": torch.zeros(1)}, tmp_path / "clash.pt")
+    with pytest.raises(tddist.InvalidDataError, match="both named 'a.b'.*nested=True"):
+        tddist.convert(tmp_path / "clash.pt", tmp_path / "clash")
+    tddist.convert(tmp_path / "clash.pt", tmp_path / "clash", nested=True)
+    assert set(tddist.read_manifest(tmp_path / "clash").leaves) == {("a", "b"), ("a.b",)}
+    save_file({"w": torch.ones(1)}, str(tmp_path / "one.safetensors"))
+    with pytest.raises(tddist.InvalidArgumentError, match="flat names only"):
+        tddist.convert(tmp_path / "one.safetensors", tmp_path / "x", nested=True)
+
+
+def test_a_dcp_run_resumes_in_the_checkpoint_manager_after_a_nested_conversion(tmp_path):
+    """DCP keys ("app.model.tok.weight") become nested keys, so CheckpointManager.restore takes the result as is."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = _toy_run()
+    m, o = get_state_dict(model, optim)
+    dcp.save({"app": {"model": m, "optim": o}, "step": 7}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    tddist.convert(tmp_path / "dcp", tmp_path / "root" / "step-000000007", nested=True, prefix="app/")
+    fresh, fresh_optim = _fresh()
+    with tddist.CheckpointManager(tmp_path / "root") as mgr:
+        restored = mgr.restore((fresh, fresh_optim), required=True)
+    assert restored == 7 and not restored.report.skipped
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    want, got = optim.state_dict(), fresh_optim.state_dict()
+    assert got["param_groups"] == want["param_groups"]  # betas a tuple again, lr 0.01
+    for i, entries in want["state"].items():
+        assert all(torch.equal(got["state"][i][n], t) for n, t in entries.items()), i
+    # without nested, the flat names do not fit the model's state
+    tddist.convert(tmp_path / "dcp", tmp_path / "flat-root" / "step-000000007", prefix="app.")
+    with tddist.CheckpointManager(tmp_path / "flat-root") as mgr, pytest.raises(tddist.IncompatibleCheckpointError):
+        mgr.restore(_fresh())
+
+
+def _fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The toy model and optimizer before training, with other weights."""
+    torch.manual_seed(1)
+    model = torch.nn.ModuleDict({"tok": torch.nn.Embedding(10, 4), "out": torch.nn.Linear(4, 3)})
+    return model, torch.optim.AdamW(model.parameters(), lr=0.5)
+
+
+def test_a_mistyped_destination_suffix_is_refused(tmp_path):
+    tddist.save({"w": torch.ones(2)}, tmp_path / "ck")
+    for name, hint in (
+        ("x.safetensor", r"did you mean \.safetensors\?"),
+        ("x.dcp", r"to='dcp' writes that format"),
+        ("x.bin", r"names no format;"),
+    ):
+        with pytest.raises(tddist.InvalidArgumentError, match=rf"{hint}.*to=.*tddist, tdz, dcp, torch, safetensors"):
+            tddist.convert(tmp_path / "ck", tmp_path / name)
+        assert not (tmp_path / name).exists()
+    tddist.convert(tmp_path / "ck", tmp_path / "x.bin", to="tddist")  # the format named: a tddist directory
+    assert tddist.load(tmp_path / "x.bin", shard=None)["w"].tolist() == [1.0, 1.0]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -85,3 +88,37 @@ def test_command_line(tmp_path):
     assert r.returncode == 1 and "checksum mismatch" in r.stderr
     r = _cli("info", tmp_path / "missing")
     assert r.returncode == 1 and "does not exist" in r.stderr
+
+
+def test_convert_command_options_and_other_formats_named_by_info_and_verify(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from tddist.cli import main
+
+    src = tmp_path / "dcp"
+    dcp.save({"model": {"w": torch.arange(3.0)}, "step": 2}, checkpoint_id=str(src), no_dist=True)
+    (tmp_path / "hf").mkdir()
+    save_file({"w": torch.ones(2)}, str(tmp_path / "hf" / "model.safetensors"))
+    for command in ("info", "verify"):
+        for path, what in ((src, "(DCP) directory"), (tmp_path / "hf", "Hugging Face safetensors directory")):
+            assert main([command, str(path)]) == 1
+            err = capsys.readouterr().err
+            assert what in err and "not a tddist checkpoint" in err and f"'tddist convert {path} DST'" in err, err
+
+    assert main(["convert", str(src), str(tmp_path / "nested"), "--nested"]) == 0  # DCP's nesting kept
+    assert set(tddist.read_manifest(tmp_path / "nested").leaves) == {("model", "w")}
+    assert main(["info", str(tmp_path / "nested")]) == 0
+
+    md = pickle.loads((src / ".metadata").read_bytes())
+    md = dataclasses.replace(md, planner_data={**md.planner_data, "saved_on": datetime.date(2024, 1, 2)})
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "datetime.date" in err and "can run any code" in err and "--trust-pickle" in err, err
+    assert main(["convert", str(src), str(tmp_path / "out"), "--trust-pickle"]) == 0
+
+    assert main(["convert", str(tmp_path / "out"), str(tmp_path / "m.safetensor")]) == 1
+    err = capsys.readouterr().err
+    assert "did you mean .safetensors?" in err and "--to" in err and not (tmp_path / "m.safetensor").exists(), err

@@ -7,17 +7,19 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 
+from ..errors import CheckpointNotFoundError
 from ._output import emit_json, positive_int, progress, progress_enabled
 
 DESCRIPTION = """\
 Convert the checkpoint SRC into DST. SRC is detected: a tddist directory or
 .tdz archive, a DCP directory (.metadata), a torch.save file (.pt/.pth), a
-.safetensors file, or a Hugging Face sharded directory
-(model.safetensors.index.json). The format written is --to, or DST's suffix
-(.tdz, .pt/.pth, .safetensors), else a tddist directory; --to safetensors with
-a DST without suffix writes a sharded directory. Leaves are read one at a
-time; sharded leaves are written whole. DST appears complete or not at all;
-an existing DST is replaced only with --force, and only by the same format."""
+.safetensors file, or a Hugging Face directory (model.safetensors, or shards
+and model.safetensors.index.json). The format written is --to, or DST's suffix
+(.tdz, .pt/.pth, .safetensors), else a tddist directory when DST has no suffix
+(another suffix needs --to); --to safetensors with a DST without suffix writes
+a sharded directory. Leaves are read one at a time; sharded leaves are written
+whole. DST appears complete or not at all; an existing DST is replaced only
+with --force, and only by the same format."""
 
 FORMATS = ("tddist", "tdz", "dcp", "torch", "safetensors")
 
@@ -56,6 +58,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--allow-pickle",
         action="store_true",
         help="read pickled objects and store non-JSON values with pickle (only for sources you trust)",
+    )
+    s.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="unpickle a DCP source's .metadata even when it names objects beyond DCP's own (it can run code)",
+    )
+    s.add_argument(
+        "--nested",
+        action="store_true",
+        help="keep the nesting of a torch.save or DCP source as nested keys (model/tok.weight), not flat names",
     )
     s.add_argument("--force", action="store_true", help="replace DST if it exists (a checkpoint of the same format)")
     s.add_argument("--threads", type=positive_int, default=2, metavar="N", help="threads for tddist (default: 2)")
@@ -97,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             compression=args.compression,
             allow_pickle=args.allow_pickle,
+            trust_pickle=args.trust_pickle,
+            nested=args.nested,
             overwrite=args.force,
             num_threads=args.threads,
             progress=report,
@@ -117,3 +131,16 @@ def _size(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(d, f)) for d, _s, files in os.walk(path) for f in files)
+
+
+def foreign_error(path: str) -> CheckpointNotFoundError | None:
+    """For ``tddist info`` and ``verify``: what ``path`` is, when it is a checkpoint of a format ``convert`` reads."""
+    from ..interop.guard import foreign_kind
+
+    kind = foreign_kind(path)
+    if kind is None:
+        return None
+    return CheckpointNotFoundError(
+        f"{path!r} is {kind}, not a tddist checkpoint; tddist convert reads it: 'tddist convert {path} DST' "
+        f"writes it as a tddist checkpoint at DST"
+    )

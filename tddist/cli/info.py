@@ -15,6 +15,7 @@ from ..storage.backends import read_manifest
 from ..tools.diff import placement_text
 from ..tools.verify import leaf_nbytes
 from ._output import emit_json, human_age, human_bytes, key_text, table, value_text
+from .convert import foreign_error
 
 HELP = "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"
 DESCRIPTION = """\
@@ -62,6 +63,9 @@ def _read(path: str) -> Manifest:
                     f"{path!r} is not a checkpoint but a directory of {len(found)} checkpoint(s){hint}. "
                     f"List them with: tddist ls {path}; describe the newest with: tddist info $(tddist latest {path})"
                 ) from None
+        foreign = foreign_error(path)
+        if foreign is not None:
+            raise foreign from None
         raise
 
 

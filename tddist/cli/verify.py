@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import CheckpointNotFoundError
 from ._output import emit_json, human_bytes, key_text, positive_int, progress
+from .convert import foreign_error
 
 HELP = "check every chunk of a checkpoint (sizes, structure and checksums) and list every problem"
 DESCRIPTION = """\
@@ -38,7 +40,13 @@ def run(args: argparse.Namespace) -> int:
     from ..storage.backends import read_manifest
     from ..tools.verify import stored_bytes, verify_manifest
 
-    manifest = read_manifest(args.path)
+    try:
+        manifest = read_manifest(args.path)
+    except CheckpointNotFoundError:
+        foreign = foreign_error(args.path)
+        if foreign is None:
+            raise
+        raise foreign from None
     with progress(0 if args.quick else stored_bytes(manifest), "verify") as update:
         report = verify_manifest(args.path, manifest, quick=args.quick, num_threads=args.threads, progress=update)
     if args.json:

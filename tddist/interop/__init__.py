@@ -2,7 +2,9 @@
 
 One module per format (``native``: tddist directories and archives,
 ``dcp``: torch.distributed.checkpoint, ``torch_file``: ``torch.save`` files,
-``hf``: safetensors files and Hugging Face sharded directories). Each reader
+``hf``: safetensors files and Hugging Face directories), and ``guard``:
+what every reader checks of another format's files (regular files opened
+without blocking, names inside the source, JSON of bounded depth). Each reader
 is a ``Source``: it lists its tensor leaves (key, dtype, shape) and its
 non-tensor values without reading data, and reads one whole leaf at a time,
 so a conversion holds about one leaf in memory. Each writer takes a
@@ -59,7 +61,8 @@ class Source(Protocol):
     """A checkpoint opened for reading, leaf by leaf.
 
     ``nested`` is True when keys are tddist's own (a tddist checkpoint or a
-    marked tddist export); False when each key is one flat name.
+    marked tddist export) or keep the source's nesting (``convert(nested=True)``);
+    False when each key is one flat name.
     """
 
     kind: str

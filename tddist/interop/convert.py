@@ -11,8 +11,10 @@ renamed onto it at the end, so a failed conversion leaves nothing at
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
+import re
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -23,18 +25,27 @@ from .. import format as fmt
 from ..errors import CheckpointNotFoundError, InvalidArgumentError, InvalidDataError, TargetError, TddistError
 from ..tools.pack import pack, staged, unpack
 from . import FORMATS, Selection, Source, select
+from .guard import DCP_METADATA_NAME, HF_INDEX_NAME, SAFETENSORS_SUFFIX, TORCH_SUFFIXES, hf_weights
 
 logger = logging.getLogger(__name__)
 
-_TORCH_SUFFIXES = (".pt", ".pth")
-_SAFETENSORS_SUFFIX = ".safetensors"
+_TORCH_SUFFIXES = TORCH_SUFFIXES
+_SAFETENSORS_SUFFIX = SAFETENSORS_SUFFIX
+#: Every suffix that names a format (``target_format``).
+KNOWN_SUFFIXES = (fmt.ARCHIVE_SUFFIX, *TORCH_SUFFIXES, SAFETENSORS_SUFFIX)
+#: What a DCP or sharded safetensors destination that ``overwrite`` may replace holds (nothing else).
+_WRITTEN = {
+    "dcp": re.compile(rf"{re.escape(DCP_METADATA_NAME)}|__\d+_\d+\.distcp"),
+    "safetensors": re.compile(rf"model-\d{{5}}-of-\d{{5}}\.safetensors|{re.escape(HF_INDEX_NAME)}"),
+}
 
 
 def detect_format(path: str | os.PathLike) -> str:
     """The format of the checkpoint at ``path``: "tddist", "tdz", "dcp", "torch" or "safetensors".
 
     A directory is tddist (``tddist.json``), DCP (``.metadata``) or a Hugging
-    Face sharded checkpoint (``model.safetensors.index.json``); a file is a
+    Face directory (``model.safetensors``, as ``save_pretrained`` writes it,
+    or shards and ``model.safetensors.index.json``); a file is a
     tddist archive (``.tdz``, or a zip holding ``tddist.json``), a
     ``torch.save`` file (``.pt``/``.pth``, or any other zip) or a
     ``.safetensors`` file.
@@ -43,20 +54,18 @@ def detect_format(path: str | os.PathLike) -> str:
         CheckpointNotFoundError: nothing is at ``path``.
         InvalidArgumentError: ``path`` is in none of these formats.
     """
-    from .dcp import is_dcp_dir
-    from .hf import is_sharded_dir
-
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
         if os.path.isfile(os.path.join(p, fmt.MANIFEST_NAME)):
             return "tddist"
-        if is_dcp_dir(p):
+        if os.path.isfile(os.path.join(p, DCP_METADATA_NAME)):
             return "dcp"
-        if is_sharded_dir(p):
+        if hf_weights(p) is not None:
             return "safetensors"
         raise InvalidArgumentError(
-            f"{p!r} is a directory without tddist.json, DCP's .metadata or model.safetensors.index.json; pass a "
-            f"tddist checkpoint, a DCP checkpoint directory or a Hugging Face sharded directory"
+            f"{p!r} is a directory without tddist.json, DCP's .metadata, model.safetensors or "
+            f"model.safetensors.index.json; pass a tddist checkpoint, a DCP checkpoint directory or a Hugging Face "
+            f"directory"
         )
     if not os.path.isfile(p):
         raise CheckpointNotFoundError(f"nothing to convert at {p!r}; check the source path")
@@ -72,12 +81,41 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def target_format(dst: str | os.PathLike, to: str | None = None) -> str:
-    """The format to write: ``to`` if given, else from the suffix of ``dst`` (a tddist directory otherwise)."""
+    """The format to write: ``to`` if given, else from the suffix of ``dst`` (a tddist directory when it has none).
+
+    Raises:
+        InvalidArgumentError: ``to`` is not a format, or ``to`` is None and
+            ``dst`` ends in a suffix that names no format (``x.safetensor``):
+            it is refused rather than taken for a tddist directory's name.
+    """
     if to is not None:
         if to not in FORMATS:
             raise InvalidArgumentError(f"to={to!r} is not a format; use one of {', '.join(FORMATS)}")
         return to
-    return _format_of_suffix(os.fspath(dst)) or "tddist"
+    path = os.fspath(dst)
+    found = _format_of_suffix(path)
+    if found is not None:
+        return found
+    suffix = os.path.splitext(os.path.basename(path.rstrip(os.sep)))[1]
+    if suffix:
+        raise InvalidArgumentError(_unknown_suffix(path, suffix))
+    return "tddist"
+
+
+def _unknown_suffix(dst: str, suffix: str) -> str:
+    """Why a destination ending in ``suffix`` is refused, with the suffix or ``to=`` that was probably meant."""
+    close = difflib.get_close_matches(suffix.lower(), KNOWN_SUFFIXES, n=1, cutoff=0.6)
+    if close:
+        hint = f" (did you mean {close[0]}?)"
+    elif suffix[1:].lower() in FORMATS:
+        hint = f" (to={suffix[1:].lower()!r} writes that format)"
+    else:
+        hint = ""
+    return (
+        f"the destination {dst!r} ends in {suffix!r}, which names no format{hint}; end it in "
+        f"{', '.join(KNOWN_SUFFIXES)}, or pass the format with to= (one of {', '.join(FORMATS)}; --to on the "
+        f"command line): to='tddist' writes a tddist directory of that name"
+    )
 
 
 def _format_of_suffix(path: str) -> str | None:
@@ -103,6 +141,8 @@ def convert(
     max_shard_size: int | str = "5GB",
     compression: Any = None,
     allow_pickle: bool = False,
+    trust_pickle: bool = False,
+    nested: bool = False,
     overwrite: bool = False,
     num_threads: int = 0,
     progress: Callable[[int, int], None] | None = None,
@@ -116,7 +156,8 @@ def convert(
         dst: what to write; must not exist unless ``overwrite``.
         to: "tddist", "tdz", "dcp", "torch" or "safetensors"; None infers it
             from the suffix of ``dst`` (``.tdz``, ``.pt``/``.pth``,
-            ``.safetensors``), a tddist directory otherwise. "safetensors"
+            ``.safetensors``), a tddist directory when it has none (any other
+            suffix is refused: pass ``to``). "safetensors"
             with a ``dst`` that has no ``.safetensors`` suffix writes a
             Hugging Face sharded directory.
         prefix: convert only the keys under this prefix, and strip it: key
@@ -133,6 +174,15 @@ def convert(
         allow_pickle: read pickled objects (``torch.load`` without
             ``weights_only``, pickled tddist values), and store values that
             JSON cannot hold with pickle. Only for sources you trust.
+        trust_pickle: unpickle a DCP source's ``.metadata`` even when it names
+            objects beyond what DCP's metadata is made of (a pickle can run
+            code). Without it, such metadata is refused; DCP's own metadata
+            needs no trust (see ``tddist.interop.dcp``).
+        nested: keep the nesting of a ``torch.save`` or DCP source as nested
+            keys (``("model", "tok.weight")``) instead of one flat name per
+            leaf (``"model.tok.weight"``), so that the result loads into the
+            state it was saved from (``CheckpointManager.restore``). A tddist
+            source is nested already; a safetensors one has flat names only.
         overwrite: replace an existing ``dst`` of the same format.
         num_threads: threads that read and write a tddist checkpoint.
         progress: called as ``progress(done_bytes, total_bytes)`` after each leaf.
@@ -142,8 +192,9 @@ def convert(
 
     Raises:
         CheckpointNotFoundError: nothing is at ``src``.
-        InvalidArgumentError: an unknown format, an unreadable source format,
-            a bad option, or pickled objects without ``allow_pickle``.
+        InvalidArgumentError: an unknown format or destination suffix, an
+            unreadable source format, a bad option, pickled objects without
+            ``allow_pickle``, or DCP metadata that needs ``trust_pickle``.
         InvalidDataError: the source holds what the destination cannot store.
         TargetError: ``dst`` exists (without ``overwrite``) or may not be replaced.
         CorruptCheckpointError: a tddist source fails its checksums.
@@ -154,6 +205,11 @@ def convert(
     kind = detect_format(src)
     out = target_format(dst, to)
     cast = _dtype(dtype)
+    if nested and kind == "safetensors":
+        raise InvalidArgumentError(
+            f"nested=True keeps the nesting of torch.save and DCP sources; the safetensors source {src!r} has flat "
+            f"names only: drop nested (a safetensors file that tddist exported is read nested anyway)"
+        )
     _check_destination(dst, out, overwrite)
     os.makedirs(os.path.dirname(dst), exist_ok=True)
     if kind in ("tddist", "tdz") and out in ("tddist", "tdz") and prefix is None and cast is None and not consolidate:
@@ -168,7 +224,7 @@ def convert(
             f"consolidate=False keeps the saving ranks' shards only from a tddist directory to an archive or back "
             f"(without prefix or dtype); {kind} -> {out} always writes whole leaves: drop consolidate=False"
         )
-    source = _open(src, kind, allow_pickle, num_threads)
+    source = _open(src, kind, allow_pickle, trust_pickle, nested, num_threads)
     done = 0
     sel: Selection
 
@@ -226,6 +282,13 @@ def _check_destination(dst: str, out: str, overwrite: bool) -> None:
             f"{dst!r} exists and is not a {out} checkpoint; tddist replaces only a checkpoint of the format it "
             f"writes: choose another destination or remove it yourself"
         )
+    if os.path.isdir(dst):
+        others = sorted(n for n in os.listdir(dst) if not _WRITTEN[out].fullmatch(n))
+        if others:
+            raise TargetError(
+                f"{dst!r} holds {others[:5]} beside the {out} checkpoint, which replacing it would delete; choose "
+                f"another destination or move them away"
+            )
 
 
 def _file_content_is(path: str, out: str) -> bool:
@@ -243,7 +306,7 @@ def _writes_file(dst: str, out: str) -> bool:
     return out == "torch" or (out == "safetensors" and dst.lower().endswith(_SAFETENSORS_SUFFIX))
 
 
-def _open(src: str, kind: str, allow_pickle: bool, num_threads: int) -> Source:
+def _open(src: str, kind: str, allow_pickle: bool, trust_pickle: bool, nested: bool, num_threads: int) -> Source:
     if kind in ("tddist", "tdz"):
         from .native import TddistSource
 
@@ -251,11 +314,11 @@ def _open(src: str, kind: str, allow_pickle: bool, num_threads: int) -> Source:
     if kind == "dcp":
         from .dcp import DcpSource
 
-        return DcpSource(src, allow_pickle)
+        return DcpSource(src, allow_pickle, trust_pickle, nested)
     if kind == "torch":
         from .torch_file import TorchFileSource
 
-        return TorchFileSource(src, allow_pickle)
+        return TorchFileSource(src, allow_pickle, nested)
     from .hf import SafetensorsSource
 
     return SafetensorsSource(src)

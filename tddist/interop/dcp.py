@@ -1,15 +1,32 @@
 """torch.distributed.checkpoint (DCP) directories as a conversion's source or destination.
 
-Reading goes through DCP's own ``FileSystemReader`` and metadata, one leaf
-per ``dcp.load`` into a full tensor (DCP puts a sharded leaf's chunks
-together). Non-tensor values (an optimizer's ``param_groups``) are stored by
-DCP as ``torch.save`` bytes: they are loaded with ``weights_only=True``
-unless ``allow_pickle``, and come out as JSON-able values (tuples as lists).
-Writing is ``dcp.save(..., FileSystemWriter(dst), no_dist=True)`` of a flat
-dict, so ``dcp.load`` opens the result on any number of ranks; a tddist
-export records each name's key parts, and the marker, in the metadata's
-``planner_data``. DCP's ``.metadata`` is a pickle that ``FileSystemReader``
-unpickles, as ``dcp.load`` does: DCP sources must be trusted.
+DCP's ``.metadata`` is a pickle, and ``FileSystemReader.read_metadata``
+(torch 2.13, which ``dcp.load`` calls) unpickles it with ``pickle.load``,
+so a hostile checkpoint runs code as soon as it is opened. torch's
+``weights_only`` unpickler cannot stand in: it refuses the protocol-4
+opcodes (``FRAME``, ``STACK_GLOBAL``) that every ``.metadata`` holds. So
+tddist reads ``.metadata`` itself, with an unpickler that resolves only the
+globals DCP's metadata is made of (its dataclasses, torch's dtypes, sizes and
+layouts, a path); anything else is refused unless ``trust_pickle``, which
+unpickles it as DCP does. The metadata, once read and checked (every data
+file it names is a regular file inside the directory), is handed to
+``dcp.load`` by a ``FileSystemReader`` that never unpickles it again.
+
+Reading is one ``dcp.load`` per leaf into a full tensor (DCP puts a sharded
+leaf's chunks together). Non-tensor values (an optimizer's ``param_groups``)
+are stored by DCP as ``torch.save`` bytes: they are loaded with
+``weights_only=True`` unless ``allow_pickle``, and come out as JSON-able
+values (tuples as lists). Keys are the flat names DCP lists, or, with
+``nested``, the paths DCP's planner recorded in the metadata's
+``planner_data`` (``("model", "tok.weight")``), a list of dicts such as
+``param_groups`` put back together as one value. Writing is ``dcp.save(...,
+FileSystemWriter(dst), no_dist=True)`` of a flat dict, so ``dcp.load`` opens
+the result on any number of ranks; a tddist export records each name's key
+parts, and the marker, in the metadata's ``planner_data``.
+
+DCP raises ``CheckpointException``, a ``BaseException``, for whatever failed
+inside ``dcp.load`` or ``dcp.save``; it is caught here, by name, and becomes
+a ``TddistError``.
 """
 
 from __future__ import annotations
@@ -26,14 +43,20 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import (
+    CheckpointException,
     DefaultLoadPlanner,
     DefaultSavePlanner,
     FileSystemReader,
     FileSystemWriter,
 )
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
-from ..errors import InvalidDataError
+from ..errors import InvalidArgumentError, InvalidDataError, TddistError
 from . import (
     EXPORT_MARKER,
     EXPORT_VERSION,
@@ -45,12 +68,42 @@ from . import (
     jsonable,
     pickle_refused,
 )
+from .guard import DCP_METADATA_NAME, inside, open_regular, read_regular
 
-METADATA_NAME = ".metadata"
+METADATA_NAME = DCP_METADATA_NAME
+#: The largest ``.metadata`` read (one entry per chunk: a few hundred bytes each).
+MAX_METADATA_BYTES = 1 << 30
 
-
-def is_dcp_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA_NAME))
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+#: The globals a ``.metadata`` pickle may name (module, name): what DCP's metadata is made of, nothing that acts.
+METADATA_GLOBALS = frozenset(
+    {
+        *(
+            (_DCP_MD, name)
+            for name in (
+                "Metadata",
+                "MetadataIndex",
+                "StorageMeta",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "TensorProperties",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a lookup of torch.strided & co by name
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib._local", "PosixPath"),
+        ("pathlib._local", "PurePosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)
+_DTYPE_NAMES = frozenset(name for name, v in vars(torch).items() if isinstance(v, torch.dtype))
 
 
 @contextmanager
@@ -61,46 +114,143 @@ def _one_process() -> Iterator[None]:
         yield
 
 
+class _Refused(pickle.UnpicklingError):
+    """A global that the restricted reader of DCP metadata does not resolve."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only ``METADATA_GLOBALS`` and torch's dtypes (Python's "restricting globals")."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in METADATA_GLOBALS or (module == "torch" and name in _DTYPE_NAMES):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def read_metadata(path: str, trust_pickle: bool) -> Metadata:
+    """The checked metadata of the DCP directory ``path``; unpickled with any global only if ``trust_pickle``.
+
+    Raises:
+        InvalidArgumentError: the pickle names a global outside
+            ``METADATA_GLOBALS`` and ``trust_pickle`` is False.
+        InvalidDataError: not readable DCP metadata, or a data file it names
+            is not a regular file inside ``path``.
+    """
+    where = inside(path, METADATA_NAME, "DCP metadata")
+    raw = read_regular(where, MAX_METADATA_BYTES, "DCP metadata")
+    try:
+        md = pickle.loads(raw) if trust_pickle else _MetadataUnpickler(io.BytesIO(raw)).load()
+    except _Refused as e:
+        raise InvalidArgumentError(
+            f"{where!r} names {e}, which tddist does not unpickle from DCP metadata: the file is a pickle, and "
+            f"unpickling it can run any code. Pass trust_pickle=True (--trust-pickle) only if you trust where the "
+            f"checkpoint comes from"
+        ) from None
+    except Exception as e:  # whatever a damaged pickle raises
+        raise InvalidDataError(
+            f"{where!r} is not readable DCP metadata ({type(e).__name__}: {e}); check the checkpoint"
+        ) from None
+    return _checked(md, path)
+
+
+def _checked(md: Any, path: str) -> Metadata:
+    """``md`` if it is DCP metadata whose every data file is a regular file inside ``path``."""
+    entries, storage = getattr(md, "state_dict_metadata", None), getattr(md, "storage_data", None)
+    if not isinstance(md, Metadata) or not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise InvalidDataError(
+            f"{os.path.join(path, METADATA_NAME)!r} does not hold DCP metadata; check the checkpoint"
+        )
+    names: set[str] = set()
+    for info in storage.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str):
+            raise InvalidDataError(f"the DCP metadata of {path!r} names a data file {name!r}, which is not a name")
+        names.add(name)
+    for name in names:
+        os.close(open_regular(inside(path, name, "DCP data file"), "DCP data file"))  # a FIFO would block DCP
+    for fqn, item in entries.items():
+        if isinstance(item, TensorStorageMetadata):
+            dtype, size = getattr(getattr(item, "properties", None), "dtype", None), getattr(item, "size", None)
+            if not (isinstance(dtype, torch.dtype) and isinstance(size, tuple)) or not all(
+                type(n) is int and n >= 0 for n in size
+            ):
+                raise InvalidDataError(f"entry {fqn!r} of the DCP metadata of {path!r} has no valid dtype and size")
+    return md
+
+
+class _Reader(FileSystemReader):
+    """DCP's reader of a directory, given the metadata tddist read and checked: it never unpickles it again."""
+
+    def __init__(self, path: str, metadata: Metadata) -> None:
+        super().__init__(path)
+        self._checked_metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = self._checked_metadata
+        meta = getattr(md, "storage_meta", None)
+        if not isinstance(meta, StorageMeta):
+            meta = md.storage_meta = StorageMeta()
+        meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        return md
+
+
+def _failure(e: CheckpointException) -> BaseException:
+    """The first rank's exception inside DCP's ``CheckpointException`` (which wraps each rank's)."""
+    for wrapped in e.failures.values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
 class DcpSource:
     """A DCP checkpoint directory, read leaf by leaf."""
 
     kind = "dcp"
 
-    def __init__(self, path: str, allow_pickle: bool) -> None:
+    def __init__(self, path: str, allow_pickle: bool, trust_pickle: bool = False, nested: bool = False) -> None:
         self.path = path
         self.allow_pickle = allow_pickle
-        try:
-            md = FileSystemReader(path).read_metadata()
-        except Exception as e:  # DCP raises whatever unpickling its metadata raised
-            raise InvalidDataError(f"{path!r} has no readable DCP metadata ({e}); check the checkpoint") from None
-        pd = md.planner_data if isinstance(md.planner_data, dict) else {}
-        self.nested = pd.get(EXPORT_MARKER) == (EXPORT_VERSION,)
-        value_keys = pd.get(VALUES_FIELD) if self.nested else None
+        self._md = read_metadata(path, trust_pickle)
+        pd = self._md.planner_data if isinstance(self._md.planner_data, dict) else {}
+        self._marked = pd.get(EXPORT_MARKER) == (EXPORT_VERSION,)
+        self.nested = self._marked or nested
+        value_keys = pd.get(VALUES_FIELD) if self._marked else None
         self._value_keys: dict[str, Key] = value_keys if isinstance(value_keys, dict) else {}
         self._fqn: dict[Key, str] = {}
         self._tensors: list[TensorEntry] = []
         self._parts: dict[Key, list[tuple[str, tuple[str | int, ...]]]] = {}  # value key -> (fqn, path inside)
-        for fqn, item in md.state_dict_metadata.items():
+        for fqn, item in self._md.state_dict_metadata.items():
             where = pd.get(fqn)
-            if not (self.nested and isinstance(where, tuple) and all(isinstance(p, (str, int)) for p in where)):
+            if not (self.nested and isinstance(where, tuple) and where and all(type(p) in (str, int) for p in where)):
                 where = (fqn,)
             if isinstance(item, TensorStorageMetadata):
                 key = tuple(str(p) for p in where)
                 self._fqn[key] = fqn
                 self._tensors.append(TensorEntry(key, item.properties.dtype, tuple(item.size)))
             elif isinstance(item, BytesStorageMetadata):
-                key, inside = self._value_of(where)
-                self._parts.setdefault(key, []).append((fqn, inside))
+                key, inside_value = self._value_of(where)
+                self._parts.setdefault(key, []).append((fqn, inside_value))
             else:
                 raise InvalidDataError(f"{fqn!r} in {path!r} is a {type(item).__name__}, which tddist does not convert")
 
     def _value_of(self, where: tuple[str | int, ...]) -> tuple[Key, tuple[str | int, ...]]:
-        """The tddist value a DCP entry belongs to (an export spreads a list or dict over entries, as DCP does)."""
-        for n in range(len(where), 0, -1):
-            head = where[:n]
-            if all(isinstance(p, str) for p in head) and ".".join(str(p) for p in head) in self._value_keys:
-                return tuple(str(p) for p in head), where[n:]
-        return tuple(str(p) for p in where), ()
+        """The value a DCP entry belongs to, and where inside it (DCP spreads a list of dicts over entries).
+
+        A tddist export names its values in ``planner_data``; elsewhere a
+        value ends before the first list index of the entry's path
+        (``("optim", "param_groups", 0, "lr")`` is ``lr`` of the first item of
+        the value ``("optim", "param_groups")``).
+        """
+        if self._marked:
+            for n in range(len(where), 0, -1):
+                head = where[:n]
+                if all(isinstance(p, str) for p in head) and ".".join(str(p) for p in head) in self._value_keys:
+                    return tuple(str(p) for p in head), where[n:]
+            return tuple(str(p) for p in where), ()
+        n = next((i for i, p in enumerate(where) if isinstance(p, int)), len(where))
+        n = max(n, 1)
+        return tuple(str(p) for p in where[:n]), where[n:]
 
     def tensors(self) -> list[TensorEntry]:
         return list(self._tensors)
@@ -111,32 +261,45 @@ class DcpSource:
     def read(self, entry: TensorEntry) -> torch.Tensor:
         fqn = self._fqn[entry.key]
         t = torch.empty(entry.shape, dtype=entry.dtype)
-        self._load({fqn: t})
+        self._load({fqn: t}, values=False)
         return t
 
     def value(self, key: Key) -> Any:
         parts = self._parts[key]
-        loaded = self._load(dict.fromkeys(fqn for fqn, _ in parts))
+        loaded = self._load(dict.fromkeys(fqn for fqn, _ in parts), values=True)
         if len(parts) == 1 and not parts[0][1]:
             return jsonable(loaded[parts[0][0]])
         root: dict[str | int, Any] = {}
-        for fqn, inside in parts:
-            _set_element(root, inside, jsonable(loaded[fqn]))
+        for fqn, inside_value in parts:
+            _set_element(root, inside_value, jsonable(loaded[fqn]))
         return _lists(root)
 
     def metadata(self) -> dict[str, Any]:
         return {}
 
-    def _load(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def _load(self, state_dict: dict[str, Any], values: bool) -> dict[str, Any]:
         planner = _BytesPlanner(self.allow_pickle)
         try:
             with _one_process():
-                dcp.load(state_dict, storage_reader=FileSystemReader(self.path), planner=planner, no_dist=True)
-        except pickle.UnpicklingError as e:
-            raise pickle_refused(f"{list(state_dict)[0]!r} in {self.path!r}", e) from None
-        except (OSError, RuntimeError, ValueError) as e:
-            raise InvalidDataError(f"cannot read {list(state_dict)[0]!r} from {self.path!r}: {e}") from None
+                dcp.load(state_dict, storage_reader=_Reader(self.path, self._md), planner=planner, no_dist=True)
+        except CheckpointException as e:  # a BaseException, which ``except Exception`` would let through
+            raise self._failed(state_dict, _failure(e), values) from None
+        except (pickle.UnpicklingError, OSError, RuntimeError, ValueError) as e:
+            raise self._failed(state_dict, e, values) from None
         return planner.values
+
+    def _failed(self, state_dict: dict[str, Any], e: BaseException, values: bool) -> TddistError:
+        """The error for a ``dcp.load`` of ``state_dict`` that failed with ``e``."""
+        names = ", ".join(repr(n) for n in list(state_dict)[:3]) + (", ..." if len(state_dict) > 3 else "")
+        if isinstance(e, TddistError):
+            return e
+        if values and isinstance(e, pickle.UnpicklingError):
+            return pickle_refused(f"the DCP entry {names} of {self.path!r}", e)
+        first = str(e).splitlines()[0] if str(e) else ""
+        return InvalidDataError(
+            f"cannot read the DCP entry {names} of {self.path!r} ({type(e).__name__}: {first}); the checkpoint is "
+            f"damaged or incomplete: check its files, or convert it without that entry (prefix=...)"
+        )
 
 
 def _set_element(root: dict, path: tuple[str | int, ...], value: Any) -> None:
@@ -194,13 +357,13 @@ def write_dcp(sel: Selection, path: str) -> None:
         state[names[key]] = t
     planner_data: dict[str, Any] = {names[k]: k for k, _ in sel.tensors}
     for key, v in sel.value_items():
-        for name, inside, part in _explode(names[key], v):
+        for name, within, part in _explode(names[key], v):
             if name in state:
                 raise InvalidDataError(
                     f"the value {list(key)} and another leaf both become {name!r} in DCP; rename one"
                 )
             state[name] = part
-            planner_data[name] = (*key, *inside)
+            planner_data[name] = (*key, *within)
     if sel.nested:
         planner_data[EXPORT_MARKER] = (EXPORT_VERSION,)
         planner_data[VALUES_FIELD] = {names[k]: k for k, _ in sel.values}
@@ -215,5 +378,9 @@ def write_dcp(sel: Selection, path: str) -> None:
 
     os.mkdir(path)
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-    with _one_process():
-        dcp.save(state, storage_writer=writer, planner=MarkedPlanner(flatten_state_dict=False), no_dist=True)
+    try:
+        with _one_process():
+            dcp.save(state, storage_writer=writer, planner=MarkedPlanner(flatten_state_dict=False), no_dist=True)
+    except CheckpointException as e:  # a BaseException: what failed is inside
+        inner = _failure(e)
+        raise InvalidDataError(f"dcp.save into {path!r} failed: {type(inner).__name__}: {inner}") from None

@@ -1,6 +1,10 @@
-"""safetensors files and Hugging Face sharded directories as a conversion's source or destination.
+"""safetensors files and Hugging Face directories as a conversion's source or destination.
 
-Reading uses the safetensors library (``safe_open``: one tensor at a time).
+Reading uses the safetensors library (``safe_open``: one tensor at a time),
+on a file checked first (``guard``: a regular file inside the source folder;
+``check_header``: bounded JSON, tensors' bytes inside the data and never
+shared). A Hugging Face directory (what ``save_pretrained`` writes) holds
+``model.safetensors``, or shards and their index.
 Writing streams: the header (every tensor's dtype, shape and offsets) is known
 from the source's listing before any data is read, so a file is written
 leaf by leaf and never held in memory whole. A sharded directory holds
@@ -37,9 +41,23 @@ from . import (
     flat_names,
     split_name,
 )
+from .guard import (
+    HF_INDEX_NAME,
+    HF_WEIGHTS_NAME,
+    SAFETENSORS_SUFFIX,
+    hf_weights,
+    inside,
+    loads_json,
+    open_regular,
+    read_regular,
+)
 
-INDEX_NAME = "model.safetensors.index.json"
-SUFFIX = ".safetensors"
+INDEX_NAME = HF_INDEX_NAME
+SUFFIX = SAFETENSORS_SUFFIX
+#: The largest header read (the safetensors library's own bound).
+MAX_HEADER_BYTES = 100_000_000
+#: The largest index read.
+MAX_INDEX_BYTES = 64 << 20
 
 #: torch dtype -> safetensors' dtype name.
 DTYPES: dict[torch.dtype, str] = {
@@ -80,47 +98,44 @@ def parse_size(text: str | int) -> int:
     return n
 
 
-def is_sharded_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, INDEX_NAME))
-
-
 class SafetensorsSource:
-    """A ``.safetensors`` file, or a sharded directory with ``model.safetensors.index.json``."""
+    """A ``.safetensors`` file, or a Hugging Face directory: ``model.safetensors``, or shards and their index.
+
+    Every file is opened without blocking and must be a regular file; a
+    file that a directory names (its index's shards, its ``model.safetensors``)
+    must lie inside it once symbolic links are resolved; each file's header
+    is checked (``check_header``) before the safetensors library maps it.
+    """
 
     kind = "safetensors"
 
     def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
         self.path = path
+        meta: dict | None = None
         if os.path.isdir(path):
-            files, meta = _index(path)
+            found = hf_weights(path)
+            if found == INDEX_NAME:
+                files, meta = _index(path)
+            elif found is not None:
+                files = [found]
+            else:
+                raise InvalidDataError(
+                    f"{path!r} holds neither {HF_WEIGHTS_NAME} nor {INDEX_NAME}; pass a Hugging Face directory "
+                    f"or a .safetensors file"
+                )
+            paths = [inside(path, name, "safetensors file") for name in files]
         else:
-            files, meta = [os.path.basename(path)], None
-            path = os.path.dirname(path)
+            paths = [path]
         self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}  # tensor name -> file
         self._entries: dict[Key, tuple[str, TensorEntry]] = {}
         listing: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
-        for name in files:
-            try:
-                h = safe_open(os.path.join(path, name), framework="pt")
-            except Exception as e:  # the library raises its own SafetensorError (and OSError)
-                raise InvalidDataError(
-                    f"{os.path.join(path, name)!r} is not a readable safetensors file: {e}"
-                ) from None
-            self._handles[name] = h
+        for file in paths:
+            h = _open_checked(file)
+            self._handles[file] = h
             if meta is None:
                 meta = h.metadata() or {}
-            for t in h.keys():
-                sl = h.get_slice(t)
-                dtype = _NAMES.get(sl.get_dtype())
-                if dtype is None:
-                    raise InvalidDataError(
-                        f"tensor {t!r} of {name!r} has the dtype {sl.get_dtype()}, which tddist does not convert"
-                    )
-                self._where[t] = name
-                listing.append((t, dtype, tuple(sl.get_shape())))
+            listing += self._list(h, file)
         meta = meta or {}
         self.nested = meta.get(EXPORT_MARKER) == EXPORT_VERSION
         odd = _json_field(meta, KEYS_FIELD) if self.nested else {}
@@ -129,6 +144,25 @@ class SafetensorsSource:
             key = split_name(t, odd) if self.nested else (t,)
             self._entries[key] = (t, TensorEntry(key, dtype, shape))
         self._values = {split_name(n, odd): v for n, v in values.items()}
+
+    def _list(self, h: Any, file: str) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, dtype, shape) of every tensor of the opened file ``file``; a name in two files is refused."""
+        out = []
+        for t in h.keys():
+            sl = h.get_slice(t)
+            dtype = _NAMES.get(sl.get_dtype())
+            if dtype is None:
+                raise InvalidDataError(
+                    f"tensor {t!r} of {file!r} has the dtype {sl.get_dtype()}, which tddist does not convert"
+                )
+            if t in self._where:
+                raise InvalidDataError(
+                    f"tensor {t!r} is in both {self._where[t]!r} and {file!r}; the shards of one checkpoint hold "
+                    f"each tensor once: check the directory"
+                )
+            self._where[t] = file
+            out.append((t, dtype, tuple(sl.get_shape())))
+        return out
 
     def tensors(self) -> list[TensorEntry]:
         return [e for _n, e in self._entries.values()]
@@ -147,27 +181,94 @@ class SafetensorsSource:
         return {}
 
 
+def _open_checked(path: str) -> Any:
+    """``safe_open`` of the regular file ``path`` (opened without blocking), once its header is checked."""
+    from safetensors import safe_open
+
+    fd = open_regular(path, "safetensors file")
+    try:
+        check_header(fd, path)
+        # the descriptor checked, by its path: the file cannot be swapped between the check and the map
+        return safe_open(f"/proc/self/fd/{fd}", framework="pt")
+    except InvalidDataError:
+        raise
+    except Exception as e:  # the library raises its own SafetensorError (and OSError)
+        raise InvalidDataError(f"{path!r} is not a readable safetensors file: {e}") from None
+    finally:
+        os.close(fd)
+
+
+def check_header(fd: int, path: str) -> None:
+    """Refuse a safetensors file whose header is not bounded JSON, or whose tensors' bytes overlap or leave the data.
+
+    The header is ``<u64 n><n bytes of JSON>``; each tensor's
+    ``data_offsets`` ``[start, end]`` count from the end of the header.
+    Two tensors sharing bytes would alias one another, and an offset past
+    the data would read what is not there.
+    """
+    bad = f"{path!r} is not a readable safetensors file"
+    size = os.fstat(fd).st_size
+    head = _pread_exact(fd, 8, 0)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 0 or n > MAX_HEADER_BYTES or 8 + n > size:
+        raise InvalidDataError(f"{bad}: its header length ({n}) does not fit the file of {size} bytes")
+    header = loads_json(_pread_exact(fd, n, 8), f"{bad}: its header", max_depth=8)
+    if not isinstance(header, dict):
+        raise InvalidDataError(f"{bad}: its header is not a JSON object")
+    data = size - 8 - n
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise InvalidDataError(f"{bad}: tensor {name!r} has no data_offsets [start, end]")
+        start, end = offsets
+        if not 0 <= start <= end <= data:
+            raise InvalidDataError(
+                f"{bad}: tensor {name!r} has the data_offsets {offsets}, outside the {data} bytes of data after the "
+                f"header; the file is truncated or damaged"
+            )
+        spans.append((start, end, name))
+    prev_end, prev = 0, ""
+    for start, end, name in sorted(spans):
+        if start == end:
+            continue  # an empty tensor holds no bytes
+        if start < prev_end:
+            raise InvalidDataError(
+                f"{bad}: tensors {prev!r} and {name!r} share bytes (data_offsets overlap), so one would alias the "
+                f"other; the file is damaged or was tampered with: export it again"
+            )
+        prev_end, prev = end, name
+
+
+def _pread_exact(fd: int, n: int, at: int) -> bytes:
+    """``n`` bytes at ``at`` (fewer only at the end of the file)."""
+    parts = []
+    while n > 0:
+        chunk = os.pread(fd, min(n, 1 << 24), at)
+        if not chunk:
+            break
+        parts.append(chunk)
+        n -= len(chunk)
+        at += len(chunk)
+    return b"".join(parts)
+
+
 def _json_field(meta: dict, field: str) -> dict:
     text = meta.get(field)
     if text is None:
         return {}
-    try:
-        value = json.loads(text) if isinstance(text, str) else text
-    except ValueError:
-        value = None
+    value = loads_json(text, f"the {field!r} metadata of this tddist export") if isinstance(text, str) else text
     if not isinstance(value, dict):
         raise InvalidDataError(f"the {field!r} metadata of this tddist export is damaged; export the checkpoint again")
     return value
 
 
-def _index(path: str) -> tuple[list[str], dict | None]:
+def _index(path: str) -> tuple[list[str], dict]:
     """The shard files a sharded directory's index names (in order), and its metadata."""
-    where = os.path.join(path, INDEX_NAME)
-    try:
-        with open(where, "rb") as f:
-            doc = json.loads(f.read(64 << 20))
-    except (OSError, ValueError) as e:
-        raise InvalidDataError(f"{where!r} is not a readable index: {e}; check the directory") from None
+    where = inside(path, INDEX_NAME, "index")
+    doc = loads_json(read_regular(where, MAX_INDEX_BYTES, "index"), f"index {where!r}")
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise InvalidDataError(f"{where!r} has no weight_map of tensor names to files; it is not a sharded checkpoint")

@@ -3,7 +3,9 @@
 A file is read with ``torch.load(mmap=True, weights_only=True)`` (pickled
 objects only with ``allow_pickle``): tensors are copy-on-write maps of the
 file, paged in leaf by leaf. Its top level must be a dict; nested dicts are
-flattened with "." unless the file is a marked tddist export. A tddist
+flattened with "." into one-part keys, unless ``nested`` (each dict level
+one part of the key: ``("model", "tok.weight")``, ``("optimizer", "state",
+"0", "exp_avg")``) or the file is a marked tddist export. A tddist
 export is one flat ``OrderedDict`` ``{"model.w": tensor, ...}`` (the form
 ``model.load_state_dict`` takes); the marker is an attribute of that dict
 (``_tddist``), which ``torch.load`` restores and ``load_state_dict`` ignores.
@@ -56,7 +58,7 @@ class TorchFileSource:
 
     kind = "torch"
 
-    def __init__(self, path: str, allow_pickle: bool) -> None:
+    def __init__(self, path: str, allow_pickle: bool, nested: bool = False) -> None:
         obj = _load(path, allow_pickle)
         if not isinstance(obj, dict):
             raise InvalidDataError(
@@ -64,12 +66,21 @@ class TorchFileSource:
                 f"(torch.save(model.state_dict(), path)) to convert it"
             )
         marker = getattr(obj, MARKER_ATTR, None)
-        self.nested = isinstance(marker, dict) and marker.get(EXPORT_MARKER) == EXPORT_VERSION
-        odd = marker.get(KEYS_FIELD, {}) if self.nested and isinstance(marker, dict) else {}
+        marked = isinstance(marker, dict) and marker.get(EXPORT_MARKER) == EXPORT_VERSION
+        self.nested = marked or nested
+        odd = marker.get(KEYS_FIELD, {}) if marked and isinstance(marker, dict) else {}
         self._tensors: dict[Key, torch.Tensor] = {}
         self._values: dict[Key, Any] = {}
-        for name, value in _flat(obj, path, recurse=not self.nested):
-            key = split_name(name, odd) if self.nested else (name,)
+        for parts, value in _flat(obj, path, recurse=not marked):
+            if marked:
+                key = split_name(parts[0], odd)
+            else:
+                key = parts if nested else (".".join(parts),)
+            if key in self._tensors or key in self._values:
+                raise InvalidDataError(
+                    f"two entries of {path!r} are both named {'.'.join(key)!r} once nested dicts are joined with "
+                    f"'.'; convert with nested=True (--nested) to keep the nesting"
+                )
             if isinstance(value, torch.Tensor):
                 self._tensors[key] = value
             else:
@@ -91,26 +102,27 @@ class TorchFileSource:
         return {}
 
 
-def _flat(obj: dict, path: str, prefix: str = "", *, recurse: bool = True) -> list[tuple[str, Any]]:
-    """(name, value) of every entry, nested dicts joined with "." when ``recurse`` (a marked export is flat)."""
-    out: list[tuple[str, Any]] = []
+def _flat(obj: dict, path: str, prefix: Key = (), *, recurse: bool = True) -> list[tuple[Key, Any]]:
+    """(key parts, value) of every entry, nested dicts' keys appended when ``recurse`` (a marked export is flat)."""
+    out: list[tuple[Key, Any]] = []
     for k, v in obj.items():
-        name = f"{prefix}{k}"
+        parts = (*prefix, str(k))
+        name = ".".join(parts)
         if recurse and isinstance(v, dict) and v:
-            out += _flat(v, path, name + ".")
+            out += _flat(v, path, parts)
         elif isinstance(v, torch.Tensor):
             if type(v) is not torch.Tensor and not isinstance(v, torch.nn.Parameter):
                 raise InvalidDataError(
                     f"{name!r} in {path!r} is a {type(v).__name__}; only plain tensors convert (save full tensors)"
                 )
-            out.append((name, v.detach()))
+            out.append((parts, v.detach()))
         elif _holds_tensor(v):
             raise InvalidDataError(
                 f"{name!r} in {path!r} is a {type(v).__name__} holding tensors; only dicts of tensors convert "
                 f"(store the tensors under dict keys)"
             )
         else:
-            out.append((name, v))
+            out.append((parts, v))
     return out
 
 
