@@ -260,6 +260,8 @@ def open_local(path: str) -> ManifestBytes:
     try:
         pin = PinnedCheckpoint(path)
     except CheckpointNotFoundError:
+        if os.path.lexists(path):  # a FIFO, a device: the pin's own message says what it is
+            raise
         raise _not_found(path, "does not exist") from None
     return pin_and_read(pin)
 
