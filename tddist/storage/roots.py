@@ -62,7 +62,7 @@ class Leftover:
 
     Attributes:
         path: where it is: a generation's prefix (``.../tddist-gen-<id>/``)
-            or the key of an unfinished multipart upload.
+            or an unfinished multipart upload (``s3://bucket/key?uploadId=<id>``).
         what: ``"generation"`` (objects no committed manifest names) or
             ``"upload"`` (an unfinished multipart upload).
         nbytes: the bytes it holds.

@@ -25,11 +25,34 @@ from ... import format as fmt
 from ...errors import StorageError
 from ..roots import Leftover, Usage
 from .client import client_errors, is_missing, s3_client, s3_failed
-from .directory import committed_generation, delete_prefix
-from .pin import ARCHIVE_META, is_generation
+from .pin import ARCHIVE_META, GENERATION_META, is_generation
 from .url import S3Url, parse
 
 logger = logging.getLogger(__name__)
+
+
+def delete_prefix(client: Any, bucket: str, prefix: str) -> int:
+    """Delete every object under ``prefix`` (1000 per request); return how many."""
+    n = 0
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    for page in pages:
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+            n += len(keys)
+    return n
+
+
+def committed_generation(client: Any, url: S3Url) -> str | None:
+    """The generation the committed manifest at ``url`` names, or None when nothing is committed there."""
+    try:
+        head = client.head_object(Bucket=url.bucket, Key=url.child(fmt.MANIFEST_NAME))
+    except client_errors() as e:
+        if is_missing(e):
+            return None
+        raise
+    gen = head.get("Metadata", {}).get(GENERATION_META, "")
+    return gen if is_generation(gen) else ""
 
 
 def _objects(client: Any, bucket: str, prefix: str, delimiter: str = "") -> Iterator[dict]:
@@ -88,19 +111,26 @@ def exists(root: str) -> bool:
 
 def partial(entry: str) -> bool | None:
     """For the directory checkpoint ``entry``: None if it is committed or holds no object; True if it holds
-    only generations (a save or deletion cut off); False if it holds anything else."""
+    only generations (a save or deletion cut off); False if it holds anything else.
+
+    Objects are listed, not prefixes: some services (SeaweedFS) list an emptied prefix for a while.
+    """
     url = parse(entry)
     client, prefix = s3_client(), url.key + "/"
-    names: set[str] = set()
+    ours: bool | None = None
     try:
-        for page in _objects(client, url.bucket, prefix, "/"):
-            names |= {_first_level(p["Prefix"], prefix) for p in page.get("CommonPrefixes", [])}
-            names |= {_first_level(o["Key"], prefix) for o in page.get("Contents", [])}
+        for page in _objects(client, url.bucket, prefix):
+            for o in page.get("Contents", []):
+                name = _first_level(o["Key"], prefix)
+                if name == fmt.MANIFEST_NAME:
+                    return None
+                if not is_generation(name) or "/" not in o["Key"][len(prefix) :]:
+                    ours = False
+                elif ours is None:
+                    ours = True
     except client_errors() as e:
         raise s3_failed("listing", url.url, e) from e
-    if not names or fmt.MANIFEST_NAME in names:
-        return None
-    return all(is_generation(n) for n in names)
+    return ours
 
 
 def usage(entry: str) -> Usage:
@@ -159,7 +189,7 @@ def _unfinished_uploads(client: Any, url: S3Url) -> list[Leftover]:
         nbytes = sum(int(p["Size"]) for page in parts for p in page.get("Parts", []))
         initiated = u.get("Initiated")
         when = initiated.timestamp() if isinstance(initiated, datetime.datetime) else 0.0
-        found.append(Leftover(f"s3://{url.bucket}/{key}", "upload", nbytes, when))
+        found.append(Leftover(f"s3://{url.bucket}/{key}?uploadId={u['UploadId']}", "upload", nbytes, when))
     return found
 
 
