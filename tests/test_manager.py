@@ -672,6 +672,8 @@ def test_manager_on_s3_refuses_what_object_storage_cannot_do(s3_root, kwargs: di
         CheckpointManager(root, preempt_signal=None, **kwargs)
     with pytest.raises(tddist.InvalidArgumentError, match="s3://bucket/prefix"):
         CheckpointManager("s3://only-a-bucket", preempt_signal=None)
+    with pytest.raises(tddist.InvalidArgumentError, match="local_dir="):
+        CheckpointManager(root, local_dir=root + "-local/{rank}", preempt_signal=None)  # never a local "s3:" dir
 
 
 # --- real processes ------------------------------------------------------------------------------

@@ -88,6 +88,19 @@ def _interval_seconds(minutes: object) -> float | None:
     return float(minutes) * 60.0
 
 
+def _check_local_dir(local_dir: str | os.PathLike) -> None:
+    """The node-local tier is a directory on each node's own file system: refuse anything else (``s3://``)."""
+    try:
+        local = root_for(local_dir).local
+    except InvalidArgumentError:
+        local = False
+    if not local:
+        raise InvalidArgumentError(
+            f"local_dir={os.fspath(local_dir)!r}: the node-local tier needs a directory on each node's own file "
+            f"system (a tmpfs, a local disk); object storage can only be the root"
+        )
+
+
 def _clock() -> float:
     """The clock of time-based saves (rank 0's decides)."""
     return time.monotonic()
@@ -319,6 +332,8 @@ class CheckpointManager:
         _check_count("every", every, allow_none=True)
         self.retention = Retention(keep_last, keep_best, metric, mode, keep_period)
         self._interval = _interval_seconds(save_interval_minutes)
+        if local_dir is not None:
+            _check_local_dir(local_dir)
         if local_dir is not None and async_save:
             raise InvalidArgumentError(
                 "async_save=True with local_dir: the local tier already promotes to the root in the background; "
