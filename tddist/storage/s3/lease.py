@@ -133,9 +133,9 @@ class Lease:
             self.renewer.join(timeout=10)
 
     def forget(self) -> None:
-        """In a forked child: stop renewing (the child has no renewal thread anyway), leave the object."""
+        """In a forked child: leave the object to the parent. The child has no renewal thread, and no lock is
+        taken here (one held by a parent's thread at the fork would never be released in the child)."""
         _live.discard(self)
-        self.stop.set()
 
 
 def _put(url: S3Url, body: dict, *, if_match: str = "", if_none_match: bool = False) -> str:
