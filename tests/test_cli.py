@@ -64,7 +64,7 @@ def save_step(root: Path, step: int, scale: float = 1.0, **kwargs) -> Path:
     return path
 
 
-def killed_save(target: Path, point: str = "validate", atomic: bool = True) -> None:
+def killed_save(target: Path | str, point: str = "validate", atomic: bool = True) -> None:
     """A real save of ``target`` in a child process, killed with SIGKILL at commit step ``point``."""
     code = textwrap.dedent(
         f"""
@@ -255,6 +255,82 @@ def test_latest_and_ls_edge_cases(tmp_path):
     doc = cli_json("ls", second)
     assert [e["kind"] for e in doc["entries"]] == ["checkpoint", "staging"]
     assert doc["entries"][1]["fix"] == f"tddist recover {second}"
+
+
+# --- ls, latest, gc on object storage (the real S3 server of tests/conftest.py) -----------------------
+
+
+def test_ls_latest_gc_on_an_s3_root(s3, tmp_path, monkeypatch):
+    """The three commands on s3://bucket/prefix, with what killed saves left there: the same JSON schemas,
+    leftovers inside each checkpoint's entry, and gc doing what --dry-run said."""
+    client, where = s3
+    bucket, prefix = where.split("/", 1)
+    monkeypatch.chdir(tmp_path)
+    root = f"s3://{where}/run"
+    td = TensorDict(obs=torch.arange(24.0).view(8, 3), batch_size=[8])
+    for step in (100, 200, 300):
+        tddist.save(td, f"{root}/{step_name(step)}", metadata={"step": step})
+    tddist.save(td, f"{root}/{step_name(250, archive=True)}", metadata={"step": 250})
+    killed_save(f"{root}/{step_name(400)}")  # never committed: a prefix of one generation
+    killed_save(f"{root}/{step_name(300)}")  # a replace killed: a generation beside the committed one
+    upload = client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/run/{step_name(500, archive=True)}")
+
+    doc = cli_json("ls", root)
+    assert doc["schema"] == "tddist.ls/1" and doc["root"] == root
+    kinds = [(e["kind"], e["step"], e["layout"]) for e in doc["entries"]]
+    assert kinds == [
+        ("checkpoint", 100, "directory"), ("checkpoint", 200, "directory"), ("checkpoint", 250, "archive"),
+        ("checkpoint", 300, "directory"), ("staging", 300, "directory"), ("partial", 400, "directory"),
+        ("staging", 500, "archive"),
+    ], kinds  # fmt: skip
+    for e in doc["entries"]:
+        assert e["path"].startswith(root + "/") and e["bytes"] >= 0 and e["age_seconds"] >= 0
+        if e["committed"]:
+            assert e["world_size"] == 1 and e["fix"] is None and e["bytes"] > 0 and e["created"]
+        else:
+            assert e["fix"] == f"tddist gc {root}" and e["problem"]
+    stray = doc["entries"][4]
+    assert stray["target"] == f"{root}/{step_name(300)}" and "/tddist-gen-" in stray["path"]
+    assert stray["bytes"] >= 4000 and stray["name"].startswith("tddist-gen-")
+    assert doc["entries"][6]["path"].endswith(f"?uploadId={upload['UploadId']}")
+    text = cli("ls", root, check_rc=0).stdout
+    assert "4 committed checkpoint(s)" in text and "leftover (staging)" in text and f"tddist gc {root}" in text
+    alone = cli_json("ls", f"{root}/{step_name(300)}")  # one checkpoint, with what is left inside it
+    assert [e["kind"] for e in alone["entries"]] == ["checkpoint", "staging"]
+
+    assert cli("latest", root, check_rc=0).stdout == f"{root}/{step_name(300)}\n"
+    latest = cli_json("latest", root)
+    assert (latest["path"], latest["step"], latest["world_size"]) == (f"{root}/{step_name(300)}", 300, 1)
+
+    before = sorted(client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []), key=str)
+    plan = cli_json("gc", root, "--keep-last", "2", "--dry-run")
+    assert sorted(client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []), key=str) == before
+    planned = {(a["action"], a["path"].removeprefix(root + "/").split("/")[0].split("?")[0]) for a in plan["actions"]}
+    assert planned == {
+        ("remove", step_name(300)), ("remove", step_name(400)), ("remove", step_name(500, archive=True)),
+        ("delete", step_name(100)), ("delete", step_name(200)),
+    }, planned  # fmt: skip
+    assert plan["freed_bytes"] == sum(a["bytes"] for a in plan["actions"]) > 0
+    done = cli_json("gc", root, "--keep-last", "2")
+    assert {(a["action"], a["path"]) for a in done["actions"]} == {(a["action"], a["path"]) for a in plan["actions"]}
+    after = cli_json("ls", root)
+    assert [(e["kind"], e["step"]) for e in after["entries"]] == [("checkpoint", 250), ("checkpoint", 300)]
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", []) == []
+    assert tddist.load(f"{root}/{step_name(300)}", shard=None, verify=True)["obs"].equal(td["obs"])
+    assert cli("gc", root, check_rc=0).stdout.strip() == f"{root}: nothing to do"
+    for argv in (["ls", root], ["latest", root], ["gc", root, "--dry-run"]):  # light on S3 too
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "tddist.cli", *argv], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if "import time:" in line}
+        assert not [m for m in imported if m.split(".")[0] == "torch"], f"tddist {argv[0]} on S3 imported torch"
+
+    empty = f"s3://{where}/nothing-here"
+    assert cli("ls", empty, check_rc=0).stdout.strip() == f"{empty}: no checkpoints"
+    assert cli_json("latest", empty, rc=1)["path"] is None
+    r = cli("latest", "s3://no-such-bucket-tddist/run", check_rc=1)
+    assert r.stdout == "" and "does not exist" in r.stderr
+    assert not list(tmp_path.rglob("s3:*")), "a local directory named like the S3 root appeared"
 
 
 # --- info ----------------------------------------------------------------------------------------

@@ -251,6 +251,431 @@ def test_parse_signals() -> None:
     assert parse_signals([signal.SIGUSR2, "HUP"]) == [signal.SIGUSR2, signal.SIGHUP]
 
 
+# --- retention rules, when to save, what the root holds ----------------------------------------------
+
+
+def saved_metrics(root: Path, step: int) -> dict:
+    return tddist.read_manifest(root / step_name(step)).metadata.get("metrics", {})
+
+
+def test_keep_best_by_a_metric_combines_with_keep_last_and_survives_a_restart(tmp_path: Path) -> None:
+    """Lightning's save_top_k/monitor, Orbax's best_fn: the 2 lowest val_loss plus the newest (keep_last=1);
+    the values are stored in the manifests, so a new manager ranks what an earlier one saved."""
+    root = tmp_path / "ckpt"
+    losses = {1: 0.9, 2: 0.3, 3: 0.5, 4: 0.2, 5: 0.8}
+
+    def first(comm):
+        mgr = CheckpointManager(
+            root, keep_last=1, keep_best=2, metric="val_loss", mode="min", every=1, comm=comm, preempt_signal=None
+        )
+        for s in range(1, 6):
+            mgr.step(s, local_state(comm.rank, comm.size, s), metrics={"val_loss": losses[s], "acc": s / 10})
+        mgr.close()
+        return mgr.all_steps()
+
+    assert tddist.run_threads(2, first) == [[2, 4, 5]] * 2
+    assert steps_in(root) == [2, 4, 5]
+    assert saved_metrics(root, 4) == {"val_loss": 0.2, "acc": 0.4}
+    assert tddist.read_manifest(root / step_name(4)).metadata["step"] == 4
+
+    # a new job: the old values come from the manifests. 0.25 is better than 0.3: step 2 goes,
+    # and step 5 (0.8, no longer the newest nor among the best) goes too
+    with CheckpointManager(root, keep_last=1, keep_best=2, metric="val_loss", preempt_signal=None) as mgr:
+        mgr.save(6, local_state(0, 1, 6), metrics={"val_loss": torch.tensor(0.25)})
+        assert mgr.all_steps() == [4, 6]
+    # mode="max": the highest values are the best
+    with CheckpointManager(root, keep_last=None, keep_best=1, metric="val_loss", mode="max",
+                           preempt_signal=None) as mgr:  # fmt: skip
+        mgr.save(7, local_state(0, 1, 7), metrics={"val_loss": 0.1})
+        assert mgr.all_steps() == [6, 7]  # 0.25 is the best; 7 is the newest
+
+
+def test_keep_best_never_removes_the_newest_checkpoint(tmp_path: Path) -> None:
+    """keep_last=None with keep_best: only the best and the newest stay; the newest is kept though it is the worst;
+    a step saved without the metric (or with NaN) is never among the best."""
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, keep_last=None, keep_best=1, metric="loss", preempt_signal=None) as mgr:
+        for s, loss in ((1, 0.5), (2, 0.3), (3, 0.6)):
+            mgr.save(s, local_state(0, 1, s), metrics={"loss": loss})
+        assert steps_in(root) == [2, 3], "the newest step (3) is not among the best but must be kept"
+        mgr.save(4, local_state(0, 1, 4), metrics={"loss": float("nan")})
+        assert steps_in(root) == [2, 4] and saved_metrics(root, 4) == {"loss": "nan"}
+        mgr.save(5, local_state(0, 1, 5))  # no metric: kept as the newest only
+        mgr.save(6, local_state(0, 1, 6), metrics={"loss": 0.1})
+        assert steps_in(root) == [6]
+    assert_checkpoint(root, 6)
+
+
+def test_keep_period_keeps_every_multiple_forever(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+
+    def body(comm):
+        mgr = CheckpointManager(root, keep_last=2, keep_period=4, every=1, comm=comm, preempt_signal=None)
+        state = local_state(comm.rank, comm.size, 0)
+        for s in range(mgr.restore(state), 10):
+            train_state(state)
+            mgr.step(s + 1, state)
+        mgr.close()
+        return mgr.all_steps()
+
+    assert tddist.run_threads(3, body) == [[4, 8, 9, 10]] * 3
+    with CheckpointManager(root, keep_last=None, keep_period=4, preempt_signal=None) as mgr:
+        mgr.save(11, local_state(0, 1, 11))
+        assert mgr.all_steps() == [4, 8, 11]
+
+
+def train_state(state) -> None:
+    state["rows", "w"].add_(1)
+    state["count"].add_(1)
+
+
+def test_save_interval_minutes_rank0_clock_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Time-based saves: rank 0's clock decides and every rank saves at the same step, whatever its own clock."""
+    import threading
+
+    import tddist.jobs.manager as manager_module
+
+    local = threading.local()
+    start = time.monotonic()
+    # each rank's clock: rank 0's runs 100 s per step; rank 1's never moves; rank 2's runs 10 minutes per step
+    pace = {0: 100.0, 1: 0.0, 2: 600.0}
+    monkeypatch.setattr(manager_module, "_clock", lambda: start + pace[local.rank] * local.steps)
+
+    def body(comm):
+        local.rank, local.steps = comm.rank, 0
+        mgr = CheckpointManager(tmp_path / f"ckpt{comm.size}", keep_last=None, every=7, save_interval_minutes=5,
+                                comm=comm, preempt_signal=None)  # fmt: skip
+        saved = []
+        for s in range(1, 11):
+            local.steps = s
+            if mgr.step(s, local_state(comm.rank, comm.size, s)):
+                saved.append(s)
+        mgr.close()
+        return saved
+
+    # rank 0: 300 s pass at steps 3, 6 (after the save at 3), 7 by `every`, then 10 (300 s after 7)
+    assert tddist.run_threads(3, body) == [[3, 6, 7, 10]] * 3
+    assert steps_in(tmp_path / "ckpt3") == [3, 6, 7, 10]
+    pace[0] = 0.0  # rank 0's clock stands still: only `every` saves, though rank 2's clock runs
+    assert tddist.run_threads(3, body) == [[7]] * 3
+
+
+def test_should_save_is_the_decision_step_takes(tmp_path: Path) -> None:
+    """should_save(s) exchanges the flags once; the step(s) after it saves exactly when it said, on every rank,
+    and a preemption requested on one rank makes it True everywhere."""
+
+    def body(comm):
+        mgr = CheckpointManager(tmp_path / "ckpt", keep_last=None, every=3, comm=comm, preempt_signal=None)
+        answers, saved = [], []
+        for s in range(1, 9):
+            if comm.rank == 1 and s == 5:
+                mgr.request_preemption()
+            due = mgr.should_save(s)
+            assert mgr.should_save(s) == due  # asked again: the same decision, no second exchange
+            answers.append(due)
+            metrics = {"val_loss": 1.0 / s} if due else None  # computed only when a save is due
+            saved.append(mgr.step(s, local_state(comm.rank, comm.size, s), metrics=metrics))
+            if mgr.should_stop:
+                break
+        mgr.close()
+        return answers, saved
+
+    results = tddist.run_threads(3, body)
+    assert results == [([False, False, True, False, True], [False, False, True, False, True])] * 3, results
+    assert steps_in(tmp_path / "ckpt") == [3, 5] and saved_metrics(tmp_path / "ckpt", 5) == {"val_loss": 0.2}
+
+
+def test_all_steps_lists_the_committed_steps_on_every_rank(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    for step in (30, 10, 20):
+        tddist.save(local_state(0, 1, step), root / step_name(step), metadata={"step": step})
+    hexid = uuid.uuid4().hex
+    (root / f".{step_name(40)}.tddist-staging-{hexid}").mkdir()  # a crashed save: not a step
+    (root / step_name(50)).mkdir()  # foreign files under a step name: not committed
+    (root / step_name(50) / "notes.txt").write_text("mine")
+
+    def body(comm):
+        mgr = CheckpointManager(root, keep_last=None, comm=comm, preempt_signal=None)
+        found = mgr.all_steps()
+        mgr.close()
+        return found
+
+    assert tddist.run_threads(2, body) == [[10, 20, 30]] * 2
+    assert CheckpointManager(tmp_path / "none", preempt_signal=None).all_steps() == []
+
+
+def test_retention_never_deletes_a_checkpoint_a_restore_is_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore of step 2 is in progress (held inside its load) while another manager of this process saves
+    steps 3 with keep_last=1: step 2 stays until the restore has ended, and the restore gets step 2's data."""
+    import threading
+
+    import tddist.jobs.manager as manager_module
+
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, keep_last=None, preempt_signal=None) as mgr:
+        for s in (1, 2):
+            mgr.save(s, local_state(0, 1, s))
+    entered, gate = threading.Event(), threading.Event()
+    real_load = manager_module.load
+
+    def held_load(*args, **kwargs):
+        entered.set()
+        assert gate.wait(60), "the test never opened the gate"
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(manager_module, "load", held_load)
+    reader = CheckpointManager(root, keep_last=None, preempt_signal=None)
+    state, result = local_state(0, 1, 0), []
+    t = threading.Thread(target=lambda: result.append(reader.restore(state, step=2)))
+    t.start()
+    assert entered.wait(60)
+    saver = CheckpointManager(root, keep_last=1, preempt_signal=None)
+    saver.save(3, local_state(0, 1, 3))
+    assert steps_in(root) == [2, 3], "retention deleted the checkpoint a restore is reading"
+    gate.set()
+    t.join(60)
+    assert result == [2] and result[0].path == str(root / step_name(2))
+    assert_td_equal(state, local_state(0, 1, 2), "the state restored while retention ran")
+    saver.save(4, local_state(0, 1, 4))  # the restore has ended: step 2 goes now
+    assert steps_in(root) == [4]
+    saver.close()
+    reader.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(keep_best=2),  # no metric
+        dict(keep_best=0, metric="loss"),
+        dict(metric="loss"),  # a metric without keep_best
+        dict(keep_best=1, metric="loss", mode="avg"),
+        dict(keep_period=0),
+        dict(save_interval_minutes=0),
+        dict(save_interval_minutes="5"),
+    ],
+)
+def test_invalid_retention_and_interval_options(tmp_path: Path, kwargs: dict) -> None:
+    with pytest.raises(tddist.InvalidArgumentError):
+        CheckpointManager(tmp_path, preempt_signal=None, **kwargs)
+
+
+def test_invalid_metrics_are_refused_before_saving(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "ckpt", keep_best=1, metric="loss", preempt_signal=None) as mgr:
+        for bad in ({"loss": "low"}, {"loss": True}, {1: 0.5}, [("loss", 0.5)], {"loss": torch.ones(2)}):
+            with pytest.raises(tddist.InvalidArgumentError, match="metrics"):
+                mgr.save(1, local_state(0, 1, 1), metrics=bad)
+    assert not (tmp_path / "ckpt").exists() or steps_in(tmp_path / "ckpt") == []
+
+
+# --- on object storage (the real S3 server of tests/conftest.py) --------------------------------------
+
+
+@pytest.fixture
+def s3_root(s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """(client, "BUCKET/PREFIX", root URL) in a fresh working directory; afterwards, no local directory named
+    like the URL (``s3:``) may have appeared there or in the repository."""
+    client, where = s3
+    monkeypatch.chdir(tmp_path)
+    yield client, where, f"s3://{where}/run"
+    made = [str(p) for p in tmp_path.rglob("s3:*")] + [str(p) for p in REPO.glob("s3:*")]
+    assert not made, f"a local directory named like the S3 root appeared: {made}"
+
+
+def objects_under(client, where: str) -> list[str]:
+    bucket, prefix = where.split("/", 1)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1 :] for page in pages for o in page.get("Contents", []))
+
+
+def s3_steps(client, where: str) -> list[int]:
+    """The steps whose commit point (manifest object, or archive object) is in the bucket."""
+    found = set()
+    for key in objects_under(client, where):
+        head, _, rest = key.partition("/")  # run/step-.../tddist.json or run/step-....tdz
+        name, _, leaf = rest.partition("/")
+        step = parse_step(name)
+        if head == "run" and step is not None and (leaf == fmt.MANIFEST_NAME or name.endswith(".tdz")):
+            found.add(step)
+    return sorted(found)
+
+
+def test_manager_on_s3_saves_retains_and_restores(s3_root) -> None:
+    """An s3:// root: saves go to the bucket (none to a local directory), every retention rule applies there,
+    the metrics are read back from the manifests by a new job, and 3 ranks restore what 2 saved."""
+    client, where, root = s3_root
+    losses = {1: 0.4, 2: 0.1, 3: 0.7, 4: 0.6, 5: 0.9, 6: 0.8, 7: 0.5}
+
+    def first(comm):
+        mgr = CheckpointManager(root, keep_last=2, keep_best=1, metric="val_loss", keep_period=3, every=1,
+                                comm=comm, preempt_signal=None)  # fmt: skip
+        state = local_state(comm.rank, comm.size, 0)
+        assert mgr.restore(state) == 0
+        for s in range(1, 8):
+            train_state(state)
+            mgr.step(s, state, metrics={"val_loss": losses[s]})
+        mgr.close()
+        return mgr.all_steps(), mgr.latest()
+
+    # kept: 2 (best), 3 and 6 (period), 6 and 7 (last two)
+    assert tddist.run_threads(2, first) == [([2, 3, 6, 7], f"{root}/{step_name(7)}")] * 2
+    assert s3_steps(client, where) == [2, 3, 6, 7]
+    assert tddist.read_manifest(f"{root}/{step_name(2)}").metadata["metrics"] == {"val_loss": 0.1}
+
+    def second(comm):
+        mgr = CheckpointManager(root, keep_last=1, keep_best=1, metric="val_loss", comm=comm, preempt_signal=None)
+        state = local_state(comm.rank, comm.size, 0)
+        start = mgr.restore(state)
+        assert_td_equal(state, local_state(comm.rank, comm.size, 7), f"rank {comm.rank}: restored from S3")
+        mgr.save(8, state, metrics={"val_loss": 0.3})  # step 2 (0.1, read back from its manifest) stays the best
+        mgr.close()
+        return int(start), start.path, mgr.all_steps()
+
+    assert tddist.run_threads(3, second) == [(7, f"{root}/{step_name(7)}", [2, 8])] * 3
+    assert s3_steps(client, where) == [2, 8]
+    full = tddist.load(f"{root}/{step_name(8)}", shard=None, verify=True)
+    assert_td_equal(full, expected(7), "step 8 holds the state restored at 7")
+    assert [k for k in objects_under(client, where) if not k.startswith("run/step-")] == []  # the lease is gone
+
+
+def test_manager_on_s3_archives_async_saves_and_preemption(s3_root) -> None:
+    client, where, root = s3_root
+
+    def body(comm):
+        mgr = CheckpointManager(root, every=2, keep_last=1, async_save=True, save_kwargs={"archive": True},
+                                comm=comm, preempt_signal=None)  # fmt: skip
+        state = local_state(comm.rank, comm.size, 0)
+        for s in range(mgr.restore(state), 20):
+            train_state(state)
+            if comm.rank == 1 and s + 1 == 5:
+                mgr.request_preemption()
+            mgr.step(s + 1, state)
+            if mgr.should_stop:
+                mgr.close()
+                return s + 1
+        raise AssertionError("not preempted")
+
+    assert tddist.run_threads(2, body) == [5, 5]
+    assert s3_steps(client, where) == [5]
+    assert objects_under(client, where) == [f"run/{step_name(5, archive=True)}"]
+    assert_td_equal(tddist.load(f"{root}/{step_name(5, archive=True)}", shard=None), expected(5), "preempted at 5")
+    with CheckpointManager(root, save_kwargs={"archive": True}, preempt_signal=None) as mgr:
+        state = local_state(0, 1, 0)
+        assert mgr.restore(state) == 5 and mgr.latest() == f"{root}/{step_name(5, archive=True)}"
+        assert_td_equal(state, local_state(0, 1, 5), "resumed after the preemption")
+
+
+def test_manager_on_s3_cleans_what_interrupted_saves_and_deletions_left(s3_root, s3_env) -> None:
+    """A save killed before its commit (an uncommitted generation), a deletion cut between the manifest and the
+    data (a prefix of generations without a manifest) and an unfinished archive upload are removed at start;
+    the committed checkpoints stay."""
+    client, where, root = s3_root
+    bucket, prefix = where.split("/", 1)
+    for step in (1, 2):
+        tddist.save(local_state(0, 1, step), f"{root}/{step_name(step)}", metadata={"step": step})
+    code = f"import torch, tddist; tddist.save({{'x': torch.ones(1000)}}, {root + '/' + step_name(3)!r})"
+    env = dict(os.environ, TDDIST_FAULT="validate:0:kill", PYTHONPATH=str(REPO))
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == -signal.SIGKILL
+    client.delete_object(Bucket=bucket, Key=f"{prefix}/run/{step_name(1)}/{fmt.MANIFEST_NAME}")  # deletion cut
+    client.create_multipart_upload(Bucket=bucket, Key=f"{prefix}/run/{step_name(4, archive=True)}")
+    assert any(k.startswith(f"run/{step_name(3)}/tddist-gen-") for k in objects_under(client, where))
+
+    with CheckpointManager(root, keep_last=None, preempt_signal=None) as mgr:
+        assert mgr.all_steps() == [2] and mgr.latest() == f"{root}/{step_name(2)}"
+    left = [k for k in objects_under(client, where) if not k.startswith(f"run/{step_name(2)}/")]
+    assert left == [], left
+    assert client.list_multipart_uploads(Bucket=bucket, Prefix=f"{prefix}/").get("Uploads", []) == []
+    assert_td_equal(tddist.load(f"{root}/{step_name(2)}", shard=None), local_state(0, 1, 2), "step 2 kept")
+
+
+_S3_HOLDER = """
+import sys, time
+import tddist.storage.s3.lease as lease
+lease.LEASE_SECONDS = float(sys.argv[2])
+from tddist.jobs.manager import CheckpointManager
+mgr = CheckpointManager(sys.argv[1], preempt_signal=None)
+mgr.save(1, {"x": __import__("torch").ones(2)})
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+
+def test_s3_root_lease_refuses_a_second_live_job_and_is_taken_over_after_a_crash(s3_root) -> None:
+    """The lease object: a live holder keeps renewing it (a second job is refused on every rank, naming its pid,
+    also after several lease periods); once the holder is SIGKILLed, a new job takes the lease over."""
+    from tddist.comm.base import LocalComm
+
+    client, where, root = s3_root
+    lease_s = 2.0
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _S3_HOLDER, root, str(lease_s)], stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        assert "run/.tddist-manager.lock" in objects_under(client, where)
+        time.sleep(3 * lease_s)  # only renewals keep it
+
+        def second_job(comm):
+            try:
+                CheckpointManager(root, comm=comm, preempt_signal=None)
+            except tddist.RootLockedError as err:
+                return str(err)
+            return None
+
+        messages = tddist.run_threads(2, second_job)
+        assert messages[0] and messages[0] == messages[1] and f"pid {holder.pid}" in messages[0], messages
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+    begin = time.monotonic()
+    with CheckpointManager(root, comm=LocalComm(), preempt_signal=None) as mgr:  # waits out the dead lease
+        assert time.monotonic() - begin < 10 * lease_s
+        mgr.save(2, {"x": torch.ones(2)})
+        assert mgr.all_steps() == [1, 2]
+    assert "run/.tddist-manager.lock" not in objects_under(client, where)  # released by close()
+    with CheckpointManager(root, preempt_signal=None) as mgr:  # at once: nobody holds it
+        assert mgr.latest() == f"{root}/{step_name(2)}"
+
+
+def test_manager_on_s3_with_a_node_local_tier(s3_root, tmp_path: Path) -> None:
+    """local_dir with an s3:// root: each save commits locally, the promotion commits to the bucket."""
+    client, where, root = s3_root
+
+    def body(comm):
+        mgr = CheckpointManager(root, every=2, keep_last=1, local_dir=str(tmp_path / "local" / "{rank}"),
+                                comm=comm, preempt_signal=None)  # fmt: skip
+        state = local_state(comm.rank, comm.size, 0)
+        for s in range(mgr.restore(state), 4):
+            train_state(state)
+            mgr.step(s + 1, state)
+        mgr.close()
+        return mgr.all_steps()
+
+    assert tddist.run_threads(2, body) == [[4]] * 2
+    assert s3_steps(client, where) == [4]
+    assert_td_equal(tddist.load(f"{root}/{step_name(4)}", shard=None, verify=True), expected(4), "promoted to S3")
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(save_kwargs={"snapshot_budget": 1 << 20}), "snapshot_budget"),
+        (dict(save_kwargs={"atomic": False}), "atomic=False"),
+        (dict(save_kwargs={"async_writer": "process"}), "async_writer"),
+    ],
+)
+def test_manager_on_s3_refuses_what_object_storage_cannot_do(s3_root, kwargs: dict, named: str) -> None:
+    _client, _where, root = s3_root
+    with pytest.raises(tddist.InvalidArgumentError, match=named):
+        CheckpointManager(root, preempt_signal=None, **kwargs)
+    with pytest.raises(tddist.InvalidArgumentError, match="s3://bucket/prefix"):
+        CheckpointManager("s3://only-a-bucket", preempt_signal=None)
+    with pytest.raises(tddist.InvalidArgumentError, match="local_dir="):
+        CheckpointManager(root, local_dir=root + "-local/{rank}", preempt_signal=None)  # never a local "s3:" dir
+
+
 # --- real processes ------------------------------------------------------------------------------
 
 

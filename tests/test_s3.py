@@ -435,7 +435,7 @@ def test_a_load_pinned_before_an_overwrite_never_reads_the_new_one(s3, layout):
     assert tddist.load(target, shard=None)["a"].eq(1).all()
 
 
-def test_cli_info_and_recover_on_s3_others_refuse(s3, capsys):
+def test_cli_info_and_recover_on_s3_file_commands_refuse(s3, capsys):
     from tddist.cli import main
 
     _client, bucket = s3
@@ -446,7 +446,7 @@ def test_cli_info_and_recover_on_s3_others_refuse(s3, capsys):
         assert main(["recover", url(bucket, layout)]) == 0
         assert "nothing to recover" in capsys.readouterr().out
     assert main(["verify", url(bucket, "directory")]) == 1
-    assert "only 'tddist info' and 'tddist recover' support" in capsys.readouterr().err
+    assert "'tddist info', 'tddist gc' and 'tddist recover' support" in capsys.readouterr().err
 
 
 def test_an_archive_completed_whose_answer_was_lost_is_committed(s3):

@@ -27,6 +27,8 @@ EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141
 
 COMMANDS = (ls, latest, info, diff, verify, gc, recover, pack, convert)
+#: The commands that take an ``s3://`` path (the others work on files).
+_ON_OBJECT_STORAGE = ("ls", "latest", "info", "gc", "recover")
 
 EPILOG = """\
 exit status: 0 ok; 1 a problem was found (a bad chunk, no checkpoint, a difference) or an error;
@@ -74,10 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     log.addHandler(handler)
     log.setLevel(logging.WARNING)
     remote = [v for v in vars(args).values() if isinstance(v, str) and v.startswith("s3://")]
-    if remote and args.command not in ("info", "recover"):
+    if remote and args.command not in _ON_OBJECT_STORAGE:
         sys.stderr.write(
-            f"tddist {args.command}: {remote[0]} is on object storage, which only 'tddist info' and 'tddist recover' "
-            f"support; verify a checkpoint there with tddist.load(path, shard=None, verify=True)\n"
+            f"tddist {args.command}: {remote[0]} is on object storage, which only 'tddist ls', 'tddist latest', "
+            f"'tddist info', 'tddist gc' and 'tddist recover' support; verify a checkpoint there with "
+            f"tddist.load(path, shard=None, verify=True)\n"
         )
         return EXIT_PROBLEM
     try:

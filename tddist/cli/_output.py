@@ -63,10 +63,17 @@ def value_text(enc: object, limit: int = 60) -> str:
 
 
 def shown_path(path: str, root_arg: str) -> str:
-    """``path`` (absolute, under ``root_arg``) as the user named its root."""
+    """``path`` (absolute, under ``root_arg``) as the user named its root; a URL (``s3://...``) as it is."""
+    if "://" in path:
+        return path
     absroot = os.path.abspath(root_arg)
     rel = os.path.relpath(path, absroot)
     return root_arg if rel == "." else os.path.join(root_arg, rel)
+
+
+def entry_name(path: str) -> str:
+    """The last component of a path or URL (``s3://b/run/step-000000100/`` -> ``step-000000100``)."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

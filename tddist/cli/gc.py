@@ -9,10 +9,11 @@ from ._output import emit_json, human_bytes, positive_int, shown_path
 
 HELP = "remove leftovers of interrupted saves and old checkpoints under a root, as the manager does"
 DESCRIPTION = """\
-Apply CheckpointManager's rules to ROOT offline: remove the leftovers of
-interrupted saves and deletions beside every step-NNNNNNNNN checkpoint (a
-committed backup whose checkpoint was lost is moved back instead), remove step
-directories without a manifest that hold only tddist's files, and with
+Apply CheckpointManager's rules to ROOT (a directory or s3://bucket/prefix)
+offline: remove the leftovers of interrupted saves and deletions beside every
+step-NNNNNNNNN checkpoint (a committed backup whose checkpoint was lost is moved
+back instead; on object storage, generations no manifest names and unfinished
+uploads), remove step entries without a manifest that hold only tddist's files, and with
 --keep-last N delete the committed checkpoints beyond the N newest (never the
 newest valid one). Damaged checkpoints and foreign files are left alone. Run it
 only when no job is saving to ROOT; --dry-run shows what it would do."""
@@ -20,7 +21,11 @@ only when no job is saving to ROOT; --dry-run shows what it would do."""
 
 def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("gc", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("root", metavar="ROOT", help="a CheckpointManager root (holding step-NNNNNNNNN checkpoints)")
+    s.add_argument(
+        "root",
+        metavar="ROOT",
+        help="a CheckpointManager root (a directory or s3://bucket/prefix holding step-NNNNNNNNN checkpoints)",
+    )
     s.add_argument(
         "--keep-last",
         type=positive_int,

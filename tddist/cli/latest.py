@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
+from ..errors import CheckpointNotFoundError
 from ..jobs import inventory
 from ._output import emit_json, shown_path
 
-HELP = "print the newest committed checkpoint under a directory (for scripts)"
+HELP = "print the newest committed checkpoint under a directory or s3:// prefix (for scripts)"
 DESCRIPTION = """\
-Print the path of the newest committed checkpoint under ROOT: the one a
+Print the path (or s3:// URL) of the newest committed checkpoint under ROOT: the one a
 CheckpointManager would resume from (the highest step-NNNNNNNNN with a valid
 manifest; without step names, the one committed last). Exit status 1 and nothing
 on stdout when there is none. Never imports torch.
@@ -23,7 +23,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser(
         "latest", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    s.add_argument("root", metavar="ROOT", help="a directory of checkpoints, such as a CheckpointManager root")
+    s.add_argument(
+        "root",
+        metavar="ROOT",
+        help="a directory or s3://bucket/prefix of checkpoints, such as a CheckpointManager root",
+    )
     s.add_argument(
         "--json", action="store_true", help="print one JSON object (schema tddist.latest/1, see docs/cli.md)"
     )
@@ -31,13 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    entry = inventory.newest(args.root) if os.path.isdir(args.root) else None
+    try:
+        entry = inventory.newest(args.root)
+        message = f"no committed checkpoint under {args.root!r}"
+    except CheckpointNotFoundError as e:  # a missing root (or bucket): no checkpoint, exit status 1
+        entry, message = None, str(e)
     if entry is None:
-        if not os.path.isdir(args.root):
-            what = "does not exist" if not os.path.lexists(args.root) else "is not a directory"
-            message = f"{args.root!r} {what}"
-        else:
-            message = f"no committed checkpoint under {args.root!r}"
         if args.json:
             emit_json("latest", {"root": args.root, "path": None, "step": None})
         sys.stderr.write(f"tddist latest: {message}\n")

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..jobs import inventory
-from ._output import emit_json, human_age, human_bytes, shown_path, table
+from ._output import emit_json, entry_name, human_age, human_bytes, shown_path, table
 
-HELP = "list the checkpoints under a directory, with leftovers of interrupted saves"
+HELP = "list the checkpoints under a directory or s3:// prefix, with leftovers of interrupted saves"
 DESCRIPTION = """\
-List the checkpoints under ROOT (a CheckpointManager root or any directory): step,
-state, layout, number of ranks, size on disk and age. Leftovers of interrupted saves
-(hidden staging, trash and backup entries) and partial saves are listed too, each
-with the command that removes it. Reads only manifests; never imports torch."""
+List the checkpoints under ROOT (a CheckpointManager root or any directory, or
+s3://bucket/prefix): step, state, layout, number of ranks, size (on disk; on object
+storage, of the objects) and age. Leftovers of interrupted saves (hidden staging,
+trash and backup entries; on object storage, generations no manifest names and
+unfinished uploads) and partial saves are listed too, each with the command that
+removes it. Reads only manifests; never imports torch."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("ls", help=HELP, description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("root", metavar="ROOT", help="a directory of checkpoints (or one checkpoint)")
+    s.add_argument("root", metavar="ROOT", help="a directory or s3://bucket/prefix of checkpoints (or one checkpoint)")
     s.add_argument("--json", action="store_true", help="print one JSON object (schema tddist.ls/1, see docs/cli.md)")
     s.set_defaults(run=run)
 
@@ -26,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def entry_json(e: inventory.Entry, root_arg: str) -> dict:
     return {
         "path": shown_path(e.path, root_arg),
-        "name": os.path.basename(e.path),
+        "name": entry_name(e.path),
         "kind": e.kind,
         "committed": e.committed,
         "step": e.step,
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                 "-" if e.world_size is None else str(e.world_size),
                 human_bytes(e.nbytes),
                 human_age(e.age_seconds),
-                os.path.basename(e.path),
+                entry_name(e.path),
             ]
         )
     print(table(rows, ["STEP", "STATE", "LAYOUT", "RANKS", "SIZE", "AGE", "NAME"]))
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         for e in problems:
             by_fix.setdefault(e.fix, []).append(e)
         for e in problems:
-            print(f"{os.path.basename(e.path)}: {e.problem}")
+            print(f"{entry_name(e.path)}: {e.problem}")
         for fix, group in by_fix.items():
             size = human_bytes(sum(e.nbytes for e in group))
             if fix is None:

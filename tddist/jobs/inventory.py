@@ -1,8 +1,8 @@
-"""What a directory holds: checkpoints, leftovers of interrupted saves, and what clean-up would do.
+"""What a root holds: checkpoints, leftovers of interrupted saves, and what clean-up would do.
 
-``scan(root)`` lists every checkpoint under a directory (a ``CheckpointManager``
-root or any other) and flags what interrupted saves left there, each with the
-command that removes it. ``newest(root)`` is the checkpoint a job would resume
+``scan(root)`` lists every checkpoint under a directory or an ``s3://bucket/prefix``
+(a ``CheckpointManager`` root or any other) and flags what interrupted saves
+left there, each with the command that removes it. ``newest(root)`` is the checkpoint a job would resume
 from. ``plan_gc``/``gc`` apply the manager's clean-up and retention rules
 (``tddist.jobs.retention``) offline; ``plan_gc`` only says what ``gc`` would do.
 
@@ -10,7 +10,14 @@ No torch is needed (a manifest is JSON and, from format version 2 on, a small
 binary index read with numpy), so the ``tddist`` command lists and cleans
 checkpoints without importing torch. Sizes are what each checkpoint takes on
 disk, whatever its files: rank data files (packing "packed"), rank directories
-of one file per leaf (packing "memmap", version 1) or one archive.
+of one file per leaf (packing "memmap", version 1) or one archive; on object
+storage, the sum of its objects' sizes.
+
+On object storage (``storage.backends.root_for`` says which root is where),
+what an interrupted save leaves lies inside the checkpoint's entry: a
+generation its manifest does not name, an unfinished multipart upload
+(``storage.roots.Leftover``); each is listed as a ``"staging"`` entry of its
+checkpoint, and ``gc`` removes it with the checkpoint's ``recover``.
 """
 
 from __future__ import annotations
@@ -18,14 +25,17 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import stat
 from dataclasses import dataclass
 
 from .. import format as fmt
 from ..errors import CheckpointNotFoundError, TddistError
-from ..storage.backends import read_manifest
+from ..storage.backends import read_manifest, root_for, store_for
 from ..storage.recovery import is_committed, is_tddist_dir, recover
-from .retention import delete_checkpoint, parse_step, step_entries
+from ..storage.roots import LOCK_NAME, Leftover, Root
+from ..storage.roots import disk_usage as _disk_usage
+from .retention import committed_steps, delete_checkpoint, parse_step, step_entries
 
 logger = logging.getLogger(__name__)
 
@@ -105,19 +115,7 @@ def _parse_time(created: str | None) -> float | None:
 
 def disk_usage(path: str) -> int:
     """Bytes allocated on disk for ``path`` and everything below it (symbolic links not followed)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0
-    total = st.st_blocks * 512
-    if stat.S_ISDIR(st.st_mode):
-        for dirpath, dirnames, filenames in os.walk(path):
-            for name in dirnames + filenames:
-                try:
-                    total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass
-    return total
+    return _disk_usage(path)
 
 
 def _quote(path: str) -> str:
@@ -277,9 +275,14 @@ def scan(root: str | os.PathLike) -> list[Entry]:
     the leftovers beside it.
 
     Raises:
-        CheckpointNotFoundError: ``root`` does not exist or is not a directory or checkpoint.
+        CheckpointNotFoundError: ``root`` does not exist or is not a directory or checkpoint (on object
+            storage: its bucket does not exist).
+        StorageError: object storage could not be listed.
     """
     shown = os.fspath(root)
+    where = root_for(shown)
+    if not where.local:
+        return _sorted(_scan_objects(where, shown))
     root = os.path.abspath(shown)
     if not os.path.lexists(root):
         raise CheckpointNotFoundError(f"{shown!r} does not exist")
@@ -298,6 +301,11 @@ def scan(root: str | os.PathLike) -> list[Entry]:
             raise CheckpointNotFoundError(f"cannot list {shown!r}: {e.strerror}") from None
         found = (describe(os.path.join(root, n), shown) for n in names)
         entries = [entry for entry in found if entry is not None]
+    return _sorted(entries)
+
+
+def _sorted(entries: list[Entry]) -> list[Entry]:
+    """By step (entries without one last), each leftover after its checkpoint, then by path."""
     return sorted(
         entries, key=lambda e: (e.step is None, e.step or 0, e.target or e.path, e.target is not None, e.path)
     )
@@ -311,22 +319,95 @@ def newest(root: str | os.PathLike) -> Entry | None:
     (``retention.newest_checkpoint``: damaged and uncommitted entries are
     skipped). Under a root without step names, the valid checkpoint committed
     last (by the time in its manifest, then its modification time).
+
+    Raises:
+        CheckpointNotFoundError: a root on a file system that does not exist or
+            is not a directory, or a bucket that does not exist.
     """
     shown = os.fspath(root)
-    root = os.path.abspath(shown)
-    steps = step_entries(root)
+    where = root_for(shown)
+    steps = step_entries(where.target)
     if steps:
         for _step, path in steps:
-            entry = describe(path, shown)
+            entry = describe(path, shown) if where.local else _object_entry(where, os.path.basename(path), shown)
             if entry is not None and entry.committed:
                 return entry
         return None
-    if not os.path.isdir(root):
-        raise CheckpointNotFoundError(f"{shown!r} is not a directory")
+    if where.local and not os.path.isdir(where.target):
+        what = "does not exist" if not os.path.lexists(where.target) else "is not a directory"
+        raise CheckpointNotFoundError(f"{shown!r} {what}")
     found = [e for e in scan(shown) if e.committed]
     if not found:
         return None
     return max(found, key=lambda e: (_parse_time(e.created) or e.mtime, e.mtime, e.path))
+
+
+# --- on object storage -------------------------------------------------------------------------
+
+#: What each kind of leftover inside an entry on object storage is, in words (``Entry.problem``).
+_OBJECT_LEFTOVERS = {
+    "generation": "objects no committed manifest names: an interrupted save (or a save running now)",
+    "upload": "an unfinished multipart upload: an interrupted save (or a save running now)",
+}
+
+
+def _scan_objects(root: Root, shown: str) -> list[Entry]:
+    """``scan`` of a root on object storage: each name under it, or the checkpoint ``root`` names itself."""
+    if store_for(root.target).committed():
+        parent, _, name = root.target.rpartition("/")
+        return _object_entries(root_for(parent), name, parent)
+    entries: list[Entry] = []
+    for name in root.names():
+        if name != LOCK_NAME:
+            entries += _object_entries(root, name, shown)
+    return entries
+
+
+def _object_entry(root: Root, name: str, shown: str) -> Entry | None:
+    """The entry ``name`` under a root on object storage, without its leftovers."""
+    found = [e for e in _object_entries(root, name, shown, leftovers=False) if e.target is None]
+    return found[0] if found else None
+
+
+def _object_entries(root: Root, name: str, shown: str, leftovers: bool = True) -> list[Entry]:
+    """The entry ``name`` under a root on object storage (checkpoint, damaged, partial or foreign, if it is
+    one of these) and what interrupted saves left in it."""
+    path, step = root.join(name), parse_step(name)
+    layout = "archive" if name.endswith(fmt.ARCHIVE_SUFFIX) else "directory"
+    fix = f"tddist gc {_quote(shown)}" if step is not None else f"tddist recover {_quote(path)}"
+    out: list[Entry] = []
+    usage = None
+    if store_for(path).committed():
+        usage = root.usage(name)
+        try:
+            m = read_manifest(path)
+        except TddistError as e:
+            out.append(Entry(path, DAMAGED, step, layout, None, usage.nbytes, usage.mtime, None, None, str(e), None))
+        else:
+            out.append(
+                Entry(path, CHECKPOINT, step, layout, m.world_size, usage.nbytes, usage.mtime, m.created or None,
+                      None, None, None)
+            )  # fmt: skip
+    else:
+        ours = root.partial(name)
+        if ours is not None and (ours or step is not None):
+            usage = root.usage(name)
+            kind, problem, cure = (
+                (PARTIAL, "no manifest: a save or a deletion cut off before it ended", fix)
+                if ours
+                else (FOREIGN, "a step name without a manifest that holds objects tddist did not write; left alone",
+                      None)
+            )  # fmt: skip
+            out.append(Entry(path, kind, step, layout, None, usage.nbytes, usage.mtime, None, None, problem, cure))
+    if leftovers:
+        out += [_leftover_object(lo, path, step, fix) for lo in root.leftovers(name)]
+    return out
+
+
+def _leftover_object(lo: Leftover, target: str, step: int | None, fix: str) -> Entry:
+    layout = "archive" if lo.what == "upload" and target.endswith(fmt.ARCHIVE_SUFFIX) else "directory"
+    return Entry(lo.path, STAGING, step, layout, None, lo.nbytes, lo.mtime, None, target, _OBJECT_LEFTOVERS[lo.what],
+                 fix)  # fmt: skip
 
 
 # --- clean-up and retention offline ------------------------------------------------------
@@ -366,7 +447,14 @@ def plan_gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Actio
     manifest that holds only tddist's files is removed; one with foreign files
     is left alone. Then, with ``keep_last``, the committed checkpoints beyond
     the ``keep_last`` newest are deleted, never the newest valid one.
+
+    On object storage (``s3://bucket/prefix``) the leftovers are inside each
+    step's entry (generations no manifest names, unfinished uploads) and a
+    torn entry is a prefix of generations without a manifest.
     """
+    where = root_for(os.fspath(root))
+    if not where.local:
+        return _plan_gc_objects(where, keep_last)
     root = os.path.abspath(os.fspath(root))
     _check_root(root)
     actions: list[Action] = []
@@ -465,6 +553,9 @@ def gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Action]:
     with ``retention.delete_checkpoint`` (renamed away first, then removed).
     Run it only when no job is saving to ``root``.
     """
+    where = root_for(os.fspath(root))
+    if not where.local:
+        return _gc_objects(where, plan_gc(where.target, keep_last))
     root = os.path.abspath(os.fspath(root))
     actions = plan_gc(root, keep_last)
     recovered = set()
@@ -488,3 +579,65 @@ def gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Action]:
 def _target_of(path: str) -> str | None:
     side = fmt.side_entry_kind(os.path.basename(path))
     return os.path.join(os.path.dirname(path), side[0]) if side else None
+
+
+def _plan_gc_objects(root: Root, keep_last: int | None) -> list[Action]:
+    """``plan_gc`` of a root on object storage: leftovers inside each step entry, torn entries, retention."""
+    if store_for(root.target).committed():
+        raise CheckpointNotFoundError(
+            f"{root.target!r} is a checkpoint, not a checkpoint root; pass the prefix that holds the "
+            f"step-NNNNNNNNN checkpoints (or run tddist recover {_quote(root.target)} for this one)"
+        )
+    actions: list[Action] = []
+    for name in sorted({n for n in root.names() if parse_step(n) is not None}):
+        path = root.join(name)
+        for lo in root.leftovers(name):
+            actions.append(Action(REMOVE, lo.path, _OBJECT_REASON[lo.what], lo.nbytes))
+        if store_for(path).committed():
+            continue
+        ours = root.partial(name)
+        if ours:
+            reason = "torn checkpoint: generations without a manifest (a save or a deletion cut off)"
+            actions.append(Action(REMOVE, path, reason, root.usage(name).nbytes))
+        elif ours is not None:
+            actions.append(Action(KEEP, path, "not a committed checkpoint and holds foreign objects; left alone"))
+    if keep_last is not None:
+        committed = committed_steps(root.target)
+        newest = next((s for s, p in committed if _readable(p)), None)
+        for s, p in committed[keep_last:]:
+            if s != newest:
+                name = p[len(root.target) + 1 :]
+                reason = f"beyond the {keep_last} newest checkpoint(s)"
+                actions.append(Action(DELETE, p, reason, root.usage(name).nbytes))
+    return actions
+
+
+_OBJECT_REASON = {
+    "generation": "objects of an interrupted save that no committed manifest names",
+    "upload": "unfinished multipart upload of an interrupted save",
+}
+
+
+def _readable(path: str) -> bool:
+    try:
+        read_manifest(path)
+    except TddistError:
+        return False
+    return True
+
+
+def _gc_objects(root: Root, actions: list[Action]) -> list[Action]:
+    """Do what ``_plan_gc_objects`` planned: each step entry with leftovers is recovered once (``recover``),
+    torn entries and retired checkpoints are deleted."""
+    recovered: set[str] = set()
+    leftover = set(_OBJECT_REASON.values())
+    for a in actions:
+        target = root.join(re.split(r"[/?]", a.path[len(root.target) + 1 :], maxsplit=1)[0])
+        if a.action == REMOVE and a.reason in leftover:
+            if target not in recovered:
+                recovered.add(target)
+                for line in store_for(target).recover():
+                    logger.info("gc: %s", line)
+        elif a.action in (REMOVE, DELETE) and a.path == target:
+            delete_checkpoint(target)
+    return actions

@@ -10,6 +10,12 @@ command line ask it; none of them tests for S3 itself, and no module outside
 ``storage/s3/`` but this one imports it. A new store is a module in
 ``storage/`` plus one branch in ``store_for``.
 
+A directory of checkpoints (a ``CheckpointManager``'s root) is a ``Root``
+(``roots.Root``): ``root_for`` maps a directory to ``roots.FileRoot`` and
+``s3://bucket/prefix`` to ``ObjectRoot``; each checkpoint under it is the
+``Store`` of ``root.join(name)``, which says whether it is committed and
+removes it (``Store.committed``, ``Store.delete``).
+
 Nothing is imported until it is used: ``tddist ls`` and ``tddist info`` open
 manifests without torch, and without boto3 unless a prefix is on S3.
 """
@@ -24,6 +30,7 @@ from .. import format as fmt
 from ..errors import InvalidArgumentError
 from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
+from .roots import LOCK_NAME, FileRoot, HeldLock, Leftover, Root, Usage
 
 if TYPE_CHECKING:
     from ..core.types import LocalShard, SaveOptions, Staging
@@ -97,6 +104,19 @@ class Store(Protocol):
         """Remove what interrupted saves left at this target; one line per leftover handled."""
         ...
 
+    def committed(self) -> bool:
+        """Whether a checkpoint is committed here (its commit point exists; the manifest is not validated)."""
+        ...
+
+    def delete(self) -> None:
+        """Remove the checkpoint here, so that a crash midway never leaves it looking committed.
+
+        Raises:
+            OSError: a file-system operation failed.
+            StorageError: a request to object storage failed.
+        """
+        ...
+
 
 @dataclass(frozen=True)
 class FileStore:
@@ -149,6 +169,17 @@ class FileStore:
         from .recovery import recover
 
         return recover(self.target)
+
+    def committed(self) -> bool:
+        from .recovery import is_committed
+
+        return is_committed(self.target)
+
+    def delete(self) -> None:
+        """Renamed to a trash name in one step, then removed (``recover`` removes a half-deleted one)."""
+        from .roots import remove_checkpoint
+
+        remove_checkpoint(self.target)
 
 
 @dataclass(frozen=True)
@@ -224,6 +255,64 @@ class ObjectStore:
 
         return recover(self.target)
 
+    def committed(self) -> bool:
+        from .s3.root import committed
+
+        return committed(self.target)
+
+    def delete(self) -> None:
+        """A directory's manifest first (uncommitted at once), then its objects; an archive's one object."""
+        from .s3.root import delete
+
+        delete(self.target)
+
+
+@dataclass(frozen=True)
+class ObjectRoot:
+    """A root on object storage, ``s3://bucket/prefix`` (a ``roots.Root``; see ``s3/root.py``, ``s3/lease.py``)."""
+
+    target: str
+    local = False
+
+    def join(self, name: str) -> str:
+        return f"{self.target}/{name}"
+
+    def exists(self) -> bool:
+        from .s3.root import exists
+
+        return exists(self.target)
+
+    def create(self) -> None:
+        """Nothing: a prefix exists through its objects."""
+
+    def names(self) -> list[str]:
+        from .s3.root import names
+
+        return names(self.target)
+
+    def partial(self, name: str) -> bool | None:
+        if self.join(name).endswith(fmt.ARCHIVE_SUFFIX):
+            return None
+        from .s3.root import partial
+
+        return partial(self.join(name))
+
+    def usage(self, name: str) -> Usage:
+        from .s3.root import usage
+
+        return usage(self.join(name))
+
+    def leftovers(self, name: str) -> tuple[Leftover, ...]:
+        from .s3.root import leftovers
+
+        return leftovers(self.join(name))
+
+    def lock(self) -> HeldLock:
+        """A lease object renewed while held (``s3/lease.py``): object storage has no ``flock``."""
+        from .s3.lease import take
+
+        return take(self.target, LOCK_NAME)
+
 
 def store_for(prefix: str | os.PathLike, archive: bool | None = None) -> Store:
     """The store of the checkpoint at ``prefix``.
@@ -245,6 +334,27 @@ def store_for(prefix: str | os.PathLike, archive: bool | None = None) -> Store:
         return ObjectStore(url.url, url.archive)
     target = os.path.abspath(p)
     return FileStore(target, target.endswith(fmt.ARCHIVE_SUFFIX) if archive is None else archive)
+
+
+def root_for(root: str | os.PathLike) -> Root:
+    """The ``Root`` of a directory of checkpoints: ``roots.FileRoot`` for a path, ``ObjectRoot`` for
+    ``s3://bucket/prefix``. A path is made absolute; nothing is created.
+
+    Raises:
+        InvalidArgumentError: an ``s3://`` URL without a prefix under its bucket.
+    """
+    p = os.fspath(root)
+    if isinstance(p, str) and p.startswith(S3_SCHEME):
+        from .s3.url import parse
+
+        try:
+            url = parse(p)
+        except InvalidArgumentError:
+            raise InvalidArgumentError(
+                f"{p!r} cannot be a checkpoint root: use s3://bucket/prefix (the checkpoints go under the prefix)"
+            ) from None
+        return ObjectRoot(url.url)
+    return FileRoot(os.path.abspath(p))
 
 
 def target_of(prefix: str | os.PathLike) -> str:

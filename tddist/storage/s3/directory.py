@@ -34,8 +34,9 @@ from ...errors import TargetError, TddistError
 from ...manifest.locate import packed_offsets
 from ..base import Retirement, WriterBase
 from ..tdmeta import node_meta_files
-from .client import bucket_missing, client_errors, is_missing, no_bucket, s3_client, s3_failed
+from .client import bucket_missing, client_errors, no_bucket, s3_client, s3_failed
 from .pin import GENERATION_META, GENERATION_PREFIX, is_generation
+from .root import committed_generation, delete_prefix
 from .upload import Segment, run, upload_object
 from .url import S3Url, parse
 
@@ -43,30 +44,6 @@ logger = logging.getLogger(__name__)
 
 #: Threads uploading a rank's objects when the save asks for fewer (requests wait on the network).
 MIN_THREADS = 8
-
-
-def delete_prefix(client: Any, bucket: str, prefix: str) -> int:
-    """Delete every object under ``prefix`` (1000 per request); return how many."""
-    n = 0
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-    for page in pages:
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
-            n += len(keys)
-    return n
-
-
-def committed_generation(client: Any, url: S3Url) -> str | None:
-    """The generation the committed manifest at ``url`` names, or None when nothing is committed there."""
-    try:
-        head = client.head_object(Bucket=url.bucket, Key=url.child(fmt.MANIFEST_NAME))
-    except client_errors() as e:
-        if is_missing(e):
-            return None
-        raise
-    gen = head.get("Metadata", {}).get(GENERATION_META, "")
-    return gen if is_generation(gen) else ""
 
 
 def check_target(client: Any, url: S3Url) -> str | None:

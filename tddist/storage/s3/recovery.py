@@ -14,8 +14,8 @@ from typing import Any
 
 from ...errors import StorageError
 from .client import client_errors, s3_client, s3_failed
-from .directory import committed_generation, delete_prefix
 from .pin import is_generation
+from .root import committed_generation, delete_prefix
 from .url import S3Url, parse
 
 logger = logging.getLogger(__name__)
