@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,3 +220,45 @@ def test_example(blocks: list[Block], nproc: int, tmp_path, request):
     )
     assert not bad, note + "\n\n".join(o.describe() for o in bad[:2])
     assert all(o.done == tuple(b.where for b in blocks) for o in outcomes), outcomes
+
+
+def test_api_reference_signatures_are_formatted_with_the_docs_extra(tmp_path):
+    """The API reference built with only the ``docs`` extra installed shows each long signature one parameter a
+    line, no wider than mkdocs.yml's ``line_length`` (mkdocstrings formats signatures only when ruff or black is
+    importable, and otherwise prints one long line)."""
+    import html
+
+    import yaml
+
+    plugins = yaml.safe_load((REPO / "mkdocs.yml").read_text())["plugins"]
+    mkdocstrings = next(p["mkdocstrings"] for p in plugins if isinstance(p, dict) and "mkdocstrings" in p)
+    options = mkdocstrings["handlers"]["python"]["options"]
+    assert options["separate_signature"] and options["show_signature_annotations"]
+    width = options["line_length"]
+    project = _pyproject()["project"]
+    blocked = docs_rank.modules_outside(
+        [*project["dependencies"], *project["optional-dependencies"]["docs"]], ("tddist", "tests")
+    )
+    build = (
+        "import sys; from tests.docs_rank import block_imports; block_imports(sys.argv[1].split(',')); "
+        "from mkdocs.__main__ import cli; cli(['build', '--strict', '--quiet', '--site-dir', sys.argv[2]])"
+    )
+    site = tmp_path / "site"
+    r = subprocess.run(
+        [sys.executable, "-c", build, ",".join(blocked), str(site)],
+        cwd=REPO,
+        env={**env(), "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    page = (site / "api" / "index.html").read_text()
+    signatures = [
+        html.unescape(re.sub(r"<[^>]+>", "", s))
+        for s in re.findall(r'<div class="doc-signature highlight"><pre>(.*?)</pre>', page, re.S)
+    ]
+    save = next(s for s in signatures if s.startswith("save("))
+    assert save.splitlines()[:3] == ["save(", "    data: Any,", "    prefix: str | PathLike,"], save[:300]
+    too_wide = [line for s in signatures for line in s.splitlines() if len(line) > width]
+    assert not too_wide, f"signature lines wider than line_length={width}: {too_wide[:5]}"
