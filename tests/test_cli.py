@@ -9,6 +9,7 @@ output, its ``--json`` document, its exit status and what it did on disk.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -139,6 +140,36 @@ def test_light_commands_do_not_import_torch(tmp_path, args):
     heavy = sorted(m for m in imported if m.split(".")[0] == "torch")  # numpy is fine: the manifest index is numpy
     assert not heavy, f"tddist {' '.join(argv)} imported {heavy[:10]}"
     assert "tddist.cli" in imported
+
+
+#: All that ``tddist --version`` and ``tddist --help`` may import of tddist: no command's module, so neither
+#: numpy nor the manifest code (benchmarks/cli_startup.py measures the startup).
+STARTUP_MODULES = {"tddist", "tddist._version", "tddist.errors", "tddist.cli", "tddist.cli.__main__"}
+
+
+@pytest.mark.parametrize("args, rc", [(["--version"], 0), (["--help"], 0), (["frobnicate"], 2)])
+def test_version_and_help_import_no_command_module(args, rc):
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tddist.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == rc, r.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    ours = {m for m in imported if m.split(".")[0] == "tddist"}
+    assert ours - STARTUP_MODULES == set(), f"tddist {' '.join(args)} imported {sorted(ours - STARTUP_MODULES)}"
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("numpy", "torch", "xxhash", "tensordict"))
+    assert not heavy, f"tddist {' '.join(args)} imported {heavy[:10]}"
+
+
+def test_the_command_list_needs_no_command_module():
+    """``tddist --help`` built without the commands' modules is the same as with all of them: the one-line help
+    of ``COMMANDS`` is what each module registers, in the same order."""
+    from tddist.cli import COMMANDS, parser
+
+    full, light = parser(), parser(commands=())
+    assert light.format_help() == full.format_help()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)
+    assert {c.dest: c.help for c in sub._choices_actions} == {name: h for name, (_m, h) in COMMANDS.items()}
 
 
 # --- ls, latest, gc on a manager root with killed saves ----------------------------------------
