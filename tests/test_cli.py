@@ -638,6 +638,33 @@ def test_pack_and_unpack_refuse_to_overwrite_without_force(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if ".tddist-" in n]
 
 
+def test_pack_and_unpack_refuse_the_wrong_kind_of_source_or_target(tmp_path):
+    """``pack`` takes a directory and writes a file, ``unpack`` the reverse: each refuses the other's arguments
+    before reading anything, says what it expects and which command fits, and leaves every path as it was."""
+    save_step(tmp_path, 1)
+    d = tmp_path / step_name(1)
+    tddist.pack(d, tmp_path / "a.tdz")
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "out").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    cases = [
+        (("pack", tmp_path / "a.tdz", tmp_path / "b.tdz"), "is a file, not a checkpoint directory", "tddist unpack"),
+        (("unpack", d, tmp_path / "u"), "is a directory, not a .tdz archive", f"tddist pack {d} {d}.tdz"),
+        (("pack", d, tmp_path / "out"), "'tddist pack' writes one archive file", f"{tmp_path / 'out'}.tdz"),
+        (("pack", d, tmp_path / "out", "--force"), "'tddist pack' writes one archive file", "tddist unpack"),
+        (("unpack", tmp_path / "a.tdz", tmp_path / "notes.txt", "--force"), "writes a directory", "tddist pack"),
+        (("unpack", tmp_path / "a.tdz", tmp_path / "u.tdz"), "ends in .tdz", f"such as '{tmp_path / 'u'}'"),
+    ]
+    for args, what, fix in cases:
+        r = cli(*args, check_rc=1)
+        assert r.stderr.startswith(f"tddist {args[0]}: ") and what in r.stderr and fix in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr and r.stdout == ""
+        doc = cli_json(*args, rc=1)
+        assert doc["schema"] == "tddist.error/1" and what in doc["message"]
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "notes.txt").read_text() == "keep me"
+    assert os.listdir(tmp_path / "out") == []
+
+
 # --- exit statuses, pipes, progress --------------------------------------------------------------
 
 
