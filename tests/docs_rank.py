@@ -146,6 +146,19 @@ def run_example(
     return [_outcome(r, p, spec) for r, (p, spec) in enumerate(zip(procs, specs))]
 
 
+def stop_forkserver() -> None:
+    """Stop the forkserver (it holds torch's memory); the next example starts a new one.
+
+    multiprocessing has no public call for this; ``_stop`` is what CPython's
+    own tests use, and without it the server only ends with this process.
+    """
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)
+    if stop is not None:
+        stop()
+
+
 def _wait(procs: list, timeout: float) -> None:
     """Until all processes ended, the deadline passed, or ``GRACE_S`` after the first failure."""
     deadline = time.monotonic() + timeout

@@ -30,6 +30,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,6 +187,13 @@ def not_installed_by_main_job() -> tuple[str, ...]:
     return docs_rank.modules_outside(main_job_requirements(), keep=("tddist", "tests"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver():
+    """The examples' forkserver (tests/docs_rank.py) lives as long as this module's tests."""
+    yield
+    docs_rank.stop_forkserver()
+
+
 def examples() -> list:
     """Every example, as a pytest parameter: each chain of single-process blocks, and each multi-rank block."""
     out = [pytest.param(c.blocks, 1, id=c.id) for c in chains()]
@@ -208,10 +216,45 @@ def run(blocks: list[Block], nproc: int, tmp_path: Path, extra_env: dict) -> lis
     return docs_rank.run_example(steps, envs, workdir, outdir, timeout=TIMEOUT_S, blocked=blocked)
 
 
+def fresh_object_store(s3_env: dict) -> None:
+    """Delete every bucket of the session's S3 server but the tests' own, with all it holds.
+
+    So an example on ``s3://`` starts with the buckets it creates itself, as
+    on a new account, whatever another example left there.
+    """
+    import boto3
+
+    from tests.conftest import S3_BUCKET
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=s3_env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=s3_env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3_env["AWS_SECRET_ACCESS_KEY"],
+        region_name=s3_env["AWS_DEFAULT_REGION"],
+    )
+    for bucket in [b["Name"] for b in s3.list_buckets()["Buckets"] if b["Name"] != S3_BUCKET]:
+        for upload in s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []):
+            s3.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+        s3.delete_bucket(Bucket=bucket)
+
+
+def example_env(blocks: list[Block], request) -> dict:
+    """The test S3 server's environment, emptied of other examples' buckets, for an example that uses s3://."""
+    if not any("s3://" in b.body for b in blocks):
+        return {}
+    s3_env = request.getfixturevalue("s3_env")
+    fresh_object_store(s3_env)
+    return s3_env
+
+
 @pytest.mark.parametrize("blocks, nproc", examples())
 def test_example(blocks: list[Block], nproc: int, tmp_path, request):
-    extra = request.getfixturevalue("s3_env") if any("s3://" in b.body for b in blocks) else {}
-    outcomes = run(blocks, nproc, tmp_path, extra)
+    outcomes = run(blocks, nproc, tmp_path, example_env(blocks, request))
     bad = [o for o in outcomes if not o.ok]
     note = (
         "(on this page, python can import only what launch/demo.sh installs)\n"
@@ -220,6 +263,45 @@ def test_example(blocks: list[Block], nproc: int, tmp_path, request):
     )
     assert not bad, note + "\n\n".join(o.describe() for o in bad[:2])
     assert all(o.done == tuple(b.where for b in blocks) for o in outcomes), outcomes
+
+
+def synthetic(page: str, *codes: str) -> list[Block]:
+    return [Block(REPO / page, i + 1, "python", textwrap.dedent(code), None) for i, code in enumerate(codes)]
+
+
+@pytest.mark.multirank
+def test_an_example_sees_nothing_another_left(tmp_path, request):
+    """What one example leaves (a file, a process group, an environment variable, module state, a bucket) is
+    not there for the next, on one rank or many; blocks of one chain share their process and namespace."""
+    leave = """
+        import os, torch, torch.distributed as dist
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo")
+        torch.manual_seed(7)
+        os.environ["LEFT_BY_AN_EXAMPLE"] = "1"
+        open(f"left-{os.environ.get('RANK', '0')}", "w").close()
+        if os.environ.get("RANK", "0") == "0":
+            import boto3
+            s3 = boto3.client("s3")
+            s3.create_bucket(Bucket="docs-left-behind")
+            s3.put_object(Bucket="docs-left-behind", Key="ckpt/x", Body=b"x")  # s3://docs-left-behind/ckpt
+        """
+    check = """
+        import os, sys, torch, torch.distributed as dist
+        assert not dist.is_initialized() and "LEFT_BY_AN_EXAMPLE" not in os.environ
+        assert sorted(os.listdir()) == ["benchmarks", "launch", "slurm"], os.listdir()
+        assert torch.initial_seed() != 7
+        import boto3
+        buckets = [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]]
+        assert "docs-left-behind" not in buckets  # s3://docs-left-behind
+        """
+    for nproc in (1, 2):
+        for i, blocks in enumerate(
+            (synthetic("docs/a.md", leave, "assert torch.initial_seed() == 7"), synthetic("docs/b.md", check))
+        ):
+            (tmp_path / f"{nproc}-{i}").mkdir()
+            outcomes = run(blocks, nproc, tmp_path / f"{nproc}-{i}", example_env(blocks, request))
+            assert all(o.ok for o in outcomes), "\n\n".join(o.describe() for o in outcomes if not o.ok)
 
 
 def test_api_reference_signatures_are_formatted_with_the_docs_extra(tmp_path):
