@@ -18,9 +18,14 @@ repository's ``launch/``, ``slurm/`` and ``benchmarks/``
 (``tests/docs_rank.py`` says how the processes are made). Nothing an example
 leaves behind (files, a process group, a random seed, environment variables)
 reaches another one, so an example cannot pass only because another ran
-before it. Python blocks are run with ``exec`` in a namespace named
-``__main__``; bash blocks by ``bash -euo pipefail`` with the virtual
-environment's ``bin`` first on ``PATH``.
+before it. An example that names an ``s3://`` prefix gets the session's S3
+server, with no bucket but the tests' own. Python blocks are run with
+``exec`` in a namespace named ``__main__``; bash blocks by ``bash -euo
+pipefail`` with the virtual environment's ``bin`` first on ``PATH``.
+
+The python blocks of the pages a new user runs first (``MAIN_JOB_PAGES``)
+can import only what ``launch/demo.sh`` installs, so they cannot need a
+package that only an extra brings.
 """
 
 from __future__ import annotations
