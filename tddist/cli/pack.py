@@ -12,11 +12,13 @@ from ._output import emit_json, positive_int, written_bytes_progress
 PACK_DESCRIPTION = """\
 Write the committed directory checkpoint SRC as the single-file archive DST
 (.tdz), verifying every checksum on the way; DST appears complete or not at all.
-An existing DST is replaced only with --force."""
+An existing DST is replaced only with --force. An archive as SRC, or a directory
+as DST, is refused: that is what 'tddist unpack' takes."""
 UNPACK_DESCRIPTION = """\
 Write the committed archive SRC as the directory checkpoint DST, verifying every
 checksum on the way; DST appears complete or not at all. An existing DST is
-replaced only with --force."""
+replaced only with --force. A directory as SRC, or a file or a name ending in
+.tdz as DST, is refused: that is what 'tddist pack' takes."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
