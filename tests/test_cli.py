@@ -9,6 +9,7 @@ output, its ``--json`` document, its exit status and what it did on disk.
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import os
@@ -139,6 +140,36 @@ def test_light_commands_do_not_import_torch(tmp_path, args):
     heavy = sorted(m for m in imported if m.split(".")[0] == "torch")  # numpy is fine: the manifest index is numpy
     assert not heavy, f"tddist {' '.join(argv)} imported {heavy[:10]}"
     assert "tddist.cli" in imported
+
+
+#: All that ``tddist --version`` and ``tddist --help`` may import of tddist: no command's module, so neither
+#: numpy nor the manifest code (benchmarks/cli_startup.py measures the startup).
+STARTUP_MODULES = {"tddist", "tddist._version", "tddist.errors", "tddist.cli", "tddist.cli.__main__"}
+
+
+@pytest.mark.parametrize("args, rc", [(["--version"], 0), (["--help"], 0), (["frobnicate"], 2)])
+def test_version_and_help_import_no_command_module(args, rc):
+    r = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tddist.cli", *args], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == rc, r.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    ours = {m for m in imported if m.split(".")[0] == "tddist"}
+    assert ours - STARTUP_MODULES == set(), f"tddist {' '.join(args)} imported {sorted(ours - STARTUP_MODULES)}"
+    heavy = sorted(m for m in imported if m.split(".")[0] in ("numpy", "torch", "xxhash", "tensordict"))
+    assert not heavy, f"tddist {' '.join(args)} imported {heavy[:10]}"
+
+
+def test_the_command_list_needs_no_command_module():
+    """``tddist --help`` built without the commands' modules is the same as with all of them: the one-line help
+    of ``COMMANDS`` is what each module registers, in the same order."""
+    from tddist.cli import COMMANDS, parser
+
+    full, light = parser(), parser(commands=())
+    assert light.format_help() == full.format_help()
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)
+    assert {c.dest: c.help for c in sub._choices_actions} == {name: h for name, (_m, h) in COMMANDS.items()}
 
 
 # --- ls, latest, gc on a manager root with killed saves ----------------------------------------
@@ -681,6 +712,33 @@ def test_pack_and_unpack_refuse_to_overwrite_without_force(tmp_path):
     assert tddist.read_manifest(tmp_path / "d").world_size == 1
     assert cli_json("diff", tmp_path / "d", other)["identical"]
     assert not [n for n in os.listdir(tmp_path) if ".tddist-" in n]
+
+
+def test_pack_and_unpack_refuse_the_wrong_kind_of_source_or_target(tmp_path):
+    """``pack`` takes a directory and writes a file, ``unpack`` the reverse: each refuses the other's arguments
+    before reading anything, says what it expects and which command fits, and leaves every path as it was."""
+    save_step(tmp_path, 1)
+    d = tmp_path / step_name(1)
+    tddist.pack(d, tmp_path / "a.tdz")
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "out").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    cases = [
+        (("pack", tmp_path / "a.tdz", tmp_path / "b.tdz"), "is a file, not a checkpoint directory", "tddist unpack"),
+        (("unpack", d, tmp_path / "u"), "is a directory, not a .tdz archive", f"tddist pack {d} {d}.tdz"),
+        (("pack", d, tmp_path / "out"), "'tddist pack' writes one archive file", f"{tmp_path / 'out'}.tdz"),
+        (("pack", d, tmp_path / "out", "--force"), "'tddist pack' writes one archive file", "tddist unpack"),
+        (("unpack", tmp_path / "a.tdz", tmp_path / "notes.txt", "--force"), "writes a directory", "tddist pack"),
+        (("unpack", tmp_path / "a.tdz", tmp_path / "u.tdz"), "ends in .tdz", f"such as '{tmp_path / 'u'}'"),
+    ]
+    for args, what, fix in cases:
+        r = cli(*args, check_rc=1)
+        assert r.stderr.startswith(f"tddist {args[0]}: ") and what in r.stderr and fix in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr and r.stdout == ""
+        doc = cli_json(*args, rc=1)
+        assert doc["schema"] == "tddist.error/1" and what in doc["message"]
+    assert sorted(os.listdir(tmp_path)) == before and (tmp_path / "notes.txt").read_text() == "keep me"
+    assert os.listdir(tmp_path / "out") == []
 
 
 # --- exit statuses, pipes, progress --------------------------------------------------------------

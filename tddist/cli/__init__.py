@@ -1,8 +1,10 @@
 """The ``tddist`` command: list, inspect, compare, verify, clean and convert checkpoints.
 
 One module per command (``tddist/cli/<command>.py``), each with
-``register(subparsers)``. The light commands (``ls``, ``latest``, ``info``,
-``--version``, ``--help``) never import torch: manifests are JSON. Exit
+``register(subparsers)``; only the module of the command that runs is
+imported, so ``tddist --version`` and ``tddist --help`` import no command
+module (neither numpy nor the manifest code), and the light commands
+(``ls``, ``latest``, ``info``) never import torch: manifests are JSON. Exit
 status: 0 ok, 1 a problem was found (or an error), 2 a usage error, 130
 interrupted, 141 the output pipe was closed (as for other Unix tools).
 """
@@ -10,14 +12,15 @@ interrupted, 141 the output pipe was closed (as for other Unix tools).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterable
 
 from .._version import __version__
 from ..errors import TddistError
-from . import convert, diff, gc, info, latest, ls, pack, recover, verify
 
 #: Exit statuses (docs/cli.md).
 EXIT_OK = 0
@@ -26,7 +29,21 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 EXIT_PIPE = 141
 
-COMMANDS = (ls, latest, info, diff, verify, gc, recover, pack, convert)
+#: Every command, in the order ``tddist --help`` lists them: its module (``tddist/cli/<module>.py``) and its
+#: one-line help, the same as the module registers (tests/test_cli.py checks that they agree), so that the
+#: list needs none of the modules imported.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ls": ("ls", "list the checkpoints under a directory, with leftovers of interrupted saves"),
+    "latest": ("latest", "print the newest committed checkpoint under a directory (for scripts)"),
+    "info": ("info", "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"),
+    "diff": ("diff", "compare two checkpoints: keys, dtypes, shapes, placements, values and content"),
+    "verify": ("verify", "check every chunk of a checkpoint (sizes, structure and checksums) and list every problem"),
+    "gc": ("gc", "remove leftovers of interrupted saves and old checkpoints under a root, as the manager does"),
+    "recover": ("recover", "remove leftovers of interrupted saves beside a checkpoint (or restore its backup)"),
+    "pack": ("pack", "pack a directory checkpoint into one .tdz archive"),
+    "unpack": ("pack", "unpack a .tdz archive into a directory checkpoint"),
+    "convert": ("convert", "convert between tddist, DCP, torch.save and safetensors checkpoints"),
+}
 #: The commands that take an ``s3://`` path (the others work on files).
 _ON_OBJECT_STORAGE = ("ls", "latest", "info", "gc", "recover")
 
@@ -37,8 +54,16 @@ Every command that reports takes --json: one JSON object on stdout, described in
 Run 'tddist COMMAND --help' for a command's options."""
 
 
-def parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``tddist`` command (also used to generate docs/cli.md's reference)."""
+def parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser of the ``tddist`` command (also used to generate docs/cli.md's reference).
+
+    Args:
+        commands: the commands whose modules are imported to register their
+            options (None: all of them). The others are registered by name and
+            one-line help only: enough for ``tddist --help``, ``--version`` and
+            telling a mistyped command, without importing their modules.
+    """
+    modules = {COMMANDS[name][0] for name in (COMMANDS if commands is None else commands)}
     p = argparse.ArgumentParser(
         prog="tddist",
         description="Inspect and maintain tddist checkpoints (directories and .tdz archives).",
@@ -47,9 +72,24 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"tddist {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in COMMANDS:
-        module.register(sub)
+    for name, (module, help_) in COMMANDS.items():
+        if name in sub.choices:  # registered with another command of its module (unpack with pack)
+            continue
+        if module in modules:
+            importlib.import_module(f"{__name__}.{module}").register(sub)
+        else:
+            sub.add_parser(name, help=help_)
     return p
+
+
+def _command_in(argv: list[str]) -> list[str]:
+    """The command named in ``argv`` (its first word that is not an option), if it is one; else none.
+
+    The options before a command (``--help``, ``--version``) take no value,
+    so the first other word is the command.
+    """
+    word = next((a for a in argv if not (isinstance(a, str) and a.startswith("-"))), None)
+    return [word] if isinstance(word, str) and word in COMMANDS else []
 
 
 class _LogHandler(logging.Handler):
@@ -64,8 +104,9 @@ class _LogHandler(logging.Handler):
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tddist`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = parser().parse_args(argv)
+        args = parser(_command_in(argv)).parse_args(argv)
     except SystemExit as e:  # --help, --version, usage errors
         _flush_quietly()
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE

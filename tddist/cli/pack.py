@@ -5,17 +5,20 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import TargetError
+from .. import format as fmt
+from ..errors import InvalidArgumentError, TargetError
 from ._output import emit_json, positive_int, written_bytes_progress
 
 PACK_DESCRIPTION = """\
 Write the committed directory checkpoint SRC as the single-file archive DST
 (.tdz), verifying every checksum on the way; DST appears complete or not at all.
-An existing DST is replaced only with --force."""
+An existing DST is replaced only with --force. An archive as SRC, or a directory
+as DST, is refused: that is what 'tddist unpack' takes."""
 UNPACK_DESCRIPTION = """\
 Write the committed archive SRC as the directory checkpoint DST, verifying every
 checksum on the way; DST appears complete or not at all. An existing DST is
-replaced only with --force."""
+replaced only with --force. A directory as SRC, or a file or a name ending in
+.tdz as DST, is refused: that is what 'tddist pack' takes."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +65,43 @@ def _common(s: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def _refuse_wrong_kinds_for_pack(src: str, dst: str) -> None:
+    """``pack`` reads a directory and writes a file: refuse an archive as SRC and a directory as DST."""
+    if os.path.isfile(src):
+        raise InvalidArgumentError(
+            f"{src!r} is a file, not a checkpoint directory: 'tddist pack' turns a directory checkpoint into a .tdz "
+            f"archive. If {src!r} is an archive already, there is nothing to pack: 'tddist unpack {src} DIR' "
+            f"writes it as a directory (and 'tddist pack DIR ARCHIVE.tdz --compression METHOD' recompresses that)"
+        )
+    if os.path.isdir(dst):
+        raise TargetError(
+            f"{dst!r} is a directory: 'tddist pack' writes one archive file, so name a file, such as "
+            f"'{dst.rstrip(os.sep)}{fmt.ARCHIVE_SUFFIX}' ('tddist unpack ARCHIVE DIR' is the command that writes a "
+            f"directory); it was left untouched"
+        )
+
+
+def _refuse_wrong_kinds_for_unpack(src: str, dst: str) -> None:
+    """``unpack`` reads a file and writes a directory: refuse a directory as SRC, a file or a .tdz name as DST."""
+    if os.path.isdir(src):
+        raise InvalidArgumentError(
+            f"{src!r} is a directory, not a .tdz archive: 'tddist unpack' turns an archive into a directory "
+            f"checkpoint. To make an archive of this directory, run 'tddist pack {src} "
+            f"{src.rstrip(os.sep)}{fmt.ARCHIVE_SUFFIX}'"
+        )
+    if os.path.isfile(dst):
+        raise TargetError(
+            f"{dst!r} is a file: 'tddist unpack' writes a directory checkpoint, so name a directory "
+            f"('tddist pack DIR ARCHIVE' is the command that writes an archive file); it was left untouched"
+        )
+    if dst.rstrip(os.sep).endswith(fmt.ARCHIVE_SUFFIX):
+        raise TargetError(
+            f"{dst!r} ends in {fmt.ARCHIVE_SUFFIX}, which names an archive (tddist.save writes one there), but "
+            f"'tddist unpack' writes a directory checkpoint: name it without {fmt.ARCHIVE_SUFFIX}, such as "
+            f"'{dst.rstrip(os.sep)[: -len(fmt.ARCHIVE_SUFFIX)]}'"
+        )
+
+
 def _refuse_existing(args: argparse.Namespace) -> None:
     if os.path.lexists(args.dst) and not args.force:
         raise TargetError(
@@ -86,18 +126,20 @@ def _done(args: argparse.Namespace, name: str) -> int:
 
 
 def run_pack(args: argparse.Namespace) -> int:
+    _refuse_wrong_kinds_for_pack(args.src, args.dst)  # before importing torch: a mistake is told at once
+    _refuse_existing(args)
     from ..tools.pack import pack
 
-    _refuse_existing(args)
     with written_bytes_progress(_total(args.src), "pack"):
         pack(args.src, args.dst, compression=args.compression, num_threads=args.threads)
     return _done(args, "pack")
 
 
 def run_unpack(args: argparse.Namespace) -> int:
+    _refuse_wrong_kinds_for_unpack(args.src, args.dst)  # before importing torch: a mistake is told at once
+    _refuse_existing(args)
     from ..tools.pack import unpack
 
-    _refuse_existing(args)
     with written_bytes_progress(_total(args.src), "unpack"):
         unpack(args.src, args.dst, num_threads=args.threads)
     return _done(args, "unpack")
