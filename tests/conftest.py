@@ -51,6 +51,46 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     )
 
 
+#: The tests that take seconds on an idle 2-core machine (measured with ``--durations=0``): whole modules, or test
+#: names (every parametrization of each). They carry the ``slow`` mark, so that the quick tier
+#: ``-m "not multirank and not slurm and not slow"`` (tests/README.md) runs in minutes; the full suite runs them.
+SLOW = (
+    "tests/test_docs.py",
+    "tests/test_crash.py",
+    "tests/test_consistent_reads.py",
+    "tests/test_archive.py::test_more_than_65535_entries",
+    "tests/test_async_local.py::test_snapshot_budget_bounds_peak_rss",
+    "tests/test_async_local.py::test_twenty_return_early_saves_keep_memory_threads_and_buffers_flat",
+    "tests/test_async_local.py::test_process_writer_in_one_process",
+    "tests/test_benchmark_smoke.py::test_copy_overlap_model",
+    "tests/test_cli.py::test_json_documents_match_docs",
+    "tests/test_cli.py::test_gc_applies_the_managers_rules",
+    "tests/test_cli.py::test_ls_flags_killed_saves_and_gc_removes_them",
+    "tests/test_cli.py::test_pack_and_unpack_refuse_to_overwrite_without_force",
+    "tests/test_cli.py::test_verify_lists_every_bad_chunk_of_a_packed_checkpoint",
+    "tests/test_cli.py::test_verify_lists_every_bad_chunk_of_a_memmap_checkpoint",
+    "tests/test_cli.py::test_progress_bar_only_on_a_terminal",
+    "tests/test_cli.py::test_diff",
+    "tests/test_convert.py::test_whole_dict_targets_hold_about_one_leaf_in_memory",
+    "tests/test_convert.py::test_peak_memory_stays_near_one_leaf",
+    "tests/test_convert.py::test_command_shows_a_bar_on_a_terminal_and_documents_its_json",
+    "tests/test_convert_cli.py::test_command_line",
+    "tests/test_fuzz.py::test_loading_a_compressed_leaf_adds_little_more_than_the_leaf",
+    "tests/test_s3.py::test_a_save_returns_what_it_committed_while_another_process_saves_to_the_same_key",
+    "tests/test_stateful.py::test_per_rank_and_stateful_state_through_the_manager_on_2_then_3_ranks",
+    "tests/test_tiering.py::test_sigkill_at_every_step_of_a_promotion",
+    "tests/test_tiering.py::test_benchmark_smoke",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests of ``SLOW``."""
+    for item in items:
+        path, _, name = item.nodeid.partition("::")
+        if path in SLOW or f"{path}::{name.partition('[')[0]}" in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def s3_env(tmp_path_factory):
     """A real S3 server (SeaweedFS, ``tests/s3_server.py``) on loopback for the whole session: the environment
