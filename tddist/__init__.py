@@ -39,7 +39,8 @@ if TYPE_CHECKING:
     from .comm.threads import ThreadComm, run_threads
     from .core.sharding import PerRank, Replicate, Shard
     from .interop.convert import convert
-    from .jobs.manager import EXIT_PREEMPTED, CheckpointManager, Restored
+    from .jobs.manager import EXIT_PREEMPTED, CheckpointManager
+    from .jobs.restore import Restored
     from .jobs.state import get_state, set_state
     from .loading.share import LoadReport
     from .manifest.model import Manifest
@@ -58,7 +59,7 @@ _LAZY = {
     "set_state": "jobs.state",
     "CheckpointManager": "jobs.manager",
     "EXIT_PREEMPTED": "jobs.manager",
-    "Restored": "jobs.manager",
+    "Restored": "jobs.restore",
     "LoadReport": "loading.share",
     "Shard": "core.sharding",
     "Replicate": "core.sharding",

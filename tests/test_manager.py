@@ -177,17 +177,17 @@ def test_async_retention_runs_on_the_saves_thread_not_the_training_thread(
     training steps go on while a deletion is still running, and ``wait()`` returns only after it."""
     import threading
 
-    import tddist.jobs.manager
+    import tddist.jobs.root_retention
 
     gate, deleted_on = threading.Event(), []
-    real = tddist.jobs.manager.delete_checkpoint
+    real = tddist.jobs.root_retention.delete_checkpoint
 
     def held_delete(path: str) -> None:
         deleted_on.append(threading.current_thread())
         assert gate.wait(60), "the test never opened the gate"
         real(path)
 
-    monkeypatch.setattr(tddist.jobs.manager, "delete_checkpoint", held_delete)
+    monkeypatch.setattr(tddist.jobs.root_retention, "delete_checkpoint", held_delete)
     root = tmp_path / "ckpt"
     mgr = CheckpointManager(root, every=2, keep_last=1, async_save=True, preempt_signal=None)
     mgr.step(2, local_state(0, 1, 2))
@@ -333,13 +333,13 @@ def test_save_interval_minutes_rank0_clock_decides(tmp_path: Path, monkeypatch: 
     """Time-based saves: rank 0's clock decides and every rank saves at the same step, whatever its own clock."""
     import threading
 
-    import tddist.jobs.manager as manager_module
+    import tddist.jobs.schedule as schedule_module
 
     local = threading.local()
     start = time.monotonic()
     # each rank's clock: rank 0's runs 100 s per step; rank 1's never moves; rank 2's runs 10 minutes per step
     pace = {0: 100.0, 1: 0.0, 2: 600.0}
-    monkeypatch.setattr(manager_module, "_clock", lambda: start + pace[local.rank] * local.steps)
+    monkeypatch.setattr(schedule_module, "_clock", lambda: start + pace[local.rank] * local.steps)
 
     def body(comm):
         local.rank, local.steps = comm.rank, 0
@@ -411,21 +411,21 @@ def test_retention_never_deletes_a_checkpoint_a_restore_is_reading(
     steps 3 with keep_last=1: step 2 stays until the restore has ended, and the restore gets step 2's data."""
     import threading
 
-    import tddist.jobs.manager as manager_module
+    import tddist.jobs.restore as restore_module
 
     root = tmp_path / "ckpt"
     with CheckpointManager(root, keep_last=None, preempt_signal=None) as mgr:
         for s in (1, 2):
             mgr.save(s, local_state(0, 1, s))
     entered, gate = threading.Event(), threading.Event()
-    real_load = manager_module.load
+    real_load = restore_module.load
 
     def held_load(*args, **kwargs):
         entered.set()
         assert gate.wait(60), "the test never opened the gate"
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(manager_module, "load", held_load)
+    monkeypatch.setattr(restore_module, "load", held_load)
     reader = CheckpointManager(root, keep_last=None, preempt_signal=None)
     state, result = local_state(0, 1, 0), []
     t = threading.Thread(target=lambda: result.append(reader.restore(state, step=2)))

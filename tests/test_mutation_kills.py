@@ -254,14 +254,14 @@ def test_clean_up_and_retention_keep_hidden_only_directories(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", sorted(HIDDEN))
 def test_gc_keeps_hidden_only_directories(tmp_path, kind, capsys):
-    from tddist.jobs import inventory
+    from tddist.jobs import cleanup
     from tddist.jobs.retention import step_name
 
     root, hidden, before = step_root(tmp_path, kind)
-    plan = inventory.plan_gc(root, keep_last=1)
-    touched = {a.path for a in plan if a.action != inventory.KEEP}
+    plan = cleanup.plan_gc(root, keep_last=1)
+    touched = {a.path for a in plan if a.action != cleanup.KEEP}
     assert str(hidden) not in touched, plan
-    assert [a.path for a in plan if a.action == inventory.KEEP] == [str(hidden)], plan
+    assert [a.path for a in plan if a.action == cleanup.KEEP] == [str(hidden)], plan
     assert cli.main(["gc", str(root), "--keep-last", "1"]) == 0
     assert snapshot(hidden) == before
     assert steps(root) == [step_name(2), step_name(3)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..jobs import inventory
+from ..jobs import cleanup
 from ._output import emit_json, human_bytes, positive_int, shown_path
 
 HELP = "remove leftovers of interrupted saves and old checkpoints under a root, as the manager does"
@@ -44,9 +44,9 @@ _FUTURE = {"remove": "would remove", "restore": "would restore", "delete": "woul
 
 def run(args: argparse.Namespace) -> int:
     if args.dry_run:
-        actions = inventory.plan_gc(args.root, args.keep_last)
+        actions = cleanup.plan_gc(args.root, args.keep_last)
     else:
-        actions = inventory.gc(args.root, args.keep_last)
+        actions = cleanup.gc(args.root, args.keep_last)
     freed = sum(a.nbytes for a in actions)
     if args.json:
         emit_json(

@@ -14,7 +14,12 @@ See docs/jobs.md.
 
 The signal handlers are in ``preemption.py``, how a user's state is
 read and filled in ``train_state.py``, and the node-local tier (``local_dir``)
-in ``tiered.py``; ``parse_signals`` is importable from here too.
+in ``tiered.py``; ``parse_signals`` is importable from here too. The
+constructor's options are checked in ``options.py``, when to save is
+``schedule.py``'s decision, what ``restore`` runs is in ``restore.py`` (with
+``Restored``, importable from here too), and the retention after a save in
+``root_retention.py``. This module keeps the manager's own state, its lock
+of the root and the order of its collectives.
 """
 
 from __future__ import annotations
@@ -25,189 +30,36 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..api import load, save
+from ..api import save
 from ..comm.base import Communicator
 from ..comm.collective import decide_on_rank0
 from ..comm.resolve import resolve
-from ..errors import CheckpointNotFoundError, CommError, InvalidArgumentError, TddistError
-from ..loading.share import LoadReport
-from ..storage.backends import read_manifest, root_for, store_for
+from ..errors import InvalidArgumentError
 from . import root_lock
+from .options import check_options, step_path
 from .preemption import PreemptionSignals, parse_signals
-from .retention import (
-    METRICS_KEY,
-    Retention,
-    clean_root,
-    committed_steps,
-    delete_checkpoint,
-    encode_metrics,
-    hold,
-    metric_value,
-    newest_checkpoint,
-    retire,
-    step_entries,
-    step_name,
-    stored_metric,
-    unless_read,
-)
-from .tiered import SharedRoot, TieredSaves, pick_local
-from .train_state import data_to_save, fill
+from .restore import Restored, Restorer, RestoreRequest
+from .retention import METRICS_KEY, clean_root, committed_steps, encode_metrics, newest_checkpoint
+from .root_retention import InFlight, RootRetention, retain_after
+from .schedule import Decision, SaveSchedule, StepVote
+from .tiered import SharedRoot, TieredSaves
+from .train_state import data_to_save
 
 if TYPE_CHECKING:
     from types import TracebackType
+
+__all__ = ["EXIT_PREEMPTED", "CheckpointManager", "Restored", "parse_signals"]
 
 logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
-_RESERVED = frozenset({"return_early", "comm", "prefix", "data"})
-
 #: Exit status of a training process that stopped because it was preempted
 #: (``EX_TEMPFAIL``: "try again later"). Job scripts requeue on it.
 EXIT_PREEMPTED = 75
-
-
-def _check_count(name: str, value: object, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if type(value) is not int or value < 1:
-        raise InvalidArgumentError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
-
-
-def _interval_seconds(minutes: object) -> float | None:
-    """``save_interval_minutes`` in seconds (None: no time-based saves)."""
-    if minutes is None:
-        return None
-    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0:
-        raise InvalidArgumentError(f"save_interval_minutes must be a positive number or None, got {minutes!r}")
-    return float(minutes) * 60.0
-
-
-def _check_local_dir(local_dir: str | os.PathLike) -> None:
-    """The node-local tier is a directory on each node's own file system: refuse anything else (``s3://``)."""
-    try:
-        local = root_for(local_dir).local
-    except InvalidArgumentError:
-        local = False
-    if not local:
-        raise InvalidArgumentError(
-            f"local_dir={os.fspath(local_dir)!r}: the node-local tier needs a directory on each node's own file "
-            f"system (a tmpfs, a local disk); object storage can only be the root"
-        )
-
-
-def _clock() -> float:
-    """The clock of time-based saves (rank 0's decides)."""
-    return time.monotonic()
-
-
-@dataclass(frozen=True, eq=False)
-class Restored(int):
-    """What ``CheckpointManager.restore`` loaded: the step (this object is that int), the path and the report.
-
-    It is an ``int`` equal to ``step``, so ``range(mgr.restore(state), n)``,
-    ``start == 20`` and f-strings keep working as when ``restore`` returned
-    the step alone.
-
-    Attributes:
-        step: the step of the checkpoint loaded, 0 when there was none.
-        path: the checkpoint loaded (with ``tier="local"``, this rank's own
-            part of the node-local copy), or None.
-        report: what ``tddist.load(into=...)`` found (loaded, skipped, ...), or None.
-        tier: where it came from: ``"shared"`` (the manager's root),
-            ``"local"`` (the node-local copy, see ``local_dir``), or None
-            when nothing was restored.
-    """
-
-    step: int
-    path: str | None = None
-    report: LoadReport | None = None
-    tier: str | None = None
-
-    def __new__(
-        cls, step: int, path: str | None = None, report: LoadReport | None = None, tier: str | None = None
-    ) -> Restored:
-        return super().__new__(cls, step)
-
-    def __repr__(self) -> str:
-        return f"Restored(step={self.step}, path={self.path!r}, report={self.report!r}, tier={self.tier!r})"
-
-    def __str__(self) -> str:
-        return str(self.step)
-
-    __format__ = int.__format__
-    __hash__ = int.__hash__
-
-
-@dataclass(frozen=True)
-class InFlight:
-    """The asynchronous save a manager has in flight, and the retention that follows it."""
-
-    step: int
-    future: Future
-    started: float  # time.monotonic() when the save began, for the log
-    retained: threading.Event  # set once retention after the save ran, or was skipped because the save failed
-
-
-@dataclass(frozen=True)
-class StepVote:
-    """What each rank tells the others at every ``step()`` (one allgather).
-
-    Attributes:
-        preempt: a preemption was requested on this rank.
-        promotion_done: this rank's promotion in flight has ended (committed or failed);
-            once it has on every rank, every rank takes its outcome at the same step.
-        time_due: ``save_interval_minutes`` have passed since this rank's last save
-            (only rank 0's counts, so every rank saves at the same step).
-    """
-
-    preempt: bool
-    promotion_done: bool
-    time_due: bool = False
-
-
-@dataclass(frozen=True)
-class _Decision:
-    """What the ranks decided for one step (``should_save``), kept for the ``step()`` that follows it."""
-
-    step: int
-    save: bool
-    preempt: bool
-
-
-@dataclass(frozen=True)
-class _RestoreSource:
-    """Rank 0's answer to which checkpoint of the shared root ``restore`` loads, broadcast to every rank.
-
-    Either there is one (``path`` and ``step`` set) or there is none and
-    ``missing`` says why, in words that every rank puts in its message.
-
-    Attributes:
-        path: the committed checkpoint to load, or None.
-        step: its step (as its manifest's metadata records it), or None.
-        missing: why there is none; "" when there is one.
-        root_missing: there is none because the root does not exist (a typo in the path?).
-    """
-
-    path: str | None = None
-    step: int | None = None
-    missing: str = ""
-    root_missing: bool = False
-
-    @classmethod
-    def at(cls, path: str, step: int) -> _RestoreSource:
-        """The checkpoint at ``path``, of ``step``."""
-        return cls(path=path, step=step)
-
-    @classmethod
-    def none(cls, missing: str, root_missing: bool = False) -> _RestoreSource:
-        """No checkpoint to restore, because of ``missing`` (``root_missing``: the root does not exist)."""
-        return cls(missing=missing, root_missing=root_missing)
 
 
 class CheckpointManager:
@@ -329,38 +181,37 @@ class CheckpointManager:
         keep_period: int | None = None,
         save_interval_minutes: float | None = None,
     ) -> None:
-        _check_count("every", every, allow_none=True)
-        self.retention = Retention(keep_last, keep_best, metric, mode, keep_period)
-        self._interval = _interval_seconds(save_interval_minutes)
-        if local_dir is not None:
-            _check_local_dir(local_dir)
-        if local_dir is not None and async_save:
-            raise InvalidArgumentError(
-                "async_save=True with local_dir: the local tier already promotes to the root in the background; "
-                "pass one of them"
-            )
-        self.save_kwargs = dict(save_kwargs or {})
-        bad = _RESERVED & set(self.save_kwargs)
-        if bad:
-            raise InvalidArgumentError(f"save_kwargs may not set {sorted(bad)}: the manager sets them")
-        self._root = root_for(root)
+        options = check_options(
+            root,
+            keep_last=keep_last,
+            every=every,
+            async_save=async_save,
+            save_kwargs=save_kwargs,
+            local_dir=local_dir,
+            keep_best=keep_best,
+            metric=metric,
+            mode=mode,
+            keep_period=keep_period,
+            save_interval_minutes=save_interval_minutes,
+        )
+        self.retention = options.retention
+        self.save_kwargs = options.save_kwargs
+        self._root = options.root
         self.root = self._root.target
-        self._check_storage()
-        self.keep_last, self.every, self.async_save = keep_last, every, bool(async_save)
+        self.keep_last, self.every, self.async_save = options.keep_last, options.every, options.async_save
         self.comm = resolve(comm, self.save_kwargs.get("timeout"))
         self.should_stop = False
         self._requested = False
         self._pending: InFlight | None = None
         self._locked = False
-        self._decided: _Decision | None = None
-        self._last_save = _clock()
-        self._metrics: dict[str, float | None] = {}  # rank 0: a checkpoint's value of the metric, by path
-        self._unranked_warned = False
-        self._read_release: Callable[[], None] | None = None  # rank 0: the hold of the checkpoint being restored
+        self._schedule = SaveSchedule(options.interval)
+        self._root_retention = RootRetention(self.root, self.comm.rank)
         self._tiered = (
             None
-            if local_dir is None
-            else TieredSaves(self.comm, local_dir, SharedRoot(self.root, self.path, self._prepare_root, self._retain))
+            if options.local_dir is None
+            else TieredSaves(
+                self.comm, options.local_dir, SharedRoot(self.root, self.path, self._prepare_root, self._retain)
+            )
         )
         self._signals = PreemptionSignals(parse_signals(preempt_signal), self.request_preemption)
         try:
@@ -371,19 +222,6 @@ class CheckpointManager:
         self._locked = done is not None
         if done and self.comm.rank == 0:
             logger.info("cleaned %s: %s", self.root, "; ".join(done))
-
-    def _check_storage(self) -> None:
-        """Refuse, before any collective, ``save_kwargs`` that the root's storage cannot honour (every rank)."""
-        kwargs = self.save_kwargs
-        try:
-            store_for(self.path(0)).check_save(
-                atomic=bool(kwargs.get("atomic", True)),
-                archive=kwargs.get("archive"),
-                snapshot_budget=kwargs.get("snapshot_budget"),
-                async_writer=kwargs.get("async_writer", "thread"),
-            )
-        except InvalidArgumentError as e:
-            raise InvalidArgumentError(f"save_kwargs of a manager of {self.root!r}: {e}") from None
 
     def _lock_and_clean(self) -> list[str] | None:
         """Rank 0: lock an existing root and clean it (None: the root does not exist, nothing was done)."""
@@ -420,8 +258,7 @@ class CheckpointManager:
             ``<root>/step-<step, 9 digits>``, with ``.tdz`` when ``save_kwargs``
             ask for an archive.
         """
-        archive = bool(self.save_kwargs.get("archive") or self.save_kwargs.get("compression"))
-        return self._root.join(step_name(step, archive))
+        return step_path(self._root, self.save_kwargs, step)
 
     def latest(self) -> str | None:
         """The newest committed checkpoint, the same on every rank (collective), or None.
@@ -495,123 +332,8 @@ class CheckpointManager:
         """
         if step is not None:
             _check_step(step)
-        tiered = self._tiered
-        complete = tiered.complete() if tiered is not None else frozenset()
-        try:  # rank 0 holds the checkpoint it picked (retention leaves it alone) until the load ended
-            found = self._on_rank0(f"finding the checkpoint to restore in {self.root}", lambda: self._find_held(step))
-            return self._restore_found(state, step, required, found, complete, load_kwargs)
-        finally:
-            release, self._read_release = self._read_release, None
-            if release is not None:
-                release()
-
-    def _restore_found(
-        self,
-        state: Any,
-        step: int | None,
-        required: bool,
-        found: _RestoreSource,
-        complete: frozenset[int],
-        load_kwargs: dict[str, Any],
-    ) -> Restored:
-        """``restore`` once rank 0 found the shared checkpoint: the local copy when it is as new, else that."""
-        tiered = self._tiered
-        shared_step = found.step
-        local = pick_local(complete, step, shared_step)
-        local_error: TddistError | None = None
-        if local is not None:
-            assert tiered is not None  # pick_local picks from the complete local steps only
-            try:
-                restored = tiered.restore(state, local, load_kwargs)
-            except CommError:
-                raise
-            except TddistError as e:  # the same on every rank: all of them go to the shared root
-                local_error = e
-                logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
-            else:
-                self._log_restored(restored.path, restored.step, restored.report)
-                if step is None and (shared_step is None or local > shared_step):
-                    # its promotion never committed (a crash, a failure)
-                    tiered.promote_restored(local, restored.layouts, self.save_kwargs)
-                return Restored(restored.step, restored.path, restored.report, "local")
-        if found.path is None:
-            return self._nothing_to_restore(found, step, required, local_error)
-        path, at = found.path, found.step
-        assert at is not None  # found with its path
-
-        def shared(into: Any) -> LoadReport:
-            report = load(path, comm=self.comm, into=into, **load_kwargs)
-            assert isinstance(report, LoadReport)  # load(into=...) returns its report
-            return report
-
-        report = fill(state, shared)
-        self._log_restored(path, at, report)
-        return Restored(at, path, report, "shared")
-
-    def _nothing_to_restore(
-        self, found: _RestoreSource, step: int | None, required: bool, local_error: TddistError | None
-    ) -> Restored:
-        """No shared checkpoint to load: raise what ``restore`` raises, or start from step 0."""
-        if local_error is not None:
-            raise local_error
-        if step is not None:
-            raise CheckpointNotFoundError(
-                f"rank {self.comm.rank}: {found.missing}; restore(step={step}) has nothing to load"
-            )
-        if required:
-            raise CheckpointNotFoundError(f"rank {self.comm.rank}: {found.missing}; nothing to restore (required=True)")
-        if self.comm.rank == 0 and found.root_missing:
-            logger.warning("%s; starting from step 0 (check the path if this job should resume)", found.missing)
-        else:
-            logger.info("%s: starting from step 0", found.missing)
-        return Restored(0)
-
-    def _log_restored(self, path: str, step: int, report: LoadReport) -> None:
-        if report.skipped:
-            logger.warning(
-                "rank %d: restoring %s left out %s", self.comm.rank, path,
-                "; ".join(f"{'/'.join(k)} ({why})" for k, why in list(report.skipped.items())[:10]),
-            )  # fmt: skip
-        logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, step)
-
-    def _find_held(self, step: int | None) -> _RestoreSource:
-        """Rank 0: ``_find``, holding what it found (``retention.hold``) until ``restore`` ends.
-
-        Held, then checked again: a checkpoint retention deleted between the
-        two is looked for again, and once held no retention deletes it.
-        """
-        for _attempt in range(3):
-            found = self._find(step)
-            if found.path is None:
-                return found
-            release = hold(found.path)
-            if store_for(found.path).committed():
-                self._read_release = release
-                return found
-            release()
-        return found
-
-    def _find(self, step: int | None) -> _RestoreSource:
-        """Rank 0: the checkpoint to restore (that of ``step``, else the newest), or why there is none."""
-        if not self._root.exists():
-            return _RestoreSource.none(f"checkpoint root {self.root!r} does not exist", root_missing=True)
-        if step is None:
-            newest = newest_checkpoint(self.root)
-            if newest is None:
-                return _RestoreSource.none(f"no committed checkpoint in {self.root!r}")
-            path, at = newest
-            return _RestoreSource.at(path, at)
-        for s, path in step_entries(self.root):
-            if s == step:
-                try:
-                    manifest = read_manifest(path)
-                except TddistError as e:
-                    return _RestoreSource.none(
-                        f"the checkpoint of step {step} ({path}) is not committed or unreadable: {e}"
-                    )
-                return _RestoreSource.at(path, int(manifest.metadata.get("step", step)))
-        steps = sorted({s for s, _p in step_entries(self.root)})
-        return _RestoreSource.none(f"no checkpoint of step {step} in {self.root!r} (steps there: {steps[-10:]})")
+        restorer = Restorer(self.comm, self._root, self._tiered, self.save_kwargs)
+        return restorer.restore(RestoreRequest(state, step, required, load_kwargs))
 
     def should_save(self, step: int) -> bool:
         """Whether the manager saves at ``step``: the ranks' decision, the same on every rank. Collective.
@@ -641,22 +363,18 @@ class CheckpointManager:
         _check_step(step)
         return self._decide(step).save
 
-    def _decide(self, step: int) -> _Decision:
+    def _decide(self, step: int) -> Decision:
         """The ranks' decision for ``step`` (one allgather), or the one ``should_save`` already took for it."""
-        decided = self._decided
-        if decided is not None and decided.step == step:
+        decided = self._schedule.decided(step)
+        if decided is not None:
             return decided
         if self._tiered is None:
             self._retire_finished()
         done = self._tiered.promotion_done() if self._tiered is not None else False
-        timed = self._interval is not None and _clock() - self._last_save >= self._interval
-        votes: list[StepVote] = self.comm.allgather(StepVote(self._requested, done, timed))
-        preempt = any(v.preempt for v in votes)
+        votes: list[StepVote] = self.comm.allgather(self._schedule.vote(self._requested, done))
         if self._tiered is not None and all(v.promotion_done for v in votes):
             self.wait()  # every rank takes the promotion's outcome (its error, too) at the same step
-        due = preempt or votes[0].time_due or (self.every is not None and step % self.every == 0)
-        self._decided = _Decision(step, due, preempt)
-        return self._decided
+        return self._schedule.decide(step, votes, self.every)
 
     def step(self, step: int, state: Any, *, metrics: dict[str, Any] | None = None) -> bool:
         """Call after each training step (collective): save if due or preempted; True if it saved.
@@ -680,7 +398,7 @@ class CheckpointManager:
         """
         _check_step(step)
         decision = self._decide(step)
-        self._decided = None
+        self._schedule.clear()
         if decision.save:
             self.save(step, state, metrics=metrics)  # a callable state is called (the TensorDict built) only here
         if decision.preempt:
@@ -723,41 +441,19 @@ class CheckpointManager:
         if encoded:
             metadata[METRICS_KEY] = encoded
         path, start = self.path(step), time.monotonic()
-        self._last_save = _clock()
-        self._note_metric(step, path, metadata)
+        self._schedule.saved()
+        self._root_retention.note_metric(step, path, metadata, self.retention.metric)
         if self._tiered is not None:
             self._tiered.save(step, data, metadata, kwargs, start)
             return
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
             self._pending = InFlight(step, fut, start, threading.Event())
-            fut.add_done_callback(partial(self._retain_after, self._pending))
+            fut.add_done_callback(partial(retain_after, self._pending, self._retain))
             return
         save(data, path, comm=self.comm, metadata=metadata, **kwargs)
         logger.info("rank %d: saved step %d in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain(step)
-
-    def _note_metric(self, step: int, path: str, metadata: dict[str, Any]) -> None:
-        """(rank 0) Remember the saved value of ``keep_best``'s metric, so retention need not read it back."""
-        metric = self.retention.metric
-        if metric is None or self.comm.rank != 0:
-            return
-        value = metric_value(metadata, metric)
-        self._metrics[store_for(path).target] = value
-        if value is None and not self._unranked_warned:
-            self._unranked_warned = True
-            logger.warning(
-                "step %d was saved without metrics[%r]: keep_best does not rank it (only keep_last, keep_period "
-                "and being the newest keep it); pass metrics={%r: value} to step() or save()",
-                step, metric, metric,
-            )  # fmt: skip
-
-    def _metric_of(self, path: str) -> float | None:
-        """(rank 0) A checkpoint's value of the metric: as saved by this manager, else read from its manifest."""
-        target = store_for(path).target
-        if target not in self._metrics:
-            self._metrics[target] = stored_metric(path, self.retention.metric)
-        return self._metrics[target]
 
     def _prepare_root(self, comm: Communicator) -> None:
         """(promotion worker, on every rank) Create and lock the root before the first promotion into it."""
@@ -830,21 +526,6 @@ class CheckpointManager:
 
     # --- internals ---------------------------------------------------------------------
 
-    def _retain_after(self, pending: InFlight, future: Future) -> None:
-        """(the save's worker thread, once its future resolved) Apply retention after a successful save.
-
-        There and not at the next ``step()``: deleting old checkpoints is
-        rank 0's file-system work (tens of milliseconds per 64 MiB file on a
-        file system that discards freed blocks at once), which would stall
-        rank 0's training step and, at the next collective, every rank. A
-        future already resolved when the manager adds this runs it at once.
-        """
-        try:
-            if not future.cancelled() and future.exception() is None:
-                self._retain(pending.step)
-        finally:
-            pending.retained.set()
-
     def _retire_finished(self) -> None:
         """Forget a background save that succeeded and whose retention is done (its errors wait for
         ``wait()``; a retention still running is not waited for)."""
@@ -853,25 +534,8 @@ class CheckpointManager:
             self.wait()
 
     def _retain(self, newest: int) -> None:
-        """Rank 0: delete the committed checkpoints no retention rule keeps (never ``newest``, the newest
-        committed one, or one a restore of this process is reading)."""
-        if not self.retention.active or self.comm.rank != 0:
-            return
-        try:
-            doomed = retire(self.root, self.retention, keep=(newest,), metric_of=self._metric_of)
-        except (OSError, TddistError) as e:
-            logger.warning("could not apply retention to %s: %s", self.root, e)
-            return
-        for _step, p in doomed:
-            try:
-                with unless_read(p) as free:
-                    if free:
-                        delete_checkpoint(p)
-                        self._metrics.pop(store_for(p).target, None)
-                    else:
-                        logger.info("kept %s for now: a restore is reading it", p)
-            except (OSError, TddistError) as e:
-                logger.warning("could not delete old checkpoint %s: %s", p, e)
+        """Rank 0: apply the retention rules after the save of ``newest`` (``root_retention.RootRetention``)."""
+        self._root_retention.retain(newest, self.retention)
 
     def _on_rank0(self, what: str, fn: Callable[[], R]) -> R:
         """Run ``fn`` on rank 0 and broadcast its result, or raise its error on every rank."""
