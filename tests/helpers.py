@@ -191,3 +191,18 @@ def flip(path, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def second_manager_refusals(root) -> list[str | None]:
+    """Two thread ranks open a ``CheckpointManager`` on ``root`` while another job holds it (rank 0 tries the
+    lock, every rank must raise the same ``RootLockedError``): each rank's message, or None if it opened."""
+    import tddist
+
+    def second_job(comm):
+        try:
+            tddist.CheckpointManager(root, comm=comm, preempt_signal=None)
+        except tddist.RootLockedError as err:
+            return str(err)
+        return None
+
+    return tddist.run_threads(2, second_job)

@@ -26,7 +26,7 @@ from tddist import _faults
 from tddist import format as fmt
 from tddist.jobs.manager import CheckpointManager, parse_signals
 from tddist.jobs.retention import newest_checkpoint, parse_step, step_name
-from tests.helpers import MANAGER_LOCK, assert_td_equal, leftovers
+from tests.helpers import MANAGER_LOCK, assert_td_equal, leftovers, second_manager_refusals
 from tests.launch_util import REPO, Job, _communicate, _env, _reports, free_port, run_job
 from tests.manager_rank import expected, local_state
 
@@ -617,14 +617,7 @@ def test_s3_root_lease_refuses_a_second_live_job_and_is_taken_over_after_a_crash
         assert "run/.tddist-manager.lock" in objects_under(client, where)
         time.sleep(3 * lease_s)  # only renewals keep it
 
-        def second_job(comm):
-            try:
-                CheckpointManager(root, comm=comm, preempt_signal=None)
-            except tddist.RootLockedError as err:
-                return str(err)
-            return None
-
-        messages = tddist.run_threads(2, second_job)
+        messages = second_manager_refusals(root)
         assert messages[0] and messages[0] == messages[1] and f"pid {holder.pid}" in messages[0], messages
     finally:
         holder.send_signal(signal.SIGKILL)

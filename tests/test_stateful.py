@@ -25,6 +25,7 @@ from tensordict import TensorDict
 import tddist
 from tddist.comm.base import LocalComm
 from tddist.jobs.manager import CheckpointManager
+from tests.helpers import second_manager_refusals
 from tests.launch_util import REPO, run_job
 from tests.stateful_rank import STEPS, Sampler, objects, position, rng_after, train_step
 
@@ -69,14 +70,7 @@ def test_root_lock_refuses_a_second_live_job_and_is_freed_when_the_holder_is_kil
             CheckpointManager(root, comm=LocalComm(), preempt_signal=None)
         assert f"pid {holder.pid}" in str(e.value) and socket.gethostname() in str(e.value)
 
-        def second_job(comm):  # two ranks: rank 0 takes the lock, every rank raises the same error
-            try:
-                CheckpointManager(root, comm=comm, preempt_signal=None)
-            except tddist.RootLockedError as err:
-                return str(err)
-            return None
-
-        messages = tddist.run_threads(2, second_job)
+        messages = second_manager_refusals(root)  # two ranks: rank 0 takes the lock, every rank raises the same error
         assert messages[0] and messages[0] == messages[1] and f"pid {holder.pid}" in messages[0], messages
     finally:
         holder.send_signal(signal.SIGKILL)
