@@ -197,6 +197,10 @@ def unit_signal(rank: int, unit: dict) -> dict:
     itself), or at the commit's ``write`` point; the survivor's save must end in a ``CommError`` in time."""
     timeout = float(unit["timeout"])
     victim, sig = int(unit["victim"]), str(unit["signal"])
+    if unit.get("init") != "tddist":
+        import torch.distributed as dist
+
+        dist.barrier()  # both ranks are in the user's group before one of them leaves
     if unit["phase"] == "connect" and rank == victim:
         os.kill(os.getpid(), signal.SIGSTOP if sig == "stop" else signal.SIGKILL)
     if unit["phase"] == "write":

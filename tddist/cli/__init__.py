@@ -33,8 +33,8 @@ EXIT_PIPE = 141
 #: one-line help, the same as the module registers (tests/test_cli.py checks that they agree), so that the
 #: list needs none of the modules imported.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "ls": ("ls", "list the checkpoints under a directory, with leftovers of interrupted saves"),
-    "latest": ("latest", "print the newest committed checkpoint under a directory (for scripts)"),
+    "ls": ("ls", "list the checkpoints under a directory or s3:// prefix, with leftovers of interrupted saves"),
+    "latest": ("latest", "print the newest committed checkpoint under a directory or s3:// prefix (for scripts)"),
     "info": ("info", "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"),
     "diff": ("diff", "compare two checkpoints: keys, dtypes, shapes, placements, values and content"),
     "verify": ("verify", "check every chunk of a checkpoint (sizes, structure and checksums) and list every problem"),
