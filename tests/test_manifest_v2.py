@@ -303,13 +303,13 @@ def test_a_per_rank_leaf_of_one_dimension(tmp_path):
 def test_truncated_index_is_refused(multi, monkeypatch):
     obj, index = read(multi)
     write(multi, obj, index[:-8], fix_index=False)
-    refused(multi, rf"has an index of {len(index) - 8} bytes, expected {len(index)} \(truncated\?\)", monkeypatch)
+    refused(multi, rf"tddist.idx' has {len(index) - 8} bytes, its manifest implies {len(index)}", monkeypatch)
 
 
 def test_extended_index_is_refused(multi, monkeypatch):
     obj, index = read(multi)
     write(multi, obj, index + bytes(8), fix_index=False)
-    refused(multi, rf"has an index of {len(index) + 8} bytes, expected {len(index)}", monkeypatch)
+    refused(multi, rf"tddist.idx' has {len(index) + 8} bytes, its manifest implies {len(index)}", monkeypatch)
 
 
 @pytest.mark.parametrize("delta", [-8, 8, 1], ids=["smaller", "larger", "odd"])
@@ -580,7 +580,7 @@ def test_archive_without_its_index_is_refused(archive, monkeypatch):
 
 def test_archive_with_a_damaged_index_is_refused(archive, monkeypatch):
     _rewrite_archive(archive, lambda name, data: data[:-8] if name == "tddist.idx" else data)
-    refused(archive, r"has an index of 8 bytes, expected 16", monkeypatch)
+    refused(archive, r"entry 'tddist.idx' declares 8 bytes \(8 stored\), its manifest implies 16", monkeypatch)
 
 
 # --- packed data files ------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from .. import format as fmt
 from ..core.sharding import Box, Placement
@@ -29,6 +29,93 @@ __all__ = ["Chunk", "Leaf", "Manifest", "ObjectLeaf"]
 MAX_ELEMENTS = 1 << 56
 #: The newest format version this tddist reads.
 READS_UP_TO = 3
+#: The most ranks a manifest may name: far beyond any job, and small enough that an array of one number per
+#: rank (128 MiB at most) never exhausts memory before the files that should back it are checked.
+MAX_WORLD_SIZE = 1 << 24
+#: The most bytes of tensor data a checkpoint may hold (4 EiB): every sum of chunk sizes, padding included,
+#: then fits in int64, so no offset computed from the manifest can wrap.
+MAX_TOTAL_BYTES = 1 << 62
+#: The largest ``tddist.json`` tddist reads or writes, of any version. Version 1 lists every chunk in the
+#: JSON: 4,096 ranks x 1,000 leaves is about 150 MiB. Versions 2 and 3 keep the per-chunk numbers in the
+#: index; their JSON grows with the leaves (about 200 bytes each: a million leaves are about 200 MiB), the
+#: nodes and the non-tensor values (one per rank for a per-rank value: a pickled Python RNG state of 3.4 KB
+#: per rank is 55 MiB at 16,384 ranks). The format bounds none of these, so the bound is a size no real
+#: manifest reaches; ``v2.encode`` refuses to write a larger one, so tddist never writes what it cannot read.
+MAX_MANIFEST_BYTES = 256 << 20
+#: The largest ``tddist.idx`` tddist reads (16,384 ranks x 10,000 sharded leaves need 2.5 GiB); its size is
+#: the one the JSON implies, checked before it is read.
+MAX_INDEX_BYTES = 16 << 30
+
+
+#: A world of up to this many ranks is never checked against its container's entries (a few thousand files
+#: cost nothing to go through rank by rank); a larger one must not exceed them (``ManifestSource``).
+MAX_UNCHECKED_WORLD = 4096
+
+
+class ManifestSource(Protocol):
+    """The container a manifest was read from, as its parser needs it (a store implements it).
+
+    Call order (``parse.parse_manifest``): ``check_world_size`` once the
+    header is read, then (version 2 on) ``read_index`` once the JSON says how
+    large the index must be. Nothing is read before.
+    """
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a world size the container cannot hold: it has an entry (a data file, a rank directory, an
+        archive entry) per rank, so a world of more than ``MAX_UNCHECKED_WORLD`` ranks must not exceed its
+        entries, counted up to the world size.
+
+        Raises:
+            ManifestError: the container holds fewer entries.
+        """
+        ...
+
+    def read_index(self, size: int) -> bytes | None:
+        """Exactly ``size`` bytes: the whole index, or None when the checkpoint has none.
+
+        The size of the file (object, archive entry) is checked before
+        anything is read from it: an index of any other size is refused.
+
+        Raises:
+            ManifestError: the index has another size, or is not a regular file or stored entry.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class IndexBytes:
+    """An index already in memory (or None: none), without a container to check (a ``ManifestSource``)."""
+
+    data: bytes | None
+
+    def check_world_size(self, world_size: int) -> None:
+        """Nothing to check against."""
+
+    def read_index(self, size: int) -> bytes | None:
+        """The bytes, whatever their length: the parser compares it with ``size``."""
+        return self.data
+
+
+def too_many_ranks(world_size: int, entries: int, where: str) -> ManifestError:
+    """The error for a manifest naming more ranks than its container holds entries."""
+    return ManifestError(
+        f"{where} declares {world_size} ranks, but the checkpoint holds only {entries} entries (it has a data file "
+        f"or rank directory per rank): the manifest is damaged or was tampered with; restore it from a copy"
+    )
+
+
+def check_manifest_size(size: int, where: str) -> None:
+    """Refuse a ``tddist.json`` of more than ``MAX_MANIFEST_BYTES``, before it is read.
+
+    Raises:
+        ManifestError: naming the size and the limit.
+    """
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{where} has {size} bytes, more than the {MAX_MANIFEST_BYTES} bytes ({MAX_MANIFEST_BYTES >> 20} MiB) "
+            f"tddist reads for a manifest; tddist never writes one that large, so it is damaged or was not written "
+            f"by tddist: refusing it"
+        )
 
 
 @dataclass(frozen=True)
@@ -159,6 +246,10 @@ def parse_header(p: Parser, obj: Any) -> Manifest:
     p.check(version >= 1, f"has invalid version {version}")
     world = obj.get("world_size")
     p.check(type(world) is int and world >= 1, f"has invalid world_size {world!r}")
+    p.check(
+        world <= MAX_WORLD_SIZE,
+        f"has world_size {world}, more than the {MAX_WORLD_SIZE} ranks tddist reads (no job has that many)",
+    )
     p.check(obj.get("layout") in ("directory", "archive"), f"has unknown layout {obj.get('layout')!r}")
     cs = obj.get("checksum")
     p.check(
@@ -189,6 +280,15 @@ def check_keys(p: Parser, m: Manifest) -> None:
             for part in key:
                 why = fmt.verbatim_key_problem(part)
                 p.check(why is None, f"has key {list(key)}, unusable as a file name with robust_key=false: {why}")
+
+
+def check_total_bytes(p: Parser, m: Manifest) -> None:
+    """The leaves hold at most ``MAX_TOTAL_BYTES`` together, so offsets derived from their sizes never wrap."""
+    total = sum(math.prod(leaf.shape) * fmt.dtype_itemsize(leaf.dtype_name) for leaf in m.leaves.values())
+    p.check(
+        total <= MAX_TOTAL_BYTES,
+        f"declares {total} bytes of tensor data, more than the {MAX_TOTAL_BYTES} bytes a checkpoint can hold",
+    )
 
 
 def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:

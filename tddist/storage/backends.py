@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from .. import format as fmt
 from ..errors import InvalidArgumentError
-from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 
 if TYPE_CHECKING:
@@ -174,7 +173,7 @@ class ObjectStore:
     def open(self) -> OpenedCheckpoint:
         from .s3.pin import open_s3
 
-        return validate(open_s3(self.target, MAX_MANIFEST_BYTES, MAX_INDEX_BYTES), self.files)
+        return validate(open_s3(self.target), self.files)
 
     def files(self, pin: Pin) -> ChunkFiles:
         """Ranged GETs of the pinned generation's objects, in parallel (``s3.files.S3Files``)."""

@@ -10,7 +10,9 @@ reads one generation whole even while an overwrite replaces the checkpoint.
 Call order, on every rank that reads (``loading.pipeline`` runs it):
 
 1. (every rank) ``backends.store_for(prefix).open()``: pin one generation and
-   read its manifest (the store's ``ManifestBytes``, checked by ``validate``); raises ``CheckpointNotFoundError``, ``ManifestError``,
+   read its manifest (the store's ``ManifestBytes``, checked by ``validate``,
+   which has the store read the index once the manifest says its size);
+   raises ``CheckpointNotFoundError``, ``ManifestError``,
    ``CorruptCheckpointError`` or ``StorageError``.
 2. (several ranks) compare ``generation`` on every rank: an overwrite may have
    committed between two ranks' opens (then every rank raises
@@ -37,7 +39,7 @@ from .. import format as fmt
 from ..errors import ManifestError
 from ..manifest import checksum as manifest_checksum
 from ..manifest.model import Manifest
-from ..manifest.parse import parse_manifest
+from ..manifest.parse import ManifestSource, parse_manifest, paused_gc
 
 if TYPE_CHECKING:
     import torch
@@ -91,11 +93,16 @@ class Pin(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ManifestBytes:
-    """What a store's ``open`` found: the pin, the manifest's bytes, the index's (None: absent), how to name them."""
+    """What a store's ``open`` found: the pin, the manifest's bytes, its container, how to name them.
+
+    The parser checks the world size against the container and has it read
+    the index once the manifest says how large it must be
+    (``manifest.model.ManifestSource``); a version-1 manifest has none.
+    """
 
     pin: Pin
     raw: bytes
-    index: bytes | None
+    source: ManifestSource
     where: str
 
 
@@ -150,12 +157,13 @@ def _validate(found: ManifestBytes, reader: Callable[[Pin], ChunkFiles]) -> Open
     where = found.where
     gen, sealed = manifest_checksum.generation(found.raw, where)
     try:
-        obj = fmt.loads(found.raw)
+        with paused_gc():  # many small objects: see paused_gc
+            obj = fmt.loads(found.raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
     except RecursionError:
         raise ManifestError(f"{where} is JSON nested too deeply to be a tddist manifest; refusing it") from None
-    m = parse_manifest(obj, where=where, index=found.index)
+    m = parse_manifest(obj, where=where, index=found.source)
     if m.version >= 3 and not sealed:
         raise ManifestError(f"{where} (format version {m.version}) lacks its manifest_checksum; it was tampered with")
     if found.pin.archive and m.layout != "archive":
