@@ -34,6 +34,21 @@ class Chunk:
     checksum: str
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkColumns:
+    """Every chunk of a leaf as three columns, in chunk order (what whole-checkpoint passes vectorise over).
+
+    Attributes:
+        ranks: the rank that wrote each chunk (int64[n]).
+        nbytes: each chunk's size in bytes (int64[n]; 0 for an empty chunk, which has no file).
+        checksums: each chunk's checksum (uint64[n]).
+    """
+
+    ranks: np.ndarray
+    nbytes: np.ndarray
+    checksums: np.ndarray
+
+
 def hex_checksum(value: int) -> str:
     """A chunk checksum (an unsigned 64-bit integer) as the manifest's 16 hex digits."""
     return f"{int(value):016x}"
@@ -89,9 +104,10 @@ class ShardChunks:
         """Bytes ``rank`` stored for this leaf."""
         return int(self.lengths[rank]) * self.row_bytes
 
-    def nbytes_by_rank(self, world: int) -> np.ndarray:
-        """Bytes every rank stored for this leaf (int64[world])."""
-        return np.asarray(self.lengths, dtype=np.int64)[:world] * self.row_bytes
+    def columns(self) -> ChunkColumns:
+        """Every chunk in columns: chunk ``r`` is rank ``r``'s."""
+        n = len(self.lengths)
+        return ChunkColumns(np.arange(n, dtype=np.int64), self.lengths * self.row_bytes, self.checksums)
 
 
 class ReplicaChunks:
@@ -116,10 +132,11 @@ class ReplicaChunks:
     def nbytes_of_rank(self, rank: int) -> int:
         return math.prod(self.shape) * self.itemsize if rank == self.writer else 0
 
-    def nbytes_by_rank(self, world: int) -> np.ndarray:
-        out = np.zeros(world, dtype=np.int64)
-        out[self.writer] = math.prod(self.shape) * self.itemsize
-        return out
+    def columns(self) -> ChunkColumns:
+        nbytes = math.prod(self.shape) * self.itemsize
+        return ChunkColumns(
+            np.array([self.writer], np.int64), np.array([nbytes], np.int64), np.array([self.checksum], np.uint64)
+        )
 
 
 class BoxChunks:
@@ -154,11 +171,9 @@ class BoxChunks:
         i = self.index_of_rank(rank)
         return 0 if i is None else int(np.prod(self.sizes[i], dtype=np.int64)) * self.itemsize
 
-    def nbytes_by_rank(self, world: int) -> np.ndarray:
-        out = np.zeros(world, dtype=np.int64)
-        if len(self.ranks):
-            out[np.asarray(self.ranks, dtype=np.int64)] = np.prod(self.sizes, axis=1, dtype=np.int64) * self.itemsize
-        return out
+    def columns(self) -> ChunkColumns:
+        nbytes = np.prod(self.sizes, axis=1, dtype=np.int64).reshape(-1) * self.itemsize
+        return ChunkColumns(self.ranks, nbytes, self.checksums)
 
 
 ChunkTable = ShardChunks | ReplicaChunks | BoxChunks
