@@ -375,3 +375,58 @@ def test_leaves_whose_sizes_add_up_past_int64_are_refused(tmp_path):
         leaf["shape"] = [1 << 55]
     _write_manifest(target, obj)
     assert_refused(target, r"declares 18446744073709551616 bytes of tensor data, more than the 4611686018427387904")
+
+
+# --- the same on object storage ------------------------------------------------------------------------------
+
+
+def _got_bytes(client) -> tuple[list[int], Callable[[], None]]:
+    """The ``ContentLength`` of every GetObject answer from now on, and how to stop counting."""
+    got: list[int] = []
+
+    def count(parsed, **_kw):
+        got.append(int(parsed.get("ContentLength", 0)))
+
+    client.meta.events.register("after-call.s3.GetObject", count)
+    return got, lambda: client.meta.events.unregister("after-call.s3.GetObject", count)
+
+
+def test_s3_index_of_another_size_is_refused_with_one_ranged_get(s3):
+    """An index object of 8 MiB where the manifest implies 16 bytes: one ranged GET of 16 bytes finds it out."""
+    client, where = s3
+    bucket, prefix = where.split("/")
+    target = f"s3://{where}/ckpt"
+    tddist.save(TensorDict(x=torch.arange(8.0).reshape(4, 2), batch_size=[4]), target)
+    index_key = next(
+        o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"] if o["Key"].endswith("idx")
+    )
+    client.put_object(Bucket=bucket, Key=index_key, Body=bytes(8 << 20))
+    got, stop = _got_bytes(client)
+    try:
+        with pytest.raises(ManifestError, match=r"tddist.idx has 8388608 bytes, its manifest implies 16"):
+            tddist.read_manifest(target)
+    finally:
+        stop()
+    assert max(got) < 1 << 20, got  # the manifest and 16 bytes of the index: never the 8 MiB
+
+
+def test_s3_index_entry_of_another_size_is_refused_before_it_is_read(s3, tmp_path):
+    """An archive object whose index entry declares 8 MiB more than the manifest implies: refused from the
+    central directory, before its data is fetched."""
+    client, where = s3
+    bucket, prefix = where.split("/")
+    _saved(tmp_path / "a.tdz")
+    _sparse_archive(tmp_path / "a.tdz", tmp_path / "b.tdz", fmt.INDEX_NAME, 8 << 20)
+    client.put_object(
+        Bucket=bucket,
+        Key=f"{prefix}/b.tdz",
+        Body=(tmp_path / "b.tdz").read_bytes(),
+        Metadata={"tddist-layout": "archive"},
+    )
+    got, stop = _got_bytes(client)
+    try:
+        with pytest.raises(ManifestError, match=r"entry 'tddist.idx' declares 8388624 bytes .*implies 16"):
+            tddist.read_manifest(f"s3://{where}/b.tdz")
+    finally:
+        stop()
+    assert sum(got) < 1 << 20, got
