@@ -751,3 +751,20 @@ def test_packed_checkpoint_packs_into_an_archive_of_tensordict_rank_directories(
     assert_td_equal(tddist.load(tmp_path / "d", shard=None, verify=True), recipe.multi_rank_global())
     td = TensorDict.load_memmap(tmp_path / "d" / "rank-00002")
     assert torch.equal(td["data", "x"], recipe.multi_rank_shard(2)["data", "x"])
+
+
+def test_a_manifest_larger_than_readers_accept_is_never_written(tmp_path, monkeypatch):
+    """The writer refuses what the readers would refuse (the bound shrunk to 4 KiB here, so the manifest need not
+    be 256 MiB): the save fails on every rank with the sizes named, and the previous checkpoint stays."""
+    import tddist.manifest.v2 as manifest_v2
+
+    target = tmp_path / "ckpt"
+    tddist.save({"w": torch.arange(4.0)}, target)
+    monkeypatch.setattr(manifest_v2, "MAX_MANIFEST_BYTES", 4096)
+
+    def save_rank(comm):
+        with pytest.raises(tddist.InvalidDataError, match=r"would have \d+ bytes, more than the 4096 bytes .*metadata"):
+            tddist.save({"w": torch.arange(4.0) + 1}, target, comm=comm, metadata={"notes": "x" * 8192})
+
+    tddist.run_threads(2, save_rank)
+    assert torch.equal(tddist.load(target, shard=None)["w"], torch.arange(4.0))
