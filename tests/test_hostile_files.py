@@ -430,3 +430,70 @@ def test_s3_index_entry_of_another_size_is_refused_before_it_is_read(s3, tmp_pat
     finally:
         stop()
     assert sum(got) < 1 << 20, got
+
+
+# --- an archive's entries, validated all at once --------------------------------------------------------------
+
+
+def _central_record(raw: bytes, name: str) -> int:
+    """Where the central-directory record of entry ``name`` starts in the archive ``raw``."""
+    pos = raw.index(b"PK\x01\x02")
+    while raw[pos + 46 : pos + 46 + len(name)] != name.encode():
+        name_len, extra_len, comment_len = struct.unpack_from("<3H", raw, pos + 28)
+        pos += 46 + name_len + extra_len + comment_len
+    return pos
+
+
+def _with_junk(src: Path, dst: Path, names: list[str]) -> None:
+    """``src`` with one more small stored entry per name, before its own entries."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for name in names:
+            zout.writestr(name, b"junk")
+        for zi in zin.infolist():
+            zout.writestr(zi.filename, zin.read(zi))
+
+
+@pytest.mark.parametrize("name", ["a//b", "./x", "x/.", "x/..", "a\\b", "/abs", "x/"])
+def test_archive_entry_names_leaving_the_root_are_refused(tmp_path, name):
+    _saved(tmp_path / "a.tdz")
+    _with_junk(tmp_path / "a.tdz", tmp_path / "b.tdz", [name])
+    with pytest.raises(CorruptCheckpointError, match="escapes its root"):
+        tddist.load(tmp_path / "b.tdz", shard=None)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["header-past-the-end", "data-past-the-end", "overlap", "not-a-header"],
+)
+def test_archive_entries_out_of_place_are_refused(tmp_path, damage):
+    """A junk entry's central record edited: its local header past the end of the file or not where it says, its
+    data past the end, or its span overlapping another entry's."""
+    _saved(tmp_path / "a.tdz")
+    _with_junk(tmp_path / "a.tdz", tmp_path / "b.tdz", ["junk/a", "junk/b"])
+    raw = bytearray((tmp_path / "b.tdz").read_bytes())
+    pos = _central_record(raw, "junk/b")
+    if damage == "header-past-the-end":
+        struct.pack_into("<L", raw, pos + 42, len(raw) - 10)
+    elif damage == "data-past-the-end":
+        struct.pack_into("<2L", raw, pos + 20, len(raw), len(raw))  # stored: compressed and uncompressed sizes
+    elif damage == "overlap":
+        struct.pack_into("<L", raw, pos + 42, 0)  # junk/a's local header: the same span
+    else:
+        struct.pack_into("<L", raw, pos + 42, 1)
+    (tmp_path / "b.tdz").write_bytes(bytes(raw))
+    match = {
+        "header-past-the-end": "entry 'junk/b' has a header past the end of the file",
+        "data-past-the-end": "entry 'junk/b' extends past the end of the file",
+        "overlap": "entries 'junk/a' and 'junk/b' overlap",
+        "not-a-header": "entry 'junk/b' has a bad local header offset",
+    }[damage]
+    with pytest.raises(CorruptCheckpointError, match=match):
+        tddist.load(tmp_path / "b.tdz", shard=None)
+
+
+def test_archive_with_many_foreign_entries_loads(tmp_path):
+    """Entries the manifest does not name are validated (names, places) and otherwise ignored."""
+    _saved(tmp_path / "a.tdz")
+    _with_junk(tmp_path / "a.tdz", tmp_path / "b.tdz", [f"junk/{i}" for i in range(2000)])
+    loaded = tddist.load(tmp_path / "b.tdz", shard=None, verify=True)
+    assert torch.equal(loaded["x"], torch.arange(4096.0).reshape(1024, 4))

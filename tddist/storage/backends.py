@@ -274,4 +274,6 @@ def local_files(checkpoint: str | OpenedCheckpoint | PinnedCheckpoint) -> Archiv
     pin = checkpoint.pin if isinstance(checkpoint, OpenedCheckpoint) else checkpoint
     if not isinstance(pin, PinnedCheckpoint):
         raise InvalidArgumentError(f"{pin.path!r} is on object storage, which this operation does not support")
-    return ArchiveFiles(pin.path, opened_as=pin.fd_path) if pin.archive else DirectoryFiles(pin.path, pin)
+    if pin.archive:
+        return ArchiveFiles(pin.path, opened_as=pin.fd_path, entries=pin.zip_entries)
+    return DirectoryFiles(pin.path, pin)

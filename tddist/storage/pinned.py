@@ -329,7 +329,7 @@ def _archive_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
     with _zip_errors(path):
         with paused_gc(), zipfile.ZipFile(pin.fd_path) as zf:
             pin.zip_entries = zf.infolist()
-        infos = {zi.filename: zi for zi in pin.zip_entries}
+            infos = {zi.filename: zi for zi in pin.zip_entries}
         found = infos.get(fmt.MANIFEST_NAME)
         if found is None:
             raise CheckpointNotFoundError(
