@@ -62,6 +62,10 @@ def int_checksum(text: str) -> int:
 class ShardChunks:
     """One chunk per rank along ``dim``: ``lengths`` (int64) and ``checksums`` (uint64), in rank order."""
 
+    # Slots: a manifest holds one table per leaf (100,000s), and an object without a ``__dict__`` is one
+    # object less for the collector to walk.
+    __slots__ = ("shape", "dim", "itemsize", "lengths", "checksums", "_starts")
+
     def __init__(self, shape: tuple[int, ...], dim: int, itemsize: int, lengths: np.ndarray, checksums: np.ndarray):
         self.shape, self.dim, self.itemsize = shape, dim, itemsize
         self.lengths, self.checksums = lengths, checksums
@@ -113,6 +117,8 @@ class ShardChunks:
 class ReplicaChunks:
     """The whole leaf, stored once by ``writer``."""
 
+    __slots__ = ("shape", "itemsize", "writer", "checksum")
+
     def __init__(self, shape: tuple[int, ...], itemsize: int, writer: int, checksum: int):
         self.shape, self.itemsize, self.writer, self.checksum = shape, itemsize, writer, checksum
 
@@ -141,6 +147,8 @@ class ReplicaChunks:
 
 class BoxChunks:
     """Arbitrary boxes: ``ranks`` (int64[n]), ``offsets`` and ``sizes`` (int64[n, ndim]), ``checksums`` (uint64[n])."""
+
+    __slots__ = ("itemsize", "ranks", "offsets", "sizes", "checksums")
 
     def __init__(self, itemsize: int, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, checksums: np.ndarray):
         self.itemsize, self.ranks, self.offsets, self.sizes, self.checksums = itemsize, ranks, offsets, sizes, checksums

@@ -118,7 +118,7 @@ def check_manifest_size(size: int, where: str) -> None:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Leaf:
     """One tensor leaf of the checkpoint: its global shape, placement and stored chunks.
 
@@ -298,7 +298,7 @@ def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
         key = p.key(n.get("key"), allow_empty=True)
         p.check(key not in m.nodes, f"lists node {key!r} twice")
         p.check(not key or key[:-1] in m.nodes, f"has node {key!r} whose parent node is not listed (before it)")
-        m.nodes[key] = p.shape(n.get("batch_size"), f"node {key!r} batch_size")
+        m.nodes[key] = p.shape(n.get("batch_size"), "node", key, "batch_size")
         if "rows" in n:
             rows = n["rows"]
             ok = isinstance(rows, list) and len(rows) == m.world_size and all(type(r) is int and r >= 0 for r in rows)
@@ -311,10 +311,14 @@ def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
 
 def add_leaf(p: Parser, m: Manifest, leaf: Leaf) -> None:
     """Add a parsed leaf, refusing duplicates and orphans."""
-    p.check(leaf.key not in m.leaves, f"lists leaf {leaf.key!r} twice")
-    p.check(leaf.key not in m.nodes, f"has {leaf.key!r} both as a node and as a leaf")
-    p.check(leaf.key[:-1] in m.nodes, f"has leaf {leaf.key!r} whose parent node is not listed")
-    m.leaves[leaf.key] = leaf
+    key = leaf.key
+    if key in m.leaves:
+        p.fail(f"lists leaf {key!r} twice")
+    if key in m.nodes:
+        p.fail(f"has {key!r} both as a node and as a leaf")
+    if key[:-1] not in m.nodes:
+        p.fail(f"has leaf {key!r} whose parent node is not listed")
+    m.leaves[key] = leaf
 
 
 def parse_objects(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
@@ -366,15 +370,19 @@ class Parser:
             self.fail(f"has no list {name!r}")
         return v
 
-    def key(self, v: Any, allow_empty: bool) -> Key:
-        ok = isinstance(v, list) and all(isinstance(k, str) for k in v) and (allow_empty or v)
-        self.check(bool(ok) or (allow_empty and v == []), f"has an invalid key {v!r}")
-        return tuple(v)
+    # The checks below run once per key and leaf: their messages are formatted only when they fail.
 
-    def shape(self, v: Any, what: str) -> tuple[int, ...]:
-        self.check(
-            isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < MAX_ELEMENTS for s in v),
-            f"has invalid {what} {v!r}",
-        )
-        self.check(math.prod(v) < MAX_ELEMENTS, f"has absurd {what} {v!r}")
+    def key(self, v: Any, allow_empty: bool) -> Key:
+        """A key: a list of strings (empty only where ``allow_empty``), as a tuple."""
+        if isinstance(v, list) and (v or allow_empty) and all(isinstance(k, str) for k in v):
+            return tuple(v)
+        self.fail(f"has an invalid key {v!r}")
+
+    def shape(self, v: Any, owner: str, key: Key, member: str) -> tuple[int, ...]:
+        """A shape or batch size (``member``) of a node or leaf (``owner``) ``key``: at most 64 non-negative
+        integers below 2^56, with a product below 2^56."""
+        if not (isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < MAX_ELEMENTS for s in v)):
+            self.fail(f"has invalid {owner} {key!r} {member} {v!r}")
+        if math.prod(v) >= MAX_ELEMENTS:
+            self.fail(f"has absurd {owner} {key!r} {member} {v!r}")
         return tuple(v)

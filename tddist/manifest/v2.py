@@ -234,8 +234,8 @@ class _Tables:
         if isinstance(e.placement, Replicate):
             return ReplicaChunks(e.shape, itemsize, e.writer, int(sums[0]))
         if isinstance(e.placement, PerRank):
-            ok = len(e.shape) >= 1 and e.shape[0] == world
-            p.check(ok, f"per-rank leaf {e.key!r} has shape {list(e.shape)}, which does not start with {world} ranks")
+            if not (len(e.shape) >= 1 and e.shape[0] == world):
+                p.fail(f"per-rank leaf {e.key!r} has shape {list(e.shape)}, which does not start with {world} ranks")
             if self.ones is None:
                 self.ones = np.ones(world, dtype=_I8)
                 self.ones.flags.writeable = False
@@ -301,17 +301,15 @@ def _shard_table(p: Parser, e: _LeafEntry, dim: int, rows: _IndexRows, itemsize:
     rows_of = rows.own.get(e.key)
     parent_rows = rows.nodes.get(e.key[:-1])
     if rows_of is not None:
-        if dim == 0 and parent_rows is not None:
-            p.check(
-                bool(np.array_equal(rows_of, parent_rows)),
-                f"leaf {e.key!r} has rows per rank that differ from those of its node {e.key[:-1]!r}",
-            )
+        if dim == 0 and parent_rows is not None and not np.array_equal(rows_of, parent_rows):
+            p.fail(f"leaf {e.key!r} has rows per rank that differ from those of its node {e.key[:-1]!r}")
         return ShardChunks(e.shape, dim, itemsize, rows_of, sums)
-    p.check(parent_rows is not None, f"leaf {e.key!r} takes its rows from a node without rows")
-    p.check(dim == 0, f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
-    assert parent_rows is not None
-    total = rows.totals[e.key[:-1]]
-    p.check(e.shape[0] == total, f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[0]}")
+    if parent_rows is None:  # the messages are formatted only on failure: this runs per leaf
+        p.fail(f"leaf {e.key!r} takes its rows from a node without rows")
+    if dim != 0:
+        p.fail(f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
+    if e.shape[0] != rows.totals[e.key[:-1]]:
+        p.fail(f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[0]}")
     return ShardChunks(e.shape, dim, itemsize, parent_rows, sums)
 
 
@@ -321,32 +319,42 @@ def _chunk_count(e: _LeafEntry, world: int) -> int:
     return 1 if isinstance(e.placement, Replicate) else e.chunks
 
 
+#: Placements without arguments, shared by every leaf that has them (they are immutable).
+_REPLICATE, _PER_RANK, _BOXES = Replicate(), PerRank(), Boxes()
+_SHARDS = [Shard(d) for d in range(64)]  # a shape has at most 64 dims
+
+
 def _leaf_entry(p: Parser, e: Any, world: int) -> _LeafEntry:
-    p.check(isinstance(e, dict), "has a leaf that is not an object")
+    """A leaf's JSON entry, checked (its messages formatted only when a check fails: this runs per leaf)."""
+    if not isinstance(e, dict):
+        p.fail("has a leaf that is not an object")
     key = p.key(e.get("key"), allow_empty=False)
     dtype = e.get("dtype")
     if not fmt.is_dtype_name(dtype):
         p.fail(f"leaf {key!r} has unknown dtype {dtype!r}")
-    shape = p.shape(e.get("shape"), f"leaf {key!r} shape")
+    shape = p.shape(e.get("shape"), "leaf", key, "shape")
     pl = e.get("placement")
     kind = pl.get("type") if isinstance(pl, dict) else None
     if kind == "shard":
         assert isinstance(pl, dict)
-        dim = pl.get("dim")
+        dim, rows = pl.get("dim"), e.get("rows")
         if not (type(dim) is int and 0 <= dim < len(shape)):
             p.fail(f"leaf {key!r} is sharded on invalid dim {dim!r}")
-        p.check(e.get("rows") in ("node", "own"), f"leaf {key!r} has invalid rows {e.get('rows')!r}")
-        return _LeafEntry(key, dtype, shape, Shard(dim), own_rows=e["rows"] == "own")
+        if rows != "node" and rows != "own":
+            p.fail(f"leaf {key!r} has invalid rows {rows!r}")
+        return _LeafEntry(key, dtype, shape, _SHARDS[dim], own_rows=rows == "own")
     if kind == "replicate":
         writer = e.get("writer")
-        p.check(type(writer) is int and 0 <= writer < world, f"leaf {key!r} has an invalid writer {writer!r}")
-        return _LeafEntry(key, dtype, shape, Replicate(), writer=writer)
+        if not (type(writer) is int and 0 <= writer < world):
+            p.fail(f"leaf {key!r} has an invalid writer {writer!r}")
+        return _LeafEntry(key, dtype, shape, _REPLICATE, writer=writer)
     if kind == "per_rank":
-        return _LeafEntry(key, dtype, shape, PerRank())
+        return _LeafEntry(key, dtype, shape, _PER_RANK)
     if kind == "boxes":
         n = e.get("chunks")
-        p.check(type(n) is int and 0 <= n <= world, f"leaf {key!r} has an invalid chunk count {n!r}")
-        return _LeafEntry(key, dtype, shape, Boxes(), chunks=n)
+        if not (type(n) is int and 0 <= n <= world):
+            p.fail(f"leaf {key!r} has an invalid chunk count {n!r}")
+        return _LeafEntry(key, dtype, shape, _BOXES, chunks=n)
     p.fail(f"leaf {key!r} has unknown placement {pl!r}")
 
 
