@@ -21,6 +21,7 @@ from ..core.types import Key
 from ..errors import CorruptCheckpointError
 from ..manifest.locate import ChunkRange, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
+from ..manifest.parse import paused_gc
 from ..storage.backends import local_files
 from ..storage.opened import ChunkFiles, OpenedCheckpoint
 from ..storage.pinned import storage_failed
@@ -145,7 +146,8 @@ def read_leaves(
         source.files.prefetch(_needed(source, requests, verify), num_threads)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
-        return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]
+        with paused_gc():  # a tensor per leaf, and its chunks: see paused_gc
+            return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]
     except OSError as e:
         if e.errno == errno.ENOMEM:
             raise

@@ -59,6 +59,11 @@ def int_checksum(text: str) -> int:
     return int(text, 16)
 
 
+def starts_of(lengths: np.ndarray) -> np.ndarray:
+    """Where each of consecutive runs of ``lengths`` starts, and where the last one ends (int64[n + 1])."""
+    return np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+
+
 class ShardChunks:
     """One chunk per rank along ``dim``: ``lengths`` (int64) and ``checksums`` (uint64), in rank order."""
 
@@ -66,10 +71,20 @@ class ShardChunks:
     # object less for the collector to walk.
     __slots__ = ("shape", "dim", "itemsize", "lengths", "checksums", "_starts")
 
-    def __init__(self, shape: tuple[int, ...], dim: int, itemsize: int, lengths: np.ndarray, checksums: np.ndarray):
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dim: int,
+        itemsize: int,
+        lengths: np.ndarray,
+        checksums: np.ndarray,
+        starts: np.ndarray | None = None,
+    ):
+        """``starts``: those of ``lengths`` (see ``starts``), when they are already known: the leaves of one
+        node share its rows, and their starts."""
         self.shape, self.dim, self.itemsize = shape, dim, itemsize
         self.lengths, self.checksums = lengths, checksums
-        self._starts: np.ndarray | None = None
+        self._starts: np.ndarray | None = starts
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -82,7 +97,7 @@ class ShardChunks:
     def starts(self) -> np.ndarray:
         """Where each rank's chunk starts along the shard dim, and the end (computed once, in numpy)."""
         if self._starts is None:
-            self._starts = np.concatenate(([0], np.cumsum(self.lengths, dtype=np.int64)))
+            self._starts = starts_of(self.lengths)
         return self._starts
 
     def chunk(self, i: int) -> Chunk:

@@ -12,6 +12,7 @@ in a binary index). No torch is needed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -47,28 +48,9 @@ MAX_MANIFEST_BYTES = 256 << 20
 MAX_INDEX_BYTES = 16 << 30
 
 
-#: A world of up to this many ranks is never checked against its container's entries (a few thousand files
-#: cost nothing to go through rank by rank); a larger one must not exceed them (``ManifestSource``).
-MAX_UNCHECKED_WORLD = 4096
-
-
-class ManifestSource(Protocol):
-    """The container a manifest was read from, as its parser needs it (a store implements it).
-
-    Call order (``parse.parse_manifest``): ``check_world_size`` once the
-    header is read, then (version 2 on) ``read_index`` once the JSON says how
-    large the index must be. Nothing is read before.
-    """
-
-    def check_world_size(self, world_size: int) -> None:
-        """Refuse a world size the container cannot hold: it has an entry (a data file, a rank directory, an
-        archive entry) per rank, so a world of more than ``MAX_UNCHECKED_WORLD`` ranks must not exceed its
-        entries, counted up to the world size.
-
-        Raises:
-            ManifestError: the container holds fewer entries.
-        """
-        ...
+class IndexSource(Protocol):
+    """Where a store reads a checkpoint's index from, once the JSON says how large it must be (a store
+    implements it; ``parse.parse_manifest`` calls it after the JSON is checked, and nothing is read before)."""
 
     def read_index(self, size: int) -> bytes | None:
         """Exactly ``size`` bytes: the whole index, or None when the checkpoint has none.
@@ -84,24 +66,13 @@ class ManifestSource(Protocol):
 
 @dataclass(frozen=True)
 class IndexBytes:
-    """An index already in memory (or None: none), without a container to check (a ``ManifestSource``)."""
+    """An index already in memory (or None: none), as an ``IndexSource``."""
 
     data: bytes | None
-
-    def check_world_size(self, world_size: int) -> None:
-        """Nothing to check against."""
 
     def read_index(self, size: int) -> bytes | None:
         """The bytes, whatever their length: the parser compares it with ``size``."""
         return self.data
-
-
-def too_many_ranks(world_size: int, entries: int, where: str) -> ManifestError:
-    """The error for a manifest naming more ranks than its container holds entries."""
-    return ManifestError(
-        f"{where} declares {world_size} ranks, but the checkpoint holds only {entries} entries (it has a data file "
-        f"or rank directory per rank): the manifest is damaged or was tampered with; restore it from a copy"
-    )
 
 
 def check_manifest_size(size: int, where: str) -> None:
@@ -298,7 +269,7 @@ def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
         key = p.key(n.get("key"), allow_empty=True)
         p.check(key not in m.nodes, f"lists node {key!r} twice")
         p.check(not key or key[:-1] in m.nodes, f"has node {key!r} whose parent node is not listed (before it)")
-        m.nodes[key] = p.shape(n.get("batch_size"), "node", key, "batch_size")
+        m.nodes[key] = p.shape_of(n.get("batch_size"), lambda: f"node {key!r} batch_size")
         if "rows" in n:
             rows = n["rows"]
             ok = isinstance(rows, list) and len(rows) == m.world_size and all(type(r) is int and r >= 0 for r in rows)
@@ -378,11 +349,15 @@ class Parser:
             return tuple(v)
         self.fail(f"has an invalid key {v!r}")
 
-    def shape(self, v: Any, owner: str, key: Key, member: str) -> tuple[int, ...]:
-        """A shape or batch size (``member``) of a node or leaf (``owner``) ``key``: at most 64 non-negative
-        integers below 2^56, with a product below 2^56."""
+    def shape(self, v: Any, what: str) -> tuple[int, ...]:
+        """A shape or batch size (named ``what`` in errors): at most 64 non-negative integers below 2^56, with a
+        product below 2^56."""
+        return self.shape_of(v, lambda: what)
+
+    def shape_of(self, v: Any, what: Callable[[], str]) -> tuple[int, ...]:
+        """``shape``, with the name made only if the check fails (``what()``)."""
         if not (isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < MAX_ELEMENTS for s in v)):
-            self.fail(f"has invalid {owner} {key!r} {member} {v!r}")
+            self.fail(f"has invalid {what()} {v!r}")
         if math.prod(v) >= MAX_ELEMENTS:
-            self.fail(f"has absurd {owner} {key!r} {member} {v!r}")
+            self.fail(f"has absurd {what()} {v!r}")
         return tuple(v)

@@ -3,7 +3,7 @@
 Bytes read from a checkpoint are untrusted: ``parse_manifest`` validates the
 header, the version's body (``v1`` or ``v2``), the objects and the keys
 before anything is built from them. The index is not handed over as bytes
-but as a ``ManifestSource``: the parser works out from the JSON how many bytes
+but as an ``IndexSource``: the parser works out from the JSON how many bytes
 the index must have, and only then does the store read it, exactly that
 many, after checking the size of the file (or object, or archive entry).
 
@@ -25,11 +25,10 @@ from . import v2 as manifest_v2
 from .model import (
     MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
-    MAX_UNCHECKED_WORLD,
     MAX_WORLD_SIZE,
     IndexBytes,
+    IndexSource,
     Manifest,
-    ManifestSource,
     Parser,
     check_keys,
     check_manifest_size,
@@ -41,26 +40,23 @@ from .model import (
 __all__ = [
     "MAX_INDEX_BYTES",
     "MAX_MANIFEST_BYTES",
-    "MAX_UNCHECKED_WORLD",
     "MAX_WORLD_SIZE",
     "IndexBytes",
-    "ManifestSource",
+    "IndexSource",
     "check_manifest_size",
     "parse_manifest",
     "paused_gc",
 ]
 
 
-def parse_manifest(obj: Any, where: str = "manifest", index: bytes | ManifestSource | None = None) -> Manifest:
+def parse_manifest(obj: Any, where: str = "manifest", index: bytes | IndexSource | None = None) -> Manifest:
     """Build a Manifest from parsed JSON (and, from version 2 on, its index), validating everything.
 
     Args:
         obj: The parsed ``tddist.json``.
         where: How to name the file in error messages.
-        index: The index (version 2 on): its bytes (None if absent), or the
-            container the manifest was read from (``ManifestSource``), which
-            the world size is checked against and the index read from once
-            its size is known.
+        index: The index (version 2 on): its bytes (None if absent), or where
+            to read it from once the JSON says its size (``IndexSource``).
 
     Returns:
         The validated manifest, whatever its version.
@@ -72,7 +68,6 @@ def parse_manifest(obj: Any, where: str = "manifest", index: bytes | ManifestSou
     with paused_gc():
         p = Parser(where)
         m = parse_header(p, obj)
-        source.check_world_size(m.world_size)
         if m.version == 1:
             manifest_v1.parse_body(p, obj, m)
         else:

@@ -19,7 +19,7 @@ Index sections, in order (``docs/format.md`` section 5):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -30,13 +30,13 @@ from ..core.sharding import Boxes, PerRank, Placement, Replicate, Shard, box_til
 from ..core.types import Key, ManifestFiles
 from ..errors import InvalidDataError, ManifestError
 from .checksum import seal
-from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
+from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks, starts_of
 from .model import (
     MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
+    IndexSource,
     Leaf,
     Manifest,
-    ManifestSource,
     ObjectLeaf,
     Parser,
     add_leaf,
@@ -153,15 +153,17 @@ class _IndexRows:
     Attributes:
         nodes: each batched node's rows per rank.
         totals: each batched node's rows in all (its ``batch_size[0]``, which its rows sum to).
+        starts: where each batched node's ranks' rows start, made on first use (its leaves share them).
         own: each sharded leaf's own lengths along its shard dim per rank (``"rows": "own"``).
     """
 
     nodes: dict[Key, np.ndarray]
     totals: dict[Key, int]
     own: dict[Key, np.ndarray]
+    starts: dict[Key, np.ndarray] = field(default_factory=dict)  # each node's ``starts_of`` its rows, once made
 
 
-def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: ManifestSource) -> None:
+def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) -> None:
     """Nodes and leaves of a version-2 manifest and its index into ``m``.
 
     The index is read only once the JSON is checked and says how large it
@@ -266,7 +268,7 @@ def _index_size(entries: list[_LeafEntry], batched_nodes: int, world: int) -> in
     )
 
 
-def _checked_index(p: Parser, obj: dict[str, Any], index: ManifestSource, expected: int) -> bytes:
+def _checked_index(p: Parser, obj: dict[str, Any], index: IndexSource, expected: int) -> bytes:
     """The index, read once its size (declared, implied by the JSON, bounded) is known; then its checksum.
 
     Nothing is read from a store before the declared size equals the implied
@@ -308,9 +310,13 @@ def _shard_table(p: Parser, e: _LeafEntry, dim: int, rows: _IndexRows, itemsize:
         p.fail(f"leaf {e.key!r} takes its rows from a node without rows")
     if dim != 0:
         p.fail(f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
-    if e.shape[0] != rows.totals[e.key[:-1]]:
+    parent = e.key[:-1]
+    if e.shape[0] != rows.totals[parent]:
         p.fail(f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[0]}")
-    return ShardChunks(e.shape, dim, itemsize, parent_rows, sums)
+    starts = rows.starts.get(parent)
+    if starts is None:
+        starts = rows.starts[parent] = starts_of(parent_rows)
+    return ShardChunks(e.shape, dim, itemsize, parent_rows, sums, starts)
 
 
 def _chunk_count(e: _LeafEntry, world: int) -> int:
@@ -332,7 +338,7 @@ def _leaf_entry(p: Parser, e: Any, world: int) -> _LeafEntry:
     dtype = e.get("dtype")
     if not fmt.is_dtype_name(dtype):
         p.fail(f"leaf {key!r} has unknown dtype {dtype!r}")
-    shape = p.shape(e.get("shape"), "leaf", key, "shape")
+    shape = p.shape_of(e.get("shape"), lambda: f"leaf {key!r} shape")
     pl = e.get("placement")
     kind = pl.get("type") if isinstance(pl, dict) else None
     if kind == "shard":

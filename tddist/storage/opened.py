@@ -2,8 +2,9 @@
 
 A store's ``open`` pins one generation of the checkpoint (a directory or
 archive descriptor, an object's ETag, a manifest's data generation), reads
-the manifest and index bytes of that generation (``ManifestBytes``), and
-``validate`` turns them into an ``OpenedCheckpoint``: the checked manifest,
+the manifest's bytes of that generation (``ManifestBytes``; its index is read
+once the parsed manifest says how large it must be), and ``validate`` turns
+them into an ``OpenedCheckpoint``: the checked manifest,
 its generation, and the ``Pin`` every chunk is then read through. So a load
 reads one generation whole even while an overwrite replaces the checkpoint.
 
@@ -39,7 +40,7 @@ from .. import format as fmt
 from ..errors import ManifestError
 from ..manifest import checksum as manifest_checksum
 from ..manifest.model import Manifest
-from ..manifest.parse import ManifestSource, parse_manifest, paused_gc
+from ..manifest.parse import IndexSource, parse_manifest, paused_gc
 
 if TYPE_CHECKING:
     import torch
@@ -93,16 +94,15 @@ class Pin(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ManifestBytes:
-    """What a store's ``open`` found: the pin, the manifest's bytes, its container, how to name them.
+    """What a store's ``open`` found: the pin, the manifest's bytes, where its index is read from, how to name them.
 
-    The parser checks the world size against the container and has it read
-    the index once the manifest says how large it must be
-    (``manifest.model.ManifestSource``); a version-1 manifest has none.
+    The parser has the index read once the manifest says how large it must
+    be (``manifest.model.IndexSource``); a version-1 manifest has none.
     """
 
     pin: Pin
     raw: bytes
-    source: ManifestSource
+    index: IndexSource
     where: str
 
 
@@ -163,7 +163,7 @@ def _validate(found: ManifestBytes, reader: Callable[[Pin], ChunkFiles]) -> Open
         raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
     except RecursionError:
         raise ManifestError(f"{where} is JSON nested too deeply to be a tddist manifest; refusing it") from None
-    m = parse_manifest(obj, where=where, index=found.source)
+    m = parse_manifest(obj, where=where, index=found.index)
     if m.version >= 3 and not sealed:
         raise ManifestError(f"{where} (format version {m.version}) lacks its manifest_checksum; it was tampered with")
     if found.pin.archive and m.layout != "archive":

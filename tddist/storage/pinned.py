@@ -35,9 +35,9 @@ from ..errors import (
     CorruptCheckpointError,
     ManifestError,
     StorageError,
+    TddistError,
 )
-from ..manifest.model import too_many_ranks
-from ..manifest.parse import MAX_UNCHECKED_WORLD, check_manifest_size, paused_gc
+from ..manifest.parse import check_manifest_size, paused_gc
 from .opened import ManifestBytes
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -240,6 +240,8 @@ def read_stored_entry(read_at: Callable[[int, int], bytes], zi: zipfile.ZipInfo,
     if len(head) != _LOCAL.size + len(encoded) or head[:4] != b"PK\x03\x04" or head[_LOCAL.size :] != encoded:
         raise CorruptCheckpointError(f"{where}: entry {name!r} has a bad local header; the checkpoint is damaged")
     *_fields, name_len, extra_len = _LOCAL.unpack(head[: _LOCAL.size])
+    if name_len != len(encoded):
+        raise CorruptCheckpointError(f"{where}: entry {name!r} has a bad local header; the checkpoint is damaged")
     start = zi.header_offset + _LOCAL.size
     data = read_at(start + name_len + extra_len, size) if size else b""
     if len(data) != size or zlib.crc32(data) != zi.CRC:
@@ -285,29 +287,14 @@ def _directory_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
         if pin.replaced():  # the old generation's tree was removed between the open and this read
             raise pin.missing(fmt.MANIFEST_NAME, "the manifest")
         raise _not_found(pin.path, "has no manifest (it is not a committed tddist checkpoint)")
-    return ManifestBytes(pin, raw, _DirectorySource(pin), f"manifest {manifest!r}")
+    return ManifestBytes(pin, raw, _DirectoryIndex(pin), f"manifest {manifest!r}")
 
 
 @dataclass(frozen=True)
-class _DirectorySource:
-    """A pinned directory, as its manifest's parser needs it (a ``ManifestSource``)."""
+class _DirectoryIndex:
+    """``tddist.idx`` of a pinned directory (an ``IndexSource``): its size checked, then exactly that many bytes."""
 
     pin: PinnedCheckpoint
-
-    def check_world_size(self, world_size: int) -> None:
-        """A world of more than ``MAX_UNCHECKED_WORLD`` ranks needs as many entries (counted up to it)."""
-        if world_size <= MAX_UNCHECKED_WORLD:
-            return
-        count = 0
-        try:
-            with os.scandir(self.pin.fd) as entries:
-                for _entry in entries:
-                    count += 1
-                    if count >= world_size:
-                        return
-        except OSError as e:
-            raise storage_failed(self.pin.path, e) from e
-        raise too_many_ranks(world_size, count, f"manifest {os.path.join(self.pin.path, fmt.MANIFEST_NAME)!r}")
 
     def read_index(self, size: int) -> bytes | None:
         index = self.pin.read_regular(fmt.INDEX_NAME, "index", size)
@@ -337,21 +324,15 @@ def _archive_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
             )
         check_manifest_size(found.file_size, f"archive {path!r}: entry {found.filename!r}")
         raw = read_stored_entry(pin.read_at, found, found.file_size, f"archive {path!r}")
-    return ManifestBytes(pin, raw, _ArchiveSource(pin, infos.get(fmt.INDEX_NAME)), f"manifest of archive {path!r}")
+    return ManifestBytes(pin, raw, _ArchiveIndex(pin, infos.get(fmt.INDEX_NAME)), f"manifest of archive {path!r}")
 
 
 @dataclass(frozen=True)
-class _ArchiveSource:
-    """A pinned archive and its ``tddist.idx`` entry, as its manifest's parser needs them (a ``ManifestSource``)."""
+class _ArchiveIndex:
+    """The ``tddist.idx`` entry of a pinned archive (an ``IndexSource``): its declared sizes first."""
 
     pin: PinnedCheckpoint
     entry: zipfile.ZipInfo | None
-
-    def check_world_size(self, world_size: int) -> None:
-        """A world of more than ``MAX_UNCHECKED_WORLD`` ranks needs as many entries (every rank has ``meta.json``)."""
-        entries = len(self.pin.zip_entries or ())
-        if world_size > MAX_UNCHECKED_WORLD and entries < world_size:
-            raise too_many_ranks(world_size, entries, f"manifest of archive {self.pin.path!r}")
 
     def read_index(self, size: int) -> bytes | None:
         if self.entry is None:
@@ -365,6 +346,8 @@ def _zip_errors(path: str) -> Iterator[None]:
     """What reading an archive's records raises, as tddist's errors: a damaged archive, or the storage failing."""
     try:
         yield
+    except TddistError:  # CheckpointNotFoundError is an OSError too: it is no storage failure
+        raise
     except OSError as e:
         if e.errno == errno.EINVAL:  # zipfile seeking to a negative offset that a damaged record gave it
             raise CorruptCheckpointError(

@@ -29,7 +29,7 @@ import numpy as np
 from .. import format as fmt
 from .._fs import is_inside
 from ..checksum import EMPTY, block_digest, blocks, combine_digests
-from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
+from ..errors import CorruptCheckpointError, InvalidArgumentError, ManifestError, StorageError
 from ..manifest.chunks import ChunkColumns, ReplicaChunks, int_checksum
 from ..manifest.locate import Location, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
@@ -147,7 +147,8 @@ def verify(
     Raises:
         CheckpointNotFoundError: nothing committed is at ``path``.
         ManifestError: the manifest (or its index) is unreadable or invalid
-            (nothing else can be checked).
+            (nothing else can be checked), or names more ranks than a packed
+            directory of more than ``CHEAP_WORLD`` ranks holds entries.
         InvalidArgumentError: ``num_threads`` is not a positive int.
     """
     path = os.path.abspath(os.fspath(path))
@@ -207,6 +208,8 @@ def _check_threads(num_threads: object) -> None:
 
 
 _EMPTY_INT = int_checksum(EMPTY)
+#: A world of up to this many ranks is checked rank by rank, whatever the directory holds (``_Check._check_world``).
+CHEAP_WORLD = 4096
 
 
 def _empty_chunks_with_bytes_hashed(leaf: Leaf, cols: ChunkColumns | None = None) -> list[int]:
@@ -246,6 +249,7 @@ class _Check:
     def packed(self) -> None:
         """Each rank's data file (exists, regular, inside, exact size); then, unless quick, every chunk's span."""
         m = self.manifest
+        self._check_world()
         placed = self.locator.every_rank()
         sizes = placed.file_sizes()
         bad = set()
@@ -274,6 +278,33 @@ class _Check:
             del files
         found_in_chunks.sort(key=lambda t: (t[0], t[1]))
         self.problems.extend(p for _li, _i, p in found_in_chunks)
+
+    def _check_world(self) -> None:
+        """Refuse a world size the directory cannot hold before checking it rank by rank.
+
+        Packing "packed" has a data file per rank, and each missing one is
+        reported. A world of up to ``CHEAP_WORLD`` ranks costs nothing to go
+        through; a larger one must not exceed the directory's entries
+        (counted up to the world size): a manifest naming a million ranks
+        beside three files is refused at once, not reported rank by rank.
+
+        Raises:
+            ManifestError: more ranks than entries.
+        """
+        world = self.manifest.world_size
+        if world <= CHEAP_WORLD:
+            return
+        count = 0
+        with os.scandir(self.root) as entries:
+            for _entry in entries:
+                count += 1
+                if count >= world:
+                    return
+        raise ManifestError(
+            f"the manifest of {self.root!r} declares {world} ranks, but the directory holds only {count} entries "
+            f"(it has a data file per rank): the manifest is damaged or was tampered with; restore the checkpoint "
+            f"from a copy"
+        )
 
     def _empty_chunk_problems(self) -> list[tuple[int, int, Problem]]:
         """(leaf position, chunk, problem) for each chunk of no bytes whose checksum is not that of nothing.

@@ -20,8 +20,7 @@ from typing import Any
 
 from ... import format as fmt
 from ...errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
-from ...manifest.model import too_many_ranks
-from ...manifest.parse import MAX_UNCHECKED_WORLD, check_manifest_size, paused_gc
+from ...manifest.parse import check_manifest_size, paused_gc
 from ..opened import ManifestBytes
 from ..pinned import read_stored_entry
 from .client import bucket_missing, client_errors, error_code, is_missing, no_bucket, s3_client, s3_failed
@@ -181,20 +180,15 @@ def _open_directory(url: S3Url, client: Any) -> ManifestBytes:
             f"not written by tddist or was tampered with"
         )
     pin = S3Pin(url, client, archive=False, generation=generation)
-    return ManifestBytes(pin, raw, _DirectorySource(pin), where)
+    return ManifestBytes(pin, raw, _DirectoryIndex(pin), where)
 
 
 @dataclass(frozen=True)
-class _DirectorySource:
-    """A pinned generation, as its manifest's parser needs it (a ``ManifestSource``): its index object, read
-    with one ranged GET of the expected size, whose ``Content-Range`` must name exactly that size."""
+class _DirectoryIndex:
+    """The index object of a pinned generation (an ``IndexSource``): one ranged GET of the expected size, whose
+    ``Content-Range`` must name exactly that size."""
 
     pin: S3Pin
-
-    def check_world_size(self, world_size: int) -> None:
-        """Not checked: counting a generation's objects costs a listing per 1,000 on every rank. A load reads
-        only the objects of the ranks whose chunks it needs, and allocates nothing per rank the index does not
-        back, so a false world size costs nothing before a missing object is reported."""
 
     def read_index(self, size: int) -> bytes | None:
         pin = self.pin
@@ -286,7 +280,7 @@ def _open_archive(url: S3Url, client: Any) -> ManifestBytes:
         )
     check_manifest_size(found.file_size, f"archive {url.url!r}: entry {found.filename!r}")
     raw = read_stored_entry(pin.read_at, found, found.file_size, f"archive {url.url!r}")
-    return ManifestBytes(pin, raw, _ArchiveSource(pin, pin.entries.get(fmt.INDEX_NAME)), where)
+    return ManifestBytes(pin, raw, _ArchiveIndex(pin, pin.entries.get(fmt.INDEX_NAME)), where)
 
 
 def _not_a_zip(url: S3Url, e: Exception) -> CorruptCheckpointError:
@@ -294,17 +288,12 @@ def _not_a_zip(url: S3Url, e: Exception) -> CorruptCheckpointError:
 
 
 @dataclass(frozen=True)
-class _ArchiveSource:
-    """A pinned archive object and its ``tddist.idx`` entry, as its manifest's parser needs them (a
-    ``ManifestSource``): the entry's declared size first, then ranged GETs of exactly that many bytes."""
+class _ArchiveIndex:
+    """The ``tddist.idx`` entry of a pinned archive object (an ``IndexSource``): its declared sizes first, then
+    ranged GETs of exactly that many bytes."""
 
     pin: S3Pin
     entry: zipfile.ZipInfo | None
-
-    def check_world_size(self, world_size: int) -> None:
-        """A world of more than ``MAX_UNCHECKED_WORLD`` ranks needs as many entries (every rank has ``meta.json``)."""
-        if world_size > MAX_UNCHECKED_WORLD and len(self.pin.entries) < world_size:
-            raise too_many_ranks(world_size, len(self.pin.entries), f"manifest of archive {self.pin.url.url!r}")
 
     def read_index(self, size: int) -> bytes | None:
         if self.entry is None:
