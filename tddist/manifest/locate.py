@@ -83,6 +83,7 @@ class PackedChunks:
     Attributes:
         ranks: each chunk's rank (int64[n], sorted).
         leaves: each chunk's leaf, as its position in the manifest's leaves (int64[n]).
+        chunks: each chunk's position in its leaf's table (int64[n]).
         nbytes: each chunk's size (int64[n]).
         offsets: where each chunk starts in its rank's data file (int64[n]).
         ends: where each chunk's padded span ends in its rank's data file (int64[n]); a rank's data file
@@ -91,6 +92,7 @@ class PackedChunks:
 
     ranks: np.ndarray
     leaves: np.ndarray
+    chunks: np.ndarray
     nbytes: np.ndarray
     offsets: np.ndarray
     ends: np.ndarray
@@ -98,14 +100,14 @@ class PackedChunks:
     @staticmethod
     def of(manifest: Manifest) -> PackedChunks:
         """Place every chunk of ``manifest`` that holds bytes: sort by (rank, leaf), then one cumulative sum."""
-        ranks, leaves, nbytes = _stored_chunks(manifest)
+        ranks, leaves, chunks, nbytes = _stored_chunks(manifest)
         order = np.lexsort((leaves, ranks))
-        ranks, leaves, nbytes = ranks[order], leaves[order], nbytes[order]
+        ranks, leaves, chunks, nbytes = ranks[order], leaves[order], chunks[order], nbytes[order]
         padded = (nbytes + fmt.PACK_ALIGN - 1) // fmt.PACK_ALIGN * fmt.PACK_ALIGN
         ends = np.cumsum(padded, dtype=np.int64)  # at most MAX_TOTAL_BYTES plus padding: no wrap
         first = np.flatnonzero(np.diff(ranks, prepend=-1))  # where each rank's chunks begin
         base = np.repeat(ends[first] - padded[first], np.diff(np.append(first, len(ranks))))
-        return PackedChunks(ranks, leaves, nbytes, ends - padded - base, ends - base)
+        return PackedChunks(ranks, leaves, chunks, nbytes, ends - padded - base, ends - base)
 
     def rows_of(self, rank: int) -> slice:
         """The rows of ``rank``'s chunks."""
@@ -123,32 +125,31 @@ class PackedChunks:
         return dict(zip(self.ranks[last].tolist(), self.ends[last].tolist()))
 
 
-def _stored_chunks(manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(rank, leaf position, nbytes) of every chunk of at least one byte, in leaf order.
+def _stored_chunks(manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, leaf position, chunk position, nbytes) of every chunk of at least one byte, in leaf order.
 
     Replicated leaves (one chunk each; often most of a model) are gathered
     in Python lists; the others' columns in numpy.
     """
-    single: list[tuple[int, int, int]] = []
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    single: list[tuple[int, int, int, int]] = []
+    parts: list[tuple[np.ndarray, ...]] = []
     for i, leaf in enumerate(manifest.leaves.values()):
         t = leaf.table
         if isinstance(t, ReplicaChunks):
             n = t.nbytes_of_rank(t.writer)
             if n:
-                single.append((t.writer, i, n))
+                single.append((t.writer, i, 0, n))
             continue
         cols = t.columns()
         held = np.flatnonzero(cols.nbytes)
         if len(held):
-            parts.append((cols.ranks[held], np.full(len(held), i, np.int64), cols.nbytes[held]))
+            parts.append((cols.ranks[held], np.full(len(held), i, np.int64), held, cols.nbytes[held]))
     if single:
-        rows = np.array(single, dtype=np.int64).reshape(-1, 3)
-        parts.append((rows[:, 0], rows[:, 1], rows[:, 2]))
+        rows = np.array(single, dtype=np.int64).reshape(-1, 4)
+        parts.append(tuple(rows[:, c] for c in range(4)))
     if not parts:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    return tuple(np.concatenate([np.asarray(p[c], np.int64) for p in parts]) for c in range(3))  # type: ignore[return-value]
+        return tuple(np.zeros(0, np.int64) for _ in range(4))  # type: ignore[return-value]
+    return tuple(np.concatenate([np.asarray(p[c], np.int64) for p in parts]) for c in range(4))  # type: ignore[return-value]
 
 
 def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -184,8 +184,8 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) 
     own_block = cursor.take(_I8, world * len(own)).reshape(len(own), world)
     sums = cursor.take(_U8, sum(_chunk_count(e, world) for e in entries))
     totals = {k: m.nodes[k][0] for k in batched}
-    _check_rows(p, node_block, list(totals.values()), [f"has invalid rows for node {k!r}" for k in batched])
-    _check_rows(p, own_block, [e.shape[_dim(e)] for e in own], [f"leaf {e.key!r} has rows" for e in own])
+    _check_rows(p, node_block, list(totals.values()), batched, "has invalid rows for node {key!r}")
+    _check_rows(p, own_block, [e.shape[_dim(e)] for e in own], [e.key for e in own], "leaf {key!r} has rows")
     rows = _IndexRows(dict(zip(batched, node_block)), totals, {e.key: r for e, r in zip(own, own_block)})
     m.node_rows.update(zip(batched, node_block.tolist()))
     tables = _Tables(p, world, rows, sums, cursor)
@@ -200,9 +200,9 @@ def _dim(e: _LeafEntry) -> int:
     return e.placement.dim
 
 
-def _check_rows(p: Parser, block: np.ndarray, totals: list[int], names: list[str]) -> None:
-    """Each row of ``block`` (one per node or leaf, one number per rank) is non-negative and sums to its total;
-    ``names[i]`` begins the message refusing row ``i``.
+def _check_rows(p: Parser, block: np.ndarray, totals: list[int], keys: list[Key], what: str) -> None:
+    """Each row of ``block`` (one per node or leaf ``keys[i]``, one number per rank) is non-negative and sums to
+    its total; ``what`` (formatted with the key) begins the message refusing a row.
 
     Sums are partial sums (numpy's int64): the numbers are non-negative, so
     a partial sum only grows, and one that wrapped past 2^63 turns negative.
@@ -213,7 +213,7 @@ def _check_rows(p: Parser, block: np.ndarray, totals: list[int], names: list[str
     ok = (block >= 0).all(axis=1) & (partial >= 0).all(axis=1) & (partial[:, -1] == np.asarray(totals, np.int64))
     if not ok.all():
         bad = int(np.argmin(ok))
-        p.fail(f"{names[bad]} that are negative or do not sum to {totals[bad]}")
+        p.fail(f"{what.format(key=keys[bad])} that are negative or do not sum to {totals[bad]}")
 
 
 class _Tables:

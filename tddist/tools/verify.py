@@ -221,13 +221,6 @@ def _empty_chunks_with_bytes_hashed(leaf: Leaf, cols: ChunkColumns | None = None
     return np.flatnonzero((cols.nbytes == 0) & (cols.checksums != np.uint64(_EMPTY_INT))).tolist()
 
 
-def _index_of_rank(leaf: Leaf, rank: int) -> int:
-    """The chunk of ``leaf`` that ``rank`` stored (it stored one: the caller found it in the packed chunks)."""
-    i = leaf.table.index_of_rank(rank)
-    assert i is not None
-    return i
-
-
 def _where(leaf: Leaf, chunk: Chunk) -> str:
     return f"leaf {list(leaf.key)} (written by rank {chunk.rank})"
 
@@ -240,6 +233,7 @@ class _Check:
         self.real_root = os.path.realpath(root)
         self.spans = manifest.packing == "packed" and not os.path.isfile(root)  # chunks lie at offsets of files
         self.locator = Locator(manifest)
+        self.keys = list(manifest.leaves)  # the leaves' keys, by position
         self.tick = progress or (lambda n: None)
         self.pool: ThreadPoolExecutor | None = None
         self.problems: list[Problem] = []
@@ -268,9 +262,9 @@ class _Check:
             if rank in bad:
                 continue
             files = local_files(self.root)  # this rank's file is mapped once, and unmapped after it
-            for li in placed.leaves[placed.rows_of(rank)].tolist():
+            rows = placed.rows_of(rank)
+            for li, i in zip(placed.leaves[rows].tolist(), placed.chunks[rows].tolist()):
                 leaf = leaves[li]
-                i = _index_of_rank(leaf, rank)
                 chunk = leaf.table.chunk(i)
                 problem = self._check_chunk_bytes(files, leaf, chunk, self.locator.locate(leaf, chunk))
                 if problem is not None:
@@ -354,7 +348,7 @@ class _Check:
 
     def _held(self, rank: int) -> str:
         """What a rank's data file holds, in words (for a problem of the whole file)."""
-        placed, leaves = self.locator.every_rank(), list(self.manifest.leaves)
+        placed, leaves = self.locator.every_rank(), self.keys
         keys = [leaves[i] for i in placed.leaves[placed.rows_of(rank)].tolist()]
         shown = ", ".join(str(list(k)) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
         return f"it holds {len(keys)} chunk(s)" + (f" (leaves {shown})" if keys else "")
