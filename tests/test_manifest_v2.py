@@ -768,3 +768,22 @@ def test_a_manifest_larger_than_readers_accept_is_never_written(tmp_path, monkey
 
     tddist.run_threads(2, save_rank)
     assert torch.equal(tddist.load(target, shard=None)["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("name", ["three_ranks", "dtensor", "extended", "per_rank", "single_rank"])
+def test_every_rank_placed_at_once_matches_each_rank_placed_alone(name):
+    """``PackedChunks`` (every rank's chunks sorted and placed at once, chunks of no bytes left out) gives each
+    rank the offsets and data file size that ``packed_offsets`` gives that rank's column of chunk sizes alone,
+    the derivation of docs/format.md section 2.3 that writers follow."""
+    from tddist.manifest.locate import PackedChunks, packed_offsets
+
+    m = tddist.read_manifest(GOLDEN / "v3" / name)
+    placed, keys = PackedChunks.of(m), list(m.leaves)
+    for rank in range(m.world_size):
+        nbytes = np.array([leaf.table.nbytes_of_rank(rank) for leaf in m.leaves.values()], np.int64)
+        offsets, size = packed_offsets(nbytes)
+        alone = {k: o for k, o, n in zip(keys, offsets.tolist(), nbytes.tolist()) if n}
+        assert placed.of_rank(rank, keys) == (alone, int(size)), (name, rank)
+        rows = placed.rows_of(rank)
+        for li, i in zip(placed.leaves[rows].tolist(), placed.chunks[rows].tolist()):  # each chunk's own position
+            assert m.leaves[keys[li]].table.chunk(i).rank == rank

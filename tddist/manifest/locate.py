@@ -78,36 +78,43 @@ class PackedChunks:
     Only chunks of at least one byte are listed, so its size follows the
     index (a chunk per rank of a sharded leaf) and the leaves, never the
     world size alone: a rank that stored nothing has no row, and a data
-    file of size 0.
+    file of size 0. 16 bytes per chunk (ranks, leaves and chunk positions
+    fit in int32: at most 2^24 ranks, and fewer leaves than a manifest of
+    256 MiB can list).
 
     Attributes:
-        ranks: each chunk's rank (int64[n], sorted).
-        leaves: each chunk's leaf, as its position in the manifest's leaves (int64[n]).
-        chunks: each chunk's position in its leaf's table (int64[n]).
-        nbytes: each chunk's size (int64[n]).
+        ranks: each chunk's rank (int32[n], sorted).
+        leaves: each chunk's leaf, as its position in the manifest's leaves (int32[n]).
+        chunks: each chunk's position in its leaf's table (int32[n]).
         offsets: where each chunk starts in its rank's data file (int64[n]).
-        ends: where each chunk's padded span ends in its rank's data file (int64[n]); a rank's data file
-            ends where its last chunk's does.
+        sizes: the size of each data file that holds bytes, by rank (every other rank's is 0).
     """
 
     ranks: np.ndarray
     leaves: np.ndarray
     chunks: np.ndarray
-    nbytes: np.ndarray
     offsets: np.ndarray
-    ends: np.ndarray
+    sizes: dict[int, int]
 
     @staticmethod
     def of(manifest: Manifest) -> PackedChunks:
         """Place every chunk of ``manifest`` that holds bytes: sort by (rank, leaf), then one cumulative sum."""
         ranks, leaves, chunks, nbytes = _stored_chunks(manifest)
         order = np.lexsort((leaves, ranks))
-        ranks, leaves, chunks, nbytes = ranks[order], leaves[order], chunks[order], nbytes[order]
-        padded = (nbytes + fmt.PACK_ALIGN - 1) // fmt.PACK_ALIGN * fmt.PACK_ALIGN
-        ends = np.cumsum(padded, dtype=np.int64)  # at most MAX_TOTAL_BYTES plus padding: no wrap
+        ranks, leaves, chunks, padded = ranks[order], leaves[order], chunks[order], nbytes[order]
+        del order, nbytes
+        padded += fmt.PACK_ALIGN - 1  # each chunk rounded up to the alignment, in place
+        padded //= fmt.PACK_ALIGN
+        padded *= fmt.PACK_ALIGN
+        offsets = np.cumsum(padded, dtype=np.int64)  # at most MAX_TOTAL_BYTES plus padding: no wrap
+        offsets -= padded  # where each chunk starts, counted over every rank's chunks together
         first = np.flatnonzero(np.diff(ranks, prepend=-1))  # where each rank's chunks begin
-        base = np.repeat(ends[first] - padded[first], np.diff(np.append(first, len(ranks))))
-        return PackedChunks(ranks, leaves, chunks, nbytes, ends - padded - base, ends - base)
+        counts = np.diff(np.append(first, len(ranks)))
+        base = offsets[first]
+        last = first + counts - 1
+        sizes = dict(zip(ranks[first].tolist(), (offsets[last] + padded[last] - base).tolist()))
+        offsets -= np.repeat(base, counts)
+        return PackedChunks(ranks, leaves, chunks, offsets, sizes)
 
     def rows_of(self, rank: int) -> slice:
         """The rows of ``rank``'s chunks."""
@@ -117,12 +124,11 @@ class PackedChunks:
         """Each leaf's offset in ``rank``'s data file (``keys``: the manifest's leaf keys), and the file's size."""
         rows = self.rows_of(rank)
         offsets = dict(zip([keys[i] for i in self.leaves[rows].tolist()], self.offsets[rows].tolist()))
-        return offsets, int(self.ends[rows.stop - 1]) if rows.stop > rows.start else 0
+        return offsets, self.sizes.get(rank, 0)
 
     def file_sizes(self) -> dict[int, int]:
         """The size of each data file that holds bytes, by rank (every other rank's is 0)."""
-        last = np.flatnonzero(np.diff(self.ranks, append=-1))  # each rank's last chunk
-        return dict(zip(self.ranks[last].tolist(), self.ends[last].tolist()))
+        return self.sizes
 
 
 def _stored_chunks(manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -147,9 +153,10 @@ def _stored_chunks(manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarr
     if single:
         rows = np.array(single, dtype=np.int64).reshape(-1, 4)
         parts.append(tuple(rows[:, c] for c in range(4)))
+    types = (np.int32, np.int32, np.int32, np.int64)  # rank, leaf and chunk positions; bytes
     if not parts:
-        return tuple(np.zeros(0, np.int64) for _ in range(4))  # type: ignore[return-value]
-    return tuple(np.concatenate([np.asarray(p[c], np.int64) for p in parts]) for c in range(4))  # type: ignore[return-value]
+        return tuple(np.zeros(0, t) for t in types)  # type: ignore[return-value]
+    return tuple(np.concatenate([np.asarray(p[c], t) for p in parts]) for c, t in enumerate(types))  # type: ignore[return-value]
 
 
 def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
