@@ -303,13 +303,13 @@ def test_a_per_rank_leaf_of_one_dimension(tmp_path):
 def test_truncated_index_is_refused(multi, monkeypatch):
     obj, index = read(multi)
     write(multi, obj, index[:-8], fix_index=False)
-    refused(multi, rf"has an index of {len(index) - 8} bytes, expected {len(index)} \(truncated\?\)", monkeypatch)
+    refused(multi, rf"tddist.idx' has {len(index) - 8} bytes, its manifest implies {len(index)}", monkeypatch)
 
 
 def test_extended_index_is_refused(multi, monkeypatch):
     obj, index = read(multi)
     write(multi, obj, index + bytes(8), fix_index=False)
-    refused(multi, rf"has an index of {len(index) + 8} bytes, expected {len(index)}", monkeypatch)
+    refused(multi, rf"tddist.idx' has {len(index) + 8} bytes, its manifest implies {len(index)}", monkeypatch)
 
 
 @pytest.mark.parametrize("delta", [-8, 8, 1], ids=["smaller", "larger", "odd"])
@@ -580,7 +580,7 @@ def test_archive_without_its_index_is_refused(archive, monkeypatch):
 
 def test_archive_with_a_damaged_index_is_refused(archive, monkeypatch):
     _rewrite_archive(archive, lambda name, data: data[:-8] if name == "tddist.idx" else data)
-    refused(archive, r"has an index of 8 bytes, expected 16", monkeypatch)
+    refused(archive, r"entry 'tddist.idx' declares 8 bytes \(8 stored\), its manifest implies 16", monkeypatch)
 
 
 # --- packed data files ------------------------------------------------------------------------------------------
@@ -751,3 +751,39 @@ def test_packed_checkpoint_packs_into_an_archive_of_tensordict_rank_directories(
     assert_td_equal(tddist.load(tmp_path / "d", shard=None, verify=True), recipe.multi_rank_global())
     td = TensorDict.load_memmap(tmp_path / "d" / "rank-00002")
     assert torch.equal(td["data", "x"], recipe.multi_rank_shard(2)["data", "x"])
+
+
+def test_a_manifest_larger_than_readers_accept_is_never_written(tmp_path, monkeypatch):
+    """The writer refuses what the readers would refuse (the bound shrunk to 4 KiB here, so the manifest need not
+    be 256 MiB): the save fails on every rank with the sizes named, and the previous checkpoint stays."""
+    import tddist.manifest.v2 as manifest_v2
+
+    target = tmp_path / "ckpt"
+    tddist.save({"w": torch.arange(4.0)}, target)
+    monkeypatch.setattr(manifest_v2, "MAX_MANIFEST_BYTES", 4096)
+
+    def save_rank(comm):
+        with pytest.raises(tddist.InvalidDataError, match=r"would have \d+ bytes, more than the 4096 bytes .*metadata"):
+            tddist.save({"w": torch.arange(4.0) + 1}, target, comm=comm, metadata={"notes": "x" * 8192})
+
+    tddist.run_threads(2, save_rank)
+    assert torch.equal(tddist.load(target, shard=None)["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("name", ["three_ranks", "dtensor", "extended", "per_rank", "single_rank"])
+def test_every_rank_placed_at_once_matches_each_rank_placed_alone(name):
+    """``PackedChunks`` (every rank's chunks sorted and placed at once, chunks of no bytes left out) gives each
+    rank the offsets and data file size that ``packed_offsets`` gives that rank's column of chunk sizes alone,
+    the derivation of docs/format.md section 2.3 that writers follow."""
+    from tddist.manifest.locate import PackedChunks, packed_offsets
+
+    m = tddist.read_manifest(GOLDEN / "v3" / name)
+    placed, keys = PackedChunks.of(m), list(m.leaves)
+    for rank in range(m.world_size):
+        nbytes = np.array([leaf.table.nbytes_of_rank(rank) for leaf in m.leaves.values()], np.int64)
+        offsets, size = packed_offsets(nbytes)
+        alone = {k: o for k, o, n in zip(keys, offsets.tolist(), nbytes.tolist()) if n}
+        assert placed.of_rank(rank, keys) == (alone, int(size)), (name, rank)
+        rows = placed.rows_of(rank)
+        for li, i in zip(placed.leaves[rows].tolist(), placed.chunks[rows].tolist()):  # each chunk's own position
+            assert m.leaves[keys[li]].table.chunk(i).rank == rank

@@ -179,15 +179,26 @@ def test_a_damaged_archive_offset_names_the_archive(tmp_path):
 
 
 def test_a_manifest_entry_of_exactly_the_limit_is_read(tmp_path):
-    """_read_entry's bound is inclusive: an entry of ``limit`` bytes is read, one of ``limit + 1`` refused."""
+    """The manifest's bound is inclusive (``check_manifest_size``); a stored entry is read at exactly the size
+    asked for, and one declaring another size is refused."""
+    from tddist.manifest.model import MAX_MANIFEST_BYTES, check_manifest_size
+
+    check_manifest_size(MAX_MANIFEST_BYTES, "m")
+    with pytest.raises(ManifestError, match=rf"m has {MAX_MANIFEST_BYTES + 1} bytes, more than the"):
+        check_manifest_size(MAX_MANIFEST_BYTES + 1, "m")
     z = tmp_path / "a.zip"
     with zipfile.ZipFile(z, "w") as zf:
         zf.writestr(fmt.MANIFEST_NAME, b"0123456789")
     with zipfile.ZipFile(z) as zf:
         zi = zf.getinfo(fmt.MANIFEST_NAME)
-        assert pinned._read_entry(zf, zi, 10, str(z)) == b"0123456789"
-        with pytest.raises(ManifestError, match="declares 10 bytes; refusing it"):
-            pinned._read_entry(zf, zi, 9, str(z))
+    raw = z.read_bytes()
+
+    def read_at(offset: int, n: int) -> bytes:
+        return raw[offset : offset + n]
+
+    assert pinned.read_stored_entry(read_at, zi, 10, str(z)) == b"0123456789"
+    with pytest.raises(ManifestError, match="declares 10 bytes .10 stored., its manifest implies 9"):
+        pinned.read_stored_entry(read_at, zi, 9, str(z))
 
 
 # --- manifest_v2: declared per-rank values --------------------------------------------------
@@ -576,8 +587,8 @@ def test_a_file_gone_from_a_replaced_checkpoint_is_a_change_not_damage(tmp_path,
     with PinnedCheckpoint(str(target)) as pin:
         os.unlink(target / name)
         replace_dir(target, tmp_path)
-        with pytest.raises(CheckpointChangedError) as e:
-            pinned._directory_manifest(pin)
+        with pytest.raises(CheckpointChangedError) as e:  # the index: read once the manifest says its size
+            pinned._directory_manifest(pin).index.read_index(0)
     assert f"was replaced while it was being read ({what} of the old one is gone)" in str(e.value), e.value
 
 
@@ -588,7 +599,11 @@ def test_a_pinned_checkpoint_reads_its_own_generation_after_a_replace(tmp_path):
     with PinnedCheckpoint(str(target)) as pin:
         replace_dir(target, tmp_path)
         found = pinned._directory_manifest(pin)
-        assert (found.raw, found.index, found.where) == (raw, index, f"manifest {str(target / fmt.MANIFEST_NAME)!r}")
+        assert (found.raw, found.index.read_index(len(index)), found.where) == (
+            raw,
+            index,
+            f"manifest {str(target / fmt.MANIFEST_NAME)!r}",
+        )
 
 
 def test_a_missing_index_of_a_checkpoint_in_place_is_left_to_the_parser(tmp_path):
@@ -597,7 +612,7 @@ def test_a_missing_index_of_a_checkpoint_in_place_is_left_to_the_parser(tmp_path
     os.unlink(target / fmt.INDEX_NAME)
     with PinnedCheckpoint(str(target)) as pin:
         found = pinned._directory_manifest(pin)
-    assert found.index is None and found.raw == (target / fmt.MANIFEST_NAME).read_bytes()
+        assert found.index.read_index(8) is None and found.raw == (target / fmt.MANIFEST_NAME).read_bytes()
     with pytest.raises(ManifestError, match=rf"has no index \({fmt.INDEX_NAME}\)"):
         tddist.read_manifest(target)
 

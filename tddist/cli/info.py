@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 
@@ -185,14 +186,30 @@ def _print_header(path: str, m: Manifest, total: int) -> None:
     """The summary's first lines: what the checkpoint is, who saved it when, and its tensors by placement."""
     archive = _is_archive(path)
     layout = "archive" if archive else "directory"
-    age = inventory.describe(path)
     when = m.created or "an unknown time"
+    age = _age_seconds(path, m.created)
     if age is not None and m.created:
-        when += f" ({human_age(age.age_seconds)} ago)"
+        when += f" ({human_age(age)} ago)"
     print(f"{path}: tddist checkpoint, {layout}, format version {m.version} ({packing_text(m, archive)})")
     print(f"  world size {m.world_size} (ranks that saved it), saved at {when} by tddist {m.tddist_version or '?'}")
     split = ", ".join(f"{n} {k}" for k, n in _placement_counts(m).items())
     print(f"  {len(m.leaves)} tensor(s){f' ({split})' if split else ''}, {human_bytes(total)} of tensor data")
+
+
+def _age_seconds(path: str, created: str) -> float | None:
+    """Seconds since the checkpoint at ``path`` was committed: its manifest's time (else the file's modification
+    time), as ``tddist ls`` shows it; None off the local file system. The manifest read once is enough (asking
+    ``inventory.describe`` would read and validate it again)."""
+    try:
+        mtime = os.lstat(path).st_mtime
+    except OSError:
+        return None
+    try:
+        t = datetime.datetime.fromisoformat(created)
+        when = (t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)).timestamp()
+    except ValueError:
+        when = mtime
+    return max(0.0, datetime.datetime.now(datetime.timezone.utc).timestamp() - when)
 
 
 def _placement_counts(m: Manifest) -> dict[str, int]:

@@ -21,6 +21,7 @@ from ..core.types import Key
 from ..errors import CorruptCheckpointError
 from ..manifest.locate import ChunkRange, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
+from ..manifest.parse import paused_gc
 from ..storage.backends import local_files
 from ..storage.opened import ChunkFiles, OpenedCheckpoint
 from ..storage.pinned import storage_failed
@@ -83,6 +84,10 @@ class ChunkSource:
 def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor | None, verify: bool) -> torch.Tensor:
     """The part ``box`` of ``leaf``: a view when it lies in one chunk, else a threaded copy."""
     chunks = leaf.overlapping(box)  # only these are built, however many ranks saved the leaf
+    if len(chunks) == 1 and chunks[0].box == box and math.prod(box[1]) > 0:  # one whole chunk: no planning
+        if verify:
+            source.verify(leaf, chunks[0], pool)
+        return source.tensor(leaf, chunks[0])[...]  # a view, as a piece of a chunk is
     pieces = plan_reads(box, [c.box for c in chunks])
     if verify:
         for p in pieces:
@@ -145,7 +150,8 @@ def read_leaves(
         source.files.prefetch(_needed(source, requests, verify), num_threads)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
-        return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]
+        with paused_gc():  # a tensor per leaf, and its chunks: see paused_gc
+            return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]
     except OSError as e:
         if e.errno == errno.ENOMEM:
             raise

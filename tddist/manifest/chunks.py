@@ -34,6 +34,21 @@ class Chunk:
     checksum: str
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkColumns:
+    """Every chunk of a leaf as three columns, in chunk order (what whole-checkpoint passes vectorise over).
+
+    Attributes:
+        ranks: the rank that wrote each chunk (int64[n]).
+        nbytes: each chunk's size in bytes (int64[n]; 0 for an empty chunk, which has no file).
+        checksums: each chunk's checksum (uint64[n]).
+    """
+
+    ranks: np.ndarray
+    nbytes: np.ndarray
+    checksums: np.ndarray
+
+
 def hex_checksum(value: int) -> str:
     """A chunk checksum (an unsigned 64-bit integer) as the manifest's 16 hex digits."""
     return f"{int(value):016x}"
@@ -44,13 +59,32 @@ def int_checksum(text: str) -> int:
     return int(text, 16)
 
 
+def starts_of(lengths: np.ndarray) -> np.ndarray:
+    """Where each of consecutive runs of ``lengths`` starts, and where the last one ends (int64[n + 1])."""
+    return np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+
+
 class ShardChunks:
     """One chunk per rank along ``dim``: ``lengths`` (int64) and ``checksums`` (uint64), in rank order."""
 
-    def __init__(self, shape: tuple[int, ...], dim: int, itemsize: int, lengths: np.ndarray, checksums: np.ndarray):
+    # Slots: a manifest holds one table per leaf (100,000s), and an object without a ``__dict__`` is one
+    # object less for the collector to walk.
+    __slots__ = ("shape", "dim", "itemsize", "lengths", "checksums", "_starts")
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        dim: int,
+        itemsize: int,
+        lengths: np.ndarray,
+        checksums: np.ndarray,
+        starts: np.ndarray | None = None,
+    ):
+        """``starts``: those of ``lengths`` (see ``starts``), when they are already known: the leaves of one
+        node share its rows, and their starts."""
         self.shape, self.dim, self.itemsize = shape, dim, itemsize
         self.lengths, self.checksums = lengths, checksums
-        self._starts: np.ndarray | None = None
+        self._starts: np.ndarray | None = starts
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -63,7 +97,7 @@ class ShardChunks:
     def starts(self) -> np.ndarray:
         """Where each rank's chunk starts along the shard dim, and the end (computed once, in numpy)."""
         if self._starts is None:
-            self._starts = np.concatenate(([0], np.cumsum(self.lengths, dtype=np.int64)))
+            self._starts = starts_of(self.lengths)
         return self._starts
 
     def chunk(self, i: int) -> Chunk:
@@ -89,13 +123,16 @@ class ShardChunks:
         """Bytes ``rank`` stored for this leaf."""
         return int(self.lengths[rank]) * self.row_bytes
 
-    def nbytes_by_rank(self, world: int) -> np.ndarray:
-        """Bytes every rank stored for this leaf (int64[world])."""
-        return np.asarray(self.lengths, dtype=np.int64)[:world] * self.row_bytes
+    def columns(self) -> ChunkColumns:
+        """Every chunk in columns: chunk ``r`` is rank ``r``'s."""
+        n = len(self.lengths)
+        return ChunkColumns(np.arange(n, dtype=np.int64), self.lengths * self.row_bytes, self.checksums)
 
 
 class ReplicaChunks:
     """The whole leaf, stored once by ``writer``."""
+
+    __slots__ = ("shape", "itemsize", "writer", "checksum")
 
     def __init__(self, shape: tuple[int, ...], itemsize: int, writer: int, checksum: int):
         self.shape, self.itemsize, self.writer, self.checksum = shape, itemsize, writer, checksum
@@ -116,14 +153,17 @@ class ReplicaChunks:
     def nbytes_of_rank(self, rank: int) -> int:
         return math.prod(self.shape) * self.itemsize if rank == self.writer else 0
 
-    def nbytes_by_rank(self, world: int) -> np.ndarray:
-        out = np.zeros(world, dtype=np.int64)
-        out[self.writer] = math.prod(self.shape) * self.itemsize
-        return out
+    def columns(self) -> ChunkColumns:
+        nbytes = math.prod(self.shape) * self.itemsize
+        return ChunkColumns(
+            np.array([self.writer], np.int64), np.array([nbytes], np.int64), np.array([self.checksum], np.uint64)
+        )
 
 
 class BoxChunks:
     """Arbitrary boxes: ``ranks`` (int64[n]), ``offsets`` and ``sizes`` (int64[n, ndim]), ``checksums`` (uint64[n])."""
+
+    __slots__ = ("itemsize", "ranks", "offsets", "sizes", "checksums")
 
     def __init__(self, itemsize: int, ranks: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, checksums: np.ndarray):
         self.itemsize, self.ranks, self.offsets, self.sizes, self.checksums = itemsize, ranks, offsets, sizes, checksums
@@ -154,11 +194,9 @@ class BoxChunks:
         i = self.index_of_rank(rank)
         return 0 if i is None else int(np.prod(self.sizes[i], dtype=np.int64)) * self.itemsize
 
-    def nbytes_by_rank(self, world: int) -> np.ndarray:
-        out = np.zeros(world, dtype=np.int64)
-        if len(self.ranks):
-            out[np.asarray(self.ranks, dtype=np.int64)] = np.prod(self.sizes, axis=1, dtype=np.int64) * self.itemsize
-        return out
+    def columns(self) -> ChunkColumns:
+        nbytes = np.prod(self.sizes, axis=1, dtype=np.int64).reshape(-1) * self.itemsize
+        return ChunkColumns(self.ranks, nbytes, self.checksums)
 
 
 ChunkTable = ShardChunks | ReplicaChunks | BoxChunks

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import format as fmt
 from ..core.types import Key
-from .chunks import Chunk
+from .chunks import Chunk, ReplicaChunks
 from .model import Leaf, Manifest
 
 
@@ -35,7 +35,7 @@ class Locator:
     def __init__(self, manifest: Manifest):
         self.manifest = manifest
         self._packed: dict[int, tuple[dict[Key, int], int]] = {}
-        self._all: tuple[np.ndarray, np.ndarray] | None = None  # offsets[leaf, rank], sizes[rank]
+        self._all: PackedChunks | None = None
 
     def locate(self, leaf: Leaf, chunk: Chunk) -> Location:
         m = self.manifest
@@ -45,32 +45,118 @@ class Locator:
         return Location(fmt.rank_data_name(chunk.rank), offsets.get(leaf.key, 0), chunk.nbytes, size)
 
     def packed(self, rank: int) -> tuple[dict[Key, int], int]:
-        """Each leaf's offset in ``rank``'s data file, and the file's size.
+        """Each leaf's offset in ``rank``'s data file (the leaves it stored bytes of), and the file's size.
 
         The first rank asked for is computed alone (one pass over the leaves:
-        a rank loading its own rows); from the second one on, every rank is
-        computed at once, column by column (a load of the whole checkpoint).
+        a rank loading its own rows); from the second one on, every chunk of
+        every rank is placed at once (``every_rank``: a load of the whole checkpoint).
         """
         found = self._packed.get(rank)
         if found is not None:
             return found
-        keys = list(self.manifest.leaves)
         if not self._packed and self._all is None:
-            nbytes = np.array([leaf.table.nbytes_of_rank(rank) for leaf in self.manifest.leaves.values()], np.int64)
+            leaves = self.manifest.leaves
+            nbytes = np.array([leaf.table.nbytes_of_rank(rank) for leaf in leaves.values()], np.int64)
             offsets, total = packed_offsets(nbytes)
-            size = int(total)
+            found = ({k: o for k, o, n in zip(leaves, offsets.tolist(), nbytes.tolist()) if n}, int(total))
         else:
-            if self._all is None:
-                self._all = self._every_rank()
-            offsets, size = self._all[0][:, rank], int(self._all[1][rank])
-        found = self._packed[rank] = (dict(zip(keys, offsets.tolist())), size)
+            found = self.every_rank().of_rank(rank, list(self.manifest.leaves))
+        self._packed[rank] = found
         return found
 
-    def _every_rank(self) -> tuple[np.ndarray, np.ndarray]:
-        """offsets[leaf, rank] of every chunk in its rank's data file, and every data file's size."""
-        world = self.manifest.world_size
-        rows = [leaf.table.nbytes_by_rank(world) for leaf in self.manifest.leaves.values()]
-        return packed_offsets(np.stack(rows) if rows else np.zeros((0, world), dtype=np.int64))
+    def every_rank(self) -> PackedChunks:
+        """Where every chunk that holds bytes lies in its rank's data file (computed once)."""
+        if self._all is None:
+            self._all = PackedChunks.of(self.manifest)
+        return self._all
+
+
+@dataclass(frozen=True)
+class PackedChunks:
+    """Every chunk that holds bytes, ordered by rank, then by leaf (the order of a packed data file), in columns.
+
+    Only chunks of at least one byte are listed, so its size follows the
+    index (a chunk per rank of a sharded leaf) and the leaves, never the
+    world size alone: a rank that stored nothing has no row, and a data
+    file of size 0. 16 bytes per chunk (ranks, leaves and chunk positions
+    fit in int32: at most 2^24 ranks, and fewer leaves than a manifest of
+    256 MiB can list).
+
+    Attributes:
+        ranks: each chunk's rank (int32[n], sorted).
+        leaves: each chunk's leaf, as its position in the manifest's leaves (int32[n]).
+        chunks: each chunk's position in its leaf's table (int32[n]).
+        offsets: where each chunk starts in its rank's data file (int64[n]).
+        sizes: the size of each data file that holds bytes, by rank (every other rank's is 0).
+    """
+
+    ranks: np.ndarray
+    leaves: np.ndarray
+    chunks: np.ndarray
+    offsets: np.ndarray
+    sizes: dict[int, int]
+
+    @staticmethod
+    def of(manifest: Manifest) -> PackedChunks:
+        """Place every chunk of ``manifest`` that holds bytes: sort by (rank, leaf), then one cumulative sum."""
+        ranks, leaves, chunks, nbytes = _stored_chunks(manifest)
+        order = np.lexsort((leaves, ranks))
+        ranks, leaves, chunks, padded = ranks[order], leaves[order], chunks[order], nbytes[order]
+        del order, nbytes
+        padded += fmt.PACK_ALIGN - 1  # each chunk rounded up to the alignment, in place
+        padded //= fmt.PACK_ALIGN
+        padded *= fmt.PACK_ALIGN
+        offsets = np.cumsum(padded, dtype=np.int64)  # at most MAX_TOTAL_BYTES plus padding: no wrap
+        offsets -= padded  # where each chunk starts, counted over every rank's chunks together
+        first = np.flatnonzero(np.diff(ranks, prepend=-1))  # where each rank's chunks begin
+        counts = np.diff(np.append(first, len(ranks)))
+        base = offsets[first]
+        last = first + counts - 1
+        sizes = dict(zip(ranks[first].tolist(), (offsets[last] + padded[last] - base).tolist()))
+        offsets -= np.repeat(base, counts)
+        return PackedChunks(ranks, leaves, chunks, offsets, sizes)
+
+    def rows_of(self, rank: int) -> slice:
+        """The rows of ``rank``'s chunks."""
+        return slice(int(np.searchsorted(self.ranks, rank, "left")), int(np.searchsorted(self.ranks, rank, "right")))
+
+    def of_rank(self, rank: int, keys: list[Key]) -> tuple[dict[Key, int], int]:
+        """Each leaf's offset in ``rank``'s data file (``keys``: the manifest's leaf keys), and the file's size."""
+        rows = self.rows_of(rank)
+        offsets = dict(zip([keys[i] for i in self.leaves[rows].tolist()], self.offsets[rows].tolist()))
+        return offsets, self.sizes.get(rank, 0)
+
+    def file_sizes(self) -> dict[int, int]:
+        """The size of each data file that holds bytes, by rank (every other rank's is 0)."""
+        return self.sizes
+
+
+def _stored_chunks(manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rank, leaf position, chunk position, nbytes) of every chunk of at least one byte, in leaf order.
+
+    Replicated leaves (one chunk each; often most of a model) are gathered
+    in Python lists; the others' columns in numpy.
+    """
+    single: list[tuple[int, int, int, int]] = []
+    parts: list[tuple[np.ndarray, ...]] = []
+    for i, leaf in enumerate(manifest.leaves.values()):
+        t = leaf.table
+        if isinstance(t, ReplicaChunks):
+            n = t.nbytes_of_rank(t.writer)
+            if n:
+                single.append((t.writer, i, 0, n))
+            continue
+        cols = t.columns()
+        held = np.flatnonzero(cols.nbytes)
+        if len(held):
+            parts.append((cols.ranks[held], np.full(len(held), i, np.int64), held, cols.nbytes[held]))
+    if single:
+        rows = np.array(single, dtype=np.int64).reshape(-1, 4)
+        parts.append(tuple(rows[:, c] for c in range(4)))
+    types = (np.int32, np.int32, np.int32, np.int64)  # rank, leaf and chunk positions; bytes
+    if not parts:
+        return tuple(np.zeros(0, t) for t in types)  # type: ignore[return-value]
+    return tuple(np.concatenate([np.asarray(p[c], t) for p in parts]) for c, t in enumerate(types))  # type: ignore[return-value]
 
 
 def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -12,8 +12,9 @@ in a binary index). No torch is needed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from .. import format as fmt
 from ..core.sharding import Box, Placement
@@ -29,9 +30,66 @@ __all__ = ["Chunk", "Leaf", "Manifest", "ObjectLeaf"]
 MAX_ELEMENTS = 1 << 56
 #: The newest format version this tddist reads.
 READS_UP_TO = 3
+#: The most ranks a manifest may name: far beyond any job, and small enough that an array of one number per
+#: rank (128 MiB at most) never exhausts memory before the files that should back it are checked.
+MAX_WORLD_SIZE = 1 << 24
+#: The most bytes of tensor data a checkpoint may hold (4 EiB): every sum of chunk sizes, padding included,
+#: then fits in int64, so no offset computed from the manifest can wrap.
+MAX_TOTAL_BYTES = 1 << 62
+#: The largest ``tddist.json`` tddist reads or writes, of any version. Version 1 lists every chunk in the
+#: JSON: 4,096 ranks x 1,000 leaves is about 150 MiB. Versions 2 and 3 keep the per-chunk numbers in the
+#: index; their JSON grows with the leaves (about 200 bytes each: a million leaves are about 200 MiB), the
+#: nodes and the non-tensor values (one per rank for a per-rank value: a pickled Python RNG state of 3.4 KB
+#: per rank is 55 MiB at 16,384 ranks). The format bounds none of these, so the bound is a size no real
+#: manifest reaches; ``v2.encode`` refuses to write a larger one, so tddist never writes what it cannot read.
+MAX_MANIFEST_BYTES = 256 << 20
+#: The largest ``tddist.idx`` tddist reads (16,384 ranks x 10,000 sharded leaves need 2.5 GiB); its size is
+#: the one the JSON implies, checked before it is read.
+MAX_INDEX_BYTES = 16 << 30
+
+
+class IndexSource(Protocol):
+    """Where a store reads a checkpoint's index from, once the JSON says how large it must be (a store
+    implements it; ``parse.parse_manifest`` calls it after the JSON is checked, and nothing is read before)."""
+
+    def read_index(self, size: int) -> bytes | None:
+        """Exactly ``size`` bytes: the whole index, or None when the checkpoint has none.
+
+        The size of the file (object, archive entry) is checked before
+        anything is read from it: an index of any other size is refused.
+
+        Raises:
+            ManifestError: the index has another size, or is not a regular file or stored entry.
+        """
+        ...
 
 
 @dataclass(frozen=True)
+class IndexBytes:
+    """An index already in memory (or None: none), as an ``IndexSource``."""
+
+    data: bytes | None
+
+    def read_index(self, size: int) -> bytes | None:
+        """The bytes, whatever their length: the parser compares it with ``size``."""
+        return self.data
+
+
+def check_manifest_size(size: int, where: str) -> None:
+    """Refuse a ``tddist.json`` of more than ``MAX_MANIFEST_BYTES``, before it is read.
+
+    Raises:
+        ManifestError: naming the size and the limit.
+    """
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(
+            f"{where} has {size} bytes, more than the {MAX_MANIFEST_BYTES} bytes ({MAX_MANIFEST_BYTES >> 20} MiB) "
+            f"tddist reads for a manifest; tddist never writes one that large, so it is damaged or was not written "
+            f"by tddist: refusing it"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Leaf:
     """One tensor leaf of the checkpoint: its global shape, placement and stored chunks.
 
@@ -159,6 +217,10 @@ def parse_header(p: Parser, obj: Any) -> Manifest:
     p.check(version >= 1, f"has invalid version {version}")
     world = obj.get("world_size")
     p.check(type(world) is int and world >= 1, f"has invalid world_size {world!r}")
+    p.check(
+        world <= MAX_WORLD_SIZE,
+        f"has world_size {world}, more than the {MAX_WORLD_SIZE} ranks tddist reads (no job has that many)",
+    )
     p.check(obj.get("layout") in ("directory", "archive"), f"has unknown layout {obj.get('layout')!r}")
     cs = obj.get("checksum")
     p.check(
@@ -191,6 +253,15 @@ def check_keys(p: Parser, m: Manifest) -> None:
                 p.check(why is None, f"has key {list(key)}, unusable as a file name with robust_key=false: {why}")
 
 
+def check_total_bytes(p: Parser, m: Manifest) -> None:
+    """The leaves hold at most ``MAX_TOTAL_BYTES`` together, so offsets derived from their sizes never wrap."""
+    total = sum(math.prod(leaf.shape) * fmt.dtype_itemsize(leaf.dtype_name) for leaf in m.leaves.values())
+    p.check(
+        total <= MAX_TOTAL_BYTES,
+        f"declares {total} bytes of tensor data, more than the {MAX_TOTAL_BYTES} bytes a checkpoint can hold",
+    )
+
+
 def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
     """The ``nodes`` list (version 1 also gives each batched node's rows per rank)."""
     for n in p.list_of(obj, "nodes"):
@@ -198,7 +269,7 @@ def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
         key = p.key(n.get("key"), allow_empty=True)
         p.check(key not in m.nodes, f"lists node {key!r} twice")
         p.check(not key or key[:-1] in m.nodes, f"has node {key!r} whose parent node is not listed (before it)")
-        m.nodes[key] = p.shape(n.get("batch_size"), f"node {key!r} batch_size")
+        m.nodes[key] = p.shape_of(n.get("batch_size"), lambda: f"node {key!r} batch_size")
         if "rows" in n:
             rows = n["rows"]
             ok = isinstance(rows, list) and len(rows) == m.world_size and all(type(r) is int and r >= 0 for r in rows)
@@ -211,10 +282,14 @@ def parse_nodes(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
 
 def add_leaf(p: Parser, m: Manifest, leaf: Leaf) -> None:
     """Add a parsed leaf, refusing duplicates and orphans."""
-    p.check(leaf.key not in m.leaves, f"lists leaf {leaf.key!r} twice")
-    p.check(leaf.key not in m.nodes, f"has {leaf.key!r} both as a node and as a leaf")
-    p.check(leaf.key[:-1] in m.nodes, f"has leaf {leaf.key!r} whose parent node is not listed")
-    m.leaves[leaf.key] = leaf
+    key = leaf.key
+    if key in m.leaves:
+        p.fail(f"lists leaf {key!r} twice")
+    if key in m.nodes:
+        p.fail(f"has {key!r} both as a node and as a leaf")
+    if key[:-1] not in m.nodes:
+        p.fail(f"has leaf {key!r} whose parent node is not listed")
+    m.leaves[key] = leaf
 
 
 def parse_objects(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
@@ -266,15 +341,23 @@ class Parser:
             self.fail(f"has no list {name!r}")
         return v
 
+    # The checks below run once per key and leaf: their messages are formatted only when they fail.
+
     def key(self, v: Any, allow_empty: bool) -> Key:
-        ok = isinstance(v, list) and all(isinstance(k, str) for k in v) and (allow_empty or v)
-        self.check(bool(ok) or (allow_empty and v == []), f"has an invalid key {v!r}")
-        return tuple(v)
+        """A key: a list of strings (empty only where ``allow_empty``), as a tuple."""
+        if isinstance(v, list) and (v or allow_empty) and all(isinstance(k, str) for k in v):
+            return tuple(v)
+        self.fail(f"has an invalid key {v!r}")
 
     def shape(self, v: Any, what: str) -> tuple[int, ...]:
-        self.check(
-            isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < MAX_ELEMENTS for s in v),
-            f"has invalid {what} {v!r}",
-        )
-        self.check(math.prod(v) < MAX_ELEMENTS, f"has absurd {what} {v!r}")
+        """A shape or batch size (named ``what`` in errors): at most 64 non-negative integers below 2^56, with a
+        product below 2^56."""
+        return self.shape_of(v, lambda: what)
+
+    def shape_of(self, v: Any, what: Callable[[], str]) -> tuple[int, ...]:
+        """``shape``, with the name made only if the check fails (``what()``)."""
+        if not (isinstance(v, list) and len(v) <= 64 and all(type(s) is int and 0 <= s < MAX_ELEMENTS for s in v)):
+            self.fail(f"has invalid {what()} {v!r}")
+        if math.prod(v) >= MAX_ELEMENTS:
+            self.fail(f"has absurd {what()} {v!r}")
         return tuple(v)

@@ -58,7 +58,7 @@ def _parse_leaf(p: Parser, e: dict[str, Any], world: int) -> Leaf:
     dtype = e.get("dtype")
     if not fmt.is_dtype_name(dtype):
         p.fail(f"leaf {key!r} has unknown dtype {dtype!r}")
-    shape = p.shape(e.get("shape"), f"leaf {key!r} shape")
+    shape = p.shape_of(e.get("shape"), lambda: f"leaf {key!r} shape")
     head = _LeafHead(key=key, shape=shape, itemsize=fmt.dtype_itemsize(dtype), world=world)
     pl = e.get("placement")
     if not isinstance(pl, dict):

@@ -19,7 +19,7 @@ Index sections, in order (``docs/format.md`` section 5):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,10 +28,20 @@ import xxhash
 from .. import format as fmt
 from ..core.sharding import Boxes, PerRank, Placement, Replicate, Shard, box_tiling_problems
 from ..core.types import Key, ManifestFiles
-from ..errors import ManifestError
+from ..errors import InvalidDataError, ManifestError
 from .checksum import seal
-from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
-from .model import Leaf, Manifest, ObjectLeaf, Parser, add_leaf, parse_nodes
+from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks, starts_of
+from .model import (
+    MAX_INDEX_BYTES,
+    MAX_MANIFEST_BYTES,
+    IndexSource,
+    Leaf,
+    Manifest,
+    ObjectLeaf,
+    Parser,
+    add_leaf,
+    parse_nodes,
+)
 
 _I8 = np.dtype("<i8")
 _U8 = np.dtype("<u8")
@@ -90,7 +100,22 @@ def encode(m: Manifest) -> ManifestFiles:
         "leaves": leaves,
         "objects": [_object_entry(o) for o in m.objects.values()],
     }
-    return ManifestFiles(seal(fmt.dumps(obj)), index)  # version 3: the checksum of its own bytes first
+    raw = seal(fmt.dumps(obj))  # version 3: the checksum of its own bytes first
+    _check_writable(raw, obj)
+    return ManifestFiles(raw, index)
+
+
+def _check_writable(raw: bytes, obj: dict[str, Any]) -> None:
+    """Refuse to write a manifest larger than readers accept (``MAX_MANIFEST_BYTES``): it could never be loaded."""
+    if len(raw) <= MAX_MANIFEST_BYTES:
+        return
+    parts = {name: len(fmt.dumps(obj[name])) for name in ("metadata", "nodes", "leaves", "objects")}
+    biggest = ", ".join(f"{name} {size} bytes" for name, size in sorted(parts.items(), key=lambda kv: -kv[1]))
+    raise InvalidDataError(
+        f"the manifest of this save would have {len(raw)} bytes, more than the {MAX_MANIFEST_BYTES} bytes "
+        f"({MAX_MANIFEST_BYTES >> 20} MiB) tddist reads ({biggest}); nothing was committed: store large non-tensor "
+        f"values and metadata as tensors, or save fewer leaves per checkpoint"
+    )
 
 
 def _object_entry(o: ObjectLeaf) -> dict[str, Any]:
@@ -127,15 +152,24 @@ class _IndexRows:
 
     Attributes:
         nodes: each batched node's rows per rank.
+        totals: each batched node's rows in all (its ``batch_size[0]``, which its rows sum to).
+        starts: where each batched node's ranks' rows start, made on first use (its leaves share them).
         own: each sharded leaf's own lengths along its shard dim per rank (``"rows": "own"``).
     """
 
     nodes: dict[Key, np.ndarray]
+    totals: dict[Key, int]
     own: dict[Key, np.ndarray]
+    starts: dict[Key, np.ndarray] = field(default_factory=dict)  # each node's ``starts_of`` its rows, once made
 
 
-def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: bytes | None) -> None:
-    """Nodes and leaves of a version-2 manifest and its index into ``m``."""
+def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) -> None:
+    """Nodes and leaves of a version-2 manifest and its index into ``m``.
+
+    The index is read only once the JSON is checked and says how large it
+    must be; its sections are then taken as numpy views and checked a whole
+    section at a time, not leaf by leaf.
+    """
     world = m.world_size
     _parse_packing_and_digest(p, obj, m)
     parse_nodes(p, obj, m)
@@ -143,16 +177,72 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: bytes | None)
     p.check(() in m.nodes, "has no root node (key [])")
     entries = [_leaf_entry(p, e, world) for e in p.list_of(obj, "leaves")]
     batched = [k for k, b in m.nodes.items() if b]
+    own = [e for e in entries if e.own_rows]
     data = _checked_index(p, obj, index, _index_size(entries, len(batched), world))
     cursor = _Cursor(data)
-    node_rows = _node_rows(p, m, cursor, batched)  # the index's sections, in order
-    own_rows = {e.key: cursor.take(_I8, world) for e in entries if e.own_rows}
-    sums = {e.key: cursor.take(_U8, _chunk_count(e, world)) for e in entries}
-    rows = _IndexRows(nodes=node_rows, own=own_rows)
+    node_block = cursor.take(_I8, world * len(batched)).reshape(len(batched), world)  # the index's sections
+    own_block = cursor.take(_I8, world * len(own)).reshape(len(own), world)
+    sums = cursor.take(_U8, sum(_chunk_count(e, world) for e in entries))
+    totals = {k: m.nodes[k][0] for k in batched}
+    _check_rows(p, node_block, list(totals.values()), batched, "has invalid rows for node {key!r}")
+    _check_rows(p, own_block, [e.shape[_dim(e)] for e in own], [e.key for e in own], "leaf {key!r} has rows")
+    rows = _IndexRows(dict(zip(batched, node_block)), totals, {e.key: r for e, r in zip(own, own_block)})
+    m.node_rows.update(zip(batched, node_block.tolist()))
+    tables = _Tables(p, world, rows, sums, cursor)
     for e in entries:
-        table = _leaf_table(p, e, world, rows, sums[e.key], cursor)
-        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, table))
+        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, tables.table(e)))
     p.check(cursor.pos == len(data), "has bytes left over at the end of its index")
+
+
+def _dim(e: _LeafEntry) -> int:
+    """The shard dim of a sharded leaf's entry."""
+    assert isinstance(e.placement, Shard)
+    return e.placement.dim
+
+
+def _check_rows(p: Parser, block: np.ndarray, totals: list[int], keys: list[Key], what: str) -> None:
+    """Each row of ``block`` (one per node or leaf ``keys[i]``, one number per rank) is non-negative and sums to
+    its total; ``what`` (formatted with the key) begins the message refusing a row.
+
+    Sums are partial sums (numpy's int64): the numbers are non-negative, so
+    a partial sum only grows, and one that wrapped past 2^63 turns negative.
+    """
+    if not len(block):
+        return
+    partial = np.cumsum(block, axis=1, dtype=np.int64)
+    ok = (block >= 0).all(axis=1) & (partial >= 0).all(axis=1) & (partial[:, -1] == np.asarray(totals, np.int64))
+    if not ok.all():
+        bad = int(np.argmin(ok))
+        p.fail(f"{what.format(key=keys[bad])} that are negative or do not sum to {totals[bad]}")
+
+
+class _Tables:
+    """Builds each leaf's chunk table from its JSON entry and the index's columns, in the order of the leaves."""
+
+    def __init__(self, p: Parser, world: int, rows: _IndexRows, sums: np.ndarray, cursor: _Cursor):
+        self.p, self.world, self.rows, self.sums, self.cursor = p, world, rows, sums, cursor
+        self.pos = 0  # into ``sums``: each leaf's checksums follow the previous leaf's
+        self.ones: np.ndarray | None = None  # a per-rank leaf's lengths: one row per rank (shared, read-only)
+
+    def table(self, e: _LeafEntry) -> ChunkTable:
+        """The chunk table of ``e``, the next leaf."""
+        p, world = self.p, self.world
+        n = _chunk_count(e, world)
+        sums = self.sums[self.pos : self.pos + n]
+        self.pos += n
+        itemsize = fmt.dtype_itemsize(e.dtype)
+        if isinstance(e.placement, Shard):
+            return _shard_table(p, e, e.placement.dim, self.rows, itemsize, sums)
+        if isinstance(e.placement, Replicate):
+            return ReplicaChunks(e.shape, itemsize, e.writer, int(sums[0]))
+        if isinstance(e.placement, PerRank):
+            if not (len(e.shape) >= 1 and e.shape[0] == world):
+                p.fail(f"per-rank leaf {e.key!r} has shape {list(e.shape)}, which does not start with {world} ranks")
+            if self.ones is None:
+                self.ones = np.ones(world, dtype=_I8)
+                self.ones.flags.writeable = False
+            return ShardChunks(e.shape, 0, itemsize, self.ones, sums)
+        return _boxes(p, e, self.cursor, itemsize, world, sums)
 
 
 def _parse_packing_and_digest(p: Parser, obj: dict[str, Any], m: Manifest) -> None:
@@ -166,7 +256,10 @@ def _parse_packing_and_digest(p: Parser, obj: dict[str, Any], m: Manifest) -> No
 
 
 def _index_size(entries: list[_LeafEntry], batched_nodes: int, world: int) -> int:
-    """The bytes of the index that the JSON's structure implies (its four sections, 8 bytes a number)."""
+    """The bytes of the index that the JSON's structure implies (its four sections, 8 bytes a number).
+
+    Python integers: a hostile world size or chunk count makes this large, never wrong.
+    """
     return 8 * (
         world * batched_nodes
         + sum(world for e in entries if e.own_rows)
@@ -175,70 +268,55 @@ def _index_size(entries: list[_LeafEntry], batched_nodes: int, world: int) -> in
     )
 
 
-def _checked_index(p: Parser, obj: dict[str, Any], index: bytes | None, expected: int) -> bytes:
-    """The index, once its size (as declared and as read) and its checksum match what the JSON says.
+def _checked_index(p: Parser, obj: dict[str, Any], index: IndexSource, expected: int) -> bytes:
+    """The index, read once its size (declared, implied by the JSON, bounded) is known; then its checksum.
 
-    A damaged or swapped index is refused here, before anything is read from it.
+    Nothing is read from a store before the declared size equals the implied
+    one and is within ``MAX_INDEX_BYTES``; the store reads exactly that many
+    bytes, after checking the file's size. A damaged or swapped index is
+    refused here, before anything is built from it.
     """
     meta = obj.get("index")
     p.check(isinstance(meta, dict) and type(meta.get("size")) is int, "has no index size")
     assert isinstance(meta, dict)
     p.check(meta["size"] == expected, f"declares an index of {meta['size']} bytes, its structure needs {expected}")
-    if index is None:
+    p.check(
+        expected <= MAX_INDEX_BYTES,
+        f"needs an index of {expected} bytes, more than the {MAX_INDEX_BYTES} bytes ({MAX_INDEX_BYTES >> 30} GiB) "
+        f"tddist reads",
+    )
+    data = index.read_index(expected)
+    if data is None:
         p.fail(f"has no index ({fmt.INDEX_NAME})")
-    p.check(len(index) == expected, f"has an index of {len(index)} bytes, expected {expected} (truncated?)")
-    p.check(xxhash.xxh3_64_hexdigest(index) == meta.get("checksum"), "has an index that fails its checksum")
-    return index
-
-
-def _node_rows(p: Parser, m: Manifest, cursor: _Cursor, batched: list[Key]) -> dict[Key, np.ndarray]:
-    """Each batched node's rows per rank (index section 1), checked against its batch size and kept in ``m``."""
-    node_rows: dict[Key, np.ndarray] = {}
-    for k in batched:
-        rows = node_rows[k] = cursor.take(_I8, m.world_size)
-        p.check(bool((rows >= 0).all()) and int(rows.sum()) == m.nodes[k][0], f"has invalid rows for node {k!r}")
-        m.node_rows[k] = rows.tolist()
-    return node_rows
-
-
-def _leaf_table(
-    p: Parser, e: _LeafEntry, world: int, rows: _IndexRows, sums: np.ndarray, cursor: _Cursor
-) -> ChunkTable:
-    """A leaf's chunk table from its JSON entry and its index columns (a DTensor's boxes read from ``cursor``)."""
-    itemsize = fmt.dtype_itemsize(e.dtype)
-    if isinstance(e.placement, Shard):
-        return _shard_table(p, e, e.placement.dim, rows, itemsize, sums)
-    if isinstance(e.placement, PerRank):
-        ok = len(e.shape) >= 1 and e.shape[0] == world
-        p.check(ok, f"per-rank leaf {e.key!r} has shape {list(e.shape)}, which does not start with {world} ranks")
-        return ShardChunks(e.shape, 0, itemsize, np.ones(world, dtype=_I8), sums)
-    if isinstance(e.placement, Replicate):
-        return ReplicaChunks(e.shape, itemsize, e.writer, int(sums[0]))
-    return _boxes(p, e, cursor, itemsize, world, sums)
+    p.check(len(data) == expected, f"has an index of {len(data)} bytes, expected {expected} (truncated?)")
+    p.check(xxhash.xxh3_64_hexdigest(data) == meta.get("checksum"), "has an index that fails its checksum")
+    return data
 
 
 def _shard_table(p: Parser, e: _LeafEntry, dim: int, rows: _IndexRows, itemsize: int, sums: np.ndarray) -> ShardChunks:
     """A sharded leaf's table: its own rows per rank, or its node's (``"rows": "node"``, dim 0 only).
 
+    Both were checked against their totals a section at a time (``_check_rows``).
     Own rows along dim 0 must equal the node's where the node has rows: a
     TensorDict's leaves split their batch dim as the node does.
     """
     rows_of = rows.own.get(e.key)
     parent_rows = rows.nodes.get(e.key[:-1])
-    if rows_of is not None and dim == 0 and parent_rows is not None:
-        p.check(
-            bool(np.array_equal(rows_of, parent_rows)),
-            f"leaf {e.key!r} has rows per rank that differ from those of its node {e.key[:-1]!r}",
-        )
-    if rows_of is None:
-        parent = rows.nodes.get(e.key[:-1])
-        p.check(parent is not None, f"leaf {e.key!r} takes its rows from a node without rows")
-        p.check(dim == 0, f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
-        assert parent is not None
-        rows_of = parent
-    ok = bool((rows_of >= 0).all()) and int(rows_of.sum()) == e.shape[dim]
-    p.check(ok, f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[dim]}")
-    return ShardChunks(e.shape, dim, itemsize, rows_of, sums)
+    if rows_of is not None:
+        if dim == 0 and parent_rows is not None and not np.array_equal(rows_of, parent_rows):
+            p.fail(f"leaf {e.key!r} has rows per rank that differ from those of its node {e.key[:-1]!r}")
+        return ShardChunks(e.shape, dim, itemsize, rows_of, sums)
+    if parent_rows is None:  # the messages are formatted only on failure: this runs per leaf
+        p.fail(f"leaf {e.key!r} takes its rows from a node without rows")
+    if dim != 0:
+        p.fail(f"leaf {e.key!r} takes its rows from a node but is sharded along dim {dim}, not 0")
+    parent = e.key[:-1]
+    if e.shape[0] != rows.totals[parent]:
+        p.fail(f"leaf {e.key!r} has rows that are negative or do not sum to {e.shape[0]}")
+    starts = rows.starts.get(parent)
+    if starts is None:
+        starts = rows.starts[parent] = starts_of(parent_rows)
+    return ShardChunks(e.shape, dim, itemsize, parent_rows, sums, starts)
 
 
 def _chunk_count(e: _LeafEntry, world: int) -> int:
@@ -247,32 +325,42 @@ def _chunk_count(e: _LeafEntry, world: int) -> int:
     return 1 if isinstance(e.placement, Replicate) else e.chunks
 
 
+#: Placements without arguments, shared by every leaf that has them (they are immutable).
+_REPLICATE, _PER_RANK, _BOXES = Replicate(), PerRank(), Boxes()
+_SHARDS = [Shard(d) for d in range(64)]  # a shape has at most 64 dims
+
+
 def _leaf_entry(p: Parser, e: Any, world: int) -> _LeafEntry:
-    p.check(isinstance(e, dict), "has a leaf that is not an object")
+    """A leaf's JSON entry, checked (its messages formatted only when a check fails: this runs per leaf)."""
+    if not isinstance(e, dict):
+        p.fail("has a leaf that is not an object")
     key = p.key(e.get("key"), allow_empty=False)
     dtype = e.get("dtype")
     if not fmt.is_dtype_name(dtype):
         p.fail(f"leaf {key!r} has unknown dtype {dtype!r}")
-    shape = p.shape(e.get("shape"), f"leaf {key!r} shape")
+    shape = p.shape_of(e.get("shape"), lambda: f"leaf {key!r} shape")
     pl = e.get("placement")
     kind = pl.get("type") if isinstance(pl, dict) else None
     if kind == "shard":
         assert isinstance(pl, dict)
-        dim = pl.get("dim")
+        dim, rows = pl.get("dim"), e.get("rows")
         if not (type(dim) is int and 0 <= dim < len(shape)):
             p.fail(f"leaf {key!r} is sharded on invalid dim {dim!r}")
-        p.check(e.get("rows") in ("node", "own"), f"leaf {key!r} has invalid rows {e.get('rows')!r}")
-        return _LeafEntry(key, dtype, shape, Shard(dim), own_rows=e["rows"] == "own")
+        if rows != "node" and rows != "own":
+            p.fail(f"leaf {key!r} has invalid rows {rows!r}")
+        return _LeafEntry(key, dtype, shape, _SHARDS[dim], own_rows=rows == "own")
     if kind == "replicate":
         writer = e.get("writer")
-        p.check(type(writer) is int and 0 <= writer < world, f"leaf {key!r} has an invalid writer {writer!r}")
-        return _LeafEntry(key, dtype, shape, Replicate(), writer=writer)
+        if not (type(writer) is int and 0 <= writer < world):
+            p.fail(f"leaf {key!r} has an invalid writer {writer!r}")
+        return _LeafEntry(key, dtype, shape, _REPLICATE, writer=writer)
     if kind == "per_rank":
-        return _LeafEntry(key, dtype, shape, PerRank())
+        return _LeafEntry(key, dtype, shape, _PER_RANK)
     if kind == "boxes":
         n = e.get("chunks")
-        p.check(type(n) is int and 0 <= n <= world, f"leaf {key!r} has an invalid chunk count {n!r}")
-        return _LeafEntry(key, dtype, shape, Boxes(), chunks=n)
+        if not (type(n) is int and 0 <= n <= world):
+            p.fail(f"leaf {key!r} has an invalid chunk count {n!r}")
+        return _LeafEntry(key, dtype, shape, _BOXES, chunks=n)
     p.fail(f"leaf {key!r} has unknown placement {pl!r}")
 
 

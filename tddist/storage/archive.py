@@ -12,11 +12,12 @@ directory (``finalize``), then the staging file replaces the target
 from __future__ import annotations
 
 import os
+import re
 import stat
-import struct
 import zipfile
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .. import format as fmt
@@ -25,6 +26,7 @@ from ..checksum import EMPTY, combine_digests
 from ..core.types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..errors import CorruptCheckpointError, TargetError
 from ..manifest.locate import ChunkRange, Location
+from ..manifest.parse import paused_gc
 from .base import WriterBase, map_copy_on_write
 from .pinned import storage_failed
 from .publish import discard, swap_in
@@ -32,7 +34,6 @@ from .recovery import is_tddist_archive
 from .tdmeta import node_meta_files
 from .zipcodec import (
     ALIGN,
-    LOCAL_FMT,
     LOCAL_SIZE,
     Entry,
     EntryReader,
@@ -44,6 +45,19 @@ from .zipcodec import (
     write_region,
     write_tail_and_directory,
 )
+
+
+def _central_directory(path: str, source: str) -> list[zipfile.ZipInfo]:
+    """The entries of the archive ``source`` (named ``path`` in errors), as zipfile reads its central directory."""
+    try:
+        with paused_gc(), zipfile.ZipFile(source) as zf:
+            return zf.infolist()
+    except OSError as e:
+        raise storage_failed(path, e) from e
+    except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as e:  # "zip file version"
+        raise CorruptCheckpointError(
+            f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
+        ) from None
 
 
 def check_archive_target(target: str) -> bool:
@@ -141,59 +155,75 @@ class ArchiveWriter(WriterBase):
         discard(staging.path)
 
 
+#: What an entry's name may not have: a leading "/", a backslash, a NUL, or an empty, "." or ".." component.
+_BAD_NAME = re.compile(r"^/|\\|\x00|(?:^|/)\.{0,2}(?:/|$)")
+
+
 class ArchiveFiles:
     """The entries of a committed archive, validated, read from one memory map (an ``opened.ChunkFiles``)."""
 
-    def __init__(self, path: str, opened_as: str | None = None):
-        """Open the archive ``path``; ``opened_as`` opens the same file pinned (``/proc/self/fd/N``)."""
+    def __init__(self, path: str, opened_as: str | None = None, entries: list[zipfile.ZipInfo] | None = None):
+        """Open the archive ``path``; ``opened_as`` opens the same file pinned (``/proc/self/fd/N``), whose
+        central directory ``entries`` the pin has already read (else it is read here)."""
         self.path = self.root = path
         self.source = source = opened_as or path
-        try:
-            zf = zipfile.ZipFile(source)
-        except OSError as e:
-            raise storage_failed(path, e) from e
-        except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as e:  # "zip file version"
-            raise CorruptCheckpointError(
-                f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
-            ) from None
+        if entries is None:
+            entries = _central_directory(path, source)
         size = os.path.getsize(source)
         self.tensor = map_copy_on_write(source, size) if size else torch.empty(0, dtype=torch.uint8)
         self.map = self.tensor.numpy()
         self.entries: dict[str, tuple[int, zipfile.ZipInfo]] = {}
-        spans = []
-        with zf:
-            for zi in zf.infolist():
-                name = zi.filename
-                self._check_name(name, zi)
-                if zi.header_offset + LOCAL_SIZE > size:
-                    raise CorruptCheckpointError(
-                        f"archive {path!r}: entry {name!r} has a header past the end of the file"
-                    )
-                sig, *_rest, name_len, extra_len = struct.unpack_from(LOCAL_FMT, self.map.data, zi.header_offset)
-                if sig != b"PK\x03\x04":
-                    raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} has a bad local header offset")
-                start = zi.header_offset + LOCAL_SIZE + name_len + extra_len
-                if start + zi.compress_size > size:
-                    raise CorruptCheckpointError(
-                        f"archive {path!r}: entry {name!r} extends past the end of the file (truncated?)"
-                    )
-                spans.append((zi.header_offset, start + zi.compress_size, name))
-                self.entries[name] = (start, zi)
-        spans.sort()
-        for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
-            if b0 < a1:
-                raise CorruptCheckpointError(f"archive {path!r}: entries {an!r} and {bn!r} overlap; refusing it")
+        with paused_gc():  # one tuple per entry: see paused_gc
+            self._check_names(entries)
+            starts = self._check_places(entries, size)
+            self.entries = dict(zip([zi.filename for zi in entries], zip(starts.tolist(), entries)))
 
-    def _check_name(self, name: str, zi: zipfile.ZipInfo) -> None:
-        parts = name.split("/")
-        if name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts) or "\0" in name:
+    def _check_names(self, infos: list[zipfile.ZipInfo]) -> None:
+        """Every name stays inside the root and is listed once; no entry is a symbolic link."""
+        for zi in infos:
+            name = zi.filename
+            if _BAD_NAME.search(name) is not None:
+                raise CorruptCheckpointError(
+                    f"archive {self.path!r} has an entry named {name!r} that escapes its root; refusing it"
+                )
+            if stat.S_ISLNK(zi.external_attr >> 16):
+                raise CorruptCheckpointError(f"archive {self.path!r} has a symbolic-link entry {name!r}; refusing it")
+        names = [zi.filename for zi in infos]
+        if len(set(names)) != len(names):
+            seen: set[str] = set()
+            twice = next(n for n in names if n in seen or seen.add(n))  # type: ignore[func-returns-value]
+            raise CorruptCheckpointError(f"archive {self.path!r} lists entry {twice!r} twice; refusing it")
+
+    def _check_places(self, infos: list[zipfile.ZipInfo], size: int) -> np.ndarray:
+        """Where each entry's data starts, once every local header is where the central directory says, every
+        entry lies inside the file and no two overlap: checked for all entries at once, in numpy."""
+        path, n = self.path, len(infos)
+        offsets = np.fromiter((zi.header_offset for zi in infos), np.int64, n)
+        stored = np.fromiter((zi.compress_size for zi in infos), np.int64, n)
+        past = np.flatnonzero(offsets + LOCAL_SIZE > size)
+        if len(past):
+            name = infos[int(past[0])].filename
+            raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} has a header past the end of the file")
+        head = self.map[offsets[:, None] + np.arange(LOCAL_SIZE)]  # every local header, one row each
+        bad = np.flatnonzero((head[:, :4] != np.frombuffer(b"PK\x03\x04", np.uint8)).any(axis=1))
+        if len(bad):
+            name = infos[int(bad[0])].filename
+            raise CorruptCheckpointError(f"archive {path!r}: entry {name!r} has a bad local header offset")
+        lengths = head[:, LOCAL_SIZE - 4 :].astype(np.int64)  # the name's and the extra field's lengths
+        starts = offsets + LOCAL_SIZE + lengths[:, 0] + (lengths[:, 1] << 8) + lengths[:, 2] + (lengths[:, 3] << 8)
+        ends = starts + stored
+        beyond = np.flatnonzero(ends > size)
+        if len(beyond):
+            name = infos[int(beyond[0])].filename
             raise CorruptCheckpointError(
-                f"archive {self.path!r} has an entry named {name!r} that escapes its root; refusing it"
+                f"archive {path!r}: entry {name!r} extends past the end of the file (truncated?)"
             )
-        if name in self.entries:
-            raise CorruptCheckpointError(f"archive {self.path!r} lists entry {name!r} twice; refusing it")
-        if stat.S_ISLNK(zi.external_attr >> 16):
-            raise CorruptCheckpointError(f"archive {self.path!r} has a symbolic-link entry {name!r}; refusing it")
+        order = np.argsort(offsets, kind="stable")
+        clash = np.flatnonzero(offsets[order][1:] < ends[order][:-1])
+        if len(clash):
+            a, b = infos[int(order[clash[0]])].filename, infos[int(order[clash[0] + 1])].filename
+            raise CorruptCheckpointError(f"archive {path!r}: entries {a!r} and {b!r} overlap; refusing it")
+        return starts
 
     fetches_ahead = False
 

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from .. import format as fmt
 from ..errors import InvalidArgumentError
-from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
 from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .roots import LOCK_NAME, FileRoot, HeldLock, Leftover, Root, Usage
 
@@ -227,7 +226,7 @@ class ObjectStore:
     def open(self) -> OpenedCheckpoint:
         from .s3.pin import open_s3
 
-        return validate(open_s3(self.target, MAX_MANIFEST_BYTES, MAX_INDEX_BYTES), self.files)
+        return validate(open_s3(self.target), self.files)
 
     def files(self, pin: Pin) -> ChunkFiles:
         """Ranged GETs of the pinned generation's objects, in parallel (``s3.files.S3Files``)."""
@@ -411,4 +410,6 @@ def local_files(checkpoint: str | OpenedCheckpoint | PinnedCheckpoint) -> Archiv
     pin = checkpoint.pin if isinstance(checkpoint, OpenedCheckpoint) else checkpoint
     if not isinstance(pin, PinnedCheckpoint):
         raise InvalidArgumentError(f"{pin.path!r} is on object storage, which this operation does not support")
-    return ArchiveFiles(pin.path, opened_as=pin.fd_path) if pin.archive else DirectoryFiles(pin.path, pin)
+    if pin.archive:
+        return ArchiveFiles(pin.path, opened_as=pin.fd_path, entries=pin.zip_entries)
+    return DirectoryFiles(pin.path, pin)

@@ -2,15 +2,18 @@
 
 A store's ``open`` pins one generation of the checkpoint (a directory or
 archive descriptor, an object's ETag, a manifest's data generation), reads
-the manifest and index bytes of that generation (``ManifestBytes``), and
-``validate`` turns them into an ``OpenedCheckpoint``: the checked manifest,
+the manifest's bytes of that generation (``ManifestBytes``; its index is read
+once the parsed manifest says how large it must be), and ``validate`` turns
+them into an ``OpenedCheckpoint``: the checked manifest,
 its generation, and the ``Pin`` every chunk is then read through. So a load
 reads one generation whole even while an overwrite replaces the checkpoint.
 
 Call order, on every rank that reads (``loading.pipeline`` runs it):
 
 1. (every rank) ``backends.store_for(prefix).open()``: pin one generation and
-   read its manifest (the store's ``ManifestBytes``, checked by ``validate``); raises ``CheckpointNotFoundError``, ``ManifestError``,
+   read its manifest (the store's ``ManifestBytes``, checked by ``validate``,
+   which has the store read the index once the manifest says its size);
+   raises ``CheckpointNotFoundError``, ``ManifestError``,
    ``CorruptCheckpointError`` or ``StorageError``.
 2. (several ranks) compare ``generation`` on every rank: an overwrite may have
    committed between two ranks' opens (then every rank raises
@@ -37,7 +40,7 @@ from .. import format as fmt
 from ..errors import ManifestError
 from ..manifest import checksum as manifest_checksum
 from ..manifest.model import Manifest
-from ..manifest.parse import parse_manifest
+from ..manifest.parse import IndexSource, parse_manifest, paused_gc
 
 if TYPE_CHECKING:
     import torch
@@ -91,11 +94,15 @@ class Pin(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ManifestBytes:
-    """What a store's ``open`` found: the pin, the manifest's bytes, the index's (None: absent), how to name them."""
+    """What a store's ``open`` found: the pin, the manifest's bytes, where its index is read from, how to name them.
+
+    The parser has the index read once the manifest says how large it must
+    be (``manifest.model.IndexSource``); a version-1 manifest has none.
+    """
 
     pin: Pin
     raw: bytes
-    index: bytes | None
+    index: IndexSource
     where: str
 
 
@@ -150,7 +157,8 @@ def _validate(found: ManifestBytes, reader: Callable[[Pin], ChunkFiles]) -> Open
     where = found.where
     gen, sealed = manifest_checksum.generation(found.raw, where)
     try:
-        obj = fmt.loads(found.raw)
+        with paused_gc():  # many small objects: see paused_gc
+            obj = fmt.loads(found.raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ManifestError(f"{where} is not valid JSON ({e}); the checkpoint is damaged") from None
     except RecursionError:

@@ -23,8 +23,13 @@ import fcntl
 import logging
 import os
 import stat
+import struct
 import time
 import zipfile
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from .. import format as fmt
 from ..errors import (
@@ -33,8 +38,9 @@ from ..errors import (
     CorruptCheckpointError,
     ManifestError,
     StorageError,
+    TddistError,
 )
-from ..manifest.parse import MAX_INDEX_BYTES, MAX_MANIFEST_BYTES
+from ..manifest.parse import check_manifest_size, paused_gc
 from .opened import ManifestBytes
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -63,6 +69,8 @@ class PinnedCheckpoint:
     def __init__(self, path: str, opened_as: str | None = None) -> None:
         self.path = path
         self.fd = -1
+        #: an archive's central directory, as ``open_local`` read it (``ArchiveFiles`` validates it)
+        self.zip_entries: list[zipfile.ZipInfo] | None = None
         try:
             # the checkpoint path itself may be a symbolic link (a "latest" link, say); what is inside may not
             self.fd = os.open(opened_as or path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -93,16 +101,22 @@ class PinnedCheckpoint:
             logger.debug("%s: no shared lock (%s); a concurrent save may remove it while it is read", self.path, e)
             return False
 
+    def read_at(self, offset: int, n: int) -> bytes:
+        """``n`` bytes of the pinned archive from ``offset`` (fewer at its end)."""
+        return read_exactly(self.fd, n, offset)
+
     @property
     def fd_path(self) -> str:
         """A path that opens the pinned directory or archive itself, whatever is at ``path`` now."""
         return f"/proc/self/fd/{self.fd}"
 
-    def read_regular(self, relpath: str, limit: int, what: str) -> bytes | None:
-        """The bytes of the regular file ``relpath`` inside (None if absent), read with one bounded read.
+    def read_regular(self, relpath: str, what: str, size: int | None = None) -> bytes | None:
+        """The bytes of the regular file ``relpath`` inside (None if absent), its size checked before it is read.
 
         A FIFO, a device, a directory or a symbolic link is refused (a FIFO
-        would block, ``/dev/zero`` never ends), as is a file larger than ``limit``.
+        would block, ``/dev/zero`` never ends). ``size``: the size the file
+        must have (the index: what its manifest implies), else the manifest's
+        bound (``check_manifest_size``); exactly that many bytes are read.
         """
         shown = os.path.join(self.path, relpath)
         try:
@@ -117,11 +131,14 @@ class PinnedCheckpoint:
                 raise ManifestError(
                     f"{what} {shown!r} is not a regular file; the checkpoint is damaged or was tampered with"
                 )
-            if st.st_size > limit:
+            if size is None:
+                check_manifest_size(st.st_size, f"{what} {shown!r}")
+            elif st.st_size != size:
                 raise ManifestError(
-                    f"{what} {shown!r} has {st.st_size} bytes, more than tddist reads ({limit}); refusing it"
+                    f"{what} {shown!r} has {st.st_size} bytes, its manifest implies {size}; the checkpoint is "
+                    f"damaged or was tampered with (restore it from a copy)"
                 )
-            data = _read_up_to(fd, st.st_size + 1)
+            data = read_exactly(fd, st.st_size)
         except OSError as e:
             raise storage_failed(shown, e) from e
         finally:
@@ -203,11 +220,12 @@ def storage_failed(path: str, e: OSError) -> StorageError:
     )
 
 
-def _read_up_to(fd: int, n: int) -> bytes:
-    """Up to ``n`` bytes from ``fd`` (os.read returns at most 2 GiB at once)."""
+def read_exactly(fd: int, n: int, offset: int = 0) -> bytes:
+    """``n`` bytes of ``fd`` from ``offset`` (fewer only at the end of the file), never more: ``os.pread``
+    returns at most 2 GiB at once."""
     parts, got = [], 0
     while got < n:
-        chunk = os.read(fd, min(n - got, 1 << 30))
+        chunk = os.pread(fd, min(n - got, 1 << 30), offset + got)
         if not chunk:
             break
         parts.append(chunk)
@@ -249,6 +267,50 @@ def pin_and_read(pin: PinnedCheckpoint) -> ManifestBytes:
         raise
 
 
+#: A zip local file header (signature, version, flags, method, time, date, CRC-32, sizes, name and extra lengths).
+_LOCAL = struct.Struct("<4s5H3I2H")
+
+
+def read_stored_entry(read_at: Callable[[int, int], bytes], zi: zipfile.ZipInfo, size: int, where: str) -> bytes:
+    """Exactly ``size`` bytes of the stored archive entry ``zi``, its declared sizes checked first.
+
+    ``read_at(offset, n)`` reads ``n`` bytes of the archive (a file, or an
+    object by ranged GETs). The manifest and the index are stored entries
+    (never compressed); one that declares another size than expected is
+    refused before any of it is read, and the bytes read are checked
+    against the local header and the CRC-32, as ``zipfile`` would.
+
+    Raises:
+        ManifestError: the entry is compressed, or declares another size.
+        CorruptCheckpointError: its local header or its bytes are damaged.
+    """
+    name = zi.filename
+    if zi.compress_type != zipfile.ZIP_STORED:
+        raise ManifestError(
+            f"{where}: entry {name!r} is compressed (method {zi.compress_type}); the format stores it "
+            f"uncompressed, so the archive was not written by tddist or was tampered with"
+        )
+    if zi.file_size != size or zi.compress_size != size:
+        raise ManifestError(
+            f"{where}: entry {name!r} declares {zi.file_size} bytes ({zi.compress_size} stored), its manifest "
+            f"implies {size}; the archive is damaged or was tampered with: refusing it"
+        )
+    encoded = name.encode("utf-8" if zi.flag_bits & 0x800 else "cp437", "replace")
+    head = read_at(zi.header_offset, _LOCAL.size + len(encoded))
+    if len(head) != _LOCAL.size + len(encoded) or head[:4] != b"PK\x03\x04" or head[_LOCAL.size :] != encoded:
+        raise CorruptCheckpointError(f"{where}: entry {name!r} has a bad local header; the checkpoint is damaged")
+    *_fields, name_len, extra_len = _LOCAL.unpack(head[: _LOCAL.size])
+    if name_len != len(encoded):
+        raise CorruptCheckpointError(f"{where}: entry {name!r} has a bad local header; the checkpoint is damaged")
+    start = zi.header_offset + _LOCAL.size
+    data = read_at(start + name_len + extra_len, size) if size else b""
+    if len(data) != size or zlib.crc32(data) != zi.CRC:
+        raise CorruptCheckpointError(
+            f"{where}: entry {name!r} is truncated or fails its CRC-32; the checkpoint is damaged"
+        )
+    return data
+
+
 def open_local(path: str) -> ManifestBytes:
     """Pin the committed directory or archive at ``path`` and read its manifest and index (not validated here).
 
@@ -278,17 +340,25 @@ def _not_found(path: str, what: str) -> CheckpointNotFoundError:
 
 def _directory_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
     manifest = os.path.join(pin.path, fmt.MANIFEST_NAME)
-    raw = pin.read_regular(fmt.MANIFEST_NAME, MAX_MANIFEST_BYTES, "manifest")
+    raw = pin.read_regular(fmt.MANIFEST_NAME, "manifest")
     if raw is None:
         if pin.replaced():  # the old generation's tree was removed between the open and this read
             raise pin.missing(fmt.MANIFEST_NAME, "the manifest")
         raise _not_found(pin.path, "has no manifest (it is not a committed tddist checkpoint)")
-    index = pin.read_regular(fmt.INDEX_NAME, MAX_INDEX_BYTES, "index")
-    if index is None and pin.replaced():
-        raise pin.missing(fmt.INDEX_NAME, "the index")
-    return ManifestBytes(
-        pin, raw, index, f"manifest {manifest!r}"
-    )  # no index: version 1 (a version-2 manifest without one is refused)
+    return ManifestBytes(pin, raw, _DirectoryIndex(pin), f"manifest {manifest!r}")
+
+
+@dataclass(frozen=True)
+class _DirectoryIndex:
+    """``tddist.idx`` of a pinned directory (an ``IndexSource``): its size checked, then exactly that many bytes."""
+
+    pin: PinnedCheckpoint
+
+    def read_index(self, size: int) -> bytes | None:
+        index = self.pin.read_regular(fmt.INDEX_NAME, "index", size)
+        if index is None and self.pin.replaced():
+            raise self.pin.missing(fmt.INDEX_NAME, "the index")
+        return index  # None: the parser refuses a version-2 manifest without one
 
 
 def _archive_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
@@ -301,12 +371,41 @@ def _archive_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
         raise CheckpointNotFoundError(
             f"{path!r} is a file but not a tddist archive; pass a checkpoint directory or a .tdz archive"
         )
+    with _zip_errors(path):
+        with paused_gc(), zipfile.ZipFile(pin.fd_path) as zf:
+            pin.zip_entries = zf.infolist()
+            infos = {zi.filename: zi for zi in pin.zip_entries}
+        found = infos.get(fmt.MANIFEST_NAME)
+        if found is None:
+            raise CheckpointNotFoundError(
+                f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
+            )
+        check_manifest_size(found.file_size, f"archive {path!r}: entry {found.filename!r}")
+        raw = read_stored_entry(pin.read_at, found, found.file_size, f"archive {path!r}")
+    return ManifestBytes(pin, raw, _ArchiveIndex(pin, infos.get(fmt.INDEX_NAME)), f"manifest of archive {path!r}")
+
+
+@dataclass(frozen=True)
+class _ArchiveIndex:
+    """The ``tddist.idx`` entry of a pinned archive (an ``IndexSource``): its declared sizes first."""
+
+    pin: PinnedCheckpoint
+    entry: zipfile.ZipInfo | None
+
+    def read_index(self, size: int) -> bytes | None:
+        if self.entry is None:
+            return None
+        with _zip_errors(self.pin.path):
+            return read_stored_entry(self.pin.read_at, self.entry, size, f"archive {self.pin.path!r}")
+
+
+@contextmanager
+def _zip_errors(path: str) -> Iterator[None]:
+    """What reading an archive's records raises, as tddist's errors: a damaged archive, or the storage failing."""
     try:
-        with zipfile.ZipFile(pin.fd_path) as zf:
-            infos = {zi.filename: zi for zi in zf.infolist()}
-            found = fmt.MANIFEST_NAME in infos
-            raw = _read_entry(zf, infos[fmt.MANIFEST_NAME], MAX_MANIFEST_BYTES, path) if found else b""
-            index = _read_entry(zf, infos[fmt.INDEX_NAME], MAX_INDEX_BYTES, path) if fmt.INDEX_NAME in infos else None
+        yield
+    except TddistError:  # CheckpointNotFoundError is an OSError too: it is no storage failure
+        raise
     except OSError as e:
         if e.errno == errno.EINVAL:  # zipfile seeking to a negative offset that a damaged record gave it
             raise CorruptCheckpointError(
@@ -314,29 +413,7 @@ def _archive_manifest(pin: PinnedCheckpoint) -> ManifestBytes:
                 f"is damaged"
             ) from None
         raise storage_failed(path, e) from e
-    except (
-        zipfile.BadZipFile,
-        ValueError,
-        EOFError,
-        NotImplementedError,
-    ) as e:  # NotImplemented: a zip version
+    except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as e:  # NotImplemented: a zip version
         raise CorruptCheckpointError(
             f"{path!r} is not a readable zip archive ({e}); the checkpoint is damaged"
         ) from None
-    if not found:
-        raise CheckpointNotFoundError(
-            f"archive {path!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
-        )
-    return ManifestBytes(pin, raw, index, f"manifest of archive {path!r}")
-
-
-def _read_entry(zf: zipfile.ZipFile, zi: zipfile.ZipInfo, limit: int, path: str) -> bytes:
-    """A manifest or index entry: stored (never compressed, as the format requires) and bounded."""
-    if zi.compress_type != zipfile.ZIP_STORED:
-        raise ManifestError(
-            f"archive {path!r}: entry {zi.filename!r} is compressed (method {zi.compress_type}); the format stores "
-            f"it uncompressed, so the archive was not written by tddist or was tampered with"
-        )
-    if zi.file_size > limit or zi.compress_size != zi.file_size:
-        raise ManifestError(f"archive {path!r}: entry {zi.filename!r} declares {zi.file_size} bytes; refusing it")
-    return zf.read(zi)

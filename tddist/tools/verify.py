@@ -29,9 +29,9 @@ import numpy as np
 from .. import format as fmt
 from .._fs import is_inside
 from ..checksum import EMPTY, block_digest, blocks, combine_digests
-from ..errors import CorruptCheckpointError, InvalidArgumentError, StorageError
-from ..manifest.chunks import BoxChunks
-from ..manifest.locate import Location, Locator, packed_offsets
+from ..errors import CorruptCheckpointError, InvalidArgumentError, ManifestError, StorageError
+from ..manifest.chunks import ChunkColumns, ReplicaChunks, int_checksum
+from ..manifest.locate import Location, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
 from ..storage.backends import read_manifest
 
@@ -118,10 +118,10 @@ def chunk_count(manifest: Manifest) -> int:
 
 def data_file_sizes(manifest: Manifest) -> np.ndarray:
     """The size of every rank's data file (packing "packed"), for all ranks at once (int64[world_size])."""
-    world = manifest.world_size
-    rows = [leaf.table.nbytes_by_rank(world) for leaf in manifest.leaves.values()]
-    _offsets, sizes = packed_offsets(np.stack(rows) if rows else np.zeros((0, world), dtype=np.int64))
-    return np.asarray(sizes, dtype=np.int64).reshape(world)
+    out = np.zeros(manifest.world_size, dtype=np.int64)
+    sizes = Locator(manifest).every_rank().file_sizes()
+    out[list(sizes)] = list(sizes.values())
+    return out
 
 
 def verify(
@@ -147,7 +147,8 @@ def verify(
     Raises:
         CheckpointNotFoundError: nothing committed is at ``path``.
         ManifestError: the manifest (or its index) is unreadable or invalid
-            (nothing else can be checked).
+            (nothing else can be checked), or names more ranks than a packed
+            directory of more than ``CHEAP_WORLD`` ranks holds entries.
         InvalidArgumentError: ``num_threads`` is not a positive int.
     """
     path = os.path.abspath(os.fspath(path))
@@ -206,11 +207,18 @@ def _check_threads(num_threads: object) -> None:
         raise InvalidArgumentError(f"num_threads must be a positive int, got {num_threads!r}")
 
 
-def _chunks(leaf: Leaf) -> Iterator[Chunk]:
-    """A leaf's chunks, built one at a time."""
-    table = leaf.table
-    for i in range(len(table)):
-        yield table.chunk(i)
+_EMPTY_INT = int_checksum(EMPTY)
+#: A world of up to this many ranks is checked rank by rank, whatever the directory holds (``_Check._check_world``).
+CHEAP_WORLD = 4096
+
+
+def _empty_chunks_with_bytes_hashed(leaf: Leaf, cols: ChunkColumns | None = None) -> list[int]:
+    """The chunks of ``leaf`` that hold no bytes but whose checksum is not that of nothing (a damaged manifest)."""
+    t = leaf.table
+    if isinstance(t, ReplicaChunks):  # one chunk: no columns needed
+        return [0] if not t.nbytes_of_rank(t.writer) and t.checksum != _EMPTY_INT else []
+    cols = cols or t.columns()
+    return np.flatnonzero((cols.nbytes == 0) & (cols.checksums != np.uint64(_EMPTY_INT))).tolist()
 
 
 def _where(leaf: Leaf, chunk: Chunk) -> str:
@@ -225,6 +233,7 @@ class _Check:
         self.real_root = os.path.realpath(root)
         self.spans = manifest.packing == "packed" and not os.path.isfile(root)  # chunks lie at offsets of files
         self.locator = Locator(manifest)
+        self.keys = list(manifest.leaves)  # the leaves' keys, by position
         self.tick = progress or (lambda n: None)
         self.pool: ThreadPoolExecutor | None = None
         self.problems: list[Problem] = []
@@ -234,41 +243,75 @@ class _Check:
     def packed(self) -> None:
         """Each rank's data file (exists, regular, inside, exact size); then, unless quick, every chunk's span."""
         m = self.manifest
+        self._check_world()
+        placed = self.locator.every_rank()
+        sizes = placed.file_sizes()
         bad = set()
-        sizes = data_file_sizes(m).tolist()
         for rank in range(m.world_size):
-            found = self._check_data_file(rank, sizes[rank])
+            found = self._check_data_file(rank, sizes.get(rank, 0))
             if found is not None:
                 self.problems.append(found)
                 bad.add(rank)
         if self.quick:
             return
+        found_in_chunks = [(li, i, p) for li, i, p in self._empty_chunk_problems() if p.rank not in bad]
         leaves = list(m.leaves.values())
-        # A DTensor leaf's chunk of a rank is found by a search; index them once.
-        by_rank = [
-            {int(r): i for i, r in enumerate(leaf.table.ranks)} if isinstance(leaf.table, BoxChunks) else None
-            for leaf in leaves
-        ]
-        found_in_chunks: list[tuple[int, int, Problem]] = []
         from ..storage.backends import local_files  # imports torch
 
-        for rank in range(m.world_size):
+        for rank in np.unique(placed.ranks).tolist():
             if rank in bad:
                 continue
             files = local_files(self.root)  # this rank's file is mapped once, and unmapped after it
-            for li, leaf in enumerate(leaves):
-                index = by_rank[li]
-                i = index.get(rank) if index is not None else leaf.table.index_of_rank(rank)
-                if i is None:
-                    continue
+            rows = placed.rows_of(rank)
+            for li, i in zip(placed.leaves[rows].tolist(), placed.chunks[rows].tolist()):
+                leaf = leaves[li]
                 chunk = leaf.table.chunk(i)
-                loc = self.locator.locate(leaf, chunk)
-                problem = self._check_chunk_bytes(files, leaf, chunk, loc)
+                problem = self._check_chunk_bytes(files, leaf, chunk, self.locator.locate(leaf, chunk))
                 if problem is not None:
                     found_in_chunks.append((li, i, problem))
             del files
         found_in_chunks.sort(key=lambda t: (t[0], t[1]))
         self.problems.extend(p for _li, _i, p in found_in_chunks)
+
+    def _check_world(self) -> None:
+        """Refuse a world size the directory cannot hold before checking it rank by rank.
+
+        Packing "packed" has a data file per rank, and each missing one is
+        reported. A world of up to ``CHEAP_WORLD`` ranks costs nothing to go
+        through; a larger one must not exceed the directory's entries
+        (counted up to the world size): a manifest naming a million ranks
+        beside three files is refused at once, not reported rank by rank.
+
+        Raises:
+            ManifestError: more ranks than entries.
+        """
+        world = self.manifest.world_size
+        if world <= CHEAP_WORLD:
+            return
+        count = 0
+        with os.scandir(self.root) as entries:
+            for _entry in entries:
+                count += 1
+                if count >= world:
+                    return
+        raise ManifestError(
+            f"the manifest of {self.root!r} declares {world} ranks, but the directory holds only {count} entries "
+            f"(it has a data file per rank): the manifest is damaged or was tampered with; restore the checkpoint "
+            f"from a copy"
+        )
+
+    def _empty_chunk_problems(self) -> list[tuple[int, int, Problem]]:
+        """(leaf position, chunk, problem) for each chunk of no bytes whose checksum is not that of nothing.
+
+        Empty chunks have no bytes to read (nor, with packing "memmap" or in
+        an archive, a file); their checksums are checked column by column.
+        """
+        out = []
+        for li, leaf in enumerate(self.manifest.leaves.values()):
+            for i in _empty_chunks_with_bytes_hashed(leaf):
+                chunk = leaf.table.chunk(i)
+                out.append((li, i, self._checksum_problem(leaf, chunk, self.locator.locate(leaf, chunk), EMPTY)))
+        return out
 
     def _check_data_file(self, rank: int, size: int) -> Problem | None:
         rel = fmt.rank_data_name(rank)
@@ -305,7 +348,8 @@ class _Check:
 
     def _held(self, rank: int) -> str:
         """What a rank's data file holds, in words (for a problem of the whole file)."""
-        keys = [leaf.key for leaf in self.manifest.leaves.values() if leaf.table.nbytes_of_rank(rank)]
+        placed, leaves = self.locator.every_rank(), self.keys
+        keys = [leaves[i] for i in placed.leaves[placed.rows_of(rank)].tolist()]
         shown = ", ".join(str(list(k)) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
         return f"it holds {len(keys)} chunk(s)" + (f" (leaves {shown})" if keys else "")
 
@@ -313,11 +357,9 @@ class _Check:
 
     def memmap(self) -> None:
         """Each rank directory that should hold files; each chunk's file; unless quick, its bytes."""
-        m = self.manifest
-        for rank in range(m.world_size):
+        for rank in np.unique(self.locator.every_rank().ranks).tolist():  # the ranks that stored bytes
             d = os.path.join(self.root, fmt.rank_dir(rank))
-            stores = any(leaf.table.nbytes_of_rank(rank) for leaf in m.leaves.values())
-            if stores and not os.path.isdir(d):
+            if not os.path.isdir(d):
                 self.problems.append(
                     Problem(
                         STRUCTURE,
@@ -328,24 +370,34 @@ class _Check:
                     )
                 )
         files: Any = None
-        for leaf in m.leaves.values():
-            for chunk in _chunks(leaf):
-                if self._empty(leaf, chunk):
-                    continue
-                loc = self.locator.locate(leaf, chunk)
-                found = self._check_file(leaf, chunk, loc.relpath)
-                if found is not None:
-                    self.problems.append(found)
-                    continue
-                if self.quick:
-                    continue
-                if files is None:
-                    from ..storage.backends import local_files  # imports torch
+        for leaf, chunk in self._chunks():
+            loc = self.locator.locate(leaf, chunk)
+            found = self._check_file(leaf, chunk, loc.relpath)
+            if found is not None:
+                self.problems.append(found)
+                continue
+            if self.quick:
+                continue
+            if files is None:
+                from ..storage.backends import local_files  # imports torch
 
-                    files = local_files(self.root)
-                found = self._check_chunk_bytes(files, leaf, chunk, loc)
-                if found is not None:
-                    self.problems.append(found)
+                files = local_files(self.root)
+            found = self._check_chunk_bytes(files, leaf, chunk, loc)
+            if found is not None:
+                self.problems.append(found)
+
+    def _chunks(self) -> Iterator[tuple[Leaf, Chunk]]:
+        """Every chunk of at least one byte, in manifest order (built one at a time); unless quick, a problem
+        is recorded in its place for each empty chunk whose checksum is not that of nothing."""
+        for leaf in self.manifest.leaves.values():
+            cols = leaf.table.columns()
+            wrong = set() if self.quick else set(_empty_chunks_with_bytes_hashed(leaf, cols))
+            for i in sorted(wrong.union(np.flatnonzero(cols.nbytes).tolist())):
+                chunk = leaf.table.chunk(i)
+                if i in wrong:
+                    self.problems.append(self._checksum_problem(leaf, chunk, self.locator.locate(leaf, chunk), EMPTY))
+                else:
+                    yield leaf, chunk
 
     def _check_file(self, leaf: Leaf, chunk: Chunk, rel: str) -> Problem | None:
         """A chunk's own file: a regular file inside the checkpoint, of the declared size."""
@@ -400,18 +452,15 @@ class _Check:
         except CorruptCheckpointError as e:
             self.problems.append(Problem(STRUCTURE, None, None, None, str(e)))
             return  # nothing in it can be checked
-        for leaf in self.manifest.leaves.values():
-            for chunk in _chunks(leaf):
-                if self._empty(leaf, chunk):
-                    continue
-                loc = self.locator.locate(leaf, chunk)
-                name = loc.relpath.replace(os.sep, "/")
-                loc = Location(name, loc.offset, loc.nbytes, loc.file_size)
-                found = self._check_entry(files, leaf, chunk, name)
-                if found is None and not self.quick:
-                    found = self._check_chunk_bytes(files, leaf, chunk, loc)
-                if found is not None:
-                    self.problems.append(found)
+        for leaf, chunk in self._chunks():
+            loc = self.locator.locate(leaf, chunk)
+            name = loc.relpath.replace(os.sep, "/")
+            loc = Location(name, loc.offset, loc.nbytes, loc.file_size)
+            found = self._check_entry(files, leaf, chunk, name)
+            if found is None and not self.quick:
+                found = self._check_chunk_bytes(files, leaf, chunk, loc)
+            if found is not None:
+                self.problems.append(found)
 
     @staticmethod
     def _check_entry(files: Any, leaf: Leaf, chunk: Chunk, name: str) -> Problem | None:
@@ -433,15 +482,6 @@ class _Check:
         return None
 
     # --- every packing ----------------------------------------------------------------------
-
-    def _empty(self, leaf: Leaf, chunk: Chunk) -> bool:
-        """True for a chunk of no bytes (it has no file); its checksum must be that of nothing."""
-        if chunk.nbytes:
-            return False
-        if not self.quick and chunk.checksum != EMPTY:
-            loc = self.locator.locate(leaf, chunk)
-            self.problems.append(self._checksum_problem(leaf, chunk, loc, EMPTY))
-        return True
 
     def _check_chunk_bytes(self, files: Any, leaf: Leaf, chunk: Chunk, loc: Location) -> Problem | None:
         """Read a chunk's bytes where ``loc`` says and compare their checksum with the manifest's."""

@@ -20,7 +20,9 @@ from typing import Any
 
 from ... import format as fmt
 from ...errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from ...manifest.parse import check_manifest_size, paused_gc
 from ..opened import ManifestBytes
+from ..pinned import read_stored_entry
 from .client import bucket_missing, client_errors, error_code, is_missing, no_bucket, s3_client, s3_failed
 from .url import S3Url, parse
 
@@ -84,6 +86,10 @@ class S3Pin:
             )
         return data, total
 
+    def read_at(self, offset: int, n: int) -> bytes:
+        """``n`` bytes of the archive object from ``offset`` (a ranged GET, If-Match its ETag)."""
+        return self.get(self.url.key, offset, offset + n)[0] if n else b""
+
     def missing(self, key: str) -> Exception:
         """A data object the manifest names is gone: the checkpoint was replaced meanwhile, or is damaged."""
         if self.replaced():
@@ -124,8 +130,9 @@ def _total_size(content_range: str, default: int) -> int:
     return int(total) if total.isdigit() else int(default)
 
 
-def open_s3(prefix: str, max_manifest: int, max_index: int) -> ManifestBytes:
-    """Find the committed checkpoint at ``prefix`` and read its manifest and index (not validated here).
+def open_s3(prefix: str) -> ManifestBytes:
+    """Find the committed checkpoint at ``prefix`` and read its manifest (not validated here; its index is read
+    once the manifest says how large it is: ``manifest.parse`` checks that size against ``MAX_INDEX_BYTES``).
 
     Raises:
         CheckpointNotFoundError: nothing committed is there (or the bucket does not exist).
@@ -134,26 +141,29 @@ def open_s3(prefix: str, max_manifest: int, max_index: int) -> ManifestBytes:
     url = parse(prefix)
     client = s3_client()
     if url.archive:
-        return _open_archive(url, client, max_manifest, max_index)
-    return _open_directory(url, client, max_manifest, max_index)
+        return _open_archive(url, client)
+    return _open_directory(url, client)
 
 
-def _read_object(client: Any, url: S3Url, key: str, limit: int, what: str) -> tuple[bytes, dict[str, str]] | None:
-    """A whole small object and its metadata, or None if it does not exist; larger than ``limit`` is refused."""
+def _read_manifest(client: Any, url: S3Url, key: str) -> tuple[bytes, dict[str, str]] | None:
+    """The manifest object and its metadata, or None if it does not exist; its size is checked before its body
+    is read (``check_manifest_size``)."""
     try:
         r = client.get_object(Bucket=url.bucket, Key=key)
-        if int(r.get("ContentLength", 0)) > limit:
+        try:
+            check_manifest_size(int(r.get("ContentLength", 0)), f"manifest s3://{url.bucket}/{key}")
+        except ManifestError:
             r["Body"].close()
-            raise ManifestError(f"{what} s3://{url.bucket}/{key} has {r['ContentLength']} bytes; refusing it")
+            raise
         return r["Body"].read(), dict(r.get("Metadata", {}))
     except client_errors() as e:
         if is_missing(e):
             return None
-        raise s3_failed(f"reading the {what} of", url.url, e) from e
+        raise s3_failed("reading the manifest of", url.url, e) from e
 
 
-def _open_directory(url: S3Url, client: Any, max_manifest: int, max_index: int) -> ManifestBytes:
-    found = _read_object(client, url, url.child(fmt.MANIFEST_NAME), max_manifest, "manifest")
+def _open_directory(url: S3Url, client: Any) -> ManifestBytes:
+    found = _read_manifest(client, url, url.child(fmt.MANIFEST_NAME))
     if found is None and _no_bucket(client, url):
         raise no_bucket("opening", url.url, url.bucket, None, CheckpointNotFoundError)
     if found is None:
@@ -170,10 +180,43 @@ def _open_directory(url: S3Url, client: Any, max_manifest: int, max_index: int) 
             f"not written by tddist or was tampered with"
         )
     pin = S3Pin(url, client, archive=False, generation=generation)
-    got = _read_object(client, url, pin.data_key(fmt.INDEX_NAME), max_index, "index")
-    if got is None and pin.replaced():
-        raise pin.changed("the index")
-    return ManifestBytes(pin, raw, None if got is None else got[0], where)
+    return ManifestBytes(pin, raw, _DirectoryIndex(pin), where)
+
+
+@dataclass(frozen=True)
+class _DirectoryIndex:
+    """The index object of a pinned generation (an ``IndexSource``): one ranged GET of the expected size, whose
+    ``Content-Range`` must name exactly that size."""
+
+    pin: S3Pin
+
+    def read_index(self, size: int) -> bytes | None:
+        pin = self.pin
+        key = pin.data_key(fmt.INDEX_NAME)
+        shown = f"index s3://{pin.url.bucket}/{key}"
+        try:
+            if size == 0:  # no range to ask for: the object's size alone
+                data, total = b"", int(pin.client.head_object(Bucket=pin.url.bucket, Key=key).get("ContentLength", 0))
+            else:
+                r = pin.client.get_object(Bucket=pin.url.bucket, Key=key, Range=f"bytes=0-{size - 1}")
+                total = _total_size(r.get("ContentRange", ""), r.get("ContentLength", -1))
+                data = r["Body"].read(size) if total == size else b""
+                r["Body"].close()
+        except client_errors() as e:
+            if is_missing(e):
+                if pin.replaced():
+                    raise pin.changed("the index") from None
+                return None  # the parser refuses a version-2 manifest without one
+            if error_code(e) in ("InvalidRange", "416"):  # an empty object, asked for bytes it lacks
+                total = 0
+            else:
+                raise s3_failed("reading the index of", pin.url.url, e) from e
+        if total != size:
+            raise ManifestError(
+                f"{shown} has {total} bytes, its manifest implies {size}; the checkpoint is damaged or was "
+                f"tampered with (restore it from a copy)"
+            )
+        return data
 
 
 class _RangedFile:
@@ -211,7 +254,7 @@ class _RangedFile:
         pass
 
 
-def _open_archive(url: S3Url, client: Any, max_manifest: int, max_index: int) -> ManifestBytes:
+def _open_archive(url: S3Url, client: Any) -> ManifestBytes:
     try:
         head = client.head_object(Bucket=url.bucket, Key=url.key)
     except client_errors() as e:
@@ -226,25 +269,33 @@ def _open_archive(url: S3Url, client: Any, max_manifest: int, max_index: int) ->
     pin = S3Pin(url, client, archive=True, size=int(head["ContentLength"]), etag=head.get("ETag", ""))
     where = f"manifest of archive {url.url!r}"
     try:
-        with zipfile.ZipFile(_RangedFile(pin)) as zf:
+        with paused_gc(), zipfile.ZipFile(_RangedFile(pin)) as zf:
             pin.entries = {zi.filename: zi for zi in zf.infolist()}
-            raw = _entry(zf, pin.entries.get(fmt.MANIFEST_NAME), max_manifest, url)
-            index = _entry(zf, pin.entries.get(fmt.INDEX_NAME), max_index, url)
     except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as e:
-        raise CorruptCheckpointError(
-            f"{url.url!r} is not a readable zip archive ({e}); the checkpoint is damaged"
-        ) from None
-    if raw is None:
+        raise _not_a_zip(url, e) from None
+    found = pin.entries.get(fmt.MANIFEST_NAME)
+    if found is None:
         raise CheckpointNotFoundError(
             f"archive {url.url!r} has no {fmt.MANIFEST_NAME} entry; it is not a tddist checkpoint"
         )
-    return ManifestBytes(pin, raw, index, where)
+    check_manifest_size(found.file_size, f"archive {url.url!r}: entry {found.filename!r}")
+    raw = read_stored_entry(pin.read_at, found, found.file_size, f"archive {url.url!r}")
+    return ManifestBytes(pin, raw, _ArchiveIndex(pin, pin.entries.get(fmt.INDEX_NAME)), where)
 
 
-def _entry(zf: zipfile.ZipFile, zi: zipfile.ZipInfo | None, limit: int, url: S3Url) -> bytes | None:
-    """A manifest or index entry: stored (as the format requires) and bounded."""
-    if zi is None:
-        return None
-    if zi.compress_type != zipfile.ZIP_STORED or zi.file_size > limit or zi.compress_size != zi.file_size:
-        raise ManifestError(f"archive {url.url!r}: entry {zi.filename!r} is compressed or too large; refusing it")
-    return zf.read(zi)
+def _not_a_zip(url: S3Url, e: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{url.url!r} is not a readable zip archive ({e}); the checkpoint is damaged")
+
+
+@dataclass(frozen=True)
+class _ArchiveIndex:
+    """The ``tddist.idx`` entry of a pinned archive object (an ``IndexSource``): its declared sizes first, then
+    ranged GETs of exactly that many bytes."""
+
+    pin: S3Pin
+    entry: zipfile.ZipInfo | None
+
+    def read_index(self, size: int) -> bytes | None:
+        if self.entry is None:
+            return None
+        return read_stored_entry(self.pin.read_at, self.entry, size, f"archive {self.pin.url.url!r}")
