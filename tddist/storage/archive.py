@@ -169,8 +169,11 @@ class ArchiveFiles:
         self.source = source = opened_as or path
         if entries is None:
             entries = _central_directory(path, source)
-        size = os.path.getsize(source)
-        self.tensor = map_copy_on_write(source, size) if size else torch.empty(0, dtype=torch.uint8)
+        try:
+            size = os.path.getsize(source)
+            self.tensor = map_copy_on_write(source, size) if size else torch.empty(0, dtype=torch.uint8)
+        except OSError as e:  # EIO after a power loss: the storage failed, not the checkpoint
+            raise storage_failed(path, e) from e
         self.map = self.tensor.numpy()
         self.entries: dict[str, tuple[int, zipfile.ZipInfo]] = {}
         with paused_gc():  # one tuple per entry: see paused_gc
