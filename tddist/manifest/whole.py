@@ -64,10 +64,6 @@ class FileOffsets:
         """The column of each of ``ranks`` (covered ranks) in ``offsets``."""
         return ranks if self.ranks is None else np.searchsorted(self.ranks, ranks)
 
-    def file_size(self, rank: int) -> int:
-        """The size of ``rank``'s data file (a covered rank)."""
-        return int(self.offsets[-1, int(self.column(np.array([rank]))[0])])
-
     def offset_of(self, position: int, rank: int, chunk: int) -> int:
         """Where the chunk ``chunk`` of leaf ``position``, stored by ``rank``, starts (a chunk that holds bytes)."""
         row = int(self.shard_rows[position])
@@ -179,6 +175,8 @@ class WholePieces:
         offsets: where it starts in its rank's data file; 0 with packing "memmap" (int64[n]).
         nbytes: its size (int64[n]).
         targets: where its first byte lands in the output, in bytes (int64[n]).
+        files: the ranks whose data files hold the pieces (sorted, int64[k]; packing "packed", else empty).
+        file_sizes: the size of each of those files (int64[k]).
     """
 
     first: np.ndarray
@@ -188,6 +186,8 @@ class WholePieces:
     offsets: np.ndarray
     nbytes: np.ndarray
     targets: np.ndarray
+    files: np.ndarray
+    file_sizes: np.ndarray
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -230,7 +230,10 @@ def plan_whole(manifest: Manifest, positions: list[int], placed: FileOffsets | N
     in_order = np.array(shard + other, np.int64)
     first[in_order] = np.concatenate(([0], np.cumsum(count[in_order])[:-1])) if len(in_order) else in_order
     cols = [np.concatenate([part[c] for part in parts]) for c in range(1, 6)]
-    return WholePieces(first, count, cols[0].astype(np.int32), cols[1].astype(np.int32), cols[2], cols[3], cols[4])
+    files = np.unique(cols[0]) if placed is not None else np.zeros(0, np.int64)
+    sizes = placed.offsets[-1, placed.column(files)] if placed is not None else files
+    ranks, chunks = cols[0].astype(np.int32), cols[1].astype(np.int32)
+    return WholePieces(first, count, ranks, chunks, cols[2], cols[3], cols[4], files, sizes)
 
 
 def _shard_pieces(
