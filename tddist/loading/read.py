@@ -12,7 +12,9 @@ import errno
 import math
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..checksum import EMPTY, combine_digests, hash_blocks
@@ -50,6 +52,10 @@ class ChunkSource:
         rank data files mapped for whole reads stay, one map per rank."""
         for rank in [r for k, r in self._maps if k == leaf.key]:
             del self._maps[(leaf.key, rank)]
+
+    def mark_verified(self, leaf: Leaf, ranks: np.ndarray) -> None:
+        """The chunks of ``leaf`` stored by ``ranks`` were verified (by a whole read): not hashed again."""
+        self._verified.update((leaf.key, r) for r in ranks.tolist())
 
     def relpath_of(self, leaf: Leaf, rank: int) -> str:
         """The file holding ``rank``'s chunk of ``leaf``."""
@@ -222,18 +228,38 @@ def read_leaves(
         raise storage_failed(root, e) from e
 
 
+@dataclass(frozen=True)
+class WholeReads:
+    """The requests of a load that read their leaf whole, planned together (``manifest.whole``).
+
+    Attributes:
+        indices: their positions in the load's requests.
+        leaves: their leaves.
+        plan: every piece of them, in columns; None when no request is whole.
+    """
+
+    indices: list[int]
+    leaves: list[Leaf]
+    plan: WholePieces | None
+
+
+def plan_wholes(source: ChunkSource, requests: list[tuple[Leaf, Box]]) -> WholeReads:
+    """The whole boxes among ``requests``, and their pieces: all a load plans for them before reading data."""
+    indices = [j for j, (leaf, box) in enumerate(requests) if _whole(leaf, box)]
+    leaves = [requests[j][0] for j in indices]
+    return WholeReads(indices, leaves, source.whole_pieces(leaves) if leaves else None)
+
+
 def _read(source: ChunkSource, requests: list[tuple[Leaf, Box]], num_threads: int, verify: bool) -> list[torch.Tensor]:
     """Whole boxes through one plan in columns (``loading.whole``), the others box by box."""
-    wholes = [j for j, (leaf, box) in enumerate(requests) if _whole(leaf, box)]
-    leaves = [requests[j][0] for j in wholes]
-    plan = source.whole_pieces(leaves) if leaves else None
+    wholes = plan_wholes(source, requests)
     if source.files.fetches_ahead:  # a store that pays per request: every range this load reads, in parallel
-        source.files.prefetch(_needed(source, requests, verify, plan), num_threads)
+        source.files.prefetch(_needed(source, requests, verify, wholes.plan), num_threads)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
         out: list[torch.Tensor | None] = [None] * len(requests)
-        if plan is not None:
-            for j, t in zip(wholes, whole.read_whole(source, leaves, pool, verify, plan)):
+        if wholes.plan is not None:
+            for j, t in zip(wholes.indices, whole.read_whole(source, wholes.leaves, pool, verify, wholes.plan)):
                 out[j] = t
         for j, (leaf, box) in enumerate(requests):
             if out[j] is None:

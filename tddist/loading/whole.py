@@ -79,13 +79,13 @@ def _rank_sources(source: ChunkSource, plan: WholePieces) -> Sources:
 def _chunk_sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> Sources:
     """Packing "memmap": each chunk is a file (an archive entry) of its own, opened once here: one per chunk."""
     m = source.manifest
-    tensors: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(plan)  # in the plan's row order
     for j, leaf in enumerate(leaves):
         rows = plan.rows(j)
-        for rank, n in zip(plan.ranks[rows].tolist(), plan.nbytes[rows].tolist()):
+        for i, rank, n in zip(range(rows.start, rows.stop), plan.ranks[rows].tolist(), plan.nbytes[rows].tolist()):
             loc = Location(fmt.leaf_relpath(rank, leaf.key, m.robust_key), 0, n, n)
             try:
-                tensors.append(source.files.span(loc))
+                tensors[i] = source.files.span(loc)
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {rank}): {e}") from None
     addresses = np.array([t.data_ptr() for t in tensors], np.int64)
@@ -157,14 +157,13 @@ def verify(
     digests: list[int] = []
     for batch in _map(pool, lambda bs: [block_digest(b) for b in bs], _batches(flat, [len(b) for b in flat])):
         digests.extend(batch)
-    at = 0
+    at = np.concatenate(([0], np.cumsum([len(p) for p in parts], dtype=np.int64))).tolist()  # each piece's blocks
     for j, leaf in enumerate(leaves):
         _check_empty_chunks(source, leaf)
         rows = plan.rows(j)
         expected = _expected(leaf, plan.chunks[rows])
         for k, i in enumerate(range(rows.start, rows.stop)):
-            got = combine_digests(digests[at : at + len(parts[i])])
-            at += len(parts[i])
+            got = combine_digests(digests[at[i] : at[i + 1]])
             if got != hex_checksum(expected[k]):
                 rank = int(plan.ranks[i])
                 raise CorruptCheckpointError(
@@ -172,6 +171,7 @@ def verify(
                     f"rank {rank}): expected {hex_checksum(expected[k])}, found {got}; the data is corrupted, restore "
                     f"it from another checkpoint"
                 )
+        source.mark_verified(leaf, plan.ranks[rows])
 
 
 def _batches(items: list, sizes: list[int]) -> list[list]:
