@@ -306,8 +306,10 @@ def print_targets(records: list[dict], leaves: int) -> None:
         shown = C.fmt_seconds(v) if unit == "s" else f"{v:.0f} MiB"
         bound = f"{limit:g} s" if unit == "s" else f"{limit} MiB"
         label = "time" if what == "time" else "peak RSS added"
-        print(f"target {world:,} ranks x 1,000 leaves, {scenario} {label} < {bound}: {shown}, "
-              f"{'met' if v < limit else 'MISSED'}")
+        print(
+            f"target {world:,} ranks x 1,000 leaves, {scenario} {label} < {bound}: {shown}, "
+            f"{'met' if v < limit else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..checksum import EMPTY, combine_digests, hash_blocks
 from .. import format as fmt
+from ..checksum import EMPTY, combine_digests, hash_blocks
 from ..core.sharding import Box, ReadPiece, full_box, plan_reads
 from ..core.types import Key
 from ..errors import CorruptCheckpointError
@@ -100,7 +100,18 @@ class ChunkSource:
         return t
 
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
-        return self.locator.locate(leaf, chunk).relpath
+        return self.location(leaf, chunk).relpath
+
+    def location(self, leaf: Leaf, chunk: Chunk) -> Location:
+        """Where ``chunk``'s bytes lie: from every rank's offsets once a whole read computed them (no offsets
+        of a rank's leaves kept per rank), else through the ``Locator``."""
+        placed = self._placed
+        if placed is None or not chunk.nbytes:
+            return self.locator.locate(leaf, chunk)
+        if self._positions is None:
+            self._positions = {k: i for i, k in enumerate(self.manifest.leaves)}
+        offset, size = placed.offset_of(self._positions[leaf.key], chunk.rank)
+        return Location(fmt.rank_data_name(chunk.rank), offset, chunk.nbytes, size)
 
     def tensor(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         """The chunk as a tensor of its box's shape (a copy-on-write map where possible)."""
@@ -118,7 +129,7 @@ class ChunkSource:
 
     def _array(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         try:
-            return self.files.span(self.locator.locate(leaf, chunk))
+            return self.files.span(self.location(leaf, chunk))
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {chunk.rank}): {e}") from None
 
@@ -192,7 +203,7 @@ def _needed(
         chunks = leaf.overlapping(box)
         for p in plan_reads(box, [c.box for c in chunks]):
             chunk = chunks[p.chunk_index]
-            loc = source.locator.locate(leaf, chunk)
+            loc = source.location(leaf, chunk)
             if verify or not loc.nbytes:
                 out.append(ChunkRange(loc, 0, loc.nbytes))
                 continue

@@ -64,14 +64,16 @@ class FileOffsets:
         """The column of each of ``ranks`` (covered ranks) in ``offsets``."""
         return ranks if self.ranks is None else np.searchsorted(self.ranks, ranks)
 
-    def offset_of(self, position: int, rank: int, chunk: int) -> int:
-        """Where the chunk ``chunk`` of leaf ``position``, stored by ``rank``, starts (a chunk that holds bytes)."""
+    def offset_of(self, position: int, rank: int) -> tuple[int, int]:
+        """Where ``rank``'s chunk of the leaf at ``position`` starts (a chunk that holds bytes, of a covered
+        rank), and the size of ``rank``'s data file."""
+        col = int(self.column(np.array([rank]))[0])
         row = int(self.shard_rows[position])
         if row >= 0:
-            return int(self.offsets[row, int(self.column(np.array([rank]))[0])])
+            return int(self.offsets[row, col]), int(self.offsets[-1, col])
         lo, hi = np.searchsorted(self.sparse_leaves, [position, position + 1])
         hit = lo + np.flatnonzero(self.sparse_ranks[lo:hi] == rank)
-        return int(self.sparse_offsets[hit[0]])
+        return int(self.sparse_offsets[hit[0]]), int(self.offsets[-1, col])
 
 
 def _sparse_chunks(leaves: list[Leaf], keep: np.ndarray | None) -> tuple[np.ndarray, ...]:

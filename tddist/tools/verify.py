@@ -263,10 +263,14 @@ class _Check:
                 continue
             files = local_files(self.root)  # this rank's file is mapped once, and unmapped after it
             rows = placed.rows_of(rank)
-            for li, i in zip(placed.leaves[rows].tolist(), placed.chunks[rows].tolist()):
+            name, size = fmt.rank_data_name(rank), sizes.get(rank, 0)
+            # each chunk's offset from the placement's column: no table of the rank's leaves is built per rank
+            for li, i, at in zip(
+                placed.leaves[rows].tolist(), placed.chunks[rows].tolist(), placed.offsets[rows].tolist()
+            ):
                 leaf = leaves[li]
                 chunk = leaf.table.chunk(i)
-                problem = self._check_chunk_bytes(files, leaf, chunk, self.locator.locate(leaf, chunk))
+                problem = self._check_chunk_bytes(files, leaf, chunk, Location(name, at, chunk.nbytes, size))
                 if problem is not None:
                     found_in_chunks.append((li, i, problem))
             del files
