@@ -231,11 +231,14 @@ def plan_whole(manifest: Manifest, positions: list[int], placed: FileOffsets | N
     # rows are stored with the sharded leaves first, then the others, each in request order
     in_order = np.array(shard + other, np.int64)
     first[in_order] = np.concatenate(([0], np.cumsum(count[in_order])[:-1])) if len(in_order) else in_order
-    cols = [np.concatenate([part[c] for part in parts]) for c in range(1, 6)]
-    files = np.unique(cols[0]) if placed is not None else np.zeros(0, np.int64)
+    kinds = (np.int32, np.int32, np.int64, np.int64, np.int64)
+    if not other or not shard:  # one kind of leaf (the common case): its columns as they are, no copy
+        cols = [np.asarray(c, t) for c, t in zip(parts[0 if shard else 1][1:], kinds)]
+    else:
+        cols = [np.concatenate([np.asarray(part[c], t) for part in parts]) for c, t in zip(range(1, 6), kinds)]
+    files = np.unique(cols[0]).astype(np.int64) if placed is not None else np.zeros(0, np.int64)
     sizes = placed.offsets[-1, placed.column(files)] if placed is not None else files
-    ranks, chunks = cols[0].astype(np.int32), cols[1].astype(np.int32)
-    return WholePieces(first, count, ranks, chunks, cols[2], cols[3], cols[4], files, sizes)
+    return WholePieces(first, count, *cols, files, sizes)
 
 
 def _shard_pieces(
@@ -255,22 +258,29 @@ def _shard_pieces(
         np.int64,
     )
     held = lengths > 0
+    held &= (row_bytes > 0)[:, None]  # a chunk of rows of no elements holds no bytes
     count = held.sum(axis=1)
-    ranks = np.nonzero(held)[1]
-    starts = np.cumsum(lengths, axis=1)
-    starts -= lengths
-    targets = (starts * post[:, None])[held]
-    del starts
-    nbytes = (lengths * row_bytes[:, None])[held]
+    ranks = np.nonzero(held)[1].astype(np.int32)
+    nbytes = lengths[held]  # each chunk's rows, then its bytes
+    np.cumsum(lengths, axis=1, out=lengths)  # in place: where each chunk ends along the shard dim
+    targets = lengths[held]
     del lengths
+    targets -= nbytes  # where it starts
+    targets *= np.repeat(post, count)
+    nbytes *= np.repeat(row_bytes, count)
     if placed is None:
         offsets = np.zeros(len(ranks), np.int64)
     else:
-        rows = placed.shard_rows[[positions[j] for j in js]]
         if placed.ranks is not None:
             raise ValueError("a sharded leaf has a chunk on every rank: place every rank (file_offsets(manifest))")
-        offsets = placed.offsets[rows][held]
+        rows = placed.shard_rows[[positions[j] for j in js]]
+        offsets = placed.offsets[rows[0] : rows[-1] + 1][held] if _consecutive(rows) else placed.offsets[rows][held]
     return count, ranks, ranks, offsets, nbytes, targets
+
+
+def _consecutive(rows: np.ndarray) -> bool:
+    """Whether ``rows`` are ``r, r + 1, ...`` (a slice of a matrix, not a copy of its rows)."""
+    return bool(len(rows)) and bool((np.diff(rows) == 1).all())
 
 
 def _other_pieces(
