@@ -270,7 +270,8 @@ def _read(source: ChunkSource, requests: list[tuple[Leaf, Box]], num_threads: in
     try:
         out: list[torch.Tensor | None] = [None] * len(requests)
         if wholes.plan is not None:
-            for j, t in zip(wholes.indices, whole.read_whole(source, wholes.leaves, pool, verify, wholes.plan)):
+            got = whole.read_whole(source, wholes.leaves, pool, verify, wholes.plan, source.files.fetches_ahead)
+            for j, t in zip(wholes.indices, got):
                 out[j] = t
         for j, (leaf, box) in enumerate(requests):
             if out[j] is None:

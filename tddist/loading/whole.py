@@ -92,11 +92,28 @@ def _chunk_sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -
     return Sources(tensors, np.arange(len(tensors), dtype=np.int64), addresses)
 
 
-def sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> Sources:
-    """Every piece's bytes, mapped before any output is allocated (files are checked first)."""
-    if source.manifest.packing == "packed":
-        return _rank_sources(source, plan)
-    return _chunk_sources(source, leaves, plan)
+def _piece_sources(source: ChunkSource, plan: WholePieces) -> Sources:
+    """Packing "packed" on a store that fetches what it reads (object storage) when the load fetched nothing
+    ahead: each chunk's span of its rank's file, a ranged request each, rather than every rank's whole file."""
+    sizes = dict(zip(plan.files.tolist(), plan.file_sizes.tolist()))
+    tensors = []
+    for rank, at, n in zip(plan.ranks.tolist(), plan.offsets.tolist(), plan.nbytes.tolist()):
+        try:
+            tensors.append(source.files.span(Location(fmt.rank_data_name(rank), at, n, sizes[rank])))
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(f"the data file of rank {rank}: {e}") from None
+    addresses = np.array([t.data_ptr() for t in tensors], np.int64)
+    return Sources(tensors, np.arange(len(tensors), dtype=np.int64), addresses)
+
+
+def sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces, fetched: bool) -> Sources:
+    """Every piece's bytes, mapped before any output is allocated (files are checked first). ``fetched``: the
+    runs of each rank's file that ``needed`` gives were fetched ahead (``ChunkFiles.prefetch``)."""
+    if source.manifest.packing != "packed":
+        return _chunk_sources(source, leaves, plan)
+    if source.files.fetches_ahead and not fetched:
+        return _piece_sources(source, plan)
+    return _rank_sources(source, plan)
 
 
 def needed(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> list[ChunkRange]:
@@ -251,11 +268,16 @@ def _contiguous(leaf: Leaf) -> bool:
 
 
 def read_whole(
-    source: ChunkSource, leaves: list[Leaf], pool: ThreadPoolExecutor | None, verify_sums: bool, plan: WholePieces
+    source: ChunkSource,
+    leaves: list[Leaf],
+    pool: ThreadPoolExecutor | None,
+    verify_sums: bool,
+    plan: WholePieces,
+    fetched: bool = False,
 ) -> list[torch.Tensor]:
-    """Each of ``leaves``, whole (``plan``: their pieces): a view of its map when one chunk holds all of it,
-    else a fresh tensor."""
-    found = sources(source, leaves, plan)
+    """Each of ``leaves``, whole (``plan``: their pieces; ``fetched``: see ``sources``): a view of its map when
+    one chunk holds all of it, else a fresh tensor."""
+    found = sources(source, leaves, plan, fetched)
     if verify_sums:
         verify(source, leaves, plan, found, pool)
     outs: list[torch.Tensor] = []

@@ -238,7 +238,8 @@ def plan_whole(manifest: Manifest, positions: list[int], placed: FileOffsets | N
         cols = [np.concatenate([np.asarray(part[c], t) for part in parts]) for c, t in zip(range(1, 6), kinds)]
     files = np.unique(cols[0]).astype(np.int64) if placed is not None else np.zeros(0, np.int64)
     sizes = placed.offsets[-1, placed.column(files)] if placed is not None else files
-    return WholePieces(first, count, *cols, files, sizes)
+    ranks, chunks, offsets, nbytes, targets = cols
+    return WholePieces(first, count, ranks, chunks, offsets, nbytes, targets, files, sizes)
 
 
 def _shard_pieces(
