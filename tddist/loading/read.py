@@ -49,9 +49,14 @@ class ChunkSource:
 
     def forget(self, leaf: Leaf) -> None:
         """Drop the maps of ``leaf``'s chunks (a caller that reads leaf by leaf keeps memory bounded); the
-        rank data files mapped for whole reads stay, one map per rank."""
+        rank data files mapped for whole reads stay, one map per rank (``release_files`` drops them)."""
         for rank in [r for k, r in self._maps if k == leaf.key]:
             del self._maps[(leaf.key, rank)]
+
+    def release_files(self) -> None:
+        """Drop the maps of the rank data files that whole reads mapped (tensors returned keep theirs alive);
+        the next whole read maps them again."""
+        self._rank_files.clear()
 
     def mark_verified(self, leaf: Leaf, ranks: np.ndarray) -> None:
         """The chunks of ``leaf`` stored by ``ranks`` were verified (by a whole read): not hashed again."""

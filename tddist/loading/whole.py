@@ -16,6 +16,11 @@ copied to its place. What stays per piece is inherent:
   batches of blocks on the pool;
 - with packing "memmap" (and archives, which hold that tree), opening each
   chunk's own file or entry: there is one per chunk.
+
+On object storage a load fetches ahead each data file's runs of chunks
+(``needed``: one range per file when every chunk of it is read); a caller of
+``read_box`` that fetched nothing ahead gets each chunk's range instead, so
+reading one leaf never downloads every rank's whole file.
 """
 
 from __future__ import annotations
