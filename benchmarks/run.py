@@ -558,18 +558,28 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
     model_check(
         "manifest 16,384 ranks x 1,000 leaves: write < 8 s", "manifest write", 16384, lambda r: r["median"], 8.0
     )
-    for r in order([r for r in rows if r["launcher"] == "model" and r["metric"] == "time"]):
-        if r["scenario"] == "manifest open whole":
-            out.append(
-                {
-                    "target": f"manifest {r['world']:,} ranks x {r.get('leaves_per_rank', '?'):,} leaves: open whole "
-                    "(shard=None, one process)",
-                    "status": "reported",
-                    "detail": f"{C.fmt_seconds(r['median'])} ({C.fmt_seconds(r['min'])} - "
-                    f"{C.fmt_seconds(r['max'])}), peak RSS added {r['rss_added_mib']:.0f} MiB, process peak "
-                    f"{r['rss_peak_mib']:.0f} MiB (no target)",
-                }
-            )
+    model_check(
+        "manifest 4,096 ranks x 1,000 leaves: open whole (shard=None in one process) < 2 s",
+        "manifest open whole",
+        4096,
+        lambda r: r["median"],
+        2.0,
+    )
+    model_check(
+        "manifest 4,096 ranks x 1,000 leaves: open whole (shard=None in one process) < 1 GiB added RSS",
+        "manifest open whole",
+        4096,
+        lambda r: r["rss_added_mib"],
+        1024,
+        unit="MiB",
+    )
+    model_check(
+        "manifest 16,384 ranks x 1,000 leaves: open whole (shard=None in one process) < 8 s",
+        "manifest open whole",
+        16384,
+        lambda r: r["median"],
+        8.0,
+    )
     return out
 
 

@@ -53,7 +53,7 @@ from tddist.core.types import LoadOptions
 from tddist.errors import CheckpointChangedError, CorruptCheckpointError, InjectedFault, ShardingError
 from tddist.loading.pipeline import read_shard
 from tddist.loading.share import shard_request
-from tddist.manifest.locate import ChunkRange, Location, Locator
+from tddist.manifest.locate import ChunkRange, Location, Locator, PackedChunks
 from tddist.storage.backends import store_for
 from tddist.storage.opened import ChunkFiles, OpenedCheckpoint
 from tests.helpers import assert_td_equal
@@ -269,9 +269,13 @@ class HeldFiles:
 
 
 def hold(opened: OpenedCheckpoint) -> HeldFiles:
-    """Every chunk of the opened checkpoint fetched (``prefetch``) and mapped (``span``) now, held for later."""
+    """Every chunk of the opened checkpoint fetched (``prefetch``) and mapped (``span``) now, held for later; with
+    packing "packed" every rank's whole data file too (a whole read maps each one once)."""
     files = opened.files()
     locations = data_locations(opened.manifest)
+    if opened.manifest.packing == "packed":
+        sizes = PackedChunks.of(opened.manifest).file_sizes()
+        locations += [Location(fmt.rank_data_name(r), 0, n, n) for r, n in sorted(sizes.items()) if n]
     if files.fetches_ahead:
         files.prefetch([ChunkRange(loc, 0, loc.nbytes) for loc in locations], 4)
     return HeldFiles(files.root, {loc: files.span(loc) for loc in locations})

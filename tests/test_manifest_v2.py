@@ -787,3 +787,120 @@ def test_every_rank_placed_at_once_matches_each_rank_placed_alone(name):
         rows = placed.rows_of(rank)
         for li, i in zip(placed.leaves[rows].tolist(), placed.chunks[rows].tolist()):  # each chunk's own position
             assert m.leaves[keys[li]].table.chunk(i).rank == rank
+
+
+# --- whole reads: every chunk planned in columns (manifest.whole, loading.whole) -----------------------------------
+
+WHOLE_ROWS, WHOLE_COLS = [3, 0, 2, 4, 1], [2, 3, 0, 5, 3]  # uneven, with empty ranks
+
+
+def _whole_state() -> dict:
+    g = torch.Generator().manual_seed(7)
+    n, c = sum(WHOLE_ROWS), sum(WHOLE_COLS)
+    return {
+        "a": torch.randn(n, 7, generator=g),  # dim 0 (the batch node's rows)
+        "b": torch.randint(0, 100, (n,), generator=g),
+        "c": torch.randn(4, c, 3, generator=g),  # dim 1
+        "r": torch.randn(6, 5, generator=g),  # replicated
+        "s": torch.tensor(3.5, dtype=torch.float64),  # replicated scalar
+        "e": torch.zeros(0, 4),  # sharded, every chunk empty
+        "h": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+    }
+
+
+def _whole_local(rank: int) -> dict:
+    full = _whole_state()
+    lo, n = sum(WHOLE_ROWS[:rank]), WHOLE_ROWS[rank]
+    clo, cn = sum(WHOLE_COLS[:rank]), WHOLE_COLS[rank]
+    batch = TensorDict({"a": full["a"][lo : lo + n], "b": full["b"][lo : lo + n]}, [n])
+    local = {k: full[k] for k in ("r", "s", "e", "h")}
+    return {"batch": batch, "c": full["c"][:, clo : clo + cn].contiguous(), **local}
+
+
+@pytest.mark.parametrize("kind", ["packed", "memmap", "archive", "archive-zstd"])
+def test_whole_load_is_bit_for_bit(tmp_path, kind):
+    """A checkpoint of 5 ranks (uneven rows and columns, empty ranks, replicated leaves, a leaf whose chunks are
+    all empty) loads whole in one process equal to what was saved, bit for bit, in every container, with and
+    without verification, on one thread or several."""
+    target = tmp_path / ("ckpt.tdz" if kind.startswith("archive") else "ckpt")
+    kw = {"packed": {}, "memmap": {"layout": "memmap"}, "archive": {}, "archive-zstd": {"compression": "zstd"}}[kind]
+    places = {"c": tddist.Shard(1), "e": tddist.Shard(0)}
+    saved = tddist.run_threads(5, lambda c: tddist.save(_whole_local(c.rank), target, comm=c, placements=places, **kw))
+    assert not any(isinstance(r, BaseException) for r in saved), saved
+    want = _whole_state()
+    for verify in (False, True):
+        for num_threads in (1, 3):
+            got = tddist.load(target, shard=None, verify=verify, num_threads=num_threads)
+            for key in ("c", "r", "s", "e", "h"):
+                assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (key, verify)
+            assert torch.equal(got["batch", "a"], want["a"]) and torch.equal(got["batch", "b"], want["b"])
+            assert got["batch"].batch_size == torch.Size([sum(WHOLE_ROWS)])
+
+
+def _grid_checkpoint(path: Path) -> torch.Tensor:
+    """A (4, 6) leaf ``g`` stored as a 2 x 2 grid of DTensor-like boxes by ranks 3, 0, 2, 1 (each its block in C
+    order, saved as a leaf of 2 x 3 blocks, then the manifest rewritten as boxes); returns the global tensor."""
+    g = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    corners = {3: (0, 0), 0: (0, 3), 2: (2, 0), 1: (2, 3)}
+    block = {r: g[a : a + 2, b : b + 3].contiguous() for r, (a, b) in corners.items()}
+    assert not any(
+        isinstance(x, BaseException)
+        for x in tddist.run_threads(
+            4,
+            lambda c: tddist.save(
+                {"g": block[c.rank], "w": torch.ones(3)}, path, comm=c, placements={"g": tddist.Shard(0)}
+            ),
+        )
+    )
+    obj, index = read(path)
+    s = decode_index(obj, index)
+    e = leaf(obj, "g")
+    e["placement"], e["chunks"], e["shape"] = {"type": "boxes"}, 4, [4, 6]
+    e.pop("rows", None)
+    ranks = [3, 0, 2, 1]
+    s["own_rows"].pop(("g",), None)
+    s["checksums"][("g",)] = [s["checksums"][("g",)][r] for r in ranks]
+    s["boxes"][("g",)] = (ranks, [v for r in ranks for v in corners[r]], [2, 3] * 4)
+    write(path, obj, encode_index(s))
+    return g
+
+
+def test_whole_load_of_a_grid_of_boxes(tmp_path):
+    """DTensor-like boxes (a 2 x 2 grid, stored by ranks out of order) load whole, each box copied into its
+    strided place, verified or not; a flipped byte in one box is found."""
+    g = _grid_checkpoint(tmp_path / "grid")
+    assert tddist.read_manifest(tmp_path / "grid").leaves[("g",)].placement == tddist.core.sharding.Boxes()
+    for verify in (False, True):
+        got = tddist.load(tmp_path / "grid", shard=None, verify=verify, num_threads=2)
+        assert torch.equal(got["g"], g) and torch.equal(got["w"], torch.ones(3))
+    m = tddist.read_manifest(tmp_path / "grid")
+    from tddist.manifest.locate import Locator
+
+    loc = Locator(m).locate(m.leaves[("g",)], m.leaves[("g",)].chunk_of_rank(2))
+    _flip(tmp_path / "grid" / loc.relpath, loc.offset + 5)
+    with pytest.raises(CorruptCheckpointError, match=r"leaf \('g',\), rank 2\)"):
+        tddist.load(tmp_path / "grid", shard=None, verify=True)
+
+
+def _flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("layout", ["packed", "memmap"])
+def test_whole_load_finds_a_flipped_byte_in_any_rank(tmp_path, layout):
+    """A byte flipped in the middle rank's chunk of the leaf sharded along dim 1 fails a verified whole load,
+    naming the leaf and the rank; the load without verification returns the flipped value (it is what is stored)."""
+    from tddist.manifest.locate import Locator
+
+    target = tmp_path / "ckpt"
+    places = {"c": tddist.Shard(1), "e": tddist.Shard(0)}
+    tddist.run_threads(5, lambda c: tddist.save(_whole_local(c.rank), target, comm=c, placements=places, layout=layout))
+    m = tddist.read_manifest(target)
+    lf = m.leaves[("c",)]
+    loc = Locator(m).locate(lf, lf.chunk_of_rank(3))
+    _flip(target / loc.relpath, loc.offset + 4)
+    with pytest.raises(CorruptCheckpointError, match=r"leaf \('c',\), rank 3\)"):
+        tddist.load(target, shard=None, verify=True)
+    assert not torch.equal(tddist.load(target, shard=None)["c"], _whole_state()["c"])

@@ -35,7 +35,7 @@ from tddist import format as fmt
 from tddist.checksum import EMPTY, combine_digests, hash_blocks
 from tddist.core.types import StoredBytes
 from tddist.loading import read as reader
-from tddist.manifest.locate import ChunkRange, Locator
+from tddist.manifest.locate import ChunkRange, Location, Locator
 from tddist.saving.memmaps import allocated_by_torch
 from tddist.storage import writer
 from tddist.storage.backends import local_files
@@ -95,12 +95,13 @@ def expected_range(chunk_box, box, itemsize: int) -> tuple[int, int]:
 
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
 def test_needed_ranges_hold_exactly_the_requested_elements(rows_checkpoint, verify):
-    """Every (leaf, box) request of one call: one range per chunk the box overlaps, in order, whose bytes in the
-    data file run from the box's first element in that chunk to its last one (the whole chunk when verified)."""
+    """Every (leaf, box) request of one call that is not a whole leaf: one range per chunk the box overlaps, in
+    order, whose bytes in the data file run from the box's first element in that chunk to its last one (the whole
+    chunk when verified). Whole leaves: ``test_needed_ranges_of_whole_leaves_are_runs_of_each_data_file``."""
     m = tddist.read_manifest(rows_checkpoint)
     source = reader.ChunkSource(str(rows_checkpoint), m)
     locator = Locator(m)
-    requests = [(leaf, box) for leaf in m.leaves.values() for box in boxes(leaf.shape)]
+    requests = [(leaf, box) for leaf in m.leaves.values() for box in boxes(leaf.shape)[1:]]
     got = reader._needed(source, requests, verify)
 
     want = []
@@ -132,6 +133,32 @@ def test_needed_ranges_hold_exactly_the_requested_elements(rows_checkpoint, veri
                 lo = r.start // leaf.dtype.itemsize
                 assert torch.equal(span, flat[lo : lo + span.numel()]), (leaf.key, box, chunk.rank)
                 assert span[0] == wanted[0] and span[-1] == wanted[-1], (leaf.key, box, chunk.rank)
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
+def test_needed_ranges_of_whole_leaves_are_runs_of_each_data_file(rows_checkpoint, verify):
+    """Whole leaves read every chunk whole: the ranges are runs of each rank's data file (consecutive chunks
+    joined across their alignment padding), on the whole file's location, and hold every chunk's bytes and
+    nothing past the last chunk of each run."""
+    m = tddist.read_manifest(rows_checkpoint)
+    source = reader.ChunkSource(str(rows_checkpoint), m)
+    locator = Locator(m)
+    requests = [(leaf, ((0,) * len(leaf.shape), leaf.shape)) for leaf in m.leaves.values()]
+    got = reader._needed(source, requests, verify)
+    assert len({r.location.relpath for r in got}) == len(got)  # every chunk of a file is read: one run per file
+    by_file = {r.location.relpath: r for r in got}
+    for leaf in m.leaves.values():
+        for chunk in leaf.chunks:
+            if not chunk.nbytes:
+                continue
+            loc = locator.locate(leaf, chunk)
+            r = by_file[loc.relpath]
+            assert r.location == Location(loc.relpath, 0, loc.file_size, loc.file_size)
+            assert r.start <= loc.offset and loc.offset + loc.nbytes <= r.stop, (leaf.key, chunk.rank)
+    for r in got:
+        ends = [locator.locate(lf, c).offset + c.nbytes for lf in m.leaves.values() for c in lf.chunks if c.nbytes
+                and locator.locate(lf, c).relpath == r.location.relpath]  # fmt: skip
+        assert r.stop == max(ends) and r.start == 0
 
 
 def test_needed_of_a_one_element_chunk_and_of_no_request(rows_checkpoint):
@@ -639,7 +666,9 @@ class RecordingPool(ThreadPoolExecutor):
 @pytest.mark.parametrize("verify", [False, True], ids=["plain", "verify"])
 def test_a_load_with_threads_shares_one_named_pool_for_copies_and_hashes(tmp_path, monkeypatch, num_threads, verify):
     """``num_threads`` > 1: one pool of that many ``tddist-read`` threads copies every box of more than one piece and
-    hashes every chunk verified (once each); 0 or 1: no pool. The results are the same."""
+    hashes every chunk verified (once each; a whole leaf's copies and hashes go in batches of about 64 MiB, so this
+    small one's run on the calling thread, and the chunks it verified are not hashed again); 0 or 1: no pool. The
+    results are the same."""
     target = tmp_path / "ckpt"
     assert not any(
         isinstance(r, BaseException)
@@ -661,5 +690,5 @@ def test_a_load_with_threads_shares_one_named_pool_for_copies_and_hashes(tmp_pat
         return
     (pool,) = RecordingPool.made
     assert pool.args == (num_threads, "tddist-read")
-    assert pool.maps == 2 + (3 if verify else 0)  # the copies of two boxes; the hashes of three chunks
+    assert pool.maps == 1  # the copy of the one other box of two pieces; the whole leaf's batch ran in line
     assert pool.shut

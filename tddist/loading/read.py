@@ -12,19 +12,24 @@ import errno
 import math
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from .. import format as fmt
 from ..checksum import EMPTY, combine_digests, hash_blocks
-from ..core.sharding import Box, ReadPiece, plan_reads
+from ..core.sharding import Box, ReadPiece, full_box, plan_reads
 from ..core.types import Key
 from ..errors import CorruptCheckpointError
-from ..manifest.locate import ChunkRange, Locator
+from ..manifest.locate import ChunkRange, Location, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
 from ..manifest.parse import paused_gc
+from ..manifest.whole import FileOffsets, WholePieces, file_offsets, needed_ranks, plan_whole
 from ..storage.backends import local_files
 from ..storage.opened import ChunkFiles, OpenedCheckpoint
 from ..storage.pinned import storage_failed
+from . import whole
 
 
 class ChunkSource:
@@ -38,9 +43,80 @@ class ChunkSource:
         self.locator = Locator(manifest)
         self._maps: dict[tuple[Key, int], torch.Tensor] = {}
         self._verified: set[tuple[Key, int]] = set()
+        self._rank_files: dict[int, torch.Tensor] = {}  # packed: each rank's data file, mapped once
+        self._placed: FileOffsets | None = None  # packed: every rank's offsets, once a whole read needed them
+        self._positions: dict[Key, int] | None = None
+
+    def forget(self, leaf: Leaf) -> None:
+        """Drop the maps of ``leaf``'s chunks (a caller that reads leaf by leaf keeps memory bounded); the
+        rank data files mapped for whole reads stay, one map per rank (``release_files`` drops them)."""
+        for rank in [r for k, r in self._maps if k == leaf.key]:
+            del self._maps[(leaf.key, rank)]
+
+    def release_files(self) -> None:
+        """Drop the maps of the rank data files that whole reads mapped (tensors returned keep theirs alive);
+        the next whole read maps them again."""
+        self._rank_files.clear()
+
+    def mark_verified(self, leaf: Leaf, ranks: np.ndarray) -> None:
+        """The chunks of ``leaf`` stored by ``ranks`` were verified (by a whole read): not hashed again."""
+        self._verified.update((leaf.key, r) for r in ranks.tolist())
+
+    def relpath_of(self, leaf: Leaf, rank: int) -> str:
+        """The file holding ``rank``'s chunk of ``leaf``."""
+        m = self.manifest
+        return fmt.rank_data_name(rank) if m.packing == "packed" else fmt.leaf_relpath(rank, leaf.key, m.robust_key)
+
+    def placed(self, leaves: list[Leaf] | None) -> FileOffsets | None:
+        """Packing "packed": where the chunks of ``leaves`` (None: any leaf) start in their ranks' files.
+
+        Every rank's offsets are computed once and kept (a whole read of a
+        sharded leaf reads every rank); a few replicated or DTensor leaves
+        need only their writers' (one pass over the leaves, as a rank that
+        loads its own rows pays).
+        """
+        if self.manifest.packing != "packed":
+            return None
+        if self._placed is not None:
+            return self._placed
+        ranks = None if leaves is None else needed_ranks(leaves)
+        if ranks is not None and len(ranks) * 4 < self.manifest.world_size:
+            return file_offsets(self.manifest, ranks)
+        self._placed = file_offsets(self.manifest)
+        return self._placed
+
+    def whole_pieces(self, leaves: list[Leaf], placed: FileOffsets | None = None) -> WholePieces:
+        """The planned pieces of ``leaves``, each read whole (see ``manifest.whole``)."""
+        if self._positions is None:
+            self._positions = {k: i for i, k in enumerate(self.manifest.leaves)}
+        positions = [self._positions[leaf.key] for leaf in leaves]
+        return plan_whole(self.manifest, positions, placed if placed is not None else self.placed(leaves))
+
+    def rank_file(self, rank: int, size: int) -> torch.Tensor:
+        """``rank``'s data file (of ``size`` bytes) as a uint8 tensor: mapped (or fetched) once, through the
+        pinned ``ChunkFiles``."""
+        t = self._rank_files.get(rank)
+        if t is None:
+            try:
+                t = self.files.span(Location(fmt.rank_data_name(rank), 0, size, size))
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(f"the data file of rank {rank}: {e}") from None
+            self._rank_files[rank] = t
+        return t
 
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
-        return self.locator.locate(leaf, chunk).relpath
+        return self.location(leaf, chunk).relpath
+
+    def location(self, leaf: Leaf, chunk: Chunk) -> Location:
+        """Where ``chunk``'s bytes lie: from every rank's offsets once a whole read computed them (no offsets
+        of a rank's leaves kept per rank), else through the ``Locator``."""
+        placed = self._placed
+        if placed is None or not chunk.nbytes:
+            return self.locator.locate(leaf, chunk)
+        if self._positions is None:
+            self._positions = {k: i for i, k in enumerate(self.manifest.leaves)}
+        offset, size = placed.offset_of(self._positions[leaf.key], chunk.rank)
+        return Location(fmt.rank_data_name(chunk.rank), offset, chunk.nbytes, size)
 
     def tensor(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         """The chunk as a tensor of its box's shape (a copy-on-write map where possible)."""
@@ -58,7 +134,7 @@ class ChunkSource:
 
     def _array(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         try:
-            return self.files.span(self.locator.locate(leaf, chunk))
+            return self.files.span(self.location(leaf, chunk))
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {chunk.rank}): {e}") from None
 
@@ -81,8 +157,15 @@ class ChunkSource:
         self._verified.add((leaf.key, chunk.rank))
 
 
+def _whole(leaf: Leaf, box: Box) -> bool:
+    """Whether ``box`` is all of ``leaf`` (read through ``loading.whole``: planned in columns)."""
+    return box == full_box(leaf.shape) and math.prod(box[1]) > 0
+
+
 def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor | None, verify: bool) -> torch.Tensor:
     """The part ``box`` of ``leaf``: a view when it lies in one chunk, else a threaded copy."""
+    if _whole(leaf, box):  # every rank's offsets, computed once for every later leaf of this source
+        return whole.read_whole(source, [leaf], pool, verify, source.whole_pieces([leaf], source.placed(None)))[0]
     chunks = leaf.overlapping(box)  # only these are built, however many ranks saved the leaf
     if len(chunks) == 1 and chunks[0].box == box and math.prod(box[1]) > 0:  # one whole chunk: no planning
         if verify:
@@ -111,15 +194,21 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
     return out
 
 
-def _needed(source: ChunkSource, requests: list[tuple[Leaf, Box]], verify: bool) -> list[ChunkRange]:
+def _needed(
+    source: ChunkSource, requests: list[tuple[Leaf, Box]], verify: bool, plan: WholePieces | None = None
+) -> list[ChunkRange]:
     """The bytes of each chunk that the requests read (``read_box`` asks for those chunks): the span from
-    the first to the last byte of each piece, or the whole chunk when it is verified."""
-    out = []
+    the first to the last byte of each piece, or the whole chunk when it is verified. Whole boxes are read
+    through ``plan`` (their pieces, in columns): whole chunks, in runs of each rank's data file."""
+    wholes = [leaf for leaf, box in requests if _whole(leaf, box)]
+    out = whole.needed(source, wholes, plan or source.whole_pieces(wholes)) if wholes else []
     for leaf, box in requests:
+        if _whole(leaf, box):
+            continue
         chunks = leaf.overlapping(box)
         for p in plan_reads(box, [c.box for c in chunks]):
             chunk = chunks[p.chunk_index]
-            loc = source.locator.locate(leaf, chunk)
+            loc = source.location(leaf, chunk)
             if verify or not loc.nbytes:
                 out.append(ChunkRange(loc, 0, loc.nbytes))
                 continue
@@ -146,16 +235,53 @@ def read_leaves(
     source = ChunkSource(checkpoint, manifest)
     root = source.root
     requests = list(requests)
-    if source.files.fetches_ahead:  # a store that pays per request: every range this load reads, in parallel
-        source.files.prefetch(_needed(source, requests, verify), num_threads)
-    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
         with paused_gc():  # a tensor per leaf, and its chunks: see paused_gc
-            return [read_box(source, leaf, box, pool, verify) for leaf, box in requests]
+            return _read(source, requests, num_threads, verify)
     except OSError as e:
         if e.errno == errno.ENOMEM:
             raise
         raise storage_failed(root, e) from e
+
+
+@dataclass(frozen=True)
+class WholeReads:
+    """The requests of a load that read their leaf whole, planned together (``manifest.whole``).
+
+    Attributes:
+        indices: their positions in the load's requests.
+        leaves: their leaves.
+        plan: every piece of them, in columns; None when no request is whole.
+    """
+
+    indices: list[int]
+    leaves: list[Leaf]
+    plan: WholePieces | None
+
+
+def plan_wholes(source: ChunkSource, requests: list[tuple[Leaf, Box]]) -> WholeReads:
+    """The whole boxes among ``requests``, and their pieces: all a load plans for them before reading data."""
+    indices = [j for j, (leaf, box) in enumerate(requests) if _whole(leaf, box)]
+    leaves = [requests[j][0] for j in indices]
+    return WholeReads(indices, leaves, source.whole_pieces(leaves) if leaves else None)
+
+
+def _read(source: ChunkSource, requests: list[tuple[Leaf, Box]], num_threads: int, verify: bool) -> list[torch.Tensor]:
+    """Whole boxes through one plan in columns (``loading.whole``), the others box by box."""
+    wholes = plan_wholes(source, requests)
+    if source.files.fetches_ahead:  # a store that pays per request: every range this load reads, in parallel
+        source.files.prefetch(_needed(source, requests, verify, wholes.plan), num_threads)
+    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
+    try:
+        out: list[torch.Tensor | None] = [None] * len(requests)
+        if wholes.plan is not None:
+            got = whole.read_whole(source, wholes.leaves, pool, verify, wholes.plan, source.files.fetches_ahead)
+            for j, t in zip(wholes.indices, got):
+                out[j] = t
+        for j, (leaf, box) in enumerate(requests):
+            if out[j] is None:
+                out[j] = read_box(source, leaf, box, pool, verify)
+        return out  # type: ignore[return-value]
     finally:
         if pool is not None:
             pool.shutdown()

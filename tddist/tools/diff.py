@@ -11,6 +11,7 @@ memory maps. ``read_data=False`` never reads data.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -330,6 +331,11 @@ def _short(values: list, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+#: a leaf whose chunks differ in the two checkpoints is read whole on both sides up to this size, else compared
+#: chunk by chunk (the memory of two copies of it)
+WHOLE_BYTES = 256 << 20
+
+
 class _DataComparer:
     """Byte comparison of one leaf in two checkpoints whose chunks differ (imports torch)."""
 
@@ -340,10 +346,19 @@ class _DataComparer:
         self.b = ChunkSource(b, mb)
 
     def equal(self, la: Leaf, lb: Leaf) -> bool:
+        """Whether the two leaves hold the same bytes: read whole on both sides (planned in columns, each rank's
+        file mapped once) up to ``WHOLE_BYTES``; a larger leaf chunk by chunk against the other's pieces."""
         import torch
 
-        from ..core.sharding import plan_reads
+        from ..core.sharding import full_box, plan_reads
+        from ..loading.read import read_box
 
+        if math.prod(la.shape) * fmt.dtype_itemsize(la.dtype_name) <= WHOLE_BYTES:
+            box = full_box(la.shape)
+            x, y = read_box(self.a, la, box, None, False), read_box(self.b, lb, box, None, False)
+            return torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+        self.a.placed(None)  # every rank's offsets, once: chunks are then located without a table per rank
+        self.b.placed(None)
         for i in range(len(la.table)):
             ca = la.table.chunk(i)
             if ca.nbytes == 0:

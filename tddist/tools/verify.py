@@ -33,6 +33,7 @@ from ..errors import CorruptCheckpointError, InvalidArgumentError, ManifestError
 from ..manifest.chunks import ChunkColumns, ReplicaChunks, int_checksum
 from ..manifest.locate import Location, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
+from ..manifest.whole import file_offsets
 from ..storage.backends import read_manifest
 
 #: Kinds of ``Problem``.
@@ -118,10 +119,7 @@ def chunk_count(manifest: Manifest) -> int:
 
 def data_file_sizes(manifest: Manifest) -> np.ndarray:
     """The size of every rank's data file (packing "packed"), for all ranks at once (int64[world_size])."""
-    out = np.zeros(manifest.world_size, dtype=np.int64)
-    sizes = Locator(manifest).every_rank().file_sizes()
-    out[list(sizes)] = list(sizes.values())
-    return out
+    return file_offsets(manifest).offsets[-1].copy()  # its last row: each file's size (one cumulative sum)
 
 
 def verify(
@@ -244,16 +242,16 @@ class _Check:
         """Each rank's data file (exists, regular, inside, exact size); then, unless quick, every chunk's span."""
         m = self.manifest
         self._check_world()
-        placed = self.locator.every_rank()
-        sizes = placed.file_sizes()
+        sizes = data_file_sizes(m).tolist()
         bad = set()
         for rank in range(m.world_size):
-            found = self._check_data_file(rank, sizes.get(rank, 0))
+            found = self._check_data_file(rank, sizes[rank])
             if found is not None:
                 self.problems.append(found)
                 bad.add(rank)
         if self.quick:
             return
+        placed = self.locator.every_rank()  # every chunk by rank: each file is mapped once, then unmapped
         found_in_chunks = [(li, i, p) for li, i, p in self._empty_chunk_problems() if p.rank not in bad]
         leaves = list(m.leaves.values())
         from ..storage.backends import local_files  # imports torch
@@ -263,10 +261,14 @@ class _Check:
                 continue
             files = local_files(self.root)  # this rank's file is mapped once, and unmapped after it
             rows = placed.rows_of(rank)
-            for li, i in zip(placed.leaves[rows].tolist(), placed.chunks[rows].tolist()):
+            name, size = fmt.rank_data_name(rank), sizes[rank]
+            # each chunk's offset from the placement's column: no table of the rank's leaves is built per rank
+            for li, i, at in zip(
+                placed.leaves[rows].tolist(), placed.chunks[rows].tolist(), placed.offsets[rows].tolist()
+            ):
                 leaf = leaves[li]
                 chunk = leaf.table.chunk(i)
-                problem = self._check_chunk_bytes(files, leaf, chunk, self.locator.locate(leaf, chunk))
+                problem = self._check_chunk_bytes(files, leaf, chunk, Location(name, at, chunk.nbytes, size))
                 if problem is not None:
                     found_in_chunks.append((li, i, problem))
             del files
