@@ -39,6 +39,20 @@ class ChunkSource:
         self._maps: dict[tuple[Key, int], torch.Tensor] = {}
         self._verified: set[tuple[Key, int]] = set()
 
+    def release(self, leaf: Leaf) -> None:
+        """Forget the leaf's chunks, and have the files drop the pages this process mapped of them.
+
+        For a reader that streams leaf by leaf (``convert``): what it read
+        stops counting in its resident memory. Tensors still viewing a chunk
+        stay valid; a chunk read again is mapped (and verified) again.
+        """
+        for cache_key in [k for k in self._maps if k[0] == leaf.key]:
+            del self._maps[cache_key]
+            self._verified.discard(cache_key)
+            chunk = leaf.chunk_of_rank(cache_key[1])
+            if chunk is not None and chunk.nbytes:
+                self.files.release(self.locator.locate(leaf, chunk))
+
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
         return self.locator.locate(leaf, chunk).relpath
 

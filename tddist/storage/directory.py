@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import format as fmt
-from .._fs import fsync_path, makedirs_durable, remove_tree, write_durable
+from .._fs import drop_pages, fsync_path, makedirs_durable, remove_tree, write_durable
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ..errors import CorruptCheckpointError, TargetError
 from ..manifest.locate import ChunkRange, Location
@@ -130,6 +130,13 @@ class DirectoryFiles:
         if whole is None:
             whole = self._maps[loc.relpath] = self.array(loc.relpath, loc.file_size)
         return whole[loc.offset : loc.offset + loc.nbytes]
+
+    def release(self, loc: Location) -> None:
+        """Drop the pages of a chunk inside a mapped data file (a chunk that is its own file is unmapped when
+        its last tensor goes)."""
+        whole = self._maps.get(loc.relpath)
+        if whole is not None and loc.nbytes:
+            drop_pages(whole.data_ptr() + loc.offset, loc.nbytes)  # a map of the file nobody writes to
 
     def array(self, rel: str, nbytes: int) -> torch.Tensor:
         """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""

@@ -72,6 +72,15 @@ class ChunkFiles(Protocol):
         """
         ...
 
+    def release(self, location: Location) -> None:
+        """Done with the chunk at ``location`` for now: drop the pages of it that this process mapped.
+
+        A streaming reader (``convert``) calls it once a leaf is written, so
+        pages it read stop counting in its resident memory. A tensor still
+        viewing the chunk stays valid (its pages are mapped again when read).
+        """
+        ...
+
 
 class Pin(Protocol):
     """One generation of a committed checkpoint, held while it is read (see the module's call order); its
