@@ -147,11 +147,15 @@ class Selection:
         Each leaf handed on as a map is recorded in ``mapped``, so that the
         writer can drop its pages once written (``interop.pages``).
         """
+        from .pages import trim_heap
+
         spill = _Spill(directory)
         for key, entry in self.tensors:
             held, is_map = spill.hold(self.read(entry))  # the leaf read is freed here, before the next one is read
-            if is_map and mapped is not None:
-                mapped.add(held)
+            if is_map:
+                trim_heap()  # the freed leaf's memory leaves the process (see trim_heap)
+                if mapped is not None:
+                    mapped.add(held)
             yield key, held
 
     def value_items(self) -> Iterator[tuple[Key, Any]]:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._fs import drop_pages
+from .._fs import _load_libc, drop_pages
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +52,20 @@ class MappedLeaves:
         ptr = data.data_ptr() if hasattr(data, "data_ptr") else None
         if ptr in self._ends:
             self._last = ptr
+
+
+def trim_heap() -> None:
+    """Hand the free memory inside malloc's heap back to the kernel (glibc's ``malloc_trim``).
+
+    A leaf read into memory and freed once spilled leaves a hole in the heap
+    (glibc serves large blocks from the heap once one was freed); small
+    objects kept meanwhile land in the hole, so the next leaf extends the heap
+    and, without a trim, the process keeps every leaf's worth of freed memory
+    resident. A no-op where the C library has no ``malloc_trim``.
+    """
+    trim = getattr(_load_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 class ReleasingFile(io.RawIOBase):
