@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))
 
-import _common as C  # noqa: E402
+import _common as C
 
 COLS = 256  # each row of a leaf: 256 float32, 1 KiB
 
@@ -89,8 +89,9 @@ def name(leaf: int) -> str:
 
 def save_tddist(shape: Shape, path: str) -> None:
     """``tddist.save`` on ``shape.ranks`` thread ranks: each saves its rows of every leaf."""
-    import tddist
     from tensordict import TensorDict
+
+    import tddist
 
     def rank_saves(c) -> None:
         td = TensorDict({name(i): local(shape, c.rank, i) for i in range(shape.leaves)}, batch_size=[shape.rows])
@@ -188,13 +189,14 @@ def build(shape: Shape, root: str) -> dict[str, str]:
 
 def child(kind: str, src: str, dst: str, max_shard_size: str, mapping: str) -> None:
     """Run one conversion here; print its seconds and peak RSS added (MiB) as JSON."""
+    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     import tddist
     import tddist.interop.convert
     import tddist.interop.hf
     import tddist.interop.native
     import tddist.interop.torch_file
-    from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     runs = {
         "tddist hf": lambda: tddist.convert(src, dst, "safetensors", max_shard_size=max_shard_size),
