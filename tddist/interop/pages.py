@@ -30,7 +30,8 @@ class MappedLeaves:
 
     def __init__(self) -> None:
         self._ends: dict[int, int] = {}  # first byte's address -> past the last byte
-        self._last: int | None = None
+        self._last: int | None = None  # the leaf a writer asked for last (``resolved``)
+        self._written: int | None = None  # the leaf last written through ``written``
 
     def add(self, t: torch.Tensor) -> None:
         """Record ``t``, a whole map of a file (its own storage), as droppable."""
@@ -39,10 +40,19 @@ class MappedLeaves:
             self._ends[t.data_ptr()] = t.data_ptr() + nbytes
 
     def written(self, address: int, nbytes: int) -> None:
-        """``nbytes`` at ``address`` were written out: drop their pages if they are one recorded leaf's."""
+        """``nbytes`` at ``address`` were written out: drop their pages if they are one recorded leaf's.
+
+        The leaf written before is dropped again: ``torch.save`` reads the
+        first 2 MiB of a storage once more after writing it (measured, torch
+        2.13), which would otherwise stay resident for every leaf.
+        """
         end = self._ends.get(address)
-        if end is not None and address + nbytes <= end:
-            drop_pages(address, nbytes)
+        if end is None or address + nbytes > end:
+            return
+        if self._written is not None and self._written != address:
+            drop_pages(self._written, self._ends[self._written] - self._written)
+        drop_pages(address, nbytes)
+        self._written = address
 
     def resolved(self, data: Any) -> None:
         """A writer asked for ``data`` to write next: the leaf it asked for before is written, drop it."""
