@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import shutil
 from collections.abc import Callable
@@ -103,14 +104,13 @@ def drop_pages(address: int, nbytes: int) -> None:
     pages written since the map: the writes would be lost. Does nothing where
     ``madvise`` cannot be reached (an advice, not a requirement).
     """
-    libc = _load_libc()
-    if libc is None or nbytes <= 0:
+    madvise = getattr(_load_libc(), "madvise", None)
+    if madvise is None or nbytes <= 0:
         return
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = address - address % page
+    start = address - address % mmap.PAGESIZE
     end = address + nbytes
-    end += -end % page
-    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_DONTNEED))
+    end += -end % mmap.PAGESIZE
+    madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 def _renameat2_fn() -> Callable[..., int] | None:
