@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -157,4 +157,4 @@ def write_torch(sel: Selection, path: str) -> None:
     if sel.nested:
         setattr(out, MARKER_ATTR, {EXPORT_MARKER: EXPORT_VERSION, KEYS_FIELD: odd})
     with open(path, "xb") as f:
-        torch.save(out, ReleasingFile(f, mapped))
+        torch.save(out, cast(IO[bytes], ReleasingFile(f, mapped)))  # a binary file object: write() is all it uses
