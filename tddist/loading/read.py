@@ -47,11 +47,8 @@ class ChunkSource:
         stay valid; a chunk read again is mapped (and verified) again.
         """
         for cache_key in [k for k in self._maps if k[0] == leaf.key]:
-            del self._maps[cache_key]
             self._verified.discard(cache_key)
-            chunk = leaf.chunk_of_rank(cache_key[1])
-            if chunk is not None and chunk.nbytes:
-                self.files.release(self.locator.locate(leaf, chunk))
+            self.files.release(self._maps.pop(cache_key))
 
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
         return self.locator.locate(leaf, chunk).relpath

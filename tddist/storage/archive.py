@@ -237,11 +237,11 @@ class ArchiveFiles:
         """A chunk's bytes (archives hold one entry per chunk)."""
         return self.array(loc.relpath, loc.nbytes)
 
-    def release(self, loc: Location) -> None:
-        """Drop the pages of a stored entry from the archive's map (an inflated copy is freed with its tensor)."""
-        found = self.entries.get(loc.relpath)
-        if found is not None and found[1].compress_type == zipfile.ZIP_STORED and loc.nbytes:
-            drop_pages(self.tensor.data_ptr() + found[0], min(loc.nbytes, found[1].compress_size))
+    def release(self, span: torch.Tensor) -> None:
+        """Drop the pages of a stored entry from the archive's map (an inflated or realigned copy is anonymous
+        memory, freed with its tensor)."""
+        if span.numel() and self.tensor.numel() and span.untyped_storage().data_ptr() == self.tensor.data_ptr():
+            drop_pages(span.data_ptr(), span.numel() * span.element_size())
 
     def array(self, name: str, nbytes: int) -> torch.Tensor:
         """The uncompressed bytes of ``name`` as uint8: a view of the map when stored, else decompressed.

@@ -116,6 +116,7 @@ class DirectoryFiles:
         self.root = root
         self.pin = pin if pin is not None else PinnedCheckpoint(root)  # kept open while this object lives
         self._maps: dict[str, torch.Tensor] = {}
+        self._mapped: set[int] = set()  # the addresses of the maps in ``_maps`` (``release`` drops only those)
 
     fetches_ahead = False
 
@@ -129,14 +130,14 @@ class DirectoryFiles:
         whole = self._maps.get(loc.relpath)
         if whole is None:
             whole = self._maps[loc.relpath] = self.array(loc.relpath, loc.file_size)
+            self._mapped.add(whole.untyped_storage().data_ptr())
         return whole[loc.offset : loc.offset + loc.nbytes]
 
-    def release(self, loc: Location) -> None:
+    def release(self, span: torch.Tensor) -> None:
         """Drop the pages of a chunk inside a mapped data file (a chunk that is its own file is unmapped when
         its last tensor goes)."""
-        whole = self._maps.get(loc.relpath)
-        if whole is not None and loc.nbytes:
-            drop_pages(whole.data_ptr() + loc.offset, loc.nbytes)  # a map of the file nobody writes to
+        if span.numel() and span.untyped_storage().data_ptr() in self._mapped:
+            drop_pages(span.data_ptr(), span.numel() * span.element_size())  # a map of a file nobody writes to
 
     def array(self, rel: str, nbytes: int) -> torch.Tensor:
         """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""

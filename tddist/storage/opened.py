@@ -72,8 +72,9 @@ class ChunkFiles(Protocol):
         """
         ...
 
-    def release(self, location: Location) -> None:
-        """Done with the chunk at ``location`` for now: drop the pages of it that this process mapped.
+    def release(self, span: torch.Tensor) -> None:
+        """Done with a chunk for now (``span``: what ``span`` returned, or a view of all of it): drop the pages of
+        it that this process mapped, if it is a view of a file mapped here (else nothing: anonymous memory).
 
         A streaming reader (``convert``) calls it once a leaf is written, so
         pages it read stop counting in its resident memory. A tensor still

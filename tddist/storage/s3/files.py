@@ -71,7 +71,7 @@ class S3Files:
             return self._entry(loc)
         return self._fetch([self._dir_span(loc)], None)[0]
 
-    def release(self, loc: Location) -> None:
+    def release(self, span: torch.Tensor) -> None:
         """Nothing is mapped: fetched bytes are the caller's tensors, freed with them."""
 
     def prefetch(self, ranges: Iterable[ChunkRange], num_threads: int) -> None:
