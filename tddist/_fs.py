@@ -1,4 +1,4 @@
-"""File-system primitives the commit needs: fsync, atomic renames, removal.
+"""File-system primitives the commit needs: fsync, atomic renames, removal; dropping a mapped file's pages.
 
 ``renameat2`` is not exposed by Python's ``os`` module, so it is reached through
 ctypes (glibc >= 2.28). RENAME_EXCHANGE swaps two directory entries in one
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import shutil
 from collections.abc import Callable
@@ -84,6 +85,32 @@ def _load_libc() -> ctypes.CDLL | None:
         except OSError:
             _libc = False
     return _libc or None
+
+
+#: ``madvise``'s advice that drops a range's pages from the process (they are read from the file again if touched).
+MADV_DONTNEED = 4
+
+
+def drop_pages(address: int, nbytes: int) -> None:
+    """Drop the pages of ``[address, address + nbytes)`` from this process (``madvise(MADV_DONTNEED)``).
+
+    For a range of one file mapped copy-on-write whose pages were never
+    written: the kernel takes back the pages, which count in the process's
+    resident memory while mapped; a later read maps them from the file again,
+    with the same bytes. So a reader that streams a mapped file keeps about
+    what it is reading resident, not all it has read. The range is widened to
+    whole pages (a mapping starts on a page, so they stay inside it). Never
+    call it on anonymous memory (its pages would read back as zeros) or on
+    pages written since the map: the writes would be lost. Does nothing where
+    ``madvise`` cannot be reached (an advice, not a requirement).
+    """
+    madvise = getattr(_load_libc(), "madvise", None)
+    if madvise is None or nbytes <= 0:
+        return
+    start = address - address % mmap.PAGESIZE
+    end = address + nbytes
+    end += -end % mmap.PAGESIZE
+    madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 def _renameat2_fn() -> Callable[..., int] | None:

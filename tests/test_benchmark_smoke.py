@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "benchmarks" / "run.py"
 S3 = REPO / "benchmarks" / "s3.py"
 COPY_OVERLAP = REPO / "benchmarks" / "copy_overlap.py"
+CONSOLIDATE = REPO / "benchmarks" / "consolidate.py"
 TIMEOUT = 300  # a no-hang limit: the run takes 35-90 s alone, over 3 minutes on a busy shared machine
 
 
@@ -120,6 +121,18 @@ def test_copy_overlap_model(tmp_path: Path) -> None:
     for r in rows:
         assert f"| {r['mode']} |" in stdout, stdout
         assert 0 < r["blocking_s"] <= r["complete_s"], r
+
+
+def test_consolidate_quick(tmp_path: Path) -> None:
+    """``benchmarks/consolidate.py --quick`` saves the same state as tddist and as DCP (16 ranks), converts each
+    into Hugging Face shards and a torch.save file (every output checked against what the ranks saved), and
+    prints its table with both ratios."""
+    out = tmp_path / "consolidate.json"
+    stdout = _run_quick(CONSOLIDATE, out, tmp_path)
+    assert "| to | tddist s | DCP s | DCP/tddist time |" in stdout, stdout[-3000:]
+    samples = json.loads(out.read_text())["samples"]
+    assert {s["kind"] for s in samples} == {"tddist hf", "dcp hf", "tddist torch", "dcp torch"}, samples
+    assert all(s["seconds"] > 0 and s["out_bytes"] > 0 for s in samples), samples
 
 
 def _has(module: str) -> bool:

@@ -679,3 +679,25 @@ def test_a_mistyped_destination_suffix_is_refused(tmp_path):
         assert not (tmp_path / name).exists()
     tddist.convert(tmp_path / "ck", tmp_path / "x.bin", to="tddist")  # the format named: a tddist directory
     assert tddist.load(tmp_path / "x.bin", shard=None)["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    "name,to",
+    [("a.safetensors", None), ("hf", "safetensors"), ("a.pt", None), ("d", "dcp"), ("t", None), ("a.tdz", None)],
+)
+def test_progress_counts_bytes_leaf_by_leaf_for_every_destination(tmp_path, name, to):
+    """``progress(done, total)`` after each leaf, in bytes, up to the total, whatever the destination; the library
+    prints nothing."""
+    cols = [2048, 6144, 8]  # float32 leaves of 2 ranks x 64 rows: 1 MiB, 3 MiB, 4 KiB
+
+    def shard(rank: int) -> TensorDict:
+        return TensorDict({f"l{i}": torch.full((64, n), float(rank)) for i, n in enumerate(cols)}, batch_size=[64])
+
+    results = tddist.run_threads(2, lambda c: tddist.save(shard(c.rank), tmp_path / "src", comm=c), timeout=60)
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    sizes = [2 * 64 * n * 4 for n in cols]
+    calls: list[tuple[int, int]] = []
+    tddist.convert(tmp_path / "src", tmp_path / name, to, consolidate=True, progress=lambda d, t: calls.append((d, t)))
+    total = sum(sizes)
+    assert [t for _d, t in calls] == [total] * len(sizes), calls
+    assert sorted(d for d, _t in calls) == [d for d, _t in calls] and calls[-1][0] == total, calls

@@ -30,6 +30,8 @@ from ..errors import InvalidArgumentError, InvalidDataError
 if TYPE_CHECKING:
     import torch
 
+    from .pages import MappedLeaves
+
 Key = tuple[str, ...]
 
 #: Format names, as ``convert(to=...)`` takes them.
@@ -88,6 +90,10 @@ class Source(Protocol):
         """User metadata the source carries (a tddist manifest's ``metadata``), else empty."""
         ...
 
+    def close(self) -> None:
+        """Release what the source holds open (``convert`` calls it when it ends, also on error)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Selection:
@@ -127,19 +133,29 @@ class Selection:
         for key, entry in self.tensors:
             yield key, self.read(entry)
 
-    def spilled_leaves(self, directory: str) -> Iterator[tuple[Key, torch.Tensor]]:
+    def spilled_leaves(self, directory: str, mapped: MappedLeaves | None = None) -> Iterator[tuple[Key, torch.Tensor]]:
         """Each tensor leaf in turn, for a writer that keeps them all: at most one is held in anonymous memory.
 
         ``torch.save``, ``dcp.save`` and ``tddist.save`` take every leaf at
         once. A leaf read into memory (a DCP or safetensors source, a sharded
         or cast leaf) is written to a file in ``directory`` and handed on as a
         copy-on-write map of it; a leaf that already is a map of its source
-        file is handed on as it is. Mapped pages are the kernel's page cache,
+        file that is its storage whole is handed on as it is (a view of a
+        larger map is spilled: ``torch.save`` would write its whole storage,
+        ``dcp.save`` copies it). Mapped pages are the kernel's page cache,
         which it reclaims under memory pressure; anonymous memory it cannot.
+        Each leaf handed on as a map is recorded in ``mapped``, so that the
+        writer can drop its pages once written (``interop.pages``).
         """
+        from .pages import trim_heap
+
         spill = _Spill(directory)
         for key, entry in self.tensors:
-            held = spill.hold(self.read(entry))  # the leaf read is freed here, before the next one is read
+            held, is_map = spill.hold(self.read(entry))  # the leaf read is freed here, before the next one is read
+            if is_map:
+                trim_heap()  # the freed leaf's memory leaves the process (see trim_heap)
+                if mapped is not None:
+                    mapped.add(held)
             yield key, held
 
     def value_items(self) -> Iterator[tuple[Key, Any]]:
@@ -167,15 +183,22 @@ class _Spill:
         self.directory = directory
         self.count = 0
 
-    def hold(self, t: torch.Tensor) -> torch.Tensor:
+    def hold(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """``t`` as a map of a file (spilled unless it already is one, its storage whole), and whether it is a map
+        (a small leaf, or one not on the CPU, stays as it is)."""
         import torch
 
         from .._fs import pwrite_all
         from ..saving.memmaps import mapped_files
 
         nbytes = t.numel() * t.element_size()
-        if nbytes < SPILL_MIN_BYTES or t.device.type != "cpu" or mapped_files({0: t}):
-            return t
+        whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes and t.is_contiguous()
+        if t.device.type != "cpu":
+            return t, False
+        if nbytes < SPILL_MIN_BYTES:  # a view of a larger storage (a data file's map) is copied out of it
+            return (t if whole else t.clone()), False
+        if whole and mapped_files({0: t}):
+            return t, True
         flat = t.contiguous().reshape(-1).view(torch.uint8).numpy()
         self.count += 1
         path = os.path.join(self.directory, f".tddist-convert-spill-{os.getpid()}-{self.count}")
@@ -186,7 +209,7 @@ class _Spill:
             mapped = torch.from_file(f"/proc/self/fd/{fd}", shared=False, size=nbytes, dtype=torch.uint8)
         finally:
             os.close(fd)
-        return mapped.view(t.dtype).view(t.shape)
+        return mapped.view(t.dtype).view(t.shape), True
 
 
 def select(

@@ -225,6 +225,27 @@ def convert(
             f"(without prefix or dtype); {kind} -> {out} always writes whole leaves: drop consolidate=False"
         )
     source = _open(src, kind, allow_pickle, trust_pickle, nested, num_threads)
+    try:
+        _convert(source, dst, out, prefix, cast, max_shard_size, compression, allow_pickle, num_threads, progress)
+    finally:
+        source.close()  # a tddist source's pinned generation, also when the conversion failed
+    logger.info("converted %s (%s) into %s (%s)", src, kind, dst, out)
+    return dst
+
+
+def _convert(
+    source: Source,
+    dst: str,
+    out: str,
+    prefix: str | None,
+    cast: torch.dtype | None,
+    max_shard_size: int | str,
+    compression: Any,
+    allow_pickle: bool,
+    num_threads: int,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Write the selection of the opened ``source`` into ``dst``, reporting ``progress`` after each leaf."""
     done = 0
     sel: Selection
 
@@ -236,8 +257,6 @@ def convert(
 
     sel = select(source, prefix, cast, step)
     _write(sel, dst, out, max_shard_size, compression, allow_pickle, num_threads)
-    logger.info("converted %s (%s) into %s (%s)", src, kind, dst, out)
-    return dst
 
 
 def _done(src: str, dst: str, kind: str, out: str, progress: Callable[[int, int], None] | None) -> str:

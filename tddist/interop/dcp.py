@@ -69,6 +69,7 @@ from . import (
     pickle_refused,
 )
 from .guard import DCP_METADATA_NAME, inside, open_regular, read_regular
+from .pages import MappedLeaves
 
 METADATA_NAME = DCP_METADATA_NAME
 #: The largest ``.metadata`` read (one entry per chunk: a few hundred bytes each).
@@ -277,6 +278,9 @@ class DcpSource:
     def metadata(self) -> dict[str, Any]:
         return {}
 
+    def close(self) -> None:
+        """Nothing is held open (the tensors read are the caller's)."""
+
     def _load(self, state_dict: dict[str, Any], values: bool) -> dict[str, Any]:
         planner = _BytesPlanner(self.allow_pickle)
         try:
@@ -349,11 +353,17 @@ class _BytesPlanner(DefaultLoadPlanner):
 
 
 def write_dcp(sel: Selection, path: str) -> None:
-    """``dcp.save`` the selection as one flat state dict into the new directory ``path``."""
+    """``dcp.save`` the selection as one flat state dict into the new directory ``path``.
+
+    Each leaf is a map of a file (``Selection.spilled_leaves``); DCP's one
+    writing thread asks the planner for each item just before writing it, so
+    the pages of the item before are dropped then (``pages.MappedLeaves``).
+    """
     keys = [k for k, _ in sel.tensors] + [k for k, _ in sel.values]
     names, _odd = flat_names(keys)
     state: dict[str, Any] = {}
-    for key, t in sel.spilled_leaves(os.path.dirname(path)):
+    mapped = MappedLeaves()
+    for key, t in sel.spilled_leaves(os.path.dirname(path), mapped):
         state[names[key]] = t
     planner_data: dict[str, Any] = {names[k]: k for k, _ in sel.tensors}
     for key, v in sel.value_items():
@@ -375,6 +385,11 @@ def write_dcp(sel: Selection, path: str) -> None:
             plans, md = super().create_global_plan(all_plans)
             self.metadata = dataclasses.replace(md, planner_data=planner_data)
             return plans, self.metadata
+
+        def resolve_data(self, write_item: Any) -> Any:
+            data = super().resolve_data(write_item)
+            mapped.resolved(data)  # one writing thread: the item asked for before this one is written
+            return data
 
     os.mkdir(path)
     writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)

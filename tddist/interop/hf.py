@@ -180,6 +180,10 @@ class SafetensorsSource:
     def metadata(self) -> dict[str, Any]:
         return {}
 
+    def close(self) -> None:
+        """Drop the files' handles (their maps go with the last tensor read from them)."""
+        self._handles.clear()
+
 
 def _open_checked(path: str) -> Any:
     """``safe_open`` of the regular file ``path`` (opened without blocking), once its header is checked."""

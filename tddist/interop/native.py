@@ -1,7 +1,12 @@
 """tddist checkpoints (directories and ``.tdz`` archives) as a conversion's source or destination.
 
-Reading goes through the manifest and the rank-local reader: each leaf is
-read whole (its chunks put together), with every chunk's checksum verified.
+Reading opens the checkpoint once (one generation, pinned until the
+conversion ends: an overwrite meanwhile cannot mix two) and reads each leaf
+whole through one ``ChunkSource`` (its chunks put together), with every
+chunk's checksum verified. Once a leaf is written (when the next one is read,
+or at once when the leaf was copied out of its chunks) the pages of its chunks
+are dropped from the process, so a conversion holds about one leaf however
+large the checkpoint.
 Writing is ``tddist.save`` in one process, so the result is committed
 atomically and checksummed like any checkpoint; its leaves are replicated
 (one rank).
@@ -9,35 +14,47 @@ atomically and checksummed like any checkpoint; its leaves are replicated
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from tensordict import NonTensorData
 
-from ..api import read_manifest, save
+from ..api import save
 from ..comm.base import LocalComm
 from ..core.types import AllRows
-from ..loading.read import read_leaves
+from ..loading.read import ChunkSource, read_box
 from ..loading.share import leaf_box, object_value
-from ..manifest.model import Manifest
+from ..manifest.model import Leaf, Manifest
+from ..saving.memmaps import allocated_by_torch
+from ..storage.backends import open_checkpoint
+from ..storage.pinned import storage_failed
 from . import Key, Selection, TensorEntry, nested_dict
 
 logger = logging.getLogger(__name__)
 
 
 class TddistSource:
-    """A committed tddist checkpoint, read leaf by leaf (sharded leaves come back whole)."""
+    """A committed tddist checkpoint opened once, read leaf by leaf (sharded leaves come back whole); close it."""
 
     kind = "tddist"
     nested = True
 
     def __init__(self, path: str, allow_pickle: bool, num_threads: int = 0) -> None:
         self.path = path
-        self.manifest: Manifest = read_manifest(path)
         self.allow_pickle = allow_pickle
-        self.num_threads = num_threads
+        self._opened = open_checkpoint(path)  # the generation every leaf is read from
+        try:
+            self.manifest: Manifest = self._opened.manifest
+            self._chunks = ChunkSource(self._opened, self.manifest)  # one map per data file, one locator
+        except BaseException:
+            self._opened.close()
+            raise
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-convert") if num_threads > 1 else None
+        self._held: Leaf | None = None  # the leaf last read as a view of its chunks: released at the next read
 
     def tensors(self) -> list[TensorEntry]:
         return [TensorEntry(k, leaf.dtype, tuple(leaf.shape)) for k, leaf in self.manifest.leaves.items()]
@@ -46,10 +63,34 @@ class TddistSource:
         return list(self.manifest.objects)
 
     def read(self, entry: TensorEntry) -> torch.Tensor:
+        """The whole leaf, its chunks verified; the previous leaf's pages are dropped first (it was written)."""
+        self._release()
         leaf = self.manifest.leaves[entry.key]
-        box = leaf_box(leaf, AllRows(), 0, 1)
-        (t,) = read_leaves(self.path, self.manifest, [(leaf, box)], self.num_threads, True)
+        try:
+            t = read_box(self._chunks, leaf, leaf_box(leaf, AllRows(), 0, 1), self._pool, True)
+        except OSError as e:
+            if e.errno == errno.ENOMEM:
+                raise
+            raise storage_failed(self.path, e) from e
+        self._held = leaf
+        if allocated_by_torch(t):  # copied out of its chunks: they are done with now
+            self._release()
         return t
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._chunks.release(self._held)
+            self._held = None
+
+    def close(self) -> None:
+        """Drop the last leaf's pages, stop the reading threads, release the pinned generation (idempotent)."""
+        try:
+            self._release()
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+        finally:
+            self._opened.close()
 
     def value(self, key: Key) -> Any:
         _kind, value = object_value(self.manifest.objects[key], AllRows(), 0, 1, self.allow_pickle)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -33,6 +33,7 @@ from . import (
     pickle_refused,
     split_name,
 )
+from .pages import MappedLeaves, ReleasingFile
 
 #: The attribute of the saved dict that marks a tddist export.
 MARKER_ATTR = "_tddist"
@@ -101,6 +102,9 @@ class TorchFileSource:
     def metadata(self) -> dict[str, Any]:
         return {}
 
+    def close(self) -> None:
+        """Nothing is held open (the tensors read are the caller's)."""
+
 
 def _flat(obj: dict, path: str, prefix: Key = (), *, recurse: bool = True) -> list[tuple[Key, Any]]:
     """(key parts, value) of every entry, nested dicts' keys appended when ``recurse`` (a marked export is flat)."""
@@ -139,15 +143,18 @@ def write_torch(sel: Selection, path: str) -> None:
 
     ``torch.save`` takes the whole dict: each leaf is a copy-on-write map
     (of the source, or of a spill file beside ``path``), paged in as it is
-    written (``Selection.spilled_leaves``).
+    written (``Selection.spilled_leaves``), and its pages dropped once it is
+    (``pages.ReleasingFile``), so the process holds about one leaf.
     """
     keys = [k for k, _ in sel.tensors] + [k for k, _ in sel.values]
     names, odd = flat_names(keys)
     out: collections.OrderedDict[str, Any] = collections.OrderedDict()
-    for key, t in sel.spilled_leaves(os.path.dirname(path)):
+    mapped = MappedLeaves()
+    for key, t in sel.spilled_leaves(os.path.dirname(path), mapped):
         out[names[key]] = t
     for key, v in sel.value_items():
         out[names[key]] = v
     if sel.nested:
         setattr(out, MARKER_ATTR, {EXPORT_MARKER: EXPORT_VERSION, KEYS_FIELD: odd})
-    torch.save(out, path)
+    with open(path, "xb") as f:
+        torch.save(out, cast(IO[bytes], ReleasingFile(f, mapped)))  # a binary file object: write() is all it uses

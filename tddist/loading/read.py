@@ -104,6 +104,17 @@ class ChunkSource:
             self._rank_files[rank] = t
         return t
 
+    def release(self, leaf: Leaf) -> None:
+        """Forget the leaf's chunks, and have the files drop the pages this process mapped of them.
+
+        For a reader that streams leaf by leaf (``convert``): what it read
+        stops counting in its resident memory. Tensors still viewing a chunk
+        stay valid; a chunk read again is mapped (and verified) again.
+        """
+        for cache_key in [k for k in self._maps if k[0] == leaf.key]:
+            self._verified.discard(cache_key)
+            self.files.release(self._maps.pop(cache_key))
+
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
         return self.location(leaf, chunk).relpath
 

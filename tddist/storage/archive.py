@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .. import format as fmt
-from .._fs import makedirs_durable
+from .._fs import drop_pages, makedirs_durable
 from ..checksum import EMPTY, combine_digests
 from ..core.types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..errors import CorruptCheckpointError, TargetError
@@ -236,6 +236,12 @@ class ArchiveFiles:
     def span(self, loc: Location) -> torch.Tensor:
         """A chunk's bytes (archives hold one entry per chunk)."""
         return self.array(loc.relpath, loc.nbytes)
+
+    def release(self, span: torch.Tensor) -> None:
+        """Drop the pages of a stored entry from the archive's map (an inflated or realigned copy is anonymous
+        memory, freed with its tensor)."""
+        if span.numel() and self.tensor.numel() and span.untyped_storage().data_ptr() == self.tensor.data_ptr():
+            drop_pages(span.data_ptr(), span.numel() * span.element_size())
 
     def array(self, name: str, nbytes: int) -> torch.Tensor:
         """The uncompressed bytes of ``name`` as uint8: a view of the map when stored, else decompressed.

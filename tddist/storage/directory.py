@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import format as fmt
-from .._fs import fsync_path, makedirs_durable, remove_tree, write_durable
+from .._fs import drop_pages, fsync_path, makedirs_durable, remove_tree, write_durable
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ..errors import CorruptCheckpointError, TargetError
 from ..manifest.locate import ChunkRange, Location
@@ -116,6 +116,7 @@ class DirectoryFiles:
         self.root = root
         self.pin = pin if pin is not None else PinnedCheckpoint(root)  # kept open while this object lives
         self._maps: dict[str, torch.Tensor] = {}
+        self._mapped: set[int] = set()  # the addresses of the maps in ``_maps`` (``release`` drops only those)
 
     fetches_ahead = False
 
@@ -129,7 +130,14 @@ class DirectoryFiles:
         whole = self._maps.get(loc.relpath)
         if whole is None:
             whole = self._maps[loc.relpath] = self.array(loc.relpath, loc.file_size)
+            self._mapped.add(whole.untyped_storage().data_ptr())
         return whole[loc.offset : loc.offset + loc.nbytes]
+
+    def release(self, span: torch.Tensor) -> None:
+        """Drop the pages of a chunk inside a mapped data file (a chunk that is its own file is unmapped when
+        its last tensor goes)."""
+        if span.numel() and span.untyped_storage().data_ptr() in self._mapped:
+            drop_pages(span.data_ptr(), span.numel() * span.element_size())  # a map of a file nobody writes to
 
     def array(self, rel: str, nbytes: int) -> torch.Tensor:
         """The file's bytes as a uint8 tensor mapped copy-on-write (no file descriptor stays open)."""

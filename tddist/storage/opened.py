@@ -72,6 +72,16 @@ class ChunkFiles(Protocol):
         """
         ...
 
+    def release(self, span: torch.Tensor) -> None:
+        """Done with a chunk for now (``span``: what ``span`` returned, or a view of all of it): drop the pages of
+        it that this process mapped, if it is a view of a file mapped here (else nothing: anonymous memory).
+
+        A streaming reader (``convert``) calls it once a leaf is written, so
+        pages it read stop counting in its resident memory. A tensor still
+        viewing the chunk stays valid (its pages are mapped again when read).
+        """
+        ...
+
 
 class Pin(Protocol):
     """One generation of a committed checkpoint, held while it is read (see the module's call order); its

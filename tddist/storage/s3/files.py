@@ -71,6 +71,9 @@ class S3Files:
             return self._entry(loc)
         return self._fetch([self._dir_span(loc)], None)[0]
 
+    def release(self, span: torch.Tensor) -> None:
+        """Nothing is mapped: fetched bytes are the caller's tensors, freed with them."""
+
     def prefetch(self, ranges: Iterable[ChunkRange], num_threads: int) -> None:
         """Fetch the bytes the load will read now, in parallel, so that ``span`` finds them in memory.
 
