@@ -47,12 +47,6 @@ class ChunkSource:
         self._placed: FileOffsets | None = None  # packed: every rank's offsets, once a whole read needed them
         self._positions: dict[Key, int] | None = None
 
-    def forget(self, leaf: Leaf) -> None:
-        """Drop the maps of ``leaf``'s chunks (a caller that reads leaf by leaf keeps memory bounded); the
-        rank data files mapped for whole reads stay, one map per rank (``release_files`` drops them)."""
-        for rank in [r for k, r in self._maps if k == leaf.key]:
-            del self._maps[(leaf.key, rank)]
-
     def release_files(self) -> None:
         """Drop the maps of the rank data files that whole reads mapped (tensors returned keep theirs alive);
         the next whole read maps them again."""
@@ -108,12 +102,22 @@ class ChunkSource:
         """Forget the leaf's chunks, and have the files drop the pages this process mapped of them.
 
         For a reader that streams leaf by leaf (``convert``): what it read
-        stops counting in its resident memory. Tensors still viewing a chunk
+        stops counting in its resident memory, whether it came through the
+        chunk's own map or through its rank's data file mapped for whole reads
+        (``rank_file``: the leaf's ranges of it). Tensors still viewing a chunk
         stay valid; a chunk read again is mapped (and verified) again.
         """
         for cache_key in [k for k in self._maps if k[0] == leaf.key]:
             self._verified.discard(cache_key)
             self.files.release(self._maps.pop(cache_key))
+        if not self._rank_files:
+            return
+        pieces = self.whole_pieces([leaf])
+        for rank, offset, nbytes in zip(pieces.ranks.tolist(), pieces.offsets.tolist(), pieces.nbytes.tolist()):
+            mapped = self._rank_files.get(rank)
+            if mapped is not None:  # one advice per chunk: the pages of a leaf's chunks are not contiguous
+                self._verified.discard((leaf.key, rank))
+                self.files.release(mapped[offset : offset + nbytes])
 
     def relpath(self, leaf: Leaf, chunk: Chunk) -> str:
         return self.location(leaf, chunk).relpath

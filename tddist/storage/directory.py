@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -116,7 +117,9 @@ class DirectoryFiles:
         self.root = root
         self.pin = pin if pin is not None else PinnedCheckpoint(root)  # kept open while this object lives
         self._maps: dict[str, torch.Tensor] = {}
-        self._mapped: set[int] = set()  # the addresses of the maps in ``_maps`` (``release`` drops only those)
+        # Every file this object mapped, by address, while its map lives (``release`` drops pages of those
+        # only: an address freed and reused by anonymous memory would read back as zeros).
+        self._mapped: dict[int, weakref.ref[torch.Tensor]] = {}
 
     fetches_ahead = False
 
@@ -126,17 +129,24 @@ class DirectoryFiles:
     def span(self, loc: Location) -> torch.Tensor:
         """A chunk's bytes: a view of its file's copy-on-write map (each file is mapped once)."""
         if loc.nbytes == loc.file_size:
-            return self.array(loc.relpath, loc.nbytes)
+            return self._mapped_file(loc.relpath, loc.nbytes)
         whole = self._maps.get(loc.relpath)
         if whole is None:
-            whole = self._maps[loc.relpath] = self.array(loc.relpath, loc.file_size)
-            self._mapped.add(whole.untyped_storage().data_ptr())
+            whole = self._maps[loc.relpath] = self._mapped_file(loc.relpath, loc.file_size)
         return whole[loc.offset : loc.offset + loc.nbytes]
+
+    def _mapped_file(self, rel: str, nbytes: int) -> torch.Tensor:
+        """``array``, remembered for ``release`` while the map lives."""
+        t = self.array(rel, nbytes)
+        if nbytes:
+            self._mapped[t.untyped_storage().data_ptr()] = weakref.ref(t)
+        return t
 
     def release(self, span: torch.Tensor) -> None:
         """Drop the pages of a chunk inside a mapped data file (a chunk that is its own file is unmapped when
         its last tensor goes)."""
-        if span.numel() and span.untyped_storage().data_ptr() in self._mapped:
+        ref = self._mapped.get(span.untyped_storage().data_ptr()) if span.numel() else None
+        if ref is not None and ref() is not None:
             drop_pages(span.data_ptr(), span.numel() * span.element_size())  # a map of a file nobody writes to
 
     def array(self, rel: str, nbytes: int) -> torch.Tensor:
