@@ -47,19 +47,15 @@ class ChunkSource:
         self._placed: FileOffsets | None = None  # packed: every rank's offsets, once a whole read needed them
         self._positions: dict[Key, int] | None = None
 
-    def release_files(self) -> None:
-        """Drop the maps of the rank data files that whole reads mapped (tensors returned keep theirs alive);
-        the next whole read maps them again."""
-        self._rank_files.clear()
-
     def mark_verified(self, leaf: Leaf, ranks: np.ndarray) -> None:
         """The chunks of ``leaf`` stored by ``ranks`` were verified (by a whole read): not hashed again."""
         self._verified.update((leaf.key, r) for r in ranks.tolist())
 
-    def relpath_of(self, leaf: Leaf, rank: int) -> str:
-        """The file holding ``rank``'s chunk of ``leaf``."""
-        m = self.manifest
-        return fmt.rank_data_name(rank) if m.packing == "packed" else fmt.leaf_relpath(rank, leaf.key, m.robust_key)
+    def position(self, key: Key) -> int:
+        """The position of the leaf ``key`` in the manifest's leaves (the plans' and offsets' row)."""
+        if self._positions is None:
+            self._positions = {k: i for i, k in enumerate(self.manifest.leaves)}
+        return self._positions[key]
 
     def placed(self, leaves: list[Leaf] | None) -> FileOffsets | None:
         """Packing "packed": where the chunks of ``leaves`` (None: any leaf) start in their ranks' files.
@@ -81,9 +77,7 @@ class ChunkSource:
 
     def whole_pieces(self, leaves: list[Leaf], placed: FileOffsets | None = None) -> WholePieces:
         """The planned pieces of ``leaves``, each read whole (see ``manifest.whole``)."""
-        if self._positions is None:
-            self._positions = {k: i for i, k in enumerate(self.manifest.leaves)}
-        positions = [self._positions[leaf.key] for leaf in leaves]
+        positions = [self.position(leaf.key) for leaf in leaves]
         return plan_whole(self.manifest, positions, placed if placed is not None else self.placed(leaves))
 
     def rank_file(self, rank: int, size: int) -> torch.Tensor:
@@ -128,9 +122,7 @@ class ChunkSource:
         placed = self._placed
         if placed is None or not chunk.nbytes:
             return self.locator.locate(leaf, chunk)
-        if self._positions is None:
-            self._positions = {k: i for i, k in enumerate(self.manifest.leaves)}
-        offset, size = placed.offset_of(self._positions[leaf.key], chunk.rank)
+        offset, size = placed.offset_of(self.position(leaf.key), chunk.rank)
         return Location(fmt.rank_data_name(chunk.rank), offset, chunk.nbytes, size)
 
     def tensor(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:

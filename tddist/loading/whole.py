@@ -66,6 +66,12 @@ class Sources:
     owners: np.ndarray
     addresses: np.ndarray
 
+    @staticmethod
+    def one_each(tensors: list[torch.Tensor]) -> Sources:
+        """Piece ``i`` is all of ``tensors[i]`` (a chunk's own file, or a fetched span)."""
+        addresses = np.array([t.data_ptr() for t in tensors], np.int64)
+        return Sources(tensors, np.arange(len(tensors), dtype=np.int64), addresses)
+
     def view(self, i: int, plan: WholePieces) -> torch.Tensor:
         """Piece ``i``'s bytes as a uint8 tensor (a view of its map)."""
         owner = self.tensors[int(self.owners[i])]
@@ -83,18 +89,16 @@ def _rank_sources(source: ChunkSource, plan: WholePieces) -> Sources:
 
 def _chunk_sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> Sources:
     """Packing "memmap": each chunk is a file (an archive entry) of its own, opened once here: one per chunk."""
-    m = source.manifest
     tensors: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * len(plan)  # in the plan's row order
     for j, leaf in enumerate(leaves):
         rows = plan.rows(j)
         for i, rank, n in zip(range(rows.start, rows.stop), plan.ranks[rows].tolist(), plan.nbytes[rows].tolist()):
-            loc = Location(fmt.leaf_relpath(rank, leaf.key, m.robust_key), 0, n, n)
+            loc = Location(source.locator.relpath(leaf.key, rank), 0, n, n)
             try:
                 tensors[i] = source.files.span(loc)
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {rank}): {e}") from None
-    addresses = np.array([t.data_ptr() for t in tensors], np.int64)
-    return Sources(tensors, np.arange(len(tensors), dtype=np.int64), addresses)
+    return Sources.one_each(tensors)
 
 
 def _piece_sources(source: ChunkSource, plan: WholePieces) -> Sources:
@@ -107,8 +111,7 @@ def _piece_sources(source: ChunkSource, plan: WholePieces) -> Sources:
             tensors.append(source.files.span(Location(fmt.rank_data_name(rank), at, n, sizes[rank])))
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"the data file of rank {rank}: {e}") from None
-    addresses = np.array([t.data_ptr() for t in tensors], np.int64)
-    return Sources(tensors, np.arange(len(tensors), dtype=np.int64), addresses)
+    return Sources.one_each(tensors)
 
 
 def sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces, fetched: bool) -> Sources:
@@ -130,7 +133,7 @@ def needed(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> list[C
         for j, leaf in enumerate(leaves):
             rows = plan.rows(j)
             for rank, n in zip(plan.ranks[rows].tolist(), plan.nbytes[rows].tolist()):
-                loc = Location(fmt.leaf_relpath(rank, leaf.key, source.manifest.robust_key), 0, n, n)
+                loc = Location(source.locator.relpath(leaf.key, rank), 0, n, n)
                 out.append(ChunkRange(loc, 0, n))
         return out
     order = np.lexsort((plan.offsets, plan.ranks))
@@ -189,7 +192,7 @@ def verify(
             if got != hex_checksum(expected[k]):
                 rank = int(plan.ranks[i])
                 raise CorruptCheckpointError(
-                    f"checksum mismatch in {source.relpath_of(leaf, rank)!r} of {source.root!r} (leaf {leaf.key!r}, "
+                    f"checksum mismatch in {source.locator.relpath(leaf.key, rank)!r} of {source.root!r} (leaf {leaf.key!r}, "
                     f"rank {rank}): expected {hex_checksum(expected[k])}, found {got}; the data is corrupted, restore "
                     f"it from another checkpoint"
                 )

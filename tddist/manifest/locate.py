@@ -37,10 +37,15 @@ class Locator:
         self._packed: dict[int, tuple[dict[Key, int], int]] = {}
         self._all: PackedChunks | None = None
 
-    def locate(self, leaf: Leaf, chunk: Chunk) -> Location:
+    def relpath(self, key: Key, rank: int) -> str:
+        """The file holding ``rank``'s chunk of the leaf ``key``: its rank's data file (packing "packed"), or
+        a file of its own."""
         m = self.manifest
-        if m.packing != "packed":
-            return Location(fmt.leaf_relpath(chunk.rank, leaf.key, m.robust_key), 0, chunk.nbytes, chunk.nbytes)
+        return fmt.rank_data_name(rank) if m.packing == "packed" else fmt.leaf_relpath(rank, key, m.robust_key)
+
+    def locate(self, leaf: Leaf, chunk: Chunk) -> Location:
+        if self.manifest.packing != "packed":
+            return Location(self.relpath(leaf.key, chunk.rank), 0, chunk.nbytes, chunk.nbytes)
         offsets, size = self.packed(chunk.rank)
         return Location(fmt.rank_data_name(chunk.rank), offsets.get(leaf.key, 0), chunk.nbytes, size)
 
