@@ -108,9 +108,7 @@ class PackedChunks:
         order = np.lexsort((leaves, ranks))
         ranks, leaves, chunks, padded = ranks[order], leaves[order], chunks[order], nbytes[order]
         del order, nbytes
-        padded += fmt.PACK_ALIGN - 1  # each chunk rounded up to the alignment, in place
-        padded //= fmt.PACK_ALIGN
-        padded *= fmt.PACK_ALIGN
+        pad_in_place(padded)  # each chunk rounded up to the alignment
         offsets = np.cumsum(padded, dtype=np.int64)  # at most MAX_TOTAL_BYTES plus padding: no wrap
         offsets -= padded  # where each chunk starts, counted over every rank's chunks together
         first = np.flatnonzero(np.diff(ranks, prepend=-1))  # where each rank's chunks begin
@@ -162,6 +160,14 @@ def _stored_chunks(manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarr
     if not parts:
         return tuple(np.zeros(0, t) for t in types)  # type: ignore[return-value]
     return tuple(np.concatenate([np.asarray(p[c], t) for p in parts]) for c, t in enumerate(types))  # type: ignore[return-value]
+
+
+def pad_in_place(nbytes: np.ndarray) -> np.ndarray:
+    """Each size rounded up to ``format.PACK_ALIGN``, in place (``nbytes``: a fresh int64 array); returns it."""
+    nbytes += fmt.PACK_ALIGN - 1
+    nbytes //= fmt.PACK_ALIGN
+    nbytes *= fmt.PACK_ALIGN
+    return nbytes
 
 
 def packed_offsets(nbytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import format as fmt
 from .chunks import BoxChunks, ReplicaChunks, ShardChunks
+from .locate import pad_in_place
 from .model import Leaf, Manifest
 
 
@@ -109,15 +109,7 @@ def _sparse_chunks(leaves: list[Leaf], keep: np.ndarray | None) -> tuple[np.ndar
     if keep is not None:
         inside = np.isin(r, keep)
         p, r, s = p[inside], r[inside], s[inside]
-    return p, r, _padded(s)
-
-
-def _padded(nbytes: np.ndarray) -> np.ndarray:
-    """Each size rounded up to ``format.PACK_ALIGN`` (in place where ``nbytes`` is a fresh array)."""
-    nbytes += fmt.PACK_ALIGN - 1
-    nbytes //= fmt.PACK_ALIGN
-    nbytes *= fmt.PACK_ALIGN
-    return nbytes
+    return p, r, pad_in_place(s)
 
 
 def file_offsets(manifest: Manifest, ranks: np.ndarray | None = None) -> FileOffsets:
@@ -142,7 +134,7 @@ def file_offsets(manifest: Manifest, ranks: np.ndarray | None = None) -> FileOff
         t = leaves[i].table
         assert isinstance(t, ShardChunks)
         np.multiply(t.lengths if covered is None else t.lengths[covered], t.row_bytes, out=acc[row + 1])
-    _padded(acc[1:])
+    pad_in_place(acc[1:])
     sp_pos, sp_ranks, sp_sizes = _sparse_chunks(leaves, covered)
     gap = np.searchsorted(shard_pos, sp_pos, side="right")  # the first sharded row after each sparse chunk
     col = sp_ranks if covered is None else np.searchsorted(covered, sp_ranks)
