@@ -311,12 +311,7 @@ def test_keep_period_keeps_every_multiple_forever(tmp_path: Path) -> None:
 
     def body(comm):
         mgr = CheckpointManager(root, keep_last=2, keep_period=4, every=1, comm=comm, preempt_signal=None)
-        state = local_state(comm.rank, comm.size, 0)
-        for s in range(mgr.restore(state), 10):
-            train_state(state)
-            mgr.step(s + 1, state)
-        mgr.close()
-        return mgr.all_steps()
+        return train_until(mgr, comm, 10)
 
     assert tddist.run_threads(3, body) == [[4, 8, 9, 10]] * 3
     with CheckpointManager(root, keep_last=None, keep_period=4, preempt_signal=None) as mgr:
@@ -327,6 +322,16 @@ def test_keep_period_keeps_every_multiple_forever(tmp_path: Path) -> None:
 def train_state(state) -> None:
     state["rows", "w"].add_(1)
     state["count"].add_(1)
+
+
+def train_until(mgr: CheckpointManager, comm, stop: int) -> list[int]:
+    """Restore (or start) this rank's state, train and step up to ``stop``, close: the steps the root keeps."""
+    state = local_state(comm.rank, comm.size, 0)
+    for s in range(mgr.restore(state), stop):
+        train_state(state)
+        mgr.step(s + 1, state)
+    mgr.close()
+    return mgr.all_steps()
 
 
 def test_save_interval_minutes_rank0_clock_decides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -639,12 +644,7 @@ def test_manager_on_s3_with_a_node_local_tier(s3_root, tmp_path: Path) -> None:
     def body(comm):
         mgr = CheckpointManager(root, every=2, keep_last=1, local_dir=str(tmp_path / "local" / "{rank}"),
                                 comm=comm, preempt_signal=None)  # fmt: skip
-        state = local_state(comm.rank, comm.size, 0)
-        for s in range(mgr.restore(state), 4):
-            train_state(state)
-            mgr.step(s + 1, state)
-        mgr.close()
-        return mgr.all_steps()
+        return train_until(mgr, comm, 4)
 
     assert tddist.run_threads(2, body) == [[4]] * 2
     assert s3_steps(client, where) == [4]
