@@ -15,7 +15,9 @@ import errno
 import mmap
 import os
 import shutil
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from ._faults import fault_point
@@ -188,16 +190,42 @@ def syncfs(path: str) -> bool:
 def makedirs_durable(path: str) -> None:
     """``os.makedirs``, fsyncing the parent of every directory it creates, so a
     checkpoint committed inside them survives a power loss."""
+    top = makedirs_top(path)
+    if top is not None:
+        sync_created(top, path)
+
+
+def makedirs_top(path: str) -> str | None:
+    """``os.makedirs(path, exist_ok=True)``; the top-most directory it created, None if ``path`` existed.
+
+    Several processes may create the same directories at once: one that
+    another created first is not reported (that one reports it).
+    """
     missing = []
     p = os.path.abspath(path)
     while not os.path.isdir(p):
         missing.append(p)
         p = os.path.dirname(p)
+    top = None
     for d in reversed(missing):
         try:
             os.mkdir(d)
         except FileExistsError:
-            pass
+            continue
+        top = top or d
+    return top
+
+
+def sync_created(top: str, path: str) -> None:
+    """fsync the parent of every directory from ``top`` down to ``path`` (which ``makedirs_top`` created)."""
+    chain = []
+    d = os.path.abspath(path)
+    while True:
+        chain.append(d)
+        if d == top or os.path.dirname(d) == d:
+            break
+        d = os.path.dirname(d)
+    for d in reversed(chain):
         fsync_path(os.path.dirname(d))
 
 
@@ -219,6 +247,43 @@ def write_durable(path: str, data: bytes | memoryview, sync: bool = True) -> Non
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_SYNC_POOL: ThreadPoolExecutor | None = None
+_SYNC_POOL_LOCK = threading.Lock()
+
+
+def _forget_sync_pool() -> None:
+    """(in a forked child) The parent's pool has no threads here: a fresh one is made on first use."""
+    global _SYNC_POOL, _SYNC_POOL_LOCK
+    _SYNC_POOL, _SYNC_POOL_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_sync_pool)
+
+
+def fsync_together(paths: Sequence[str]) -> None:
+    """fsync every file or directory in ``paths``, all at once from a few threads.
+
+    A journaling file system commits the metadata of fsyncs that wait at the
+    same time in one journal commit, so three concurrent fsyncs cost about
+    one; one after the other, each waits for its own commit. Raises the first
+    failure once every fsync has ended.
+    """
+    global _SYNC_POOL
+    if len(paths) < 2:
+        for p in paths:
+            fsync_path(p)
+        return
+    with _SYNC_POOL_LOCK:
+        if _SYNC_POOL is None:
+            _SYNC_POOL = ThreadPoolExecutor(4, thread_name_prefix="tddist-fsync")
+        pool = _SYNC_POOL
+    futures = [pool.submit(fsync_path, p) for p in paths]
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
 
 
 def remove_tree(path: str) -> None:

@@ -7,6 +7,7 @@ public specification of what is written here; change both together.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import pickle
@@ -273,14 +274,20 @@ def loads(data: bytes | str) -> Any:
 # --- names beside the target -------------------------------------------------
 
 
-def _side_name(target: str, tag: str) -> str:
+def _side_name(target: str, tag: str, uid: str | None = None) -> str:
     parent, base = os.path.split(os.path.abspath(target))
-    return os.path.join(parent, f".{base}{tag}{uuid.uuid4().hex}")
+    return os.path.join(parent, f".{base}{tag}{uid or uuid.uuid4().hex}")
 
 
-def staging_path(target: str) -> str:
-    """A fresh staging name beside ``target``, on the same file system."""
-    return _side_name(target, _STAGING_TAG)
+def staging_path(target: str, seed: str | None = None) -> str:
+    """A fresh staging name beside ``target``, on the same file system.
+
+    With ``seed``, the name's 32 hex digits are a hash of it: every rank that
+    knows the seed derives the same name without a message (the commit's
+    one-round path); without, they are a random UUID.
+    """
+    uid = None if seed is None else hashlib.blake2b(seed.encode(), digest_size=16).hexdigest()
+    return _side_name(target, _STAGING_TAG, uid)
 
 
 def trash_path(target: str) -> str:

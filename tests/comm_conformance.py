@@ -300,6 +300,34 @@ def check_large_objects(ctx: Ctx) -> None:
     _after_others(comm, local)
 
 
+def check_objects_of_mixed_sizes(ctx: Ctx) -> None:
+    """In one collective, some ranks' objects are tiny and others' are just under, at and over 64 KiB (the
+    size that gloo's one-operation collectives carry in place): every object arrives intact, in every
+    collective, several times in a row (a rest left unread would garble the next one)."""
+    comm = ctx.comm
+    rank, size = comm.rank, comm.size
+    sizes = [(10, 65_400, 65_536 - 8, 65_536, 200_000)[(r + shift) % 5] for shift in range(3) for r in range(size)]
+
+    def blob(r: int, shift: int) -> bytes:
+        return _blob(r + 100 * shift, sizes[shift * size + r])
+
+    got = []
+    for shift in range(3):
+        mine = blob(rank, shift)
+        root = shift % size
+        got.append((comm.gather(mine, root=root), comm.allgather(mine), comm.broadcast(mine, root=root)))
+
+    def local():
+        for shift, (ga, ag, bc) in enumerate(got):
+            root = shift % size
+            want = [blob(r, shift) for r in range(size)]
+            assert (ga == want) if rank == root else ga is None, f"gather to rank {root} (shift {shift})"
+            assert ag == want, f"allgather (shift {shift})"
+            assert bc == want[root], f"broadcast from rank {root} (shift {shift})"
+
+    _after_others(comm, local)
+
+
 def check_dup_never_mixes(ctx: Ctx) -> None:
     """dup() gives a communicator over the same ranks whose messages never mix with the parent's:
     operations interleaved on both in one thread, then run on both at the same time from two threads
@@ -529,6 +557,7 @@ CHECKS: dict[str, Callable[[Ctx], Any]] = {
     "allgather_in_rank_order": check_allgather_in_rank_order,
     "received_objects_are_copies": check_received_objects_are_copies,
     "large_objects": check_large_objects,
+    "objects_of_mixed_sizes": check_objects_of_mixed_sizes,
     "dup_never_mixes": check_dup_never_mixes,
     "agree_raises_everywhere": check_agree_raises_everywhere,
     "run_step_raises_everywhere": check_run_step_raises_everywhere,
@@ -627,6 +656,9 @@ class CommunicatorTests:
 
     def test_large_objects(self) -> None:
         self.assert_check("large_objects")
+
+    def test_objects_of_mixed_sizes(self) -> None:
+        self.assert_check("objects_of_mixed_sizes")
 
     def test_dup_never_mixes(self) -> None:
         self.assert_check("dup_never_mixes")

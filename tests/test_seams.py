@@ -65,6 +65,27 @@ class RecordingWriter:
     def abort(self, staging: Staging) -> None:
         self._record("abort")
 
+    stages_alone = False
+
+    def stage(self, path: str) -> str | None:
+        self._record("stage")
+        with self.lock:
+            self.log.append((self.rank, f"path {path}"))
+        return None
+
+    def check_staged(self, created: str | None) -> None:
+        self._record("check_staged")
+
+
+class StagingAloneWriter(RecordingWriter):
+    """A layout whose ranks can create the staging area themselves (like an atomic directory save)."""
+
+    stages_alone = True
+
+    def write(self, staging: Staging) -> Fragment:
+        self._record("write")
+        return Fragment(self.rank, "digest", b"", b"", b"")
+
 
 def run_commit(size: int, fail: tuple[int, str] | None = None, retire=None) -> tuple[list, list]:
     log: list = []
@@ -104,6 +125,69 @@ def test_call_order_on_every_rank():
     first_write = min(i for i, (_r, s) in enumerate(log) if s == "write")
     assert all(s == "plan" for _r, s in log[: log.index((0, "open"))]), "open must wait for every plan"
     assert log.index((0, "open")) < first_write, "no rank writes before rank 0 opened the staging area"
+
+
+def run_saves(size: int, targets, fail: tuple[int, str] | None = None) -> tuple[list, list]:
+    """One save per entry of ``targets`` (a function of the rank) on the same thread ranks, with a writer that
+    stages alone; each rank's results (a label or the error), and the log."""
+    log: list = []
+
+    def rank_fn(comm):
+        out = []
+        for save, target in enumerate(targets):
+            failing = fail is not None and fail[0] == comm.rank and save == 1
+            writer = StagingAloneWriter(target(comm.rank), comm.rank, log, fail[1] if failing else None)
+            with writer.lock:
+                log.append((comm.rank, f"save {save}"))
+            try:
+                commit.two_phase_commit(comm, writer, lambda fragments, _s: ManifestFiles(b"manifest of 3", b""))
+                out.append("committed")
+            except tddist.TddistError as e:
+                out.append(e)
+        return out
+
+    return run_threads(size, rank_fn, timeout=30), log
+
+
+def test_later_saves_take_one_round():
+    """The first save on a communicator runs the first round (rank 0 opens the staging area and draws the seed of
+    the names); later ones of a writer that stages alone skip it: every rank plans, stages at the same derived
+    path and writes, rank 0 checks what it staged, finalizes and publishes. Every staging path is new."""
+    results, log = run_saves(3, [lambda r: "/t"] * 3)
+    assert results == [["committed"] * 3] * 3
+    for rank in range(3):
+        mine = [s for r, s in log if r == rank and not s.startswith("path ")]
+        first, later = mine[1 : mine.index("save 1")], mine[mine.index("save 1") + 1 : mine.index("save 2")]
+        published = ["finalize", "publish", "retirement", "retired"]
+        assert first == (["plan", "open", "write", *published] if rank == 0 else ["plan", "write"]), (rank, first)
+        want = ["plan", "stage", "write"] + (["check_staged", *published] if rank == 0 else [])
+        assert later == want, (rank, later)
+    paths = {r: [s for rr, s in log if rr == r and s.startswith("path ")] for r in range(3)}
+    assert paths[0] == paths[1] == paths[2] and len(set(paths[0])) == 2, paths
+
+
+@pytest.mark.parametrize("rank, step", [(1, "stage"), (2, "write"), (0, "check_staged"), (0, "finalize")])
+def test_a_failure_of_the_one_round_path_is_the_same_error_everywhere(rank, step):
+    """A failure in a one-round save is raised on every rank, rank 0 aborts, and the next save runs the first
+    round again on every rank (the names are forgotten alike)."""
+    results, log = run_saves(3, [lambda r: "/t"] * 3, fail=(rank, step))
+    for r in range(3):
+        assert results[r][0] == "committed" and results[r][2] == "committed"
+        assert isinstance(results[r][1], tddist.TargetError) and f"{step} failed on purpose" in str(results[r][1])
+    rank0 = [s for r, s in log if r == 0 and not s.startswith("path ")]
+    assert "abort" in rank0[rank0.index("save 1") : rank0.index("save 2")]
+    assert "open" in rank0[rank0.index("save 2") :], "after a failure the next save opens through rank 0 again"
+
+
+def test_ranks_must_agree_on_the_target_in_one_round():
+    """A one-round save whose ranks name different targets is refused on every rank; each rank whose staging
+    area rank 0 did not remove removes its own."""
+    results, log = run_saves(3, [lambda r: "/t", lambda r: f"/t{r % 2}"])
+    for r in range(3):
+        assert isinstance(results[r][1], tddist.InvalidArgumentError), results[r][1]
+        assert "disagree on the save's target" in str(results[r][1])
+    aborted = {r for r, s in log[[i for i, e in enumerate(log) if e[1] == "save 1"][0] :] if s == "abort"}
+    assert aborted == {0, 1, 2}, aborted
 
 
 def test_the_removal_of_the_replaced_checkpoint_can_be_handed_on():

@@ -83,6 +83,7 @@ def decide_on_rank0(
     *,
     after_gather: Callable[[], None] | None = None,
     on_failure: Callable[[], None] | None = None,
+    after_failure: Callable[[], None] | None = None,
 ) -> R:
     """Rank 0 decides; every rank returns the decision, or raises the same error.
 
@@ -92,7 +93,9 @@ def decide_on_rank0(
     every rank's value if no rank failed; whatever it raises becomes the
     decision. If the decision is a failure, rank 0 calls ``on_failure`` (a
     clean-up that must not raise). Rank 0 broadcasts the decision; every rank
-    returns its value or raises ``collective_error(what, failures)``.
+    returns its value or, after ``after_failure`` (a clean-up that must not
+    raise, run only on a decided failure: never when the broadcast itself
+    failed), raises ``collective_error(what, failures)``.
     Without a contribution only the broadcast runs.
     """
     contributions = comm.gather(contribution, 0) if contribution is not None else None
@@ -116,5 +119,7 @@ def decide_on_rank0(
     decision = comm.broadcast(decision, 0)
     assert decision is not None
     if not decision.ok:
+        if after_failure is not None:
+            after_failure()
         raise collective_error(what, decision.failures)
     return cast(R, decision.value)  # a decision without failures holds decide()'s value

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from .._compat import group_is_live
 from ..errors import CommError, CommTimeoutError, wrap_transport_error
+from . import slots
 
 logger = logging.getLogger(__name__)
 
@@ -180,16 +181,18 @@ class TorchComm:
         self._run("barrier", lambda: dist.barrier(group=self.group))
 
     def broadcast(self, obj: Any, root: int = 0) -> Any:
-        box = [obj if self.rank == root else None]
-        self._run("broadcast", lambda: dist.broadcast_object_list(box, group=self.group, group_src=root))
-        return box[0]
+        return self._run("broadcast", lambda: slots.broadcast(obj, root, self.rank, self.group))
 
     def gather(self, obj: Any, root: int = 0) -> list[Any] | None:
+        if self.size <= slots.SLOTTED_RANKS:
+            return self._run("gather", lambda: slots.gather(obj, root, self.rank, self.size, self.group))
         out = [None] * self.size if self.rank == root else None
         self._run("gather", lambda: dist.gather_object(obj, out, group=self.group, group_dst=root))
         return out
 
     def allgather(self, obj: Any) -> list[Any]:
+        if self.size <= slots.SLOTTED_RANKS:
+            return self._run("allgather", lambda: slots.allgather(obj, self.rank, self.size, self.group))
         out = [None] * self.size
         self._run("allgather", lambda: dist.all_gather_object(out, obj, group=self.group))
         return out

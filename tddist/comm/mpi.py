@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _TAG = 7301
+SPIN_SECONDS = 0.0
 
 
 class MPIComm:
@@ -49,7 +50,8 @@ class MPIComm:
                     f"rank {self.rank}: {op} on the tddist MPI communicator did not complete within "
                     f"{self.timeout:.0f}s; a peer rank probably died or hung, see the other ranks' logs"
                 )
-            time.sleep(delay)
+            if elapsed > SPIN_SECONDS:
+                time.sleep(delay)
             if elapsed > 0.005:
                 delay = min(0.001, delay * 2 if delay else 0.00005)
 

@@ -225,6 +225,7 @@ class Staging:
     region_starts: tuple[int, ...] = ()
     end: int = 0  # where the regions end (rank 0 puts the manifest and index there)
     reference: Structure | None = None  # rank 0's, when some rank's structure digest differs from it
+    seed: str = ""  # rank 0's random seed of the next saves' staging names (the commit's one-round path)
 
     def region_start(self, rank: int) -> int:
         return self.region_starts[rank] if self.region_starts else 0
@@ -285,6 +286,21 @@ class Fragment:
     boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()
+
+
+@dataclass(frozen=True)
+class StagedVote:
+    """A rank's only contribution to a commit that staged without rank 0 (the one-round path).
+
+    ``plan`` is what the first round would have sent (rank 0 compares them);
+    ``fragment`` is the vote; ``created`` is the top-most parent directory of
+    the target that this rank created (None: every one existed), which rank 0
+    makes durable before it publishes.
+    """
+
+    plan: SavePlan
+    fragment: Fragment
+    created: str | None = None
 
 
 # --- what a rank loads ----------------------------------------------------------------------

@@ -34,6 +34,16 @@ brackets are the fault-injection points of ``_faults``):
    does it before returning on rank 0, a ``return_early`` save on its worker
    after resolving the future (the next save on the channel waits for it).
 
+One round: a writer that ``stages_alone`` (an atomic directory on a file
+system) skips step 1 on every save after the first of its communicator:
+every rank derives the staging path from rank 0's seed (learnt in the first
+save's step 1) and a count (``_StagingNames``), creates it, writes, and sends
+its plan with its vote (``StagedVote``); rank 0 checks the plans, the
+structures and the target in step 4 (``ShardWriter.check_staged``) before it
+writes the manifest. A save then makes two collectives: the votes and the
+decision (docs/format.md, section 8.2.1, says why each one and each fsync is
+needed).
+
 Without RENAME_EXCHANGE the old checkpoint is first renamed to
 ``.<target>.tddist-backup-<uuid>``; ``recover`` puts it back if a crash struck
 before the new one was in place (``publish.py``).
@@ -43,7 +53,8 @@ every rank, "0" on rank 0 only):
 
 ============  =====  ==========================================================
 ``begin``     all    before the first round (nothing staged yet)
-``prepare``   0      the staging area exists, nothing written
+``prepare``   0      the staging area exists, nothing written (one round:
+                     nothing written by rank 0)
 ``midwrite``  all    part of the rank's bytes written, none fsynced
                      (``writer.write_packed``, ``zipcodec.write_region``)
 ``write``     all    the rank's part is written and durable, not yet sent
@@ -68,14 +79,19 @@ a directory that readers refuse instead of misread.
 
 from __future__ import annotations
 
+import uuid
+import weakref
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Any
 
+from .. import format as fmt
 from .._faults import fault_point
 from ..comm.base import Communicator
-from ..comm.collective import contribute, decide_on_rank0
-from ..core.types import Fragment, ManifestFiles, SavePlan, Staging, Structure
-from ..errors import CommError, InvalidArgumentError, TargetError
+from ..comm.collective import agree, contribute, decide_on_rank0
+from ..core.structure import describe_difference
+from ..core.types import Contribution, Fragment, ManifestFiles, SavePlan, StagedVote, Staging, Structure
+from ..errors import CommError, InvalidArgumentError, ShardingError, TargetError
 from ..manifest import checksum
 from ..storage.base import ShardWriter
 
@@ -102,20 +118,15 @@ def two_phase_commit(
     """
     what, rank = f"save to {writer.target!r}", comm.rank
     fault_point("begin", rank)
-    staging: Staging = decide_on_rank0(comm, what, lambda plans: _open(writer, plans), contribute(writer.plan))
-    vote = contribute(lambda: _write(writer, staging, rank, on_staged))
+    names = _names_of(comm)
     committed: list[bool] = []
     try:
-        generation: str = decide_on_rank0(
-            comm,
-            what,
-            lambda fragments: _decide(writer, staging, fragments, build_manifest, committed),
-            vote,
-            after_gather=lambda: fault_point("vote", rank),
-            on_failure=lambda: writer.abort(staging),
-        )
-    except CommError as e:
-        if committed:  # rank 0 knows better than the generic advice
+        staged = _stage_and_vote(comm, what, writer, names, on_staged)
+        generation = _decide_round(comm, what, writer, staged.staging, staged.vote, build_manifest, committed)
+    except BaseException as e:
+        if names is not None:
+            names.forget()  # every rank ends the same way: the next save runs the first round again
+        if committed and isinstance(e, CommError):  # rank 0 knows better than the generic advice
             raise _committed_untold(e, writer.target) from e
         raise
     finally:
@@ -124,6 +135,109 @@ def two_phase_commit(
             (retire or _at_once)(removal)
     fault_point("announce", rank)
     return generation
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """Where this rank wrote, and its vote (its fragment, or its error)."""
+
+    staging: Staging
+    vote: Contribution[Any]
+
+
+def _stage_and_vote(
+    comm: Communicator,
+    what: str,
+    writer: ShardWriter,
+    names: _StagingNames | None,
+    on_staged: Callable[[Staging], None] | None,
+) -> _Staged:
+    """Steps 1 and 2: with rank 0 opening the staging area (the first round), or without (the one-round
+    path: the writer ``stages_alone`` and every rank knows the staging path from ``names``)."""
+    rank = comm.rank
+    path = names.next_path(writer.target) if names is not None and writer.stages_alone else None
+    if path is not None:
+        staging = Staging(path)
+        return _Staged(staging, contribute(lambda: _stage_and_write(writer, staging, rank, on_staged)))
+    opened: Staging = decide_on_rank0(comm, what, lambda plans: _open(writer, plans), contribute(writer.plan))
+    if names is not None:
+        names.learn(opened.seed)
+    return _Staged(opened, contribute(lambda: _write(writer, opened, rank, on_staged)))
+
+
+def _decide_round(
+    comm: Communicator,
+    what: str,
+    writer: ShardWriter,
+    staging: Staging,
+    vote: Contribution[Any],
+    build: ManifestBuilder,
+    committed: list[bool],
+) -> str:
+    """Steps 3 to 5: gather the votes, rank 0 decides and publishes, every rank learns the outcome.
+
+    A vote of the one-round path (``StagedVote``) carries the plan the first
+    round would have compared; a rank whose structure differs from rank 0's is
+    then told rank 0's, names the difference itself, and every rank raises it
+    (one more collective, on that failure only).
+    """
+    rank = comm.rank
+    outcome: str | Structure = decide_on_rank0(
+        comm,
+        what,
+        lambda votes: _decide(writer, staging, votes, build, committed),
+        vote,
+        after_gather=lambda: fault_point("vote", rank),
+        on_failure=lambda: writer.abort(staging),
+        after_failure=lambda: _abort_own(writer, staging, rank),
+    )
+    if isinstance(outcome, str):
+        return outcome
+    mine = writer.structure
+    differs = None if mine is None or mine.digest == outcome.digest else describe_difference(mine, rank, outcome)
+    agree(comm, what, differs)
+    raise ShardingError(f"rank {rank}: {what} failed: some rank's structure differs from rank 0's")  # not reached
+
+
+class _StagingNames:
+    """The staging paths of one communicator's saves, which every rank derives alike without a message.
+
+    Rank 0 draws a random seed in the first round of a save and every rank
+    learns it; each later save of a writer that ``stages_alone`` names its
+    staging area from the seed and a count that every rank advances alike
+    (all ranks take part in every commit, in the same order), and skips the
+    first round. A failed commit forgets the seed on every rank, so the next
+    save runs the first round again.
+    """
+
+    def __init__(self) -> None:
+        self.seed = ""
+        self.count = 0
+
+    def learn(self, seed: str) -> None:
+        self.seed, self.count = seed, 0
+
+    def forget(self) -> None:
+        self.seed = ""
+
+    def next_path(self, target: str) -> str | None:
+        """The next save's staging path, or None before a seed is known."""
+        if not self.seed:
+            return None
+        self.count += 1
+        return fmt.staging_path(target, f"{self.seed}-{self.count}")
+
+
+_NAMES: weakref.WeakKeyDictionary[Communicator, _StagingNames] = weakref.WeakKeyDictionary()
+
+
+def _names_of(comm: Communicator) -> _StagingNames | None:
+    """The staging names of ``comm``'s saves; None for a communicator that cannot be weakly referenced (every
+    save then runs the first round)."""
+    try:
+        return _NAMES.setdefault(comm, _StagingNames())
+    except TypeError:
+        return None
 
 
 def _committed_untold(e: CommError, target: str) -> CommError:
@@ -143,9 +257,10 @@ def _open(writer: ShardWriter, plans: list[SavePlan]) -> Staging:
     When a rank's structure digest differs from rank 0's, the staging area
     carries rank 0's structure, so that rank can say what differs (and vote no).
     """
+    _same_path(plans, SavePlan)
     _check_plans(plans)
     try:
-        staging = writer.open(plans)
+        staging = replace(writer.open(plans), seed=uuid.uuid4().hex)
     except OSError as e:
         raise TargetError(f"cannot prepare a save to {writer.target!r}: {e} (the target was left untouched)") from e
     if any(p.digest != plans[0].digest for p in plans):
@@ -156,6 +271,22 @@ def _open(writer: ShardWriter, plans: list[SavePlan]) -> Staging:
         writer.abort(staging)
         raise
     return staging
+
+
+def _fragments(votes: list[Any]) -> list[Fragment]:
+    """The fragments of the one-round path's votes, once their plans agree (every rank took that path)."""
+    _same_path(votes, StagedVote)
+    _check_plans([v.plan for v in votes])
+    return [v.fragment for v in votes]
+
+
+def _same_path(contributions: list[Any], expected: type) -> None:
+    """Every rank took the same path through the protocol (they can differ only if their options do)."""
+    if not all(isinstance(c, expected) for c in contributions):
+        raise InvalidArgumentError(
+            "the ranks disagree on how to commit this save (some staged without rank 0, some did not): every "
+            "rank must call save with the same path and options"
+        )
 
 
 def _check_plans(plans: list[SavePlan]) -> None:
@@ -180,12 +311,44 @@ def _write(writer: ShardWriter, staging: Staging, rank: int, on_staged: Callable
     return fragment
 
 
+def _stage_and_write(
+    writer: ShardWriter, staging: Staging, rank: int, on_staged: Callable[[Staging], None] | None
+) -> StagedVote:
+    """(all ranks, one-round path) Steps 1 and 2 without rank 0: the plan, the staging area, the write."""
+    plan = writer.plan()
+    created = writer.stage(staging.path)
+    if rank == 0:
+        fault_point("prepare", 0)
+    return StagedVote(replace(plan, structure=None), _write(writer, staging, rank, on_staged), created)
+
+
+def _abort_own(writer: ShardWriter, staging: Staging, rank: int) -> None:
+    """(ranks other than 0, on a decided failure of the one-round path) Remove this rank's staging area when
+    rank 0 did not: it is another path (the ranks disagreed on the target), or rank 0 failed to remove it.
+
+    Only after rank 0's decision: a rank that merely lost contact must never remove what rank 0 may publish.
+    """
+    if rank != 0 and writer.stages_alone:
+        writer.abort(staging)
+
+
 def _decide(
-    writer: ShardWriter, staging: Staging, fragments: list[Fragment], build: ManifestBuilder, committed: list[bool]
-) -> str:
-    """(rank 0) Step 4 when every rank voted yes: validate, write the manifest, publish; the generation."""
+    writer: ShardWriter, staging: Staging, votes: list[Any], build: ManifestBuilder, committed: list[bool]
+) -> str | Structure:
+    """(rank 0) Step 4 when every rank voted yes: validate, write the manifest, publish; the generation.
+
+    In the one-round path, first what step 1 checks: the plans, the
+    structures (rank 0's structure when one differs: the outcome every rank
+    then compares with its own), the target.
+    """
     structure = writer.structure
     assert structure is not None  # plan() set it
+    fragments = _fragments(votes) if isinstance(votes[0], StagedVote) else votes
+    if isinstance(votes[0], StagedVote):
+        if any(f.digest != structure.digest for f in fragments):
+            writer.abort(staging)
+            return structure
+        writer.check_staged(min((v.created for v in votes if v.created), key=len, default=None))
     manifest = build(fragments, structure)
     generation, _sealed = checksum.generation(manifest.manifest, f"the manifest of {writer.target!r}")
     fault_point("validate", 0)

@@ -79,10 +79,22 @@ class ShardWriter(Protocol):
 
     (rank 0) ``abort(staging)`` after a failure at any step from 3 on (and
     after a fault right after 2): remove what was staged; it never raises.
+
+    A writer whose ``stages_alone`` is true can skip rank 0's step 2, once
+    every rank knows the staging path (the commit's one-round path): then
+    each rank calls ``plan()``, ``stage(path)`` (create the staging area, or
+    find it created by another rank) and ``write``; rank 0 calls
+    ``check_staged(created)`` (what ``open`` would check of the target, and
+    the parent directories any rank created made durable) before
+    ``finalize``. ``stages_alone`` depends only on the save's options, so it
+    is the same on every rank.
     """
 
     target: str
     structure: Structure | None  # set by plan()
+
+    @property
+    def stages_alone(self) -> bool: ...
 
     def plan(self) -> SavePlan: ...
 
@@ -93,6 +105,10 @@ class ShardWriter(Protocol):
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None: ...
 
     def publish(self, staging: Staging) -> None: ...
+
+    def stage(self, path: str) -> str | None: ...
+
+    def check_staged(self, created: str | None) -> None: ...
 
     def retirement(self) -> Retirement | None: ...
 
@@ -137,6 +153,19 @@ class WriterBase:
         self.structure: Structure | None = None
         self.boxes = b""
         self.replaced: str | None = None  # rank 0, after publish: where the replaced checkpoint now lies
+
+    @property
+    def stages_alone(self) -> bool:
+        """False unless the store says otherwise: its rank 0 reserves or checks something before any rank writes."""
+        return False
+
+    def stage(self, path: str) -> str | None:
+        """(one-round path) Create the staging area at ``path``; only writers that ``stages_alone`` can."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage without rank 0")
+
+    def check_staged(self, created: str | None) -> None:
+        """(one-round path, rank 0) Check the target as ``open`` does; make the parents any rank created durable."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stage without rank 0")
 
     def retirement(self) -> Retirement | None:
         """The removal of the checkpoint that ``publish`` replaced (None when it replaced none); once."""

@@ -18,7 +18,16 @@ from collections.abc import Sequence
 import torch
 
 from .. import format as fmt
-from .._fs import drop_pages, fsync_path, makedirs_durable, remove_tree, write_durable
+from .._fs import (
+    drop_pages,
+    fsync_path,
+    fsync_together,
+    makedirs_durable,
+    makedirs_top,
+    remove_tree,
+    sync_created,
+    write_durable,
+)
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ..errors import CorruptCheckpointError, TargetError
 from ..manifest.locate import ChunkRange, Location
@@ -55,8 +64,26 @@ class DirectoryWriter(WriterBase):
 
     container = "directory"
 
+    @property
+    def stages_alone(self) -> bool:
+        """An atomic save's staging directory needs nothing from rank 0 first: any rank may create it."""
+        return self.options.atomic
+
     def plan(self) -> SavePlan:
         return self.make_plan()
+
+    def stage(self, path: str) -> str | None:
+        created = makedirs_top(os.path.dirname(os.path.abspath(self.target)))
+        try:
+            os.mkdir(path)
+        except FileExistsError:  # another rank was first
+            pass
+        return created
+
+    def check_staged(self, created: str | None) -> None:
+        check_target(self.target)
+        if created is not None:
+            sync_created(created, os.path.dirname(os.path.abspath(self.target)))
 
     def open(self, plans: list[SavePlan]) -> Staging:
         parent = os.path.dirname(os.path.abspath(self.target))
@@ -89,9 +116,10 @@ class DirectoryWriter(WriterBase):
         return self.fragment(stored)
 
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
-        write_durable(os.path.join(staging.path, fmt.INDEX_NAME), manifest.index)
-        write_durable(os.path.join(staging.path, fmt.MANIFEST_NAME), manifest.manifest)
-        fsync_path(staging.path)
+        index, manifest_path = (os.path.join(staging.path, name) for name in (fmt.INDEX_NAME, fmt.MANIFEST_NAME))
+        write_durable(index, manifest.index, sync=False)
+        write_durable(manifest_path, manifest.manifest, sync=False)
+        fsync_together([index, manifest_path, staging.path])  # the rename (publish) follows all three
 
     def publish(self, staging: Staging) -> None:
         if self.options.atomic:
@@ -100,7 +128,9 @@ class DirectoryWriter(WriterBase):
             fsync_path(os.path.dirname(os.path.abspath(self.target)))
 
     def abort(self, staging: Staging) -> None:
-        if self.options.atomic:  # a torn non-atomic target has no manifest: readers refuse it
+        # A torn non-atomic target has no manifest: readers refuse it. A staging area can be absent: another
+        # rank of a one-round save removed it first, or this rank never created it.
+        if self.options.atomic and os.path.lexists(staging.path):
             discard(staging.path)
 
 
