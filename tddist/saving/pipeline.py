@@ -517,6 +517,7 @@ def _commit_deferred(
 ) -> TensorDict:
     """(the worker) Wait for a deferred device snapshot's copies, seal its proof (a changed leaf becomes this
     rank's vote: nothing is committed), then commit and open."""
+    proof.before(range(len(proof.leaves)))
     buffers.wait_copies()
     shard = proof.seal() or shard
     return _commit_and_open(comm, options, shard, cache, None, retire, shard)
