@@ -48,6 +48,7 @@ def _run_quick(script: Path, out: Path, work: Path) -> str:
 #: The scenarios of benchmarks/deferred.py (a training loop saving every few steps, one process).
 DEFERRED = {"training, 1 thread", "training, all threads"}
 
+
 @pytest.mark.multirank
 def test_quick_benchmark_run(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
