@@ -134,6 +134,18 @@ def test_wait_snapshot_lets_the_caller_change_the_state(tmp_path: Path) -> None:
     assert_td_equal(_tensors(tddist.load(tmp_path / "ck", shard=None)), saved, "the checkpoint")
 
 
+def test_manager_wait_snapshot_for_a_state_without_optimizers(tmp_path: Path) -> None:
+    """A manager saving a TensorDict (no optimizer to guard): ``wait_snapshot()`` before changing it."""
+    td = TensorDict(w=torch.arange(100_000.0), batch_size=[])
+    with held_copy() as go, tddist.CheckpointManager(tmp_path / "root", async_save="deferred") as mgr:
+        mgr.save(3, td)
+        threading.Timer(0.05, go.set).start()
+        mgr.wait_snapshot()  # returns once the held copy ran
+        td["w"].zero_()
+        mgr.wait()
+    assert torch.equal(tddist.load(mgr.path(3), shard=None)["w"], torch.arange(100_000.0))
+
+
 def test_buffers_and_small_leaves_are_copied_before_save_returns(tmp_path: Path) -> None:
     """With a guard, what the optimizer does not own is copied eagerly: changing it at once is safe."""
     m, opt = _model()
@@ -240,7 +252,8 @@ def test_cuda_side_stream_pinned_and_guarded(tmp_path: Path) -> None:
     fut = tddist.save(tddist.get_state(m, opt), tmp_path / "g", comm=comm, return_early=True,
                       snapshot="deferred", guard=opt)  # fmt: skip
     buffers: SnapshotBuffers = channel(comm).buffers
-    assert buffers.nbytes() > 0 and all(b.is_pinned() for b in buffers._buffers.values())
+    pinned = [b for b in buffers._buffers.values() if b.is_pinned()]  # Adam's step counters stay on the host
+    assert len(pinned) >= len(list(m.parameters())), "device leaves are copied into pinned buffers"
     _train(m, opt, 3)  # the first step waits on the copy's event
     fut.result(60)
     assert_td_equal(_tensors(tddist.load(tmp_path / "g", shard=None)), saved, "the guarded checkpoint")

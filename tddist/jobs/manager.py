@@ -131,7 +131,7 @@ class CheckpointManager:
             the state in the background (``snapshot="deferred"``), guarded by
             the state's optimizers: their next ``step()`` waits for the copy
             (a model pair or a mapping of objects; another state gets no guard, so
-            call ``wait()`` or ``wait_snapshot()`` before changing it).
+            call ``wait_snapshot()`` before changing it).
         comm: a torch ProcessGroup, an mpi4py communicator or a tddist
             ``Communicator`` (None: detected as ``tddist.save`` does).
         preempt_signal: the signal(s) that request a preemption: a signal, a
@@ -497,6 +497,17 @@ class CheckpointManager:
             pending.retained.wait()  # the save's worker applies retention once the save resolved
         took = time.monotonic() - pending.started
         logger.info("rank %d: saved step %d %.2fs after it started", self.comm.rank, pending.step, took)
+
+    def wait_snapshot(self) -> None:
+        """Wait until the save in flight has copied the state (``async_save="deferred"``), not for its commit.
+
+        The state's optimizers already wait for the copy in their ``step()``;
+        call this before changing the state any other way. Returns at once when
+        no save is in flight or its state was copied before ``save`` returned.
+        """
+        wait = getattr(self._pending.future, "wait_snapshot", None) if self._pending is not None else None
+        if wait is not None:  # a tddist save's Future (``saving.background.SaveFuture``)
+            wait()
 
     def request_preemption(self) -> None:
         """Ask the ranks to save and stop at the next ``step()``, as the preemption signal does."""
