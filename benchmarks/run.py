@@ -9,7 +9,8 @@ by the smaller ones) one torchrun job (gloo, CPU) runs every scenario, the
 implementations interleaved A B C A B C ... once per repeat. Then mpiexec jobs
 measure the commit overhead over MPI, and a single process models rank 0's
 manifest work and one rank's open at 1,024, 4,096 and 16,384 ranks
-(``scale_manifest.py``). The table
+(``scale_manifest.py``), and one process trains with a save every 10 steps,
+deferred snapshots beside the other asynchronous saves (``deferred.py``). The table
 gives the median, min-max and, for every peer, ``peer time / tddist time``
 from this run (above 1: tddist is faster). See benchmarks/README.md.
 """
