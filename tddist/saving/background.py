@@ -268,8 +268,9 @@ class Channel:
         Not the commit's worker: that one runs at a lower CPU priority, and
         where ranks share cores (4 ranks on 2 here) the training threads of the
         other ranks starve it, so the caller waited for its last slot (1.5x the
-        plain copy's time at N=4). The helper runs only while the caller is
-        inside ``save``, so it takes no time from training steps.
+        plain copy's time at N=4). Here the helper runs only while the caller is
+        inside ``save``, so it takes no time from training steps (a deferred
+        snapshot's copy, ``copy_deferred``, is the one that overlaps them).
         """
         helper = self._copy_helper()
         if helper is not None:
