@@ -40,6 +40,8 @@ def save(
     return_early: bool = False,
     snapshot_budget: int | None = None,
     async_writer: str = "thread",
+    snapshot: str = "copy",
+    guard: Any = None,
     atomic: bool = True,
     metadata: Mapping | None = None,
     copy_existing: bool = False,
@@ -89,6 +91,21 @@ def save(
             shared memory, with its own gloo group; torch.distributed and
             single processes only, MPI falls back to "thread"). See
             docs/parameters.md.
+        snapshot: with ``return_early``, when the state is copied: "copy"
+            (the default: before ``save`` returns) or "deferred" (``save``
+            returns once the save is planned, and the state is copied in the
+            background while training goes on; whole-state saves only, no
+            ``snapshot_budget``, ``async_writer="thread"``). See
+            docs/parameters.md: the state must not change until its copy is
+            done, which ``guard`` or ``Future.wait_snapshot()`` ensure, and a
+            leaf changed during its copy fails the save on every rank
+            (``SnapshotChangedError``), nothing committed.
+        guard: with ``snapshot="deferred"``, the optimizer (or a list of
+            them) whose ``step()`` changes the saved state: each step waits
+            for the copy (a step pre-hook), and the leaves they do not own
+            (buffers) and small leaves are copied before ``save`` returns.
+            None: every leaf is copied later; call ``wait_snapshot()`` on the
+            Future before changing the state.
         atomic: False writes into the target itself (directories only); the
             manifest is still written last.
         metadata: a JSON-able dict stored in the manifest.
@@ -116,7 +133,8 @@ def save(
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the
         committed checkpoint, once it is durable on every rank; with
-        ``return_early`` a ``concurrent.futures.Future`` of it.
+        ``return_early`` a ``concurrent.futures.Future`` of it (with
+        ``wait_snapshot()``, which returns once the state may change).
 
     Raises:
         InvalidArgumentError: an invalid option (on the rank that passed it,
@@ -129,6 +147,8 @@ def save(
         CommError: a peer died or the transport broke; the target then holds
             the previous checkpoint or, if rank 0 committed, the new one.
         CollectiveError: ranks failed with different errors.
+        SnapshotChangedError: (from a deferred save's Future) a leaf changed
+            in place while it was copied; nothing was committed.
     """
     request = save_request(
         prefix,
@@ -138,6 +158,8 @@ def save(
         return_early=return_early,
         snapshot_budget=snapshot_budget,
         async_writer=async_writer,
+        snapshot=snapshot,
+        guard=guard,
         atomic=atomic,
         metadata=metadata,
         copy_existing=copy_existing,

@@ -32,6 +32,8 @@ def save_request(
     return_early: bool,
     snapshot_budget: int | None,
     async_writer: str,
+    snapshot: str,
+    guard: Any,
     atomic: bool,
     metadata: Mapping | None,
     copy_existing: bool,
@@ -70,8 +72,43 @@ def save_request(
         compression=resolve_compression(compression) if store.archive else None,
         packing="memmap" if store.archive or layout == "memmap" else "packed",
     )
-    early = EarlyReturn(snapshot_budget, cast(Any, async_writer)) if return_early else None
+    deferred, optimizers = check_snapshot(snapshot, guard, return_early, snapshot_budget, async_writer)
+    early = EarlyReturn(snapshot_budget, cast(Any, async_writer), deferred, optimizers) if return_early else None
     return SaveRequest(options, comm, timeout, placements, copy_existing, wait_for_pending, early)
+
+
+def check_snapshot(
+    snapshot: object, guard: object, return_early: bool, budget: int | None, writer: str
+) -> tuple[bool, tuple[Any, ...]]:
+    """``snapshot`` ("copy" or "deferred") and ``guard`` (optimizers), checked: whether the save is deferred,
+    and the optimizers that guard it."""
+    if snapshot not in ("copy", "deferred"):
+        raise InvalidArgumentError(f"snapshot must be 'copy' or 'deferred', got {snapshot!r}")
+    optimizers = _optimizers(guard)
+    if snapshot == "copy":
+        if optimizers:
+            raise InvalidArgumentError("guard= guards a deferred snapshot; pass snapshot='deferred' with it")
+        return False, ()
+    if not return_early:
+        raise InvalidArgumentError("snapshot='deferred' copies after save returns; pass return_early=True")
+    if budget is not None or writer == "process":
+        raise InvalidArgumentError(
+            "snapshot='deferred' copies the whole state into the thread writer's arena: it takes neither "
+            "snapshot_budget nor async_writer='process'"
+        )
+    return True, optimizers
+
+
+def _optimizers(guard: object) -> tuple[Any, ...]:
+    """``guard``: None, an optimizer, or a sequence of them (anything with ``register_step_pre_hook``)."""
+    if guard is None:
+        return ()
+    items = (guard,) if hasattr(guard, "register_step_pre_hook") else guard
+    if not isinstance(items, (list, tuple)) or not all(hasattr(o, "register_step_pre_hook") for o in items):
+        raise InvalidArgumentError(
+            f"guard must be a torch.optim.Optimizer or a list of them, got {type(guard).__name__}"
+        )
+    return tuple(items)
 
 
 def check_container(archive: bool, atomic: bool, compression: Any, layout: str | None) -> None:

@@ -85,6 +85,11 @@ class SaveInProgressError(TddistError):
     """An asynchronous save is still in flight and the caller asked not to wait for it."""
 
 
+class SnapshotChangedError(TddistError):
+    """A deferred snapshot's leaf was changed in place (or given other storage) while it was being copied; the
+    save was refused on every rank and nothing was committed."""
+
+
 class InjectedFault(TddistError):
     """Raised by the fault-injection hook (tests only, see ``tddist._faults``)."""
 
@@ -123,6 +128,7 @@ BY_NAME: dict[str, type[TddistError]] = {
         CollectiveError,
         SaveInProgressError,
         RootLockedError,
+        SnapshotChangedError,
         InjectedFault,
     )
 }

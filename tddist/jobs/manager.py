@@ -46,7 +46,7 @@ from .retention import METRICS_KEY, clean_root, committed_steps, encode_metrics,
 from .root_retention import InFlight, RootRetention, retain_after
 from .schedule import Decision, SaveSchedule, StepVote
 from .tiered import SharedRoot, TieredSaves
-from .train_state import data_to_save
+from .train_state import data_to_save, optimizers_of, state_of
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -127,7 +127,11 @@ class CheckpointManager:
             such rule; with no rule at all, every checkpoint is kept).
         every: save when ``step % every == 0`` (None: no step interval).
         async_save: save with ``return_early=True``, so training continues while
-            a background thread writes and commits.
+            a background thread writes and commits. ``"deferred"``: also copy
+            the state in the background (``snapshot="deferred"``), guarded by
+            the state's optimizers: their next ``step()`` waits for the copy
+            (a model pair or a mapping of objects; another state gets no guard, so
+            call ``wait_snapshot()`` before changing it).
         comm: a torch ProcessGroup, an mpi4py communicator or a tddist
             ``Communicator`` (None: detected as ``tddist.save`` does).
         preempt_signal: the signal(s) that request a preemption: a signal, a
@@ -170,7 +174,7 @@ class CheckpointManager:
         *,
         keep_last: int | None = 3,
         every: int | None = None,
-        async_save: bool = False,
+        async_save: bool | str = False,
         comm: Any = None,
         preempt_signal: Any = signal.SIGUSR1,
         save_kwargs: dict[str, Any] | None = None,
@@ -199,6 +203,7 @@ class CheckpointManager:
         self._root = options.root
         self.root = self._root.target
         self.keep_last, self.every, self.async_save = options.keep_last, options.every, options.async_save
+        self._deferred = options.deferred
         self.comm = resolve(comm, self.save_kwargs.get("timeout"))
         self.should_stop = False
         self._requested = False
@@ -435,6 +440,7 @@ class CheckpointManager:
         self.wait()
         if self._tiered is None:
             self._ensure_root()  # with the local tier, the promotion creates it (and fails, not the save)
+        state = state_of(state)  # a callable state is called once
         data = data_to_save(state)
         kwargs = dict(self.save_kwargs)
         metadata = {**(kwargs.pop("metadata", None) or {}), "step": step}
@@ -446,6 +452,8 @@ class CheckpointManager:
         if self._tiered is not None:
             self._tiered.save(step, data, metadata, kwargs, start)
             return
+        if self._deferred:
+            kwargs.update(snapshot="deferred", guard=optimizers_of(state))
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
             self._pending = InFlight(step, fut, start, threading.Event())
@@ -489,6 +497,17 @@ class CheckpointManager:
             pending.retained.wait()  # the save's worker applies retention once the save resolved
         took = time.monotonic() - pending.started
         logger.info("rank %d: saved step %d %.2fs after it started", self.comm.rank, pending.step, took)
+
+    def wait_snapshot(self) -> None:
+        """Wait until the save in flight has copied the state (``async_save="deferred"``), not for its commit.
+
+        The state's optimizers already wait for the copy in their ``step()``;
+        call this before changing the state any other way. Returns at once when
+        no save is in flight or its state was copied before ``save`` returned.
+        """
+        wait = getattr(self._pending.future, "wait_snapshot", None) if self._pending is not None else None
+        if wait is not None:  # a tddist save's Future (``saving.background.SaveFuture``)
+            wait()
 
     def request_preemption(self) -> None:
         """Ask the ranks to save and stop at the next ``step()``, as the preemption signal does."""

@@ -33,6 +33,7 @@ class ManagerOptions:
         keep_last: as given (also a rule of ``retention``).
         every: save when ``step % every == 0``, or None.
         async_save: save with ``return_early=True``.
+        deferred: ``async_save="deferred"``: with ``snapshot="deferred"``, guarded by the state's optimizers.
         retention: the retention rules (``keep_last``, ``keep_best`` by ``metric``, ``keep_period``).
         interval: ``save_interval_minutes`` in seconds, or None (no time-based saves).
         save_kwargs: a copy of the ``save_kwargs`` given, none of them reserved.
@@ -47,6 +48,7 @@ class ManagerOptions:
     interval: float | None
     save_kwargs: dict[str, Any]
     local_dir: str | os.PathLike | None
+    deferred: bool = False
 
 
 def check_options(
@@ -54,7 +56,7 @@ def check_options(
     *,
     keep_last: int | None,
     every: int | None,
-    async_save: bool,
+    async_save: bool | str,
     save_kwargs: dict[str, Any] | None,
     local_dir: str | os.PathLike | None,
     keep_best: int | None,
@@ -69,6 +71,8 @@ def check_options(
         InvalidArgumentError: an invalid option, named, with what it must be.
     """
     _check_count("every", every, allow_none=True)
+    if async_save not in (True, False, "deferred"):
+        raise InvalidArgumentError(f"async_save must be True, False or 'deferred', got {async_save!r}")
     retention = Retention(keep_last, keep_best, metric, mode, keep_period)
     interval = _interval_seconds(save_interval_minutes)
     if local_dir is not None:
@@ -79,7 +83,7 @@ def check_options(
             "pass one of them"
         )
     kwargs = dict(save_kwargs or {})
-    bad = RESERVED & set(kwargs)
+    bad = (RESERVED | ({"snapshot", "guard"} if async_save == "deferred" else set())) & set(kwargs)
     if bad:
         raise InvalidArgumentError(f"save_kwargs may not set {sorted(bad)}: the manager sets them")
     where = root_for(root)
@@ -93,6 +97,7 @@ def check_options(
         interval=interval,
         save_kwargs=kwargs,
         local_dir=local_dir,
+        deferred=async_save == "deferred",
     )
 
 

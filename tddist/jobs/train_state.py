@@ -41,6 +41,17 @@ def model_pair(state: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer | Non
     return None
 
 
+def optimizers_of(state: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in ``state`` (a model pair's, or a mapping of objects'): a deferred save guards their steps."""
+    objects = state_of(state)
+    pair = model_pair(objects)
+    if pair is not None:
+        return [] if pair[1] is None else [pair[1]]
+    if holds_objects(objects):
+        return [v for v in objects.values() if isinstance(v, torch.optim.Optimizer)]
+    return []
+
+
 def data_to_save(state: Any) -> Any:
     """What ``tddist.save`` writes for ``state``: a model pair or objects through ``get_state``, else the state."""
     objects = state_of(state)

@@ -52,12 +52,29 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT = 10.0
 
 
+class SaveFuture(Future):
+    """The Future of a ``return_early`` save, with ``wait_snapshot`` for state changed outside a guarded step."""
+
+    _snapshot: Callable[[], None] | None = None
+
+    def set_snapshot(self, wait: Callable[[], None]) -> None:
+        """(the save, before it returns) What ``wait_snapshot`` waits for: a deferred snapshot's copy."""
+        self._snapshot = wait
+
+    def wait_snapshot(self) -> None:
+        """Block until the save's snapshot is copied: then the state may change, though the save may still be
+        writing. Returns at once unless the save was ``snapshot="deferred"`` (the others copy before ``save``
+        returns). A deferred copy that found a leaf changed still returns; ``result()`` raises the error."""
+        if self._snapshot is not None:
+            self._snapshot()
+
+
 @dataclass(frozen=True)
 class _Job:
     """A submitted save: its function, the caller's Future (the value) and the channel's (only the outcome)."""
 
     fn: Callable[[], Any]
-    future: Future
+    future: SaveFuture
     done: Future
 
 
@@ -80,13 +97,13 @@ class Worker:
         """False in a forked child (threads do not survive ``fork``) or once stopped."""
         return self.pid == os.getpid() and self.thread.is_alive()
 
-    def submit(self, fn: Callable[[], Any]) -> tuple[Future, Future]:
+    def submit(self, fn: Callable[[], Any]) -> tuple[SaveFuture, Future]:
         """Queue ``fn``; return its Future and a second one that carries only its outcome (None or the error).
 
         Only the caller holds the value (a saved TensorDict maps the checkpoint's files): the worker and
         the channel keep neither, so the maps go when the caller drops them, not at some later save.
         """
-        job = _Job(fn, Future(), Future())
+        job = _Job(fn, SaveFuture(), Future())
         self._queue.put(job)
         return job.future, job.done
 
@@ -251,9 +268,24 @@ class Channel:
         Not the commit's worker: that one runs at a lower CPU priority, and
         where ranks share cores (4 ranks on 2 here) the training threads of the
         other ranks starve it, so the caller waited for its last slot (1.5x the
-        plain copy's time at N=4). The helper runs only while the caller is
-        inside ``save``, so it takes no time from training steps.
+        plain copy's time at N=4). Here the helper runs only while the caller is
+        inside ``save``, so it takes no time from training steps (a deferred
+        snapshot's copy, ``copy_deferred``, is the one that overlaps them).
         """
+        helper = self._copy_helper()
+        if helper is not None:
+            helper.submit(stream.help)
+
+    def copy_deferred(self, stream: Stream) -> None:
+        """Have the copy helper thread copy all of a deferred snapshot's slots (``Stream.produce_deferred``),
+        at the training's priority, after ``save`` returned; the caller's thread when no helper can start."""
+        helper = self._copy_helper()
+        if helper is None:
+            stream.produce_deferred()
+        else:
+            helper.submit(stream.produce_deferred)
+
+    def _copy_helper(self) -> Worker | None:
         try:
             if self._helper is None or not self._helper.alive():
                 self._helper = Worker(f"tddist-copy-rank{self.comm.rank}", background=False)
@@ -261,8 +293,8 @@ class Channel:
             logger.warning(
                 "rank %d: no copy helper thread (%s); the caller copies the snapshot alone", self.comm.rank, e
             )
-            return
-        self._helper.submit(stream.help)
+            return None
+        return self._helper
 
     def wait_idle(self, wait: bool, target: str) -> None:
         """Block until no save is in flight (or raise if ``wait`` is False)."""
@@ -287,7 +319,7 @@ class Channel:
         assert self._worker is not None
         self._worker.defer(clean_up)
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[], Any]) -> SaveFuture:
         """Hand ``fn`` to the worker thread; return its Future (its outcome becomes the pending save)."""
         fut, self.pending = self._ensure_worker().submit(fn)
         return fut

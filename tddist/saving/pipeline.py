@@ -15,7 +15,12 @@ calls it) runs on every rank:
    arena while the worker writes the copied slots; ``in_writer_process``:
    copy into a writer process's shared arena), and hands ``commit`` and
    ``open_committed`` to the channel's worker (``background``); the caller
-   gets a Future.
+   gets a Future;
+4. ``snapshot="deferred"``: ``start_deferred`` copies only what the guard
+   does not cover before it returns (``saving.deferred``); the copy helper
+   copies the rest into the channel's arena (or a side stream into pinned
+   buffers, for CUDA leaves) while the caller goes on, and the worker
+   commits once the copy is done and its proof holds.
 
 The writer process runs ``commit`` alone (``writer_main``); the trainer's
 worker then runs ``open_committed``.
@@ -55,8 +60,8 @@ from ..manifest.v2 import encode
 from ..storage.backends import Store, store_for
 from ..storage.base import ShardWriter, hashes_replica
 from ..storage.opened import Pin
-from . import background
-from .background import Channel
+from . import background, deferred
+from .background import Channel, SaveFuture
 from .commit import Retire, two_phase_commit
 from .prepare import prepare_shard
 from .snapshot import SnapshotBuffers, Snapshotter
@@ -95,6 +100,8 @@ def save(data: Any, request: SaveRequest) -> TensorDict | Future:
         shard = prepare(None)
         committed = commit(c, options, shard, ch.merges)
         return open_committed(c, options, shard, committed, in_memory=shard)
+    if request.early.deferred:
+        return start_deferred(ch, options, prepare, request.early.guard)
     return start_early(ch, options, prepare, request.early.snapshot_budget, request.early.writer)
 
 
@@ -306,7 +313,7 @@ def streams(options: SaveOptions) -> bool:
     )
 
 
-def snapshot_whole(ch: Channel, options: SaveOptions, shard: LocalShard | Exception) -> Future:
+def snapshot_whole(ch: Channel, options: SaveOptions, shard: LocalShard | Exception) -> SaveFuture:
     """Commit a shard already copied into the snapshot buffers (or the error preparing it) on the worker."""
     bg = ch.background_comm()
     return ch.submit(partial(_commit_snapshot, ch.buffers, bg, options, shard, ch.merges, ch.defer))
@@ -399,6 +406,8 @@ def _commit_streamed(
     caller waits for); a failed commit stops the caller's copy waiting for slots."""
     try:
         s.wait_copied()
+        if s.proof is not None:  # a deferred snapshot: a leaf changed during its copy is this rank's vote
+            shard = s.proof.failure or shard
         return _commit_and_open(comm, options, shard, cache, factory, retire, None)
     finally:
         s.cancel()
@@ -411,3 +420,104 @@ def _commit_in_process(
     if another save replaced it at once)."""
     generation = pw.run(request)
     return open_committed(c, request.options, shard, Committed(None, generation, None), pw.arena_shard(request))
+
+
+# --- snapshot="deferred": plan on the caller's thread, copy after it returned (``deferred``) -----------------
+
+
+def start_deferred(ch: Channel, options: SaveOptions, prepare: Prepare, guard: tuple[Any, ...]) -> SaveFuture:
+    """Plan the save, copy what must be copied now, and return; the rest is copied in the background.
+
+    A packed directory streams through the channel's arena, copied by the
+    copy helper thread; CUDA leaves are copied on a side stream into pinned
+    buffers. Other saves (an archive, ``layout="memmap"``, object storage,
+    ``check_replicas``) cannot defer their copy: they copy the whole state now,
+    as ``snapshot="copy"`` does.
+    """
+    sources = StreamSources()
+    shard = prepare(sources)
+    if isinstance(shard, Exception):
+        return snapshot_whole(ch, options, shard)
+    if any(t.device.type != "cpu" for t in sources.sources.values()):
+        return _deferred_on_device(ch, options, shard, sources, guard)
+    if not streams(options):
+        logger.info("rank %d: this save cannot defer its copy; copying it now", ch.comm.rank)
+        ch.arena = None
+        return snapshot_whole(ch, options, _snapshot_into(ch.buffers, shard, sources))
+    return _deferred_stream(ch, options, shard, sources, guard)
+
+
+def _deferred_stream(
+    ch: Channel, options: SaveOptions, shard: LocalShard, sources: StreamSources, guard: tuple[Any, ...]
+) -> SaveFuture:
+    """A packed directory's deferred snapshot: the eager leaves into the snapshot buffers now, every written leaf
+    into the arena by the copy helper (``Stream.produce_deferred``), then the worker commits."""
+    bg = ch.background_comm()
+    eager = deferred.eager_keys(sources.sources, guard)
+    shard = _copy_hashed_replicas(shard, sources, options.check_replicas)
+    written, proof = [], []
+    for i in (i for i in shard.items if i.writes):
+        src = sources.sources[i.key]
+        written.append((i.key, ch.buffers.snapshot(i.key, src) if i.key in eager else src))
+        proof.append(None if i.key in eager else deferred.record(i.key, sources.given[i.key]))
+    ch.buffers.retain_only({k for k, _t in written if k in eager})
+    s = Stream(ch.pipeline_arena(written), written, ch.comm.rank)
+    s.proof = deferred.Proof(ch.comm.rank, proof)
+
+    def factory(o: SaveOptions, rank: int, sh: LocalShard | Exception, cache: MergeCache) -> ShardWriter:
+        return StreamingWriter(o, rank, sh, cache, s)
+
+    fut = ch.submit(partial(_commit_streamed, s, bg, options, shard, ch.merges, factory, ch.defer))
+    _guard(fut, guard, deferred.Pending(s.wait_copied, s.proof))
+    ch.copy_deferred(s)
+    return fut
+
+
+def _deferred_on_device(
+    ch: Channel, options: SaveOptions, shard: LocalShard, sources: StreamSources, guard: tuple[Any, ...]
+) -> SaveFuture:
+    """A deferred snapshot of device leaves: every copy is queued on a side stream into pinned buffers (host
+    leaves are copied now). Later work on the current stream waits for the eager leaves' copies only; the
+    guard waits for the others' events, and the worker for all of them before it seals the proof."""
+    bg = ch.background_comm()
+    ch.arena = None
+    eager = deferred.eager_keys(sources.sources, guard)
+    later = [i for i in shard.items if i.key not in eager]
+    copies = {i.key: ch.buffers.snapshot(i.key, sources.sources[i.key]) for i in shard.items if i.key in eager}
+    ch.buffers.synchronize()
+    proof = deferred.Proof(ch.comm.rank, [deferred.record(i.key, sources.given[i.key]) for i in later])
+    copies.update((i.key, ch.buffers.snapshot(i.key, sources.sources[i.key])) for i in later)
+    events = ch.buffers.defer_pending()
+    ch.buffers.retain_only(set(copies))
+    shard = replace(shard, items=tuple(replace(i, tensor=copies[i.key]) for i in shard.items))
+    fut = ch.submit(partial(_commit_deferred, ch.buffers, proof, bg, options, shard, ch.merges, ch.defer))
+    _guard(fut, guard, deferred.Pending(partial(_synchronize, events), proof))
+    return fut
+
+
+def _synchronize(events: list[Any]) -> None:
+    for e in events:
+        e.synchronize()
+
+
+def _guard(fut: SaveFuture, guard: tuple[Any, ...], pending: deferred.Pending) -> None:
+    """Let the next step of the ``guard`` optimizers and ``fut.wait_snapshot()`` wait for ``pending``."""
+    deferred.arm(guard, pending)
+    fut.set_snapshot(pending.wait)
+
+
+def _commit_deferred(
+    buffers: SnapshotBuffers,
+    proof: deferred.Proof,
+    comm: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: MergeCache,
+    retire: Retire,
+) -> TensorDict:
+    """(the worker) Wait for a deferred device snapshot's copies, seal its proof (a changed leaf becomes this
+    rank's vote: nothing is committed), then commit and open."""
+    proof.before(range(len(proof.leaves)))
+    buffers.wait_copies()
+    shard = proof.seal() or shard
+    return _commit_and_open(comm, options, shard, cache, None, retire, shard)

@@ -118,6 +118,13 @@ class SnapshotBuffers:
             torch.cuda.current_stream(device).wait_event(event)
         self._events, self._pending = [e for _d, e in self._pending], []
 
+    def defer_pending(self) -> list[Any]:
+        """The events of the copies issued since the last ``synchronize``, which later work on the current
+        streams does not wait for (a deferred snapshot: its guard waits for them); the writer still does."""
+        events = [e for _d, e in self._pending]
+        self._events, self._pending = [*self._events, *events], []
+        return events
+
     def wait_copies(self) -> None:
         """Block until the device-to-host copies of the latest snapshot are done (the writer calls it)."""
         for event in self._events:

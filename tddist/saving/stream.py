@@ -33,6 +33,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +47,9 @@ from ..manifest.locate import packed_offsets
 from ..manifest.merge import MergeCache
 from ..storage.directory import DirectoryWriter
 from .snapshot import local_source
+
+if TYPE_CHECKING:
+    from .deferred import Proof
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,10 @@ class StreamSources:
 
     def __init__(self) -> None:
         self.sources: dict[Key, torch.Tensor] = {}
+        self.given: dict[Key, torch.Tensor] = {}  # each leaf as the caller's state holds it (a deferred save's proof)
 
     def snapshot(self, key: Key, t: torch.Tensor) -> torch.Tensor:
+        self.given[key] = t
         t = local_source(t)
         self.sources[key] = t
         return _stand_in(t.shape, t.dtype)
@@ -307,6 +313,7 @@ class Stream:
         # waits for this, not for ``_copied``, so that it does not wake with the caller and take the
         # interpreter lock while the caller returns from ``save`` (0.7 ms per save measured).
         self._handed_over = threading.Event()
+        self.proof: Proof | None = None  # a deferred save's: checked after each slot's copy (``produce_deferred``)
         if self.whole and not self.fills:
             self._ready.put(_END)
             self._copied.set()
@@ -337,6 +344,24 @@ class Stream:
             self._copied.set()
             raise
         finally:
+            self._handed_over.set()
+
+    def produce_deferred(self) -> None:
+        """(the copy helper, after ``save`` returned: a deferred snapshot) Copy every slot, checking the proof
+        after each one; stop at the first changed leaf. The proof is sealed before the writer and the guard
+        are let go, so a failure is known to both (the writer then votes it instead of writing)."""
+        assert self.whole and self.proof is not None
+        try:
+            while (i := self._take_assigned(front=True)) is not None:
+                self._fill_shared(i)
+                if self.proof.failure is not None:
+                    self.cancel()
+        except BaseException as e:
+            self._ready.put(e)  # the writer raises it: this rank's vote fails, so every rank's save does
+            self.cancel()
+            raise
+        finally:
+            self.proof.seal()
             self._handed_over.set()
 
     def _take(self) -> int:
@@ -375,6 +400,8 @@ class Stream:
                     mem[fill:lo] = 0
                 fill = lo + k
         base = slot * self.arena.slot_bytes
+        if self.proof is not None:
+            self.proof.before(idx for idx, _at, _lo, _k in entry.pieces)
         for idx, at, lo, k in entry.pieces:
             address = self._addresses[idx]
             if address is not None:
@@ -382,6 +409,8 @@ class Stream:
             else:  # a device leaf into pinned slots
                 src = self.sources[idx]
                 self.arena.memory[base + lo : base + lo + k].copy_(src if k == src.numel() else src[at : at + k])
+        if self.proof is not None and not self.proof.check(idx for idx, _at, _lo, _k in entry.pieces):
+            return  # the save fails (``produce_deferred``): nothing more is handed to the writer
         self._ready.put(_Filled(slot, entry.file_start, entry.nbytes, entry.pieces))
 
     # --- the writer's thread ------------------------------------------------------------------

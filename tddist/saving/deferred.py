@@ -1,0 +1,193 @@
+"""Deferred snapshots: the copy of a ``return_early`` save runs after ``save`` returned, guarded and proven.
+
+Parameters and optimizer state do not change between two optimizer steps,
+so ``save(..., return_early=True, snapshot="deferred")`` plans the save and
+returns before copying them; the copy runs in the background while the next
+forward and backward run. Two things keep the checkpoint one step's state:
+
+- **The guard** (``arm``): a step pre-hook on each optimizer the save was
+  given (``guard=``) blocks the step until the copy is done, so the step
+  never changes what is still being copied. What the optimizers do not own
+  (buffers that forward changes in place, such as BatchNorm's running
+  statistics) and leaves under ``EAGER_BYTES`` are copied before ``save``
+  returns (``eager_keys``). Without optimizers nothing is guarded and every
+  leaf is copied later: the caller waits with ``future.wait_snapshot()``
+  before changing the state.
+- **The proof** (``Proof``): every deferred leaf's version counter
+  (``Tensor._version``, which every in-place operation bumps) and storage are
+  recorded when ``save`` is called and checked after its copy, and once more
+  when the whole copy is done. A leaf that changed makes this rank's vote a
+  ``SnapshotChangedError``: the save fails on every rank and nothing is
+  committed. A change the version counter does not see (through ``.data``,
+  or by another process) is not detected.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..core.types import Key
+from ..errors import SnapshotChangedError
+from .snapshot import local_source
+
+logger = logging.getLogger(__name__)
+
+#: Leaves smaller than this are copied before ``save`` returns, guarded or not by an optimizer: copying them
+#: costs less than tracking them (an optimizer's step counter, a scheduler's state).
+EAGER_BYTES = 64 * 1024
+
+#: Called on the copying thread with the keys of each slot's leaves before they are copied (the test suite and
+#: the benchmarks hold or slow the copy with it, so that a change during the copy is not left to timing).
+copy_hooks: list[Callable[[list[Key]], None]] = []
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """A deferred leaf as ``save`` found it: the tensor the caller's state holds, its version and storage."""
+
+    key: Key
+    tensor: torch.Tensor
+    version: int
+    storage: int
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of the storage whose bytes are saved (a DTensor's local shard's)."""
+    return int(local_source(t).untyped_storage().data_ptr())
+
+
+def record(key: Key, t: torch.Tensor) -> Recorded:
+    """``t`` (leaf ``key`` as the caller passed it) as it is now."""
+    return Recorded(key, t, int(t._version), _storage(t))
+
+
+class Proof:
+    """The deferred leaves of one save (by their index in the copy; None for a leaf copied eagerly) and the first
+    one found changed.
+
+    ``check`` runs after a leaf's bytes are copied; ``seal`` checks every leaf
+    once the whole copy is done and then stops checking (whatever changes
+    afterwards is the next step's), before the guard lets a step run.
+    """
+
+    def __init__(self, rank: int, leaves: Sequence[Recorded | None]) -> None:
+        self.rank = rank
+        self.leaves = list(leaves)
+        self.failure: SnapshotChangedError | None = None
+        self._sealed = False
+        self._lock = threading.Lock()
+
+    def before(self, indices: Iterable[int]) -> None:
+        """(the copying thread) Run the copy hooks before the leaves at ``indices`` are copied."""
+        if copy_hooks:
+            keys = [r.key for r in (self.leaves[i] for i in indices) if r is not None]
+            for hook in list(copy_hooks):
+                hook(keys)
+
+    def check(self, indices: Iterable[int]) -> bool:
+        """Whether the leaves at ``indices``, just copied, are still as recorded (the first change is kept)."""
+        with self._lock:
+            if self.failure is None and not self._sealed:
+                for i in indices:
+                    r = self.leaves[i]
+                    if r is not None and not self._same(r):
+                        break
+            return self.failure is None
+
+    def seal(self) -> SnapshotChangedError | None:
+        """Check every leaf once (the first call), then stop checking; the failure, if any."""
+        with self._lock:
+            if not self._sealed:
+                for r in self.leaves:
+                    if self.failure is not None or (r is not None and not self._same(r)):
+                        break
+                self._sealed = True
+            return self.failure
+
+    def _same(self, r: Recorded) -> bool:
+        version, storage = int(r.tensor._version), _storage(r.tensor)
+        if version == r.version and storage == r.storage:
+            return True
+        what = (
+            f"its version counter went from {r.version} to {version}"
+            if version != r.version
+            else "it was given other storage"
+        )
+        self.failure = SnapshotChangedError(
+            f"rank {self.rank}: leaf {list(r.key)} was changed while the deferred snapshot copied it ({what}); "
+            f"nothing was committed. Pass the optimizers that change the state as guard= (their step then waits "
+            f"for the copy), or call wait_snapshot() on the save's future before changing the state"
+        )
+        logger.info("%s", self.failure)
+        return False
+
+
+def guarded_storages(optimizers: Sequence[Any]) -> set[int]:
+    """The storages the steps of ``optimizers`` change: their parameters' and their tensor state's."""
+    out: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            out.update(_storage(p) for p in group["params"])
+        for state in opt.state.values():
+            out.update(_storage(v) for v in state.values() if isinstance(v, torch.Tensor))
+    out.discard(0)
+    return out
+
+
+def eager_keys(sources: Mapping[Key, torch.Tensor], optimizers: Sequence[Any]) -> set[Key]:
+    """The leaves a deferred save copies before it returns: with a guard, those under ``EAGER_BYTES`` and those
+    the optimizers' steps do not change (buffers); without one, none (the caller waits for the copy)."""
+    if not optimizers:
+        return set()
+    guarded = guarded_storages(optimizers)
+    return {
+        k
+        for k, t in sources.items()
+        if t.numel() * t.element_size() < EAGER_BYTES or t.untyped_storage().data_ptr() not in guarded
+    }
+
+
+class Pending:
+    """One save's deferred copy: ``wait`` returns once it is copied and its proof sealed (idempotent)."""
+
+    def __init__(self, wait_copied: Callable[[], None], proof: Proof) -> None:
+        self._wait_copied = wait_copied
+        self.proof = proof
+        self.finished = threading.Event()
+
+    def wait(self) -> None:
+        self._wait_copied()
+        self.proof.seal()
+        self.finished.set()
+
+
+_armed: weakref.WeakKeyDictionary[Any, list[Pending]] = weakref.WeakKeyDictionary()
+_hooked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def arm(optimizers: Sequence[Any], pending: Pending) -> None:
+    """Make the next step of each of ``optimizers`` wait for ``pending`` (a step pre-hook, registered once)."""
+    with _lock:
+        for opt in optimizers:
+            if opt not in _hooked:
+                _hooked[opt] = opt.register_step_pre_hook(_before_step)
+            waits = [p for p in _armed.get(opt, []) if not p.finished.is_set()]
+            _armed[opt] = [*waits, pending]
+
+
+def _before_step(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """(an optimizer's step pre-hook) Wait for the copies of the saves that guard this optimizer."""
+    with _lock:
+        waits = _armed.pop(optimizer, [])
+    for p in waits:
+        if not p.finished.is_set():
+            logger.debug("optimizer step waits for a deferred snapshot's copy")
+        p.wait()

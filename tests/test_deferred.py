@@ -1,0 +1,269 @@
+"""Deferred snapshots (``save(return_early=True, snapshot="deferred")``): the copy runs after ``save`` returned.
+
+Every change during the copy is made deterministic with the copy hooks of
+``tddist.saving.deferred``: the copy is held before its first slot until the
+test has changed a leaf (without the guard: the save must be refused on every
+rank, nothing committed) or until an optimizer step asks for it (with the
+guard: the step waits, and the checkpoint is bit for bit the state at the
+save). DTensor leaves and real ranks: ``tests/deferred_rank.py``; CUDA:
+``test_cuda_side_stream_pinned_and_guarded``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist.saving import deferred
+from tddist.saving.background import channel
+from tddist.saving.snapshot import SnapshotBuffers
+from tests.helpers import assert_td_equal, leftovers, missing
+from tests.launch_util import run_job
+
+SCRIPT = Path(__file__).with_name("deferred_rank.py")
+
+
+@contextmanager
+def held_copy() -> Iterator[threading.Event]:
+    """The copy of a deferred save waits before its first slot until the event is set."""
+    go = threading.Event()
+
+    def hook(_keys: list) -> None:
+        go.wait(60)
+
+    deferred.copy_hooks.append(hook)
+    try:
+        yield go
+    finally:
+        go.set()
+        deferred.copy_hooks.remove(hook)
+
+
+def _model(device: str = "cpu") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.BatchNorm1d(128), torch.nn.Linear(128, 8)).to(device)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _train(m: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = 1) -> None:
+    for _ in range(steps):
+        x = torch.randn(16, 64, device=next(m.parameters()).device)
+        loss = m(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _tensors(td: TensorDict) -> TensorDict:
+    """The tensor leaves of a state (non-tensor values left out), cloned."""
+    flat = {k: v for k, v in td.flatten_keys(".").items() if type(v) is torch.Tensor}
+    return TensorDict({k: v.detach().clone() for k, v in flat.items()}, batch_size=[])
+
+
+def _leaf(kind: str, m: torch.nn.Module, opt: torch.optim.Optimizer) -> torch.Tensor:
+    """A tensor of ``kind`` in the trained state: what the test changes in place during the copy."""
+    if kind == "parameter":
+        return m[0].weight
+    if kind == "optimizer state":
+        return opt.state[m[0].weight]["exp_avg"]
+    return m[1].running_mean  # a buffer
+
+
+@pytest.mark.parametrize("kind", ["parameter", "optimizer state", "buffer"])
+def test_a_leaf_changed_during_its_copy_is_refused_without_the_guard(tmp_path: Path, kind: str) -> None:
+    m, opt = _model()
+    _train(m, opt)
+    with held_copy() as go:
+        fut = tddist.save(tddist.get_state(m, opt), tmp_path / "ck", return_early=True, snapshot="deferred")
+        with torch.no_grad():
+            _leaf(kind, m, opt).add_(1.0)  # the copy has not copied it yet: the snapshot would hold the change
+        go.set()
+        with pytest.raises(tddist.SnapshotChangedError, match="changed while the deferred snapshot copied it"):
+            fut.result(60)
+    assert not (tmp_path / "ck").exists(), "a refused save committed"
+    assert leftovers(tmp_path / "ck") == []
+
+
+def test_with_the_guard_a_step_waits_for_the_copy_and_the_checkpoint_is_the_saved_step(tmp_path: Path) -> None:
+    """Train, save deferred, keep training (forward changes BatchNorm's buffers, the step waits for the copy),
+    restore, compare bit for bit with the state at the save's step; no save refused."""
+    m, opt = _model()
+    _train(m, opt, 2)
+    saved = _tensors(tddist.get_state(m, opt))
+    order: list[str] = []
+    with held_copy() as go:
+
+        def first(_opt, _args, _kwargs) -> None:  # registered before tddist's hook: runs before it waits
+            order.append("step asked")
+            go.set()
+
+        handle = opt.register_step_pre_hook(first)
+        with tddist.CheckpointManager(tmp_path / "root", async_save="deferred") as mgr:
+            mgr.save(1, (m, opt))
+            order.append("save returned")
+            _train(m, opt, 3)  # forward changes the running statistics; the first step waits for the copy
+            mgr.wait()
+        handle.remove()
+    assert order[:2] == ["save returned", "step asked"]
+    after = _tensors(tddist.get_state(m, opt))
+    assert not torch.equal(after["model.0.weight"], saved["model.0.weight"]), "training did not go on"
+    m2, opt2 = _model()
+    _train(m2, opt2)  # the optimizer's state exists, to be filled
+    with tddist.CheckpointManager(tmp_path / "root") as mgr:
+        assert mgr.restore((m2, opt2)).step == 1
+    assert_td_equal(_tensors(tddist.get_state(m2, opt2)), saved, "the restored state")
+
+
+def test_wait_snapshot_lets_the_caller_change_the_state(tmp_path: Path) -> None:
+    m, opt = _model()
+    _train(m, opt)
+    state = tddist.get_state(m, opt)
+    saved = _tensors(state)
+    fut = tddist.save(state, tmp_path / "ck", return_early=True, snapshot="deferred")
+    fut.wait_snapshot()
+    with torch.no_grad():
+        m[0].weight.add_(1.0)
+    fut.result(60)
+    assert_td_equal(_tensors(tddist.load(tmp_path / "ck", shard=None)), saved, "the checkpoint")
+
+
+def test_manager_wait_snapshot_for_a_state_without_optimizers(tmp_path: Path) -> None:
+    """A manager saving a TensorDict (no optimizer to guard): ``wait_snapshot()`` before changing it."""
+    td = TensorDict(w=torch.arange(100_000.0), batch_size=[])
+    with held_copy() as go, tddist.CheckpointManager(tmp_path / "root", async_save="deferred") as mgr:
+        mgr.save(3, td)
+        threading.Timer(0.05, go.set).start()
+        mgr.wait_snapshot()  # returns once the held copy ran
+        td["w"].zero_()
+        mgr.wait()
+    assert torch.equal(tddist.load(mgr.path(3), shard=None)["w"], torch.arange(100_000.0))
+
+
+def test_buffers_and_small_leaves_are_copied_before_save_returns(tmp_path: Path) -> None:
+    """With a guard, what the optimizer does not own is copied eagerly: changing it at once is safe."""
+    m, opt = _model()
+    _train(m, opt)
+    state = tddist.get_state(m, opt)
+    saved = _tensors(state)
+    with held_copy() as go:
+        fut = tddist.save(state, tmp_path / "ck", return_early=True, snapshot="deferred", guard=opt)
+        with torch.no_grad():
+            m[1].running_mean.add_(1.0)  # a buffer
+            m[2].bias.add_(1.0)  # a parameter of under EAGER_BYTES
+        go.set()
+        fut.result(60)
+    assert_td_equal(_tensors(tddist.load(tmp_path / "ck", shard=None)), saved, "the checkpoint")
+
+
+def test_every_rank_raises_the_same_typed_error(tmp_path: Path) -> None:
+    """Thread ranks: a change on rank 1 only fails the save on both ranks; nothing is committed."""
+    go = threading.Event()
+    tds = [TensorDict(w=torch.arange(40_000.0) + r, batch_size=[40_000]) for r in range(2)]  # sharded: each writes
+    changed = threading.Barrier(2)
+
+    def rank_fn(comm):
+        fut = tddist.save(tds[comm.rank], tmp_path / "ck", comm=comm, return_early=True, snapshot="deferred")
+        if comm.rank == 1:
+            tds[1]["w"].mul_(2)
+        changed.wait(30)
+        go.set()
+        try:
+            fut.result(60)
+        except tddist.SnapshotChangedError as e:
+            return sorted(e.failures)
+        return "committed"
+
+    deferred.copy_hooks.append(lambda _keys: go.wait(60))
+    try:
+        assert tddist.run_threads(2, rank_fn, timeout=90) == [[1], [1]]
+    finally:
+        deferred.copy_hooks.clear()
+    assert not (tmp_path / "ck").exists()
+
+
+def test_no_new_host_memory_after_the_first_save(tmp_path: Path) -> None:
+    m, opt = _model()
+    _train(m, opt)
+    comm = tddist.LocalComm()
+    ch = channel(comm)
+    counts = []
+    for i in range(3):
+        fut = tddist.save(tddist.get_state(m, opt), tmp_path / f"s{i}", comm=comm, return_early=True,
+                          snapshot="deferred", guard=opt)  # fmt: skip
+        _train(m, opt)
+        fut.result(60)
+        counts.append((ch.arena_allocations, ch.buffers.allocations))
+    assert counts[1] == counts[2] == counts[0], counts
+
+
+def test_archives_copy_before_returning(tmp_path: Path) -> None:
+    """A save that cannot defer its copy (an archive) copies now: changing the state at once is safe."""
+    td = TensorDict(w=torch.arange(100_000.0), batch_size=[])
+    fut = tddist.save(td, tmp_path / "ck.tdz", return_early=True, snapshot="deferred")
+    td["w"].zero_()
+    fut.result(60)
+    assert torch.equal(tddist.load(tmp_path / "ck.tdz", shard=None)["w"], torch.arange(100_000.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"snapshot": "lazy", "return_early": True}, "snapshot must be"),
+        ({"snapshot": "deferred"}, "pass return_early=True"),
+        ({"snapshot": "deferred", "return_early": True, "snapshot_budget": 1 << 20}, "snapshot_budget"),
+        ({"guard": torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0)}, "guards a deferred"),
+        ({"snapshot": "deferred", "return_early": True, "guard": "adam"}, "guard must be"),
+    ],
+)
+def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict, match: str) -> None:
+    with pytest.raises(tddist.InvalidArgumentError, match=match):
+        tddist.save(TensorDict(w=torch.ones(3), batch_size=[]), tmp_path / "ck", **kwargs)
+
+
+def test_manager_refuses_a_bad_async_save(tmp_path: Path) -> None:
+    with pytest.raises(tddist.InvalidArgumentError, match="async_save must be"):
+        tddist.CheckpointManager(tmp_path / "root", async_save="lazy")
+
+
+@pytest.mark.multirank
+def test_dtensor_leaves_on_real_ranks(tmp_path: Path) -> None:
+    """DTensor leaves: changed during the copy without the guard, refused on every rank; with the guard,
+    trained, saved deferred, trained on, restored bit for bit (tests/deferred_rank.py)."""
+    job = run_job("torchrun", 2, SCRIPT, [str(tmp_path / "work")], tmp_path / "reports", timeout=180)
+    job.assert_ok(2)
+
+
+def test_cuda_side_stream_pinned_and_guarded(tmp_path: Path) -> None:
+    """CUDA: the copy runs on a side stream into pinned buffers; the guard waits on its event; a change
+    enqueued during the copy without the guard is refused."""
+    if not torch.cuda.is_available():
+        missing("cuda", "the deferred snapshot's side stream, pinned buffers and events need a CUDA device")
+    m, opt = _model("cuda")
+    _train(m, opt, 2)
+    saved = _tensors(tddist.get_state(m, opt)).cpu()
+    comm = tddist.LocalComm()
+    fut = tddist.save(tddist.get_state(m, opt), tmp_path / "g", comm=comm, return_early=True,
+                      snapshot="deferred", guard=opt)  # fmt: skip
+    buffers: SnapshotBuffers = channel(comm).buffers
+    pinned = [b for b in buffers._buffers.values() if b.is_pinned()]  # Adam's step counters stay on the host
+    assert len(pinned) >= len(list(m.parameters())), "device leaves are copied into pinned buffers"
+    _train(m, opt, 3)  # the first step waits on the copy's event
+    fut.result(60)
+    assert_td_equal(_tensors(tddist.load(tmp_path / "g", shard=None)), saved, "the guarded checkpoint")
+    # without the guard: a change enqueued before the copy's event completed is refused
+    big = torch.randn(64 << 20, device="cuda")
+    with held_copy() as go:  # the worker checks the copy only once the change is enqueued
+        fut = tddist.save(TensorDict(w=big, batch_size=[]), tmp_path / "u", comm=comm, return_early=True,
+                          snapshot="deferred")  # fmt: skip
+        big.add_(1.0)
+        go.set()
+        with pytest.raises(tddist.SnapshotChangedError):
+            fut.result(60)
+    assert not (tmp_path / "u").exists()
