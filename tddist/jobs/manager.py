@@ -45,7 +45,7 @@ from .restore import Restored, Restorer, RestoreRequest
 from .retention import METRICS_KEY, clean_root, committed_steps, encode_metrics, newest_checkpoint
 from .root_retention import InFlight, RootRetention, retain_after
 from .schedule import Decision, SaveSchedule, StepVote
-from .tiered import SharedRoot, TieredSaves
+from .tiered import Replication, SharedRoot, TieredSaves
 from .train_state import data_to_save
 
 if TYPE_CHECKING:
@@ -146,6 +146,13 @@ class CheckpointManager:
         keep_period: keep every step divisible by ``keep_period`` forever (None: no such rule).
         save_interval_minutes: also save when this many minutes have passed
             since the last save (or since the manager was created); None: never by time.
+        replicas: with ``local_dir``, 1 copies each rank's local part to a rank
+            on another node after each save, in the background, and ``restore``
+            resumes from the surviving copies (own parts and peers' replicas)
+            when a node was lost (docs/jobs.md, "Replicated node-local tier"); 0: no replicas.
+        node: this rank's node, as a name (ranks with the same name share a
+            node); None: ``TDDIST_NODE``, torchrun's ``GROUP_RANK``, ``SLURM_NODEID``,
+            the MPI processor name, else the host name.
 
     Attributes:
         should_stop: True once a requested preemption has been saved; the
@@ -155,7 +162,7 @@ class CheckpointManager:
     Raises:
         InvalidArgumentError: an invalid ``keep_last``, ``every``, ``keep_best``,
             ``metric``, ``mode``, ``keep_period``, ``save_interval_minutes``,
-            ``preempt_signal``, ``save_kwargs`` or ``local_dir``, or a
+            ``preempt_signal``, ``save_kwargs``, ``local_dir``, ``replicas`` or ``node``, or a
             ``save_kwargs`` option the root's storage cannot honour.
         RootLockedError: another live job holds ``root`` (on every rank; the
             message names its host and pid).
@@ -180,6 +187,8 @@ class CheckpointManager:
         mode: str = "min",
         keep_period: int | None = None,
         save_interval_minutes: float | None = None,
+        replicas: int = 0,
+        node: str | None = None,
     ) -> None:
         options = check_options(
             root,
@@ -193,6 +202,8 @@ class CheckpointManager:
             mode=mode,
             keep_period=keep_period,
             save_interval_minutes=save_interval_minutes,
+            replicas=replicas,
+            node=node,
         )
         self.retention = options.retention
         self.save_kwargs = options.save_kwargs
@@ -210,7 +221,10 @@ class CheckpointManager:
             None
             if options.local_dir is None
             else TieredSaves(
-                self.comm, options.local_dir, SharedRoot(self.root, self.path, self._prepare_root, self._retain)
+                self.comm,
+                options.local_dir,
+                SharedRoot(self.root, self.path, self._prepare_root, self._retain),
+                Replication(options.replicas, options.node),
             )
         )
         self._signals = PreemptionSignals(parse_signals(preempt_signal), self.request_preemption)
