@@ -35,9 +35,9 @@ from ..errors import IncompatibleCheckpointError, TddistError
 from ..loading.share import LoadReport
 from ..storage.backends import read_manifest
 from . import local_shards, transfer
-from .copies import FileSum, PartId, digest_files, mismatch, read_record
+from .copies import FileSum, PartId, digest_files, mismatch, read_record, record_path
 from .local_tier import LocalTier
-from .replication import REPLICAS, held_replicas, replica_path
+from .replication import held_replicas, replica_path
 from .retention import parse_step
 from .train_state import fill
 
@@ -343,10 +343,17 @@ def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kw
 
 
 def _keep(tier: LocalTier, step: int, path: str) -> str:
-    """A part fetched from a peer becomes this rank's own local copy again (so it can be promoted and replicated)."""
+    """A part fetched from a peer becomes this rank's own local copy (so it is promoted and replicated again).
+
+    An own copy that was not read is bad (a rank reads its own copy when it
+    holds one that is good): the fetched one replaces it.
+    """
     own = tier.part(step)
-    if path == own or os.path.exists(own) or REPLICAS in os.path.relpath(path, tier.directory).split(os.sep):
-        return path if os.path.exists(path) else own
+    fetched = os.path.join(tier.directory, f".fetched-rank{tier.rank}")
+    if not path.startswith(fetched + os.sep):
+        return path
+    remove_tree(record_path(own))
+    remove_tree(own)
     os.makedirs(os.path.dirname(own), exist_ok=True)
     os.rename(path, own)
     return own
