@@ -148,12 +148,32 @@ class Node:
             )
 
     def kill(self) -> None:
-        """SIGKILL the agent and its workers (the node dies)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the agent and its workers (the node dies); torchrun may start its workers in their own sessions."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self.proc.wait(30)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), from /proc."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(fields[1])
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        todo += kids
+    return found
 
 
 def start(work: Path, tag: str, role: str, step: int, locals_: list[Path]) -> list[Node]:
