@@ -196,12 +196,12 @@ class TieredSaves:
         self._newest_local = step
         logger.info("rank %d: saved step %d locally in %.2fs", self.comm.rank, step, time.monotonic() - start)
         self._retain_local()
-        if self.replicator is not None:
-            self.replicator.start(step)
         request = promotion.PromotionRequest(
             step, tier.part(step), self.shared.path(step), mapped, dict(metadata), dict(kwargs), self.shared.prepare
         )
         self._promotion = promotion.start(self.comm, request, start)
+        if self.replicator is not None:  # last: its thread starts reading as soon as it starts
+            self.replicator.start(step)
 
     def wait(self) -> None:
         """Wait for the replication in flight, then for the promotion in flight, if any, and agree on its
