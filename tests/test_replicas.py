@@ -148,7 +148,12 @@ class Node:
             )
 
     def kill(self) -> None:
-        """SIGKILL the agent and its workers (the node dies); torchrun may start its workers in their own sessions."""
+        """SIGKILL the agent and its workers (the node dies); torchrun may start its workers in their own sessions.
+
+        An agent that already ended (and stopped its workers) is left alone: its pid may be another process's now.
+        """
+        if self.proc.poll() is not None:
+            return
         for pid in [self.proc.pid, *descendants(self.proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -176,10 +181,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+#: Every agent a test started, killed at its end whatever happened.
+STARTED: list[Node] = []
+
+
 def start(work: Path, tag: str, role: str, step: int, locals_: list[Path]) -> list[Node]:
     """A job of one agent per local directory (``tag`` names its reports and logs)."""
     port = launch_util.free_port()
-    return [Node(work, tag, k, len(locals_), port, d, role, step) for k, d in enumerate(locals_)]
+    nodes = [Node(work, tag, k, len(locals_), port, d, role, step) for k, d in enumerate(locals_)]
+    STARTED.extend(nodes)
+    return nodes
+
+
+@pytest.fixture
+def agents():
+    """Kills every agent (and its workers) the test started, once it ends."""
+    yield
+    while STARTED:
+        STARTED.pop().kill()
 
 
 def reports(work: Path, tag: str, n: int, nodes: list[Node], timeout: float = 120) -> dict[int, dict]:
@@ -198,7 +217,7 @@ def reports(work: Path, tag: str, n: int, nodes: list[Node], timeout: float = 12
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_a_node_killed_for_real_restart_on_survivor_and_fresh_node(tmp_path: Path) -> None:
+def test_a_node_killed_for_real_restart_on_survivor_and_fresh_node(tmp_path: Path, agents: None) -> None:
     l0, l1 = tmp_path / "node0", tmp_path / "node1"
     nodes = start(tmp_path, "train", "train", 4, [l0, l1])
     try:

@@ -257,14 +257,8 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     reading = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader == me}, key=_order)
     files: dict[tuple[PartId, int], tuple[FileSum, ...]] = {}
     found = []
-    for c in sending:
-        files[(c.part, c.holder)] = digest_files(c.path)
-        why = _against_record(c, files[(c.part, c.holder)])
-        if why:
-            found.append((c.part, c.holder, why))
-    for c in reading:
-        record = read_record(c.path) if c.recorded else None
-        why = mismatch(c.path, record.files) if record is not None else None
+    for c in sending + reading:
+        why = _check(c, files, sender=c in sending)
         if why:
             found.append((c.part, c.holder, why))
     announced = comm.allgather((files, found))
@@ -294,9 +288,17 @@ def _source(routes: Mapping[tuple[int, int], Copy], s: transfer.Shipment) -> str
     return routes[(s.dst, s.part.rank)].path
 
 
-def _against_record(c: Copy, files: tuple[FileSum, ...]) -> str | None:
-    record = read_record(c.path) if c.recorded else None
-    if record is None or record.files == files:
+def _check(c: Copy, files: dict[tuple[PartId, int], tuple[FileSum, ...]], sender: bool) -> str | None:
+    """Why copy ``c`` cannot be used, or None: a sender hashes what it sends (into ``files``) and compares it
+    with the copy's record; a reader of its own copy compares it with the record when there is one."""
+    try:
+        record = read_record(c.path) if c.recorded else None
+        if not sender:
+            return mismatch(c.path, record.files) if record is not None else None
+        files[(c.part, c.holder)] = digest_files(c.path)
+    except OSError as e:
+        return f"{c.path} cannot be read: {e}"
+    if record is None or record.files == files[(c.part, c.holder)]:
         return None
     return f"{c.path} does not match its record (checksums of its files differ)"
 

@@ -29,7 +29,7 @@ from .._fs import remove_tree
 from ..comm.base import Communicator
 from ..errors import TddistError
 from . import transfer
-from .copies import CopyRecord, PartId, digest_files, read_record, write_record
+from .copies import CopyRecord, FileSum, PartId, digest_files, read_record, record_path, write_record
 from .local_tier import LocalTier
 from .nodes import replica_peers
 from .retention import parse_step, step_name
@@ -115,9 +115,17 @@ class Replicator:
         assert self._bg is not None and self.topology is not None
         bg, tier, peers = self._bg, self.tier, self.topology.peers
         mine = PartId(step, bg.rank, bg.size)
-        files = digest_files(tier.part(step))
+        try:
+            files: tuple[FileSum, ...] | None = digest_files(tier.part(step))
+        except OSError as e:  # this part is not sent; the ranks still run every round together
+            logger.warning("rank %d: reading its local part of step %d failed: %s", bg.rank, step, e)
+            files = None
         everyone = bg.allgather(files)
-        shipments = [transfer.Shipment(r, peers[r], PartId(step, r, bg.size), everyone[r]) for r in sorted(peers)]
+        shipments = [
+            transfer.Shipment(r, peers[r], PartId(step, r, bg.size), everyone[r])
+            for r in sorted(peers)
+            if everyone[r] is not None
+        ]
         staging = {s.part: f"{replica_path(tier.directory, s.part)}.incoming-{os.getpid()}" for s in shipments}
         for s in shipments:
             if s.dst == bg.rank:
@@ -125,20 +133,25 @@ class Replicator:
         bad = transfer.ship(bg, shipments, lambda s: tier.part(step), lambda s: staging[s.part], transfer.chunk_bytes())
         committed = [self._commit(s, staging[s.part]) for s in shipments if s.dst == bg.rank and s not in bad]
         confirmations = bg.allgather(committed)
-        confirmed = any(mine in c for c in confirmations)
+        confirmed = files is not None and any(mine in c for c in confirmations)
         if confirmed:
+            assert files is not None
             peer = peers[bg.rank]
             write_record(tier.part(step), CopyRecord(mine, files, peer, self.topology.nodes[peer]))
         self._rotate()
         return confirmed
 
-    def _commit(self, shipment: transfer.Shipment, staging: str) -> PartId:
-        """Move a received replica into place and write its record (the replica's commit point)."""
+    def _commit(self, shipment: transfer.Shipment, staging: str) -> PartId | None:
+        """Move a received replica into place and write its record (the replica's commit point); None if that failed."""
         final = replica_path(self.tier.directory, shipment.part)
-        remove_tree(final + ".copy.json")
-        remove_tree(final)
-        os.rename(staging, final)
-        write_record(final, CopyRecord(shipment.part, shipment.files))
+        try:
+            remove_tree(record_path(final))
+            remove_tree(final)
+            os.rename(staging, final)
+            write_record(final, CopyRecord(shipment.part, shipment.files))
+        except OSError as e:
+            logger.warning("rank %d: committing the replica %s failed: %s", self.comm.rank, final, e)
+            return None
         return shipment.part
 
     def _rotate(self) -> None:
@@ -151,7 +164,7 @@ class Replicator:
         for part in held:
             if part.rank in mine and part.step not in steps[:KEEP_STEPS]:
                 path = replica_path(self.tier.directory, part)
-                remove_tree(path + ".copy.json")
+                remove_tree(record_path(path))
                 remove_tree(path)
                 try:
                     os.rmdir(os.path.join(base, step_name(part.step)))

@@ -138,25 +138,45 @@ def _point_to_point(comm: object, outgoing: Mapping[int, bytes], incoming: Mappi
 
 
 class _Reader:
-    """The bytes of a rank's shipments to one peer, in order, read a chunk at a time."""
+    """The bytes of a rank's shipments to one peer, in order, read a chunk at a time.
+
+    Each file gives exactly the size its shipment announced: a file that
+    is shorter, unreadable or gone is padded with zeros (the receiver finds
+    the checksum wrong), so the ranks never disagree on how much is sent.
+    """
 
     def __init__(self, shipments: list[Shipment], source: Callable[[Shipment], str]) -> None:
-        self._files = [os.path.join(source(s), f.name) for s in shipments for f in s.files]
+        self._files = [(os.path.join(source(s), f.name), f.size) for s in shipments for f in s.files]
         self._handle: BinaryIO | None = None
         self._index = 0
+        self._left = self._files[0][1] if self._files else 0
 
     def read(self, n: int) -> bytes:
         out = bytearray()
         while len(out) < n and self._index < len(self._files):
-            if self._handle is None:
-                self._handle = open(self._files[self._index], "rb")
-            block = self._handle.read(n - len(out))
-            if block:
-                out += block
-                continue
-            self._handle.close()
-            self._handle, self._index = None, self._index + 1
+            want = min(n - len(out), self._left)
+            block = self._read(want)
+            out += block + bytes(want - len(block))
+            self._left -= want
+            if self._left == 0:
+                self._next()
         return bytes(out)
+
+    def _read(self, want: int) -> bytes:
+        path = self._files[self._index][0]
+        try:
+            if self._handle is None:
+                self._handle = open(path, "rb")
+            return self._handle.read(want)
+        except OSError as e:
+            logger.warning("reading %s to send it failed: %s; zeros are sent instead", path, e)
+            return b""
+
+    def _next(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+        self._handle, self._index = None, self._index + 1
+        self._left = self._files[self._index][1] if self._index < len(self._files) else 0
 
 
 class _Writer:
@@ -170,11 +190,22 @@ class _Writer:
         self._fd: int | None = None
         self._written = 0
         self._hash = Hasher()
+        self._broken = False
         self.received = 0
 
     def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        self.received += len(view)
+        """Write the next bytes; a failing disk marks what is left bad (the rounds go on, the bytes are dropped)."""
+        self.received += len(data)
+        if self._broken:
+            return
+        try:
+            self._write(memoryview(data))
+        except OSError as e:
+            logger.warning("writing a received copy failed: %s; it is not kept", e)
+            self._broken = True
+            self._bad.update(s for s, _f, _p in self._todo[self._index :])
+
+    def _write(self, view: memoryview) -> None:
         while view:
             self._open()
             s, f, _path = self._todo[self._index]
@@ -208,11 +239,19 @@ class _Writer:
 
     def finish(self) -> list[Shipment]:
         """Close the files (empty ones are created here), fsync the directories; the shipments that arrived bad."""
+        if self._broken:
+            if self._fd is not None:
+                os.close(self._fd)
+            return list(self._shipments)
         while self._index < len(self._todo):
             self._open()
             if self._todo[self._index][1].size != self._written:
                 self._bad.add(self._todo[self._index][0])  # fewer bytes than announced
             self._close()
-        for d in sorted({os.path.dirname(p) for _s, _f, p in self._todo}):
-            fsync_path(d)
+        try:
+            for d in sorted({os.path.dirname(p) for _s, _f, p in self._todo}):
+                fsync_path(d)
+        except OSError as e:
+            logger.warning("syncing the directories of received copies failed: %s; they are not kept", e)
+            return list(self._shipments)
         return [s for s in self._shipments if s in self._bad]
