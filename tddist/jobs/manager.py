@@ -39,7 +39,7 @@ from ..comm.collective import decide_on_rank0
 from ..comm.resolve import resolve
 from ..errors import InvalidArgumentError
 from . import root_lock
-from .options import check_options, step_path
+from .options import ManagerOptions, check_options, step_path
 from .preemption import PreemptionSignals, parse_signals
 from .restore import Restored, Restorer, RestoreRequest
 from .retention import METRICS_KEY, clean_root, committed_steps, encode_metrics, newest_checkpoint
@@ -217,16 +217,7 @@ class CheckpointManager:
         self._locked = False
         self._schedule = SaveSchedule(options.interval)
         self._root_retention = RootRetention(self.root, self.comm.rank)
-        self._tiered = (
-            None
-            if options.local_dir is None
-            else TieredSaves(
-                self.comm,
-                options.local_dir,
-                SharedRoot(self.root, self.path, self._prepare_root, self._retain),
-                Replication(options.replicas, options.node),
-            )
-        )
+        self._tiered = self._make_tiered(options)
         self._signals = PreemptionSignals(parse_signals(preempt_signal), self.request_preemption)
         try:
             done = self._on_rank0("lock and clean-up of " + self.root, self._lock_and_clean)
@@ -236,6 +227,13 @@ class CheckpointManager:
         self._locked = done is not None
         if done and self.comm.rank == 0:
             logger.info("cleaned %s: %s", self.root, "; ".join(done))
+
+    def _make_tiered(self, options: ManagerOptions) -> TieredSaves | None:
+        """The node-local tier of ``local_dir`` (with its replication), or None without one."""
+        if options.local_dir is None:
+            return None
+        shared = SharedRoot(self.root, self.path, self._prepare_root, self._retain)
+        return TieredSaves(self.comm, options.local_dir, shared, Replication(options.replicas, options.node))
 
     def _lock_and_clean(self) -> list[str] | None:
         """Rank 0: lock an existing root and clean it (None: the root does not exist, nothing was done)."""
