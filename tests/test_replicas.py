@@ -61,9 +61,10 @@ def hide_data(root: Path, hidden: bool) -> None:
         p.rename(p.with_name(p.name + ".hidden") if hidden else p.with_name(p.name.removesuffix(".hidden")))
 
 
-def flip_byte(path: Path) -> None:
+def flip_byte(path: Path, at: int | None = None) -> None:
+    """Corrupt one byte of ``path`` (the middle one by default)."""
     raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
+    raw[len(raw) // 2 if at is None else at] ^= 0xFF
     path.write_bytes(bytes(raw))
 
 
@@ -257,3 +258,32 @@ def test_a_node_killed_for_real_restart_on_survivor_and_fresh_node(tmp_path: Pat
     assert {(r["step"], r["tier"]) for r in got.values()} == {(4, "shared")}
     text = last[0].log.read_text()
     assert "no surviving copy of the parts of ranks" in text and "is bad" in text, text[-3000:]
+
+
+def test_one_node_keeps_no_replica_and_an_unrecorded_bad_copy_is_never_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, local = tmp_path / "shared", tmp_path / "local"
+
+    def body(comm):
+        kw = dict(every=2, keep_last=2, comm=comm, local_dir=local, preempt_signal=None, replicas=1, node="only")
+        with CheckpointManager(root, **kw) as mgr:
+            state = local_state(comm.rank, comm.size, 0)
+            for s in range(mgr.restore(state), 4):
+                train(state)
+                mgr.step(s + 1, state)
+        comm.barrier()
+        if comm.rank == 1:  # no replica, so no record: the copy is checked against its manifest when loaded
+            flip_byte(local / step_name(4) / "rank-1-of-2" / "rank-00000.data", at=0)  # in a tensor's bytes
+        comm.barrier()
+        with CheckpointManager(root, **kw) as mgr:
+            state = local_state(comm.rank, comm.size, 0)
+            got = mgr.restore(state)
+            assert_td_equal(state, local_state(comm.rank, comm.size, 4), f"rank {comm.rank}")
+            return int(got), got.tier
+
+    with caplog.at_level(logging.WARNING):
+        assert tddist.run_threads(2, body) == [(4, "shared")] * 2
+    assert "every rank runs on node 'only': no replica is kept" in caplog.text
+    assert not (local / "replicas").exists()
+    assert read_record(str(local / step_name(4) / "rank-0-of-2")) is None

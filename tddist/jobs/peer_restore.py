@@ -202,11 +202,17 @@ def _listdir(path: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Fetch:
-    """One attempt's transfers: for each copy a rank reads, where it is on the reader's node."""
+    """One attempt's transfers: for each copy a rank reads, where it is on the reader's node.
+
+    A copy without a record (an own part whose replication was never
+    confirmed) has no checksums of its own to be checked against: it is
+    loaded with ``verify=True``, against its manifest's checksums.
+    """
 
     choice: Choice
     paths: Mapping[int, str]  # part rank -> where this rank reads it
     shipped: bool  # some rank read a copy held by another rank
+    unrecorded: frozenset[int]  # parts read from a copy without a record: loaded with verify=True
 
 
 def restore_from_copies(
@@ -254,7 +260,7 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     """
     me, routes = comm.rank, route(choice, comm.size)
     sending = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader != me}, key=_order)
-    reading = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader == me}, key=_order)
+    reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me} - set(sending), key=_order)
     files: dict[tuple[PartId, int], tuple[FileSum, ...]] = {}
     found = []
     for c in sending + reading:
@@ -275,9 +281,12 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     bad = _bad(comm.allgather(([], [(s.part, s.src, "arrived with other checksums") for s in failed])), comm.rank)
     if bad:
         return None, bad
-    paths = {k: (c.path if c.holder == me else target(transfer.Shipment(c.holder, me, c.part, ())))
-             for (r, k), c in routes.items() if r == me}  # fmt: skip
-    return Fetch(choice, paths, bool(shipments)), set()
+    mine = {k: c for (r, k), c in routes.items() if r == me}
+    paths = {
+        k: c.path if c.holder == me else target(transfer.Shipment(c.holder, me, c.part, ())) for k, c in mine.items()
+    }
+    unrecorded = frozenset(k for k, c in mine.items() if not c.recorded)
+    return Fetch(choice, paths, bool(shipments), unrecorded), set()
 
 
 def _order(c: Copy) -> tuple[PartId, int]:
@@ -321,7 +330,8 @@ def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kw
         plain, found = local_shards.split(into)
         layouts.append(found)
         if same:
-            report = load(paths[comm.rank], comm=LocalComm(), into=plain, **load_kwargs)
+            kwargs = {**load_kwargs, "verify": True} if comm.rank in fetch.unrecorded else load_kwargs
+            report = load(paths[comm.rank], comm=LocalComm(), into=plain, **kwargs)
             assert isinstance(report, LoadReport)  # load(into=...) returns its report
             return report
         if found:
@@ -329,7 +339,7 @@ def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kw
                 f"rank {comm.rank}: step {choice.step} was saved on {choice.world} ranks and the state holds "
                 f"DTensors: the node-local copies reshard plain tensors only"
             )
-        return reshard(plain, paths, choice, comm.rank, comm.size)
+        return reshard(plain, paths, choice, comm.rank, comm.size, fetch.unrecorded)
 
     outcome = contribute(lambda: fill(state, fill_from_parts))
     failures = {r: f for r, f in enumerate(comm.allgather(outcome.failure)) if f is not None}
@@ -361,9 +371,14 @@ def _keep(tier: LocalTier, step: int, path: str) -> str:
     return own
 
 
-def reshard(plain: Any, paths: Mapping[int, str], choice: Choice, rank: int, world: int) -> LoadReport:
-    """Fill ``plain`` (this rank's even share of every sharded leaf) from the parts of another world size."""
-    datas = {k: load(p, comm=LocalComm()) for k, p in paths.items()}  # memory-mapped
+def reshard(
+    plain: Any, paths: Mapping[int, str], choice: Choice, rank: int, world: int, unrecorded: frozenset[int]
+) -> LoadReport:
+    """Fill ``plain`` (this rank's even share of every sharded leaf) from the parts of another world size.
+
+    ``unrecorded``: parts loaded with ``verify=True`` (their copies have no record).
+    """
+    datas = {k: load(p, comm=LocalComm(), verify=k in unrecorded) for k, p in paths.items()}  # memory-mapped
     rows = [dict(choice.copies[k][0].rows) for k in range(choice.world)]
     _nodes, leaves, objects = flatten(plain)
     if objects:
