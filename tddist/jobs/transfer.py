@@ -12,7 +12,8 @@ to point (``isend``/``irecv``); over another communicator, through one
 
 A receiver checks each file's size and checksum against the shipment's,
 fsyncs it, and reports the shipments that failed; it never trusts bytes that
-did not match.
+did not match. The fault point ``replica.chunk`` (``_faults``) lies after each
+chunk a receiver wrote, so tests can kill a rank in the middle of a copy.
 """
 
 from __future__ import annotations
