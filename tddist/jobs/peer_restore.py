@@ -54,6 +54,7 @@ class Copy:
     Attributes:
         part: the part.
         holder: the rank whose local directory holds it.
+        node: the holder's node.
         path: where, on the holder's node.
         replica: a peer's replica (else the owner's own copy).
         recorded: it has a record with checksums (own copies get one once replicated).
@@ -62,10 +63,16 @@ class Copy:
 
     part: PartId
     holder: int
+    node: str
     path: str
     replica: bool
     recorded: bool
     rows: tuple[tuple[Key, int], ...] = field(compare=False)
+
+    @property
+    def place(self) -> tuple[PartId, str, str]:
+        """The bytes it is: every rank of a node that shares a directory lists the same copy."""
+        return self.part, self.node, self.path
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,7 @@ class PeerRestore:
     same_world: bool
 
 
-def inventory(tier: LocalTier) -> list[Copy]:
+def inventory(tier: LocalTier, node: str) -> list[Copy]:
     """The committed copies under this rank's local directory: its parts (of any rank, any world) and replicas."""
     out = []
     for step_dir in _listdir(tier.directory):
@@ -107,13 +114,13 @@ def inventory(tier: LocalTier) -> list[Copy]:
             part = _part_of(step, name)  # type: ignore[arg-type]
             path = os.path.join(tier.directory, step_dir, name)
             if part is not None and os.path.isdir(path):
-                out += _described(part, tier.rank, path, False)
+                out += _described(part, tier.rank, node, path, False)
     for part in held_replicas(tier.directory):
-        out += _described(part, tier.rank, replica_path(tier.directory, part), True)
+        out += _described(part, tier.rank, node, replica_path(tier.directory, part), True)
     return out
 
 
-def _described(part: PartId, holder: int, path: str, replica: bool) -> list[Copy]:
+def _described(part: PartId, holder: int, node: str, path: str, replica: bool) -> list[Copy]:
     try:
         manifest = read_manifest(path)
     except (TddistError, OSError):
@@ -123,17 +130,17 @@ def _described(part: PartId, holder: int, path: str, replica: bool) -> list[Copy
         for k, leaf in manifest.leaves.items()
         if isinstance(leaf.placement, Shard) and leaf.placement.dim == 0
     )
-    return [Copy(part, holder, path, replica, read_record(path) is not None, rows)]
+    return [Copy(part, holder, node, path, replica, read_record(path) is not None, rows)]
 
 
 def choose(
-    copies: Sequence[Copy], bad: set[tuple[PartId, int]], step: int | None, world: int
+    copies: Sequence[Copy], bad: set[tuple[PartId, str, str]], step: int | None, world: int
 ) -> tuple[Choice | None, list[str]]:
     """The newest step (or ``step``) of which every part has a copy not in ``bad``; and why newer ones were passed."""
     passed = []
     by_step: dict[tuple[int, int], dict[int, list[Copy]]] = {}
     for c in copies:
-        if (c.part, c.holder) not in bad:
+        if c.place not in bad:
             by_step.setdefault((c.part.step, c.part.world), {}).setdefault(c.part.rank, []).append(c)
     keys = sorted(by_step, key=lambda k: (k[0], k[1] == world), reverse=True)
     for s, w in keys:
@@ -216,11 +223,17 @@ class Fetch:
 
 
 def restore_from_copies(
-    comm: Communicator, tier: LocalTier, state: Any, step: int | None, shared: int | None, load_kwargs: dict[str, Any]
+    comm: Communicator,
+    tier: LocalTier,
+    node: str,
+    state: Any,
+    step: int | None,
+    shared: int | None,
+    load_kwargs: dict[str, Any],
 ) -> PeerRestore | None:
     """Restore ``state`` from the surviving local copies (collective), or None to restore from the shared root.
 
-    ``step``: the step asked for (None: the newest); ``shared``: the newest
+    ``node``: this rank's node. ``step``: the step asked for (None: the newest); ``shared``: the newest
     step of the shared root. Returns None, after saying why in the log, when
     no step is whole on the nodes that are up, when the shared root holds a
     newer one, or when copies keep failing their checksums.
@@ -228,8 +241,8 @@ def restore_from_copies(
     Raises:
         TddistError: loading the parts failed on some rank (the same error on every rank).
     """
-    copies = [c for held in comm.allgather(inventory(tier)) for c in held]
-    bad: set[tuple[PartId, int]] = set()
+    copies = [c for held in comm.allgather(inventory(tier, node)) for c in held]
+    bad: set[tuple[PartId, str, str]] = set()
     for _attempt in range(ATTEMPTS):
         choice, passed = choose(copies, bad, step, comm.size)
         if passed and comm.rank == 0:
@@ -253,7 +266,7 @@ def restore_from_copies(
     return None
 
 
-def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch | None, set[tuple[PartId, int]]]:
+def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch | None, set[tuple[PartId, str, str]]]:
     """Check the copies this attempt reads and bring those held elsewhere to their readers (collective).
 
     Returns the fetch, or None with the copies found bad on any rank.
@@ -266,7 +279,7 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     for c in sending + reading:
         why = _check(c, files, sender=c in sending)
         if why:
-            found.append((c.part, c.holder, why))
+            found.append((c, why))
     announced = comm.allgather((files, found))
     bad = _bad(announced, comm.rank)
     if bad:
@@ -278,7 +291,8 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     remove_tree(inbox)
     target = lambda s: os.path.join(inbox, str(s.part.step), s.part.name)
     failed = transfer.ship(comm, shipments, lambda s: _source(routes, s), target, transfer.chunk_bytes())
-    bad = _bad(comm.allgather(([], [(s.part, s.src, "arrived with other checksums") for s in failed])), comm.rank)
+    arrived = [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in failed]
+    bad = _bad(comm.allgather(({}, arrived)), comm.rank)
     if bad:
         return None, bad
     mine = {k: c for (r, k), c in routes.items() if r == me}
@@ -298,26 +312,30 @@ def _source(routes: Mapping[tuple[int, int], Copy], s: transfer.Shipment) -> str
 
 
 def _check(c: Copy, files: dict[tuple[PartId, int], tuple[FileSum, ...]], sender: bool) -> str | None:
-    """Why copy ``c`` cannot be used, or None: a sender hashes what it sends (into ``files``) and compares it
-    with the copy's record; a reader of its own copy compares it with the record when there is one."""
+    """Why copy ``c`` cannot be used, or None; a sender puts the files it sends, with their checksums, in ``files``.
+
+    A copy with a record is sent as its record says (the receiver checks the
+    bytes against it), one without is hashed first; a reader of its own copy
+    checks it against its record when it has one.
+    """
     try:
         record = read_record(c.path) if c.recorded else None
         if not sender:
             return mismatch(c.path, record.files) if record is not None else None
-        files[(c.part, c.holder)] = digest_files(c.path)
+        files[(c.part, c.holder)] = record.files if record is not None else digest_files(c.path)
     except OSError as e:
         return f"{c.path} cannot be read: {e}"
-    if record is None or record.files == files[(c.part, c.holder)]:
-        return None
-    return f"{c.path} does not match its record (checksums of its files differ)"
+    return None
 
 
-def _bad(announced: Sequence[tuple[Any, list[tuple[PartId, int, str]]]], rank: int) -> set[tuple[PartId, int]]:
+def _bad(announced: Sequence[tuple[Any, list[tuple[Copy, str]]]], rank: int) -> set[tuple[PartId, str, str]]:
+    """The places of the copies some rank found bad (rank 0 logs each)."""
     found = [f for _files, fs in announced for f in fs]
     if found and rank == 0:
-        for part, holder, why in found:
-            logger.warning("copy of %s held by rank %d is bad (%s): choosing again without it", part, holder, why)
-    return {(part, holder) for part, holder, _why in found}
+        for c, why in found:
+            logger.warning("the copy of %s at %s on %s is bad (%s): choosing again without it", c.part.name,
+                           c.path, c.node, why)  # fmt: skip
+    return {c.place for c, _why in found}
 
 
 def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kwargs: dict[str, Any]) -> PeerRestore:

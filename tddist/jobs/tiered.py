@@ -150,7 +150,8 @@ class TieredSaves:
         self, state: Any, step: int | None, shared: int | None, load_kwargs: dict[str, Any]
     ) -> PeerRestore | None:
         """Restore from the own parts and replicas on the nodes that are up (collective; see ``peer_restore``)."""
-        return restore_from_copies(self.comm, self.tier, state, step, shared, load_kwargs)
+        assert self.replicator is not None  # the manager asks only with replicas
+        return restore_from_copies(self.comm, self.tier, self.replicator.node, state, step, shared, load_kwargs)
 
     def promote_restored(self, step: int, layouts: tuple[DTensorLayout, ...], save_kwargs: dict[str, Any]) -> None:
         """Promote the local copy just restored, which is newer than the shared root's newest (collective).
