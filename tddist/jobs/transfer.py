@@ -5,8 +5,9 @@ needs it. Every rank knows every shipment (they are planned from what the
 ranks told each other), so the ranks agree on the number of rounds without a
 message: in each round, every sender sends at most ``chunk`` bytes to each of
 its receivers, and every receiver writes what it got to its files at once.
-A rank thus holds at most ``chunk`` bytes per peer it talks to, whatever
-the size of the parts. Over a gloo group (``TorchComm``) the chunks go point
+Each round is in flight while the previous one is written and the next one
+read, so a rank holds at most two chunks per peer it talks to, whatever the
+size of the parts. Over a gloo group (``TorchComm``) the chunks go point
 to point (``isend``/``irecv``); over another communicator, through one
 ``allgather`` per round (every rank sees every chunk: correct, not fast).
 
@@ -82,17 +83,27 @@ def ship(
     for x in shipments:
         totals[(x.src, x.dst)] = totals.get((x.src, x.dst), 0) + x.size
     rounds = max((-(-n // chunk) for n in totals.values()), default=0)
-    for _ in range(rounds):
-        outgoing = {d: r.read(chunk) for d, r in readers.items()}
-        expect = {src: min(chunk, totals[(src, me)] - w.received) for src, w in writers.items()}
-        got = exchange(comm, {d: b for d, b in outgoing.items() if b}, {src: n for src, n in expect.items() if n > 0})
-        for src, data in got.items():
-            writers[src].write(data)
-            fault_point("replica.chunk", me)
+    left = {src: totals[(src, me)] for src in writers}
+    outgoing = {d: r.read(chunk) for d, r in readers.items()}
+    arrived: dict[int, memoryview] = {}
+    for i in range(rounds):  # round i is in flight while round i-1 is written and round i+1 read
+        expect = {src: min(chunk, n) for src, n in left.items() if n > 0}
+        left = {src: n - expect.get(src, 0) for src, n in left.items()}
+        finish = start_exchange(comm, {d: b for d, b in outgoing.items() if b}, expect)
+        _write(writers, arrived, me)
+        outgoing = {d: r.read(chunk) for d, r in readers.items()} if i + 1 < rounds else {}
+        arrived = finish()
+    _write(writers, arrived, me)
     bad = []
     for w in writers.values():
         bad.extend(w.finish())
     return bad
+
+
+def _write(writers: Mapping[int, _Writer], arrived: Mapping[int, memoryview], me: int) -> None:
+    for src, data in arrived.items():
+        writers[src].write(data)
+        fault_point("replica.chunk", me)
 
 
 def _peers(shipments: Sequence[Shipment], me: int, field: str) -> list[int]:
@@ -100,42 +111,59 @@ def _peers(shipments: Sequence[Shipment], me: int, field: str) -> list[int]:
     return sorted({getattr(s, field) for s in shipments if getattr(s, other) == me and getattr(s, field) != me})
 
 
-def exchange(comm: Communicator, outgoing: Mapping[int, bytes], incoming: Mapping[int, int]) -> dict[int, bytes]:
-    """Send ``outgoing[dst]`` to each ``dst`` and receive ``incoming[src]`` bytes from each ``src``.
+def start_exchange(
+    comm: Communicator, outgoing: Mapping[int, bytearray], incoming: Mapping[int, int]
+) -> Callable[[], dict[int, memoryview]]:
+    """Start sending ``outgoing[dst]`` to each ``dst`` and receiving ``incoming[src]`` bytes from each ``src``;
+    the function returned waits for both and returns what arrived.
 
-    Point to point over a gloo group; every rank must call it (in the same
-    round) over any other communicator, which gathers the chunks.
+    Point to point over a gloo group, in flight until waited for; over any
+    other communicator every rank must call it in the same round: it gathers
+    the chunks at once.
     """
     from ..comm.gloo import TorchComm
 
     if isinstance(comm, TorchComm):
         return _point_to_point(comm, outgoing, incoming)
-    everyone = comm.allgather(dict(outgoing))
-    return {s: everyone[s][comm.rank] for s in incoming}
+    everyone = comm.allgather({d: bytes(b) for d, b in outgoing.items()})
+    got = {s: memoryview(everyone[s][comm.rank]) for s in incoming}
+    return lambda: got
 
 
-def _point_to_point(comm: object, outgoing: Mapping[int, bytes], incoming: Mapping[int, int]) -> dict[int, bytes]:
+def _point_to_point(
+    comm: object, outgoing: Mapping[int, bytearray], incoming: Mapping[int, int]
+) -> Callable[[], dict[int, memoryview]]:
     import torch
     import torch.distributed as dist
 
     group = comm.group  # type: ignore[attr-defined]
     rank = comm.rank  # type: ignore[attr-defined]
+
+    def failed(e: Exception) -> CommError:  # gloo raises RuntimeError on a dead peer or a timeout
+        return CommError(
+            f"rank {rank}: sending a local part's copy to ranks {sorted(outgoing)} and receiving from "
+            f"{sorted(incoming)} failed: {type(e).__name__}: {e}. A peer is gone; the copy is not complete"
+        )
+
     try:
         bufs = {s: torch.empty(n, dtype=torch.uint8) for s, n in incoming.items()}
         works = [dist.irecv(b, group=group, group_src=s) for s, b in bufs.items()]
-        works += [
-            dist.isend(torch.frombuffer(bytearray(data), dtype=torch.uint8), group=group, group_dst=d)
-            for d, data in outgoing.items()
-        ]
-        for w in works:
-            if w is not None:
-                w.wait()
-    except Exception as e:  # gloo raises RuntimeError on a dead peer or a timeout
-        raise CommError(
-            f"rank {rank}: sending a local part's copy to ranks {sorted(outgoing)} and receiving from "
-            f"{sorted(incoming)} failed: {type(e).__name__}: {e}. A peer is gone; the copy is not complete"
-        ) from e
-    return {s: b.numpy().tobytes() for s, b in bufs.items()}
+        sends = {d: torch.frombuffer(data, dtype=torch.uint8) for d, data in outgoing.items()}  # no copy
+        works += [dist.isend(t, group=group, group_dst=d) for d, t in sends.items()]
+    except Exception as e:
+        raise failed(e) from e
+
+    def finish() -> dict[int, memoryview]:
+        try:
+            for w in works:
+                if w is not None:
+                    w.wait()
+        except Exception as e:
+            raise failed(e) from e
+        sends.clear()  # sent: the buffers may go
+        return {s: b.numpy().data for s, b in bufs.items()}
+
+    return finish
 
 
 class _Reader:
@@ -152,7 +180,7 @@ class _Reader:
         self._index = 0
         self._left = self._files[0][1] if self._files else 0
 
-    def read(self, n: int) -> bytes:
+    def read(self, n: int) -> bytearray:
         out = bytearray()
         while len(out) < n and self._index < len(self._files):
             want = min(n - len(out), self._left)
@@ -161,7 +189,7 @@ class _Reader:
             self._left -= want
             if self._left == 0:
                 self._next()
-        return bytes(out)
+        return out
 
     def _read(self, want: int) -> bytes:
         path = self._files[self._index][0]
@@ -194,13 +222,13 @@ class _Writer:
         self._broken = False
         self.received = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: memoryview) -> None:
         """Write the next bytes; a failing disk marks what is left bad (the rounds go on, the bytes are dropped)."""
         self.received += len(data)
         if self._broken:
             return
         try:
-            self._write(memoryview(data))
+            self._write(data.cast("B"))
         except OSError as e:
             logger.warning("writing a received copy failed: %s; it is not kept", e)
             self._broken = True
