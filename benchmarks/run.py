@@ -35,7 +35,8 @@ REPO = HERE.parent
 WORKER = HERE / "worker.py"
 SCALE = HERE / "scale_manifest.py"
 DEFERRED = HERE / "deferred.py"
-SCENARIOS = ["save", "async", "load", "reshard", "small", "commit", "manifest", "deferred"]
+REPLICAS = HERE / "replicas.py"
+SCENARIOS = ["save", "async", "load", "reshard", "small", "commit", "manifest", "deferred", "replicas"]
 LEAVES, COLS = 4, 1024  # the payload: 4 float32 leaves of 4 KiB rows, sharded by rows
 
 QUICK = dict(
@@ -48,6 +49,7 @@ QUICK = dict(
     commit_reps=2,
     manifest_ranks="64,256",
     manifest_leaves=100,
+    replicas_mib=8,
 )
 FULL = dict(
     size_mib=1024,
@@ -59,6 +61,7 @@ FULL = dict(
     commit_reps=30,
     manifest_ranks="1024,4096,16384",
     manifest_leaves=1000,
+    replicas_mib=256,
 )
 
 DISPLAY_METRIC = {
@@ -95,6 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also benchmark tddist's archive layout (archive=True) where this tddist supports it",
     )
+    ap.add_argument("--replicas-mib", type=int, help="state of the replicated-tier benchmark (default 256; --quick: 8)")
     args = ap.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for k, v in defaults.items():
@@ -520,6 +524,11 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
             else f"{t / floor:.2f}x (tddist {C.fmt_seconds(t)}, floor {C.fmt_seconds(floor)})",
         )
 
+    for r in records:
+        if r.get("kind") == "replicas":  # benchmarks/replicas.py judged its own targets
+            for t in r.get("targets", []):
+                check(f"replicas: {t['target']}", t["met"], t["detail"])
+
     def model(scenario, ranks):
         """The manifest model's row at ``ranks`` ranks, if it was measured with 1,000 leaves per rank."""
         for r in rows:
@@ -627,7 +636,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         "small_tensors": args.small_tensors,
         "small_elems": small_elems,
         "commit_reps": args.commit_reps,
-        "scenarios": [s for s in args.scenarios if s != "manifest"],
+        "scenarios": [s for s in args.scenarios if s not in ("manifest", "replicas")],
         "mpi_scenarios": ["commit"],
         "archive": args.archive,
     }
@@ -736,6 +745,13 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
             deferred_targets = json.loads(res_path.read_text()).get("targets", [])
         except (OSError, ValueError):
             notes.append("deferred snapshots: no result")
+    if "replicas" in args.scenarios:  # the replicated node-local tier: two processes as two nodes
+        res_path = work / "result-replicas.json"
+        cmd = [sys.executable, str(REPLICAS), "--mib", str(args.replicas_mib), "--rounds", str(max(3, args.repeats)),
+               "--dir", str(work), "--json", str(res_path)]  # fmt: skip
+        jobs.append(run_job(cmd, args.job_timeout, "replicated node-local tier"))
+        got, n = read_records(res_path)
+        records += got
     total = time.perf_counter() - t_start
     if not args.keep:
         C.remove(str(work))

@@ -60,3 +60,33 @@ def tensor_bytes(t: torch.Tensor) -> np.ndarray:
     import torch
 
     return t.reshape(-1).view(torch.uint8).numpy()
+
+
+class Hasher:
+    """The checksum of a file fed in pieces of any size (``checksum_bytes`` of their concatenation).
+
+    Keeps one running xxh3-64 of the current block, not the bytes, so a
+    file streamed in bounded chunks is hashed in bounded memory.
+    """
+
+    def __init__(self) -> None:
+        self._digests: list[int] = []
+        self._block = xxhash.xxh3_64()
+        self._filled = 0
+
+    def update(self, data: memoryview | bytes) -> None:
+        """Add the next bytes of the file."""
+        view = memoryview(data).cast("B")
+        while view:
+            take = view[: fmt.CHECKSUM_BLOCK - self._filled]
+            self._block.update(take)
+            self._filled += len(take)
+            view = view[len(take) :]
+            if self._filled == fmt.CHECKSUM_BLOCK:
+                self._digests.append(self._block.intdigest())
+                self._block, self._filled = xxhash.xxh3_64(), 0
+
+    def hexdigest(self) -> str:
+        """The file's checksum, as the manifest records one."""
+        tail = [self._block.intdigest()] if self._filled else []
+        return combine_digests(self._digests + tail)

@@ -31,6 +31,7 @@ from ..loading.share import LoadReport
 from ..storage.backends import read_manifest
 from ..storage.recovery import recover
 from . import local_shards
+from .copies import RECORD_SUFFIX
 from .retention import parse_step, step_name
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,8 @@ class LocalTier:
         return Restoring(report, layouts)
 
     def drop(self, steps: frozenset[int]) -> None:
-        """Delete this rank's parts of ``steps`` (of any world size), and each step directory left empty.
+        """Delete this rank's parts of ``steps`` (of any world size, with their copy records), and each step
+        directory left empty.
 
         A part that cannot be deleted is logged and left: retention never fails a save.
         """
@@ -185,7 +187,7 @@ class LocalTier:
             except FileNotFoundError:
                 continue
             for name in names:
-                m = _PART_RE.match(name.split(".tddist-")[0].lstrip("."))
+                m = _PART_RE.match(name.split(".tddist-")[0].removesuffix(RECORD_SUFFIX).lstrip("."))
                 if m is None or int(m.group(1)) != self.rank:
                     continue
                 try:

@@ -39,13 +39,13 @@ from ..comm.collective import decide_on_rank0
 from ..comm.resolve import resolve
 from ..errors import InvalidArgumentError
 from . import root_lock
-from .options import check_options, step_path
+from .options import ManagerOptions, check_options, step_path
 from .preemption import PreemptionSignals, parse_signals
 from .restore import Restored, Restorer, RestoreRequest
 from .retention import METRICS_KEY, clean_root, committed_steps, encode_metrics, newest_checkpoint
 from .root_retention import InFlight, RootRetention, retain_after
 from .schedule import Decision, SaveSchedule, StepVote
-from .tiered import SharedRoot, TieredSaves
+from .tiered import Replication, SharedRoot, TieredSaves
 from .train_state import data_to_save, optimizers_of, state_of
 
 if TYPE_CHECKING:
@@ -150,6 +150,13 @@ class CheckpointManager:
         keep_period: keep every step divisible by ``keep_period`` forever (None: no such rule).
         save_interval_minutes: also save when this many minutes have passed
             since the last save (or since the manager was created); None: never by time.
+        replicas: with ``local_dir``, 1 copies each rank's local part to a rank
+            on another node after each save, in the background, and ``restore``
+            resumes from the surviving copies (own parts and peers' replicas)
+            when a node was lost (docs/jobs.md, "Replicated node-local tier"); 0: no replicas.
+        node: this rank's node, as a name (ranks with the same name share a
+            node); None: ``TDDIST_NODE``, torchrun's ``GROUP_RANK``, ``SLURM_NODEID``,
+            the MPI processor name, else the host name.
 
     Attributes:
         should_stop: True once a requested preemption has been saved; the
@@ -159,7 +166,7 @@ class CheckpointManager:
     Raises:
         InvalidArgumentError: an invalid ``keep_last``, ``every``, ``keep_best``,
             ``metric``, ``mode``, ``keep_period``, ``save_interval_minutes``,
-            ``preempt_signal``, ``save_kwargs`` or ``local_dir``, or a
+            ``preempt_signal``, ``save_kwargs``, ``local_dir``, ``replicas`` or ``node``, or a
             ``save_kwargs`` option the root's storage cannot honour.
         RootLockedError: another live job holds ``root`` (on every rank; the
             message names its host and pid).
@@ -184,6 +191,8 @@ class CheckpointManager:
         mode: str = "min",
         keep_period: int | None = None,
         save_interval_minutes: float | None = None,
+        replicas: int = 0,
+        node: str | None = None,
     ) -> None:
         options = check_options(
             root,
@@ -197,6 +206,8 @@ class CheckpointManager:
             mode=mode,
             keep_period=keep_period,
             save_interval_minutes=save_interval_minutes,
+            replicas=replicas,
+            node=node,
         )
         self.retention = options.retention
         self.save_kwargs = options.save_kwargs
@@ -211,13 +222,7 @@ class CheckpointManager:
         self._locked = False
         self._schedule = SaveSchedule(options.interval)
         self._root_retention = RootRetention(self.root, self.comm.rank)
-        self._tiered = (
-            None
-            if options.local_dir is None
-            else TieredSaves(
-                self.comm, options.local_dir, SharedRoot(self.root, self.path, self._prepare_root, self._retain)
-            )
-        )
+        self._tiered = self._make_tiered(options)
         self._signals = PreemptionSignals(parse_signals(preempt_signal), self.request_preemption)
         try:
             done = self._on_rank0("lock and clean-up of " + self.root, self._lock_and_clean)
@@ -227,6 +232,13 @@ class CheckpointManager:
         self._locked = done is not None
         if done and self.comm.rank == 0:
             logger.info("cleaned %s: %s", self.root, "; ".join(done))
+
+    def _make_tiered(self, options: ManagerOptions) -> TieredSaves | None:
+        """The node-local tier of ``local_dir`` (with its replication), or None without one."""
+        if options.local_dir is None:
+            return None
+        shared = SharedRoot(self.root, self.path, self._prepare_root, self._retain)
+        return TieredSaves(self.comm, options.local_dir, shared, Replication(options.replicas, options.node))
 
     def _lock_and_clean(self) -> list[str] | None:
         """Rank 0: lock an existing root and clean it (None: the root does not exist, nothing was done)."""

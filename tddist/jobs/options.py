@@ -38,6 +38,8 @@ class ManagerOptions:
         interval: ``save_interval_minutes`` in seconds, or None (no time-based saves).
         save_kwargs: a copy of the ``save_kwargs`` given, none of them reserved.
         local_dir: the node-local tier's directory, or None.
+        replicas: copies of each rank's local part kept on other nodes (0 or 1).
+        node: this rank's node as given (None: detected, see ``nodes.node_name``).
     """
 
     root: Root
@@ -49,6 +51,8 @@ class ManagerOptions:
     save_kwargs: dict[str, Any]
     local_dir: str | os.PathLike | None
     deferred: bool = False
+    replicas: int = 0
+    node: str | None = None
 
 
 def check_options(
@@ -64,6 +68,8 @@ def check_options(
     mode: str,
     keep_period: int | None,
     save_interval_minutes: float | None,
+    replicas: int = 0,
+    node: str | None = None,
 ) -> ManagerOptions:
     """The manager's options, checked in the order the manager has always checked them.
 
@@ -82,6 +88,7 @@ def check_options(
             "async_save=True with local_dir: the local tier already promotes to the root in the background; "
             "pass one of them"
         )
+    _check_replicas(replicas, local_dir, node)
     kwargs = dict(save_kwargs or {})
     bad = (RESERVED | ({"snapshot", "guard"} if async_save == "deferred" else set())) & set(kwargs)
     if bad:
@@ -98,6 +105,8 @@ def check_options(
         save_kwargs=kwargs,
         local_dir=local_dir,
         deferred=async_save == "deferred",
+        replicas=replicas,
+        node=node,
     )
 
 
@@ -121,6 +130,18 @@ def _interval_seconds(minutes: object) -> float | None:
     if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0:
         raise InvalidArgumentError(f"save_interval_minutes must be a positive number or None, got {minutes!r}")
     return float(minutes) * 60.0
+
+
+def _check_replicas(replicas: object, local_dir: object, node: object) -> None:
+    """``replicas`` is 0 or 1 (one copy on another node), and needs the node-local tier."""
+    if type(replicas) is not int or replicas not in (0, 1):
+        raise InvalidArgumentError(
+            f"replicas must be 0 or 1 (copies of each local part on another node), got {replicas!r}"
+        )
+    if replicas and local_dir is None:
+        raise InvalidArgumentError("replicas=1 replicates the node-local tier: pass local_dir= too")
+    if node is not None and (not isinstance(node, str) or not node):
+        raise InvalidArgumentError(f"node must be a non-empty string naming this rank's node, or None, got {node!r}")
 
 
 def _check_local_dir(local_dir: str | os.PathLike) -> None:

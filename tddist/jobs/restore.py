@@ -46,8 +46,9 @@ class Restored(int):
             part of the node-local copy), or None.
         report: what ``tddist.load(into=...)`` found (loaded, skipped, ...), or None.
         tier: where it came from: ``"shared"`` (the manager's root),
-            ``"local"`` (the node-local copy, see ``local_dir``), or None
-            when nothing was restored.
+            ``"local"`` (the node-local copy, see ``local_dir``), ``"peers"``
+            (with ``replicas=1``: the node-local copies, some read from other
+            nodes), or None when nothing was restored.
     """
 
     step: int
@@ -134,7 +135,8 @@ class Restorer:
     def restore(self, request: RestoreRequest) -> Restored:
         """``CheckpointManager.restore``, once its arguments are checked."""
         tiered = self._tiered
-        complete = tiered.complete() if tiered is not None else frozenset()
+        replicated = tiered is not None and tiered.replicator is not None
+        complete = tiered.complete() if tiered is not None and not replicated else frozenset()
         try:  # rank 0 holds the checkpoint it picked (retention leaves it alone) until the load ended
             what = f"finding the checkpoint to restore in {self.root}"
             found = decide_on_rank0(self.comm, what, lambda _none: self._find_held(request.step))
@@ -148,6 +150,10 @@ class Restorer:
         """``restore`` once rank 0 found the shared checkpoint: the local copy when it is as new, else that."""
         tiered = self._tiered
         step, shared_step = request.step, found.step
+        if tiered is not None and tiered.replicator is not None:
+            from_copies = self._from_copies(request, shared_step)
+            if from_copies is not None:
+                return from_copies
         local = pick_local(complete, step, shared_step)
         local_error: TddistError | None = None
         if local is not None:
@@ -178,6 +184,31 @@ class Restorer:
         report = fill(request.state, shared)
         self._log_restored(path, at, report)
         return Restored(at, path, report, "shared")
+
+    def _from_copies(self, request: RestoreRequest, shared_step: int | None) -> Restored | None:
+        """With replication: restore from the own parts and replicas that survive, or None (the shared root)."""
+        tiered = self._tiered
+        assert tiered is not None
+        try:
+            got = tiered.restore_from_copies(request.state, request.step, shared_step, request.load_kwargs)
+        except CommError:
+            raise
+        except TddistError as e:  # the same on every rank: all of them go to the shared root
+            logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
+            return None
+        if got is None:
+            return None
+        self._log_restored(got.path, got.step, got.report)
+        if got.tier == "peers":
+            logger.info("rank %d: step %d came from the node-local copies and peers' replicas, 0 bytes from %s",
+                        self.comm.rank, got.step, self.root)  # fmt: skip
+        if request.step is None and (shared_step is None or got.step > shared_step):
+            if got.same_world:
+                tiered.promote_restored(got.step, got.layouts, self._save_kwargs)
+            elif self.comm.rank == 0:
+                logger.warning("step %d (restored onto another world size) is not in %s; the next save promotes "
+                               "a newer one", got.step, self.root)  # fmt: skip
+        return Restored(got.step, got.path, got.report, got.tier)
 
     def _nothing_to_restore(
         self, found: RestoreSource, request: RestoreRequest, local_error: TddistError | None

@@ -26,6 +26,9 @@ from ..loading.share import LoadReport
 from . import promotion
 from .local_shards import DTensorLayout
 from .local_tier import LocalTier, Restoring, complete_steps, expand
+from .nodes import node_name
+from .peer_restore import PeerRestore, restore_from_copies
+from .replication import Replicator
 from .train_state import fill
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,14 @@ class SharedRoot:
     path: Callable[[int], str]
     prepare: promotion.PrepareRoot
     retain: Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Replication:
+    """The manager's replication options: ``replicas`` (0 or 1) and this rank's ``node`` (None: detected)."""
+
+    replicas: int = 0
+    node: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,19 +89,32 @@ class TieredSaves:
     the manager exchanges it in its step vote and calls ``wait`` on every
     rank once it is True on every rank.
 
+    With replication, ``save`` also starts the replication of the step
+    (``replication.Replicator``; collective the first time), ``wait`` waits
+    for it first, and ``restore_from_copies`` restores from what survives.
+
     Args:
         comm: the manager's communicator.
         local_dir: the node-local directory (``{rank}`` is replaced by the rank).
         shared: the manager's shared root.
+        replication: the replication options.
 
     Raises:
         InvalidArgumentError: an invalid ``local_dir``.
     """
 
-    def __init__(self, comm: Communicator, local_dir: str | os.PathLike, shared: SharedRoot) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        local_dir: str | os.PathLike,
+        shared: SharedRoot,
+        replication: Replication = Replication(),
+    ) -> None:
         self.comm = comm
         self.shared = shared
         self.tier = LocalTier(expand(local_dir, comm.rank), comm.rank, comm.size)
+        node = replication.node if replication.node is not None else node_name()
+        self.replicator = Replicator(comm, self.tier, node) if replication.replicas else None
         self._promotion: promotion.Promotion | None = None
         self._newest_local: int | None = None  # the newest complete local copy saved by this manager
         self._promoted: int | None = None  # the newest step whose promotion committed
@@ -121,6 +145,13 @@ class TieredSaves:
             raise collective_error(f"restoring step {step} from the node-local copies", failures)
         assert outcome.value is not None
         return LocalRestore(step, tier.part(step), outcome.value, restoring[-1].layouts)
+
+    def restore_from_copies(
+        self, state: Any, step: int | None, shared: int | None, load_kwargs: dict[str, Any]
+    ) -> PeerRestore | None:
+        """Restore from the own parts and replicas on the nodes that are up (collective; see ``peer_restore``)."""
+        assert self.replicator is not None  # the manager asks only with replicas
+        return restore_from_copies(self.comm, self.tier, self.replicator.node, state, step, shared, load_kwargs)
 
     def promote_restored(self, step: int, layouts: tuple[DTensorLayout, ...], save_kwargs: dict[str, Any]) -> None:
         """Promote the local copy just restored, which is newer than the shared root's newest (collective).
@@ -170,14 +201,19 @@ class TieredSaves:
             step, tier.part(step), self.shared.path(step), mapped, dict(metadata), dict(kwargs), self.shared.prepare
         )
         self._promotion = promotion.start(self.comm, request, start)
+        if self.replicator is not None:  # last: its thread starts reading as soon as it starts
+            self.replicator.start(step)
 
     def wait(self) -> None:
-        """Wait for the promotion in flight, if any, and agree on its outcome (collective); apply retention.
+        """Wait for the replication in flight, then for the promotion in flight, if any, and agree on its
+        outcome (collective); apply retention.
 
         Raises:
             TddistError: the promotion failed on some rank (the same error on
                 every rank, naming its step); its local copy is kept.
         """
+        if self.replicator is not None:
+            self.replicator.wait()
         p = self._promotion
         if p is None:
             return

@@ -1,0 +1,429 @@
+"""Restore from the node-local copies that survive: own parts, peers' replicas, over the network.
+
+With replication (``replicas=1``), the ranks of a restarted job pool what
+their local directories hold (``inventory``: own parts and replicas, each a
+``Copy``; one allgather) and pick the newest step of which every part has a
+copy (``choose``); a copy found bad is left out and the choice made again.
+Each rank then needs some parts (``needs``): its own on the same world size;
+on another one, the parts whose rows overlap its even share of each sharded
+leaf (and one part for the replicated leaves). A part held by another rank
+is sent over the manager's communicator in bounded chunks (``transfer.ship``)
+and checked against the sender's record; a copy whose bytes do not match its
+record is reported, and the ranks choose again without it. Nothing is read
+from the shared root. When no step is whole, or the shared root holds a newer
+one, ``restore_from_copies`` returns None and says why in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._fs import remove_tree
+from ..api import load
+from ..comm.base import Communicator, LocalComm
+from ..comm.collective import collective_error, contribute
+from ..core.sharding import Shard
+from ..core.tree import flatten
+from ..core.types import Key
+from ..errors import IncompatibleCheckpointError, TddistError
+from ..loading.share import LoadReport
+from ..storage.backends import read_manifest
+from . import local_shards, transfer
+from .copies import FileSum, PartId, digest_files, mismatch, read_record, record_path
+from .local_tier import LocalTier
+from .replication import held_replicas, replica_path
+from .retention import parse_step
+from .train_state import fill
+
+logger = logging.getLogger(__name__)
+
+#: How many times the ranks choose again after finding bad copies before they give up on the local copies.
+ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A committed copy of a part held by a rank, as it tells the others.
+
+    Attributes:
+        part: the part.
+        holder: the rank whose local directory holds it.
+        node: the holder's node.
+        path: where, on the holder's node.
+        replica: a peer's replica (else the owner's own copy).
+        recorded: it has a record with checksums (own copies get one once replicated).
+        rows: for each sharded leaf of the part, its rows (to reshard onto another world size).
+    """
+
+    part: PartId
+    holder: int
+    node: str
+    path: str
+    replica: bool
+    recorded: bool
+    rows: tuple[tuple[Key, int], ...] = field(compare=False)
+
+    @property
+    def place(self) -> tuple[PartId, str, str]:
+        """The bytes it is: every rank of a node that shares a directory lists the same copy."""
+        return self.part, self.node, self.path
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The step the ranks restore from the local copies and, for each part, the copies they may use."""
+
+    step: int
+    world: int
+    copies: Mapping[int, tuple[Copy, ...]]
+
+
+@dataclass(frozen=True)
+class PeerRestore:
+    """What ``restore_from_copies`` loaded.
+
+    Attributes:
+        step: the step.
+        path: the copy this rank loaded its own part from (on another world size, the first part it read).
+        report: the load's report.
+        layouts: the state's DTensor leaves (to promote the copy again).
+        tier: ``"local"`` when every rank read only its own node's copies, ``"peers"`` otherwise.
+        same_world: the step was saved on this world size (its own part is now in this rank's local tier).
+    """
+
+    step: int
+    path: str
+    report: LoadReport
+    layouts: tuple[local_shards.DTensorLayout, ...]
+    tier: str
+    same_world: bool
+
+
+def inventory(tier: LocalTier, node: str) -> list[Copy]:
+    """The committed copies under this rank's local directory: its parts (of any rank, any world) and replicas."""
+    out = []
+    for step_dir in _listdir(tier.directory):
+        step = parse_step(step_dir)
+        for name in _listdir(os.path.join(tier.directory, step_dir)) if step is not None else []:
+            part = _part_of(step, name)  # type: ignore[arg-type]
+            path = os.path.join(tier.directory, step_dir, name)
+            if part is not None and os.path.isdir(path):
+                out += _described(part, tier.rank, node, path, False)
+    for part in held_replicas(tier.directory):
+        out += _described(part, tier.rank, node, replica_path(tier.directory, part), True)
+    return out
+
+
+def _described(part: PartId, holder: int, node: str, path: str, replica: bool) -> list[Copy]:
+    try:
+        manifest = read_manifest(path)
+    except (TddistError, OSError):
+        return []  # not committed (a save cut off) or unreadable
+    rows = tuple(
+        (k, leaf.shape[0])
+        for k, leaf in manifest.leaves.items()
+        if isinstance(leaf.placement, Shard) and leaf.placement.dim == 0
+    )
+    return [Copy(part, holder, node, path, replica, read_record(path) is not None, rows)]
+
+
+def choose(
+    copies: Sequence[Copy], bad: set[tuple[PartId, str, str]], step: int | None, world: int
+) -> tuple[Choice | None, list[str]]:
+    """The newest step (or ``step``) of which every part has a copy not in ``bad``; and why newer ones were passed."""
+    passed = []
+    by_step: dict[tuple[int, int], dict[int, list[Copy]]] = {}
+    for c in copies:
+        if c.place not in bad:
+            by_step.setdefault((c.part.step, c.part.world), {}).setdefault(c.part.rank, []).append(c)
+    keys = sorted(by_step, key=lambda k: (k[0], k[1] == world), reverse=True)
+    for s, w in keys:
+        if step is not None and s != step:
+            continue
+        held = by_step[(s, w)]
+        lost = [r for r in range(w) if r not in held]
+        if lost:
+            passed.append(f"step {s} (saved on {w} ranks) has no surviving copy of the parts of ranks {lost[:16]}")
+            continue
+        return Choice(s, w, {r: tuple(held[r]) for r in range(w)}), passed
+    return None, passed
+
+
+def needs(choice: Choice, rank: int, world: int) -> list[int]:
+    """The parts rank ``rank`` of ``world`` reads: its own, or on another world size those overlapping its rows."""
+    if choice.world == world:
+        return [rank]
+    rows = [dict(choice.copies[k][0].rows) for k in range(choice.world)]
+    want: set[int] = set()
+    for key in rows[0]:
+        lo, hi = _even(sum(r.get(key, 0) for r in rows), rank, world)
+        at = 0
+        for k, r in enumerate(rows):
+            n = r.get(key, 0)
+            if at < hi and lo < at + n:
+                want.add(k)
+            at += n
+    return sorted(want) or [min(rank, choice.world - 1)]
+
+
+def _even(total: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of rank ``rank``'s even share of ``total`` (as ``torch.tensor_split`` splits)."""
+    q, r = divmod(total, world)
+    lo = rank * q + min(rank, r)
+    return lo, lo + q + (1 if rank < r else 0)
+
+
+def route(choice: Choice, world: int) -> dict[tuple[int, int], Copy]:
+    """(reader, part) -> the copy it reads: its own holding when it has one, else one spread over the holders."""
+    out = {}
+    for reader in range(world):
+        for k in needs(choice, reader, world):
+            held = choice.copies[k]
+            own = [c for c in held if c.holder == reader]
+            out[(reader, k)] = own[0] if own else held[(reader + k) % len(held)]
+    return out
+
+
+def _part_of(step: int, name: str) -> PartId | None:
+    if not name.startswith("rank-") or "." in name:
+        return None
+    try:
+        rank, world = (int(x) for x in name[len("rank-") :].split("-of-"))
+    except ValueError:
+        return None
+    return PartId(step, rank, world)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """One attempt's transfers: for each copy a rank reads, where it is on the reader's node.
+
+    A copy without a record (an own part whose replication was never
+    confirmed) has no checksums of its own to be checked against: it is
+    loaded with ``verify=True``, against its manifest's checksums.
+    """
+
+    choice: Choice
+    paths: Mapping[int, str]  # part rank -> where this rank reads it
+    shipped: bool  # some rank read a copy held by another rank
+    unrecorded: frozenset[int]  # parts read from a copy without a record: loaded with verify=True
+
+
+def restore_from_copies(
+    comm: Communicator,
+    tier: LocalTier,
+    node: str,
+    state: Any,
+    step: int | None,
+    shared: int | None,
+    load_kwargs: dict[str, Any],
+) -> PeerRestore | None:
+    """Restore ``state`` from the surviving local copies (collective), or None to restore from the shared root.
+
+    ``node``: this rank's node. ``step``: the step asked for (None: the newest); ``shared``: the newest
+    step of the shared root. Returns None, after saying why in the log, when
+    no step is whole on the nodes that are up, when the shared root holds a
+    newer one, or when copies keep failing their checksums.
+
+    Raises:
+        TddistError: loading the parts failed on some rank (the same error on every rank).
+    """
+    copies = [c for held in comm.allgather(inventory(tier, node)) for c in held]
+    bad: set[tuple[PartId, str, str]] = set()
+    for _attempt in range(ATTEMPTS):
+        choice, passed = choose(copies, bad, step, comm.size)
+        if passed and comm.rank == 0:
+            logger.warning("restore from the node-local copies: %s", "; ".join(passed))
+        if choice is None:
+            if comm.rank == 0:
+                logger.warning("no step has a surviving copy of every part on the nodes that are up: "
+                               "restoring from the shared root")  # fmt: skip
+            return None
+        if step is None and shared is not None and choice.step < shared:
+            if comm.rank == 0:
+                logger.warning("the newest step whole on the nodes (%d) is older than the shared root's newest (%d): "
+                               "restoring from the shared root", choice.step, shared)  # fmt: skip
+            return None
+        fetch, found = _fetch(comm, tier, choice)
+        if fetch is not None:
+            return _load(comm, tier, state, fetch, load_kwargs)
+        bad |= found
+    if comm.rank == 0:
+        logger.warning("copies kept failing their checksums (%s): restoring from the shared root", sorted(bad)[:8])
+    return None
+
+
+def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch | None, set[tuple[PartId, str, str]]]:
+    """Check the copies this attempt reads and bring those held elsewhere to their readers (collective).
+
+    Returns the fetch, or None with the copies found bad on any rank.
+    """
+    me, routes = comm.rank, route(choice, comm.size)
+    sending = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader != me}, key=_order)
+    reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me} - set(sending), key=_order)
+    files: dict[tuple[PartId, int], tuple[FileSum, ...]] = {}
+    found = []
+    for c in sending + reading:
+        why = _check(c, files, sender=c in sending)
+        if why:
+            found.append((c, why))
+    announced = comm.allgather((files, found))
+    bad = _bad(announced, comm.rank)
+    if bad:
+        return None, bad
+    sums = {k: v for f, _found in announced for k, v in f.items()}
+    shipments = [transfer.Shipment(c.holder, r, c.part, sums[(c.part, c.holder)])
+                 for (r, _k), c in sorted(routes.items()) if c.holder != r]  # fmt: skip
+    inbox = os.path.join(tier.directory, f".fetched-rank{me}")
+    remove_tree(inbox)
+    target = lambda s: os.path.join(inbox, str(s.part.step), s.part.name)
+    failed = transfer.ship(comm, shipments, lambda s: _source(routes, s), target, transfer.chunk_bytes())
+    arrived = [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in failed]
+    bad = _bad(comm.allgather(({}, arrived)), comm.rank)
+    if bad:
+        return None, bad
+    mine = {k: c for (r, k), c in routes.items() if r == me}
+    paths = {
+        k: c.path if c.holder == me else target(transfer.Shipment(c.holder, me, c.part, ())) for k, c in mine.items()
+    }
+    unrecorded = frozenset(k for k, c in mine.items() if not c.recorded)
+    return Fetch(choice, paths, bool(shipments), unrecorded), set()
+
+
+def _order(c: Copy) -> tuple[PartId, int]:
+    return c.part, c.holder
+
+
+def _source(routes: Mapping[tuple[int, int], Copy], s: transfer.Shipment) -> str:
+    return routes[(s.dst, s.part.rank)].path
+
+
+def _check(c: Copy, files: dict[tuple[PartId, int], tuple[FileSum, ...]], sender: bool) -> str | None:
+    """Why copy ``c`` cannot be used, or None; a sender puts the files it sends, with their checksums, in ``files``.
+
+    A copy with a record is sent as its record says (the receiver checks the
+    bytes against it), one without is hashed first; a reader of its own copy
+    checks it against its record when it has one.
+    """
+    try:
+        record = read_record(c.path) if c.recorded else None
+        if not sender:
+            return mismatch(c.path, record.files) if record is not None else None
+        files[(c.part, c.holder)] = record.files if record is not None else digest_files(c.path)
+    except OSError as e:
+        return f"{c.path} cannot be read: {e}"
+    return None
+
+
+def _bad(announced: Sequence[tuple[Any, list[tuple[Copy, str]]]], rank: int) -> set[tuple[PartId, str, str]]:
+    """The places of the copies some rank found bad (rank 0 logs each)."""
+    found = [f for _files, fs in announced for f in fs]
+    if found and rank == 0:
+        for c, why in found:
+            logger.warning("the copy of %s at %s on %s is bad (%s): choosing again without it", c.part.name,
+                           c.path, c.node, why)  # fmt: skip
+    return {c.place for c, _why in found}
+
+
+def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kwargs: dict[str, Any]) -> PeerRestore:
+    """Every rank fills ``state`` from the parts it read; the same error on every rank if one fails."""
+    choice, paths = fetch.choice, fetch.paths
+    same = choice.world == comm.size
+    layouts: list[tuple[local_shards.DTensorLayout, ...]] = []
+
+    def fill_from_parts(into: Any) -> LoadReport:
+        plain, found = local_shards.split(into)
+        layouts.append(found)
+        if same:
+            kwargs = {**load_kwargs, "verify": True} if comm.rank in fetch.unrecorded else load_kwargs
+            report = load(paths[comm.rank], comm=LocalComm(), into=plain, **kwargs)
+            assert isinstance(report, LoadReport)  # load(into=...) returns its report
+            return report
+        if found:
+            raise IncompatibleCheckpointError(
+                f"rank {comm.rank}: step {choice.step} was saved on {choice.world} ranks and the state holds "
+                f"DTensors: the node-local copies reshard plain tensors only"
+            )
+        return reshard(plain, paths, choice, comm.rank, comm.size, fetch.unrecorded)
+
+    outcome = contribute(lambda: fill(state, fill_from_parts))
+    failures = {r: f for r, f in enumerate(comm.allgather(outcome.failure)) if f is not None}
+    if failures:
+        raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
+    assert outcome.value is not None
+    path = paths[min(paths)]
+    if same:
+        path = _keep(tier, choice.step, path)
+    remove_tree(os.path.join(tier.directory, f".fetched-rank{comm.rank}"))
+    tier_name = "peers" if fetch.shipped else "local"
+    return PeerRestore(choice.step, path, outcome.value, layouts[-1] if layouts else (), tier_name, same)
+
+
+def _keep(tier: LocalTier, step: int, path: str) -> str:
+    """A part fetched from a peer becomes this rank's own local copy (so it is promoted and replicated again).
+
+    An own copy that was not read is bad (a rank reads its own copy when it
+    holds one that is good): the fetched one replaces it.
+    """
+    own = tier.part(step)
+    fetched = os.path.join(tier.directory, f".fetched-rank{tier.rank}")
+    if not path.startswith(fetched + os.sep):
+        return path
+    remove_tree(record_path(own))
+    remove_tree(own)
+    os.makedirs(os.path.dirname(own), exist_ok=True)
+    os.rename(path, own)
+    return own
+
+
+def reshard(
+    plain: Any, paths: Mapping[int, str], choice: Choice, rank: int, world: int, unrecorded: frozenset[int]
+) -> LoadReport:
+    """Fill ``plain`` (this rank's even share of every sharded leaf) from the parts of another world size.
+
+    ``unrecorded``: parts loaded with ``verify=True`` (their copies have no record).
+    """
+    datas = {k: load(p, comm=LocalComm(), verify=k in unrecorded) for k, p in paths.items()}  # memory-mapped
+    rows = [dict(choice.copies[k][0].rows) for k in range(choice.world)]
+    _nodes, leaves, objects = flatten(plain)
+    if objects:
+        raise IncompatibleCheckpointError(
+            f"rank {rank}: the state holds non-tensor leaves {sorted(objects)[:5]}: the node-local copies reshard "
+            f"tensors only onto another world size"
+        )
+    for key, t in leaves.items():
+        if key not in rows[0]:
+            t.copy_(_leaf(datas[min(datas)], key, rank))
+            continue
+        lo, hi = _even(sum(r.get(key, 0) for r in rows), rank, world)
+        if t.shape[0] != hi - lo:
+            raise IncompatibleCheckpointError(
+                f"rank {rank}: {'/'.join(key)} has {t.shape[0]} rows, its even share of step {choice.step} is {hi - lo}"
+            )
+        at = 0
+        for k, r in enumerate(rows):
+            a, b = max(lo, at), min(hi, at + r.get(key, 0))
+            if a < b:
+                t[a - lo : b - lo].copy_(_leaf(datas[k], key, rank)[a - at : b - at])
+            at += r.get(key, 0)
+    return LoadReport(loaded=list(leaves))
+
+
+def _leaf(data: Any, key: Key, rank: int) -> torch.Tensor:
+    try:
+        return data.get(key)
+    except KeyError:
+        raise IncompatibleCheckpointError(f"rank {rank}: the node-local copy has no leaf {'/'.join(key)}") from None

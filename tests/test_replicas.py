@@ -1,0 +1,289 @@
+"""The replicated node-local tier (``replicas=1``): replication to another node, restore from peers, resharding.
+
+In-process tests run thread ranks that say which node they are on
+(``node=``), each node with its own local directory. The multi-node test
+runs torchrun agents, each one a node on 127.0.0.1 with its own local
+directory; a node is lost for real (its agent and workers SIGKILLed, its
+directory deleted) and the job restarts on the survivor, alone or with a
+fresh empty node. Throughout, the shared root's data files are hidden, so a
+restore that read a byte of them would fail: the restores from the nodes
+read 0 bytes from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tensordict import TensorDict
+
+import tddist
+from tddist.jobs.copies import read_record
+from tddist.jobs.manager import CheckpointManager
+from tddist.jobs.nodes import node_name, replica_peers
+from tddist.jobs.retention import step_name
+from tests import launch_util
+from tests.helpers import assert_td_equal
+from tests.manager_rank import local_state, train
+
+SCRIPT = Path(__file__).resolve().parent / "replica_rank.py"
+
+
+def test_replica_peers_pair_every_rank_with_another_node() -> None:
+    assert replica_peers(["a", "a", "b", "b"]) == {0: 2, 1: 3, 2: 0, 3: 1}
+    assert replica_peers(["a", "b", "c"]) == {0: 1, 1: 2, 2: 0}
+    assert replica_peers(["a", "a", "a", "b"]) == {0: 3, 1: 3, 2: 3, 3: 0}  # uneven nodes: all on the other one
+    assert replica_peers(["a", "a"]) == {}  # one node: no replica would survive it
+    assert node_name({"TDDIST_NODE": "x", "GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2"}) == "x"
+    assert node_name({"GROUP_RANK": "1", "LOCAL_WORLD_SIZE": "2", "SLURM_NODEID": "7"}) == "torchrun-node-1"
+    assert node_name({"SLURM_NODEID": "7"}) == "slurm-node-7"
+
+
+def test_replicas_need_the_local_tier(tmp_path: Path) -> None:
+    with pytest.raises(tddist.InvalidArgumentError, match="local_dir"):
+        CheckpointManager(tmp_path, replicas=1, preempt_signal=None)
+    with pytest.raises(tddist.InvalidArgumentError, match="replicas must be 0 or 1"):
+        CheckpointManager(tmp_path, local_dir=tmp_path / "l", replicas=2, preempt_signal=None)
+
+
+def hide_data(root: Path, hidden: bool) -> None:
+    """Rename the shared root's data files away (``hidden``) or back: a restore that reads one fails."""
+    for p in root.rglob("*.data" if hidden else "*.data.hidden"):
+        p.rename(p.with_name(p.name + ".hidden") if hidden else p.with_name(p.name.removesuffix(".hidden")))
+
+
+def flip_byte(path: Path, at: int | None = None) -> None:
+    """Corrupt one byte of ``path`` (the middle one by default)."""
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2 if at is None else at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TDDIST_REPLICA_CHUNK_BYTES", "100")  # many rounds of chunks
+    root, a, b, c = tmp_path / "shared", tmp_path / "a", tmp_path / "b", tmp_path / "c"
+
+    def run(size: int, dirs: list[Path], body: Callable[[CheckpointManager, TensorDict], object]) -> list[object]:
+        def rank(comm):
+            node = comm.rank * len(dirs) // size  # ranks split evenly over the nodes, in order
+            with CheckpointManager(
+                root, every=1, keep_last=2, comm=comm, local_dir=dirs[node], preempt_signal=None, replicas=1,
+                node=f"node-{dirs[node].name}",
+            ) as mgr:  # fmt: skip
+                return body(mgr, local_state(comm.rank, comm.size, 0))
+
+        out = tddist.run_threads(size, rank)
+        assert not any(isinstance(r, BaseException) for r in out), out
+        return out
+
+    def train_to_3(mgr: CheckpointManager, state: TensorDict) -> object:
+        for s in range(mgr.restore(state), 3):
+            train(state)
+            mgr.step(s + 1, state)
+        return None
+
+    def restore(mgr: CheckpointManager, state: TensorDict) -> object:
+        got = mgr.restore(state)
+        assert_td_equal(state, local_state(mgr.comm.rank, mgr.comm.size, 3), f"rank {mgr.comm.rank}")
+        return int(got), got.tier
+
+    run(4, [a, b], train_to_3)
+    for r, (mine, theirs) in enumerate([(a, b), (a, b), (b, a), (b, a)]):
+        record = read_record(str(mine / step_name(3) / f"rank-{r}-of-4"))
+        assert record is not None and record.peer_node == f"node-{theirs.name}", record
+        assert read_record(str(theirs / "replicas" / step_name(3) / f"rank-{r}-of-4")) is not None
+    assert sorted(p.name for p in (a / "replicas").iterdir()) == [step_name(2), step_name(3)]  # two slots
+    hide_data(root, hidden=True)
+    flip_byte(a / step_name(3) / "rank-0-of-4" / "rank-00000.data")  # rank 0's own copy is bad: its replica on b
+    with caplog.at_level(logging.WARNING):
+        assert run(4, [a, b], restore) == [(3, "peers")] * 4
+    assert "the copy of rank-0-of-4 at" in caplog.text and "is bad" in caplog.text
+    shutil.rmtree(b)  # node b is lost
+    assert run(2, [a], restore) == [(3, "local")] * 2  # 4 parts resharded onto 2 ranks, all on node a
+    assert run(4, [a, c], restore) == [(3, "peers")] * 4  # a fresh node c: its parts come from a's replicas
+    assert sorted(p.name for p in (c / step_name(3)).iterdir()) == ["rank-2-of-4", "rank-3-of-4"]
+    flip_byte(a / "replicas" / step_name(3) / "rank-2-of-4" / "rank-00000.data")
+    shutil.rmtree(c)  # the only good copy of part 2 is lost: the shared root is used
+    hide_data(root, hidden=False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert run(2, [a], restore) == [(3, "shared")] * 2
+    assert "no surviving copy of the parts of ranks [2]" in caplog.text
+    assert "restoring from the shared root" in caplog.text
+
+
+# --- nodes as torchrun agents on 127.0.0.1 ------------------------------------------------------
+
+
+class Node:
+    """One torchrun agent playing a node: two workers, its own local directory, killed as a process group."""
+
+    def __init__(
+        self, work: Path, tag: str, rank: int, nnodes: int, port: int, local: Path, role: str, step: int
+    ) -> None:
+        self.log = work / f"agent-{tag}-{rank}.log"
+        env = launch_util._env({
+            "TDDIST_REPORT_DIR": str(work / f"reports-{tag}"), "REPLICA_LOCAL": str(local),
+            "TDDIST_REPLICA_CHUNK_BYTES": "256", "TDDIST_TIMEOUT": "60",
+        })  # fmt: skip
+        (work / f"reports-{tag}").mkdir(exist_ok=True)
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={rank}",
+            "--nproc-per-node=2", "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
+            str(SCRIPT), str(work), role, str(step),
+        ]  # fmt: skip
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=launch_util.REPO
+            )
+
+    def kill(self) -> None:
+        """SIGKILL the agent and its workers (the node dies); torchrun may start its workers in their own sessions.
+
+        An agent that already ended (and stopped its workers) is left alone: its pid may be another process's now.
+        """
+        if self.proc.poll() is not None:
+            return
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), from /proc."""
+    parent = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(entry.name)] = int(fields[1])
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        todo += kids
+    return found
+
+
+#: Every agent a test started, killed at its end whatever happened.
+STARTED: list[Node] = []
+
+
+def start(work: Path, tag: str, role: str, step: int, locals_: list[Path]) -> list[Node]:
+    """A job of one agent per local directory (``tag`` names its reports and logs)."""
+    port = launch_util.free_port()
+    nodes = [Node(work, tag, k, len(locals_), port, d, role, step) for k, d in enumerate(locals_)]
+    STARTED.extend(nodes)
+    return nodes
+
+
+@pytest.fixture
+def agents():
+    """Kills every agent (and its workers) the test started, once it ends."""
+    yield
+    while STARTED:
+        STARTED.pop().kill()
+
+
+def reports(work: Path, tag: str, n: int, nodes: list[Node], timeout: float = 120) -> dict[int, dict]:
+    """Wait for ``n`` ranks' reports; fail with the agents' logs if one ends badly or time runs out."""
+    deadline = time.monotonic() + timeout
+    d = work / f"reports-{tag}"
+    while time.monotonic() < deadline:
+        got = {int(p.stem[4:]): json.loads(p.read_text()) for p in d.glob("rank*.json")}
+        if len(got) == n or any(r.get("status") != "ok" for r in got.values()):
+            break
+        time.sleep(0.2)
+    logs = "\n".join(node.log.read_text()[-3000:] for node in nodes)
+    assert len(got) == n and all(r["status"] == "ok" for r in got.values()), f"{got}\n{logs}"
+    return got
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_a_node_killed_for_real_restart_on_survivor_and_fresh_node(tmp_path: Path, agents: None) -> None:
+    l0, l1 = tmp_path / "node0", tmp_path / "node1"
+    nodes = start(tmp_path, "train", "train", 4, [l0, l1])
+    try:
+        reports(tmp_path, "train", 4, nodes)
+    finally:
+        nodes[1].kill()  # node 1 dies with its workers and its disk
+        nodes[0].kill()  # and the job with it
+    shutil.rmtree(l1)
+    hide_data(tmp_path / "shared", hidden=True)
+
+    alone = start(tmp_path, "alone", "restore", 4, [l0])  # the survivor alone: 2 ranks instead of 4
+    got = reports(tmp_path, "alone", 2, alone)
+    for n in alone:
+        assert n.proc.wait(60) == 0, n.log.read_text()[-3000:]
+    assert {(r["step"], r["tier"]) for r in got.values()} == {(4, "local")}
+
+    pair = start(tmp_path, "pair", "restore-then-crash", 4, [l0, l1])  # survivor + a fresh empty node
+    try:
+        got = reports(tmp_path, "pair", 4, pair)
+        assert {(r["step"], r["tier"]) for r in got.values()} == {(4, "peers")}
+        assert pair[0].proc.wait(120) != 0  # rank 1 was SIGKILLed while receiving step 5's replica
+    finally:
+        pair[1].kill()
+        pair[0].kill()
+    cut = l0 / "replicas" / step_name(5)
+    assert [p.name for p in cut.iterdir() if p.name.startswith("rank-3-of-4")] != []  # it had begun
+    assert read_record(str(cut / "rank-3-of-4")) is None  # no record: never taken as complete
+    assert not (tmp_path / "shared" / step_name(5)).exists()
+    shutil.rmtree(l1)
+
+    flip_byte(l0 / "replicas" / step_name(4) / "rank-2-of-4" / "rank-00000.data")
+    hide_data(tmp_path / "shared", hidden=False)
+    last = start(tmp_path, "last", "restore", 4, [l0])
+    got = reports(tmp_path, "last", 2, last)
+    for n in last:
+        assert n.proc.wait(60) == 0
+    assert {(r["step"], r["tier"]) for r in got.values()} == {(4, "shared")}
+    text = last[0].log.read_text()
+    assert "no surviving copy of the parts of ranks" in text and "is bad" in text, text[-3000:]
+
+
+def test_one_node_keeps_no_replica_and_an_unrecorded_bad_copy_is_never_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, local = tmp_path / "shared", tmp_path / "local"
+
+    def body(comm):
+        kw = dict(every=2, keep_last=2, comm=comm, local_dir=local, preempt_signal=None, replicas=1, node="only")
+        with CheckpointManager(root, **kw) as mgr:
+            state = local_state(comm.rank, comm.size, 0)
+            for s in range(mgr.restore(state), 4):
+                train(state)
+                mgr.step(s + 1, state)
+        comm.barrier()
+        if comm.rank == 1:  # no replica, so no record: the copy is checked against its manifest when loaded
+            flip_byte(local / step_name(4) / "rank-1-of-2" / "rank-00000.data", at=0)  # in a tensor's bytes
+        comm.barrier()
+        with CheckpointManager(root, **kw) as mgr:
+            state = local_state(comm.rank, comm.size, 0)
+            got = mgr.restore(state)
+            assert_td_equal(state, local_state(comm.rank, comm.size, 4), f"rank {comm.rank}")
+            return int(got), got.tier
+
+    with caplog.at_level(logging.WARNING):
+        assert tddist.run_threads(2, body) == [(4, "shared")] * 2
+    assert "every rank runs on node 'only': no replica is kept" in caplog.text
+    assert not (local / "replicas").exists()
+    assert read_record(str(local / step_name(4) / "rank-0-of-2")) is None
