@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
+from .finite import ChunkStats
 from .sharding import Box, Placement
 
 if TYPE_CHECKING:
@@ -240,10 +241,12 @@ class ManifestFiles:
 
 @dataclass(frozen=True, slots=True)
 class StoredBytes:
-    """What a rank wrote for one leaf: the byte count and the checksum."""
+    """What a rank wrote for one leaf: the byte count, the checksum and, for a floating-point leaf, the counts
+    of its non-finite values (``core.finite``, computed in the checksum's pass; None for other dtypes)."""
 
     nbytes: int
     checksum: str
+    stats: ChunkStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +285,7 @@ class Fragment:
     node_rows: bytes  # int64 per node: its dim-0 rows here (0 for a node without batch dims)
     lengths: bytes  # int64 per leaf: its size along its Shard dim here (0 for other placements)
     checksums: bytes  # uint64 per leaf: what this rank stored; with check_replicas, a replica's; else 0
+    stats: bytes = b""  # per leaf (uint64 x 3): NaN count, Inf count, largest finite magnitude's float64 bits
     boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()

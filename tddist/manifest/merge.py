@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import format as fmt
+from ..core.finite import is_floating
 from ..core.sharding import Box, Boxes, PerRank, Replicate, Shard, box_tiling_problems, replica_writers
 from ..core.types import Fragment, Key, LeafSpec, Structure
 from ..errors import ShardingError
-from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
+from .chunks import BoxChunks, ChunkTable, LeafStats, ReplicaChunks, ShardChunks
 from .model import Leaf, Manifest, ObjectLeaf
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,14 @@ class _Columns:
         node_rows: each batched node's rows per rank.
         lengths: each leaf's length along its shard dim per rank.
         checksums: each leaf's chunk checksum per rank.
+        stats: each leaf's counts of non-finite values per rank (ranks x leaves x 3: NaN, Inf, the float64
+            bits of the largest finite magnitude).
     """
 
     node_rows: np.ndarray
     lengths: np.ndarray
     checksums: np.ndarray
+    stats: np.ndarray
 
     @classmethod
     def stack(cls, fragments: list[Fragment]) -> _Columns:
@@ -94,6 +98,7 @@ class _Columns:
             node_rows=np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1),
             lengths=np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1),
             checksums=np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1),
+            stats=np.stack([np.frombuffer(f.stats, dtype=_U8) for f in fragments]).reshape(world, -1, 3),
         )
 
 
@@ -211,7 +216,20 @@ def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, boxes: _
         sums_i = np.ascontiguousarray(columns.checksums[:, i])
         table = _table(spec, lengths_i, sums_i, boxes.by_key, boxes.cached, writers.get(spec.key, 0))
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
-        m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table)
+        stats = _leaf_stats(table, columns.stats[:, i]) if is_floating(spec.dtype) else None
+        m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table, stats)
+
+
+def _leaf_stats(table: ChunkTable, per_rank: np.ndarray) -> LeafStats:
+    """A floating leaf's stats in chunk order, from each rank's (ranks x 3): the rank that stored each chunk."""
+    if isinstance(table, ShardChunks):
+        rows = per_rank
+    elif isinstance(table, ReplicaChunks):
+        rows = per_rank[[table.writer]]
+    else:
+        rows = per_rank[table.ranks]
+    rows = np.ascontiguousarray(rows)
+    return LeafStats(rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy().view("<f8"))
 
 
 def _remember(cache: MergeCache, m: Manifest, reference: Structure, boxes: _MergedBoxes) -> None:

@@ -20,7 +20,7 @@ from .. import format as fmt
 from ..core.sharding import Box, Placement
 from ..core.types import Key
 from ..errors import ManifestError
-from .chunks import Chunk, ChunkTable, ShardChunks
+from .chunks import Chunk, ChunkTable, LeafStats, ShardChunks
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +29,7 @@ __all__ = ["Chunk", "Leaf", "Manifest", "ObjectLeaf"]
 
 MAX_ELEMENTS = 1 << 56
 #: The newest format version this tddist reads.
-READS_UP_TO = 3
+READS_UP_TO = 4
 #: The most ranks a manifest may name: far beyond any job, and small enough that an array of one number per
 #: rank (128 MiB at most) never exhausts memory before the files that should back it are checked.
 MAX_WORLD_SIZE = 1 << 24
@@ -99,6 +99,8 @@ class Leaf:
         shape: The global shape (all ranks' pieces together).
         placement: How the ranks' pieces make up the global tensor.
         table: The stored pieces, in columns; together they tile ``shape`` exactly.
+        stats: For a floating leaf, each chunk's counts of non-finite values (format version 4); None when
+            they were not recorded (other dtypes, older versions).
     """
 
     key: Key
@@ -106,6 +108,7 @@ class Leaf:
     shape: tuple[int, ...]
     placement: Placement
     table: ChunkTable
+    stats: LeafStats | None = None
 
     @property
     def dtype(self) -> torch.dtype:

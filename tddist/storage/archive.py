@@ -140,7 +140,11 @@ class ArchiveWriter(WriterBase):
         stored = {}
         for key in self.local_shard().written():
             e = by_name.get(self.names.get(key, ""))
-            stored[key] = StoredBytes(len(e.data), combine_digests(e.digests)) if e else StoredBytes(0, EMPTY)
+            if e is None:
+                stored[key] = StoredBytes(0, EMPTY)
+            else:
+                stats = None if e.counter is None else e.counter.result()
+                stored[key] = StoredBytes(len(e.data), combine_digests(e.digests), stats)
         return self.fragment(stored, entry_rows(self.entries))
 
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
