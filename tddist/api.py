@@ -52,6 +52,7 @@ def save(
     archive: bool | None = None,
     compression: Any = None,
     layout: str | None = None,
+    require_finite: bool = False,
 ) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint ``prefix``.
 
@@ -112,6 +113,11 @@ def save(
             "packed" (the default: one data file per rank) or "memmap" (one
             file per leaf, each rank directory loadable with
             ``TensorDict.load_memmap``). Archives store one entry per leaf.
+        require_finite: refuse to publish a checkpoint whose floating-point
+            leaves hold a NaN or an infinite value (every checkpoint records
+            how many each chunk holds, counted while it is hashed): every rank
+            raises ``NonFiniteError`` and the target keeps its previous
+            checkpoint.
 
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the
@@ -129,6 +135,8 @@ def save(
         CommError: a peer died or the transport broke; the target then holds
             the previous checkpoint or, if rank 0 committed, the new one.
         CollectiveError: ranks failed with different errors.
+        NonFiniteError: ``require_finite`` and the data holds NaN or Inf
+            values (on every rank; nothing was committed).
     """
     request = save_request(
         prefix,
@@ -150,6 +158,7 @@ def save(
         archive=archive,
         compression=compression,
         layout=layout,
+        require_finite=require_finite,
     )
     return saving.save(data, request)
 

@@ -127,6 +127,7 @@ class SaveOptions:
     allow_pickle: bool
     compression: Compression | None = None
     packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
+    require_finite: bool = False  # refuse to publish a checkpoint that holds NaN or Inf values
 
 
 @dataclass(frozen=True, slots=True)
