@@ -105,6 +105,12 @@ class CheckpointManager:
     ``preempt_signal``: one signal, several, or None. ``save_kwargs`` go to
     ``tddist.save`` (``metadata`` is merged with the step and the metrics).
 
+    ``restore="finite"``: ``restore`` (without ``step``) skips the checkpoints
+    whose floating-point leaves hold NaN or Inf values, as counted when they
+    were saved (format version 4; older checkpoints were not counted and are
+    taken as they are), so a diverged run resumes from its last healthy
+    state; a node-local copy is then used only for the step it picked.
+
     ``local_dir`` adds a node-local tier (docs/jobs.md, "Node-local tier"):
     each save first commits every rank's shard to fast storage of its own
     node, as the one-rank checkpoint ``<local_dir>/step-<step>/rank-<r>-of-<world>``
@@ -146,6 +152,8 @@ class CheckpointManager:
         keep_period: keep every step divisible by ``keep_period`` forever (None: no such rule).
         save_interval_minutes: also save when this many minutes have passed
             since the last save (or since the manager was created); None: never by time.
+        restore: "newest" (the default) or "finite": ``restore`` skips
+            checkpoints that hold NaN or Inf values.
 
     Attributes:
         should_stop: True once a requested preemption has been saved; the
@@ -180,7 +188,11 @@ class CheckpointManager:
         mode: str = "min",
         keep_period: int | None = None,
         save_interval_minutes: float | None = None,
+        restore: str = "newest",
     ) -> None:
+        if restore not in ("newest", "finite"):
+            raise InvalidArgumentError(f"restore={restore!r} is not supported: use 'newest' or 'finite'")
+        self._restore_finite = restore == "finite"
         options = check_options(
             root,
             keep_last=keep_last,
@@ -333,7 +345,7 @@ class CheckpointManager:
         if step is not None:
             _check_step(step)
         restorer = Restorer(self.comm, self._root, self._tiered, self.save_kwargs)
-        return restorer.restore(RestoreRequest(state, step, required, load_kwargs))
+        return restorer.restore(RestoreRequest(state, step, required, load_kwargs, self._restore_finite))
 
     def should_save(self, step: int) -> bool:
         """Whether the manager saves at ``step``: the ranks' decision, the same on every rank. Collective.
