@@ -190,9 +190,6 @@ class CheckpointManager:
         save_interval_minutes: float | None = None,
         restore: str = "newest",
     ) -> None:
-        if restore not in ("newest", "finite"):
-            raise InvalidArgumentError(f"restore={restore!r} is not supported: use 'newest' or 'finite'")
-        self._restore_finite = restore == "finite"
         options = check_options(
             root,
             keep_last=keep_last,
@@ -205,8 +202,9 @@ class CheckpointManager:
             mode=mode,
             keep_period=keep_period,
             save_interval_minutes=save_interval_minutes,
+            restore=restore,
         )
-        self.retention = options.retention
+        self.retention, self._restore_finite = options.retention, options.restore_finite
         self.save_kwargs = options.save_kwargs
         self._root = options.root
         self.root = self._root.target

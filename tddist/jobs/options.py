@@ -37,6 +37,7 @@ class ManagerOptions:
         interval: ``save_interval_minutes`` in seconds, or None (no time-based saves).
         save_kwargs: a copy of the ``save_kwargs`` given, none of them reserved.
         local_dir: the node-local tier's directory, or None.
+        restore_finite: ``restore="finite"``: restore skips checkpoints that hold NaN or Inf values.
     """
 
     root: Root
@@ -47,6 +48,7 @@ class ManagerOptions:
     interval: float | None
     save_kwargs: dict[str, Any]
     local_dir: str | os.PathLike | None
+    restore_finite: bool = False
 
 
 def check_options(
@@ -62,6 +64,7 @@ def check_options(
     mode: str,
     keep_period: int | None,
     save_interval_minutes: float | None,
+    restore: str = "newest",
 ) -> ManagerOptions:
     """The manager's options, checked in the order the manager has always checked them.
 
@@ -69,6 +72,8 @@ def check_options(
         InvalidArgumentError: an invalid option, named, with what it must be.
     """
     _check_count("every", every, allow_none=True)
+    if restore not in ("newest", "finite"):
+        raise InvalidArgumentError(f"restore={restore!r} is not supported: use 'newest' or 'finite'")
     retention = Retention(keep_last, keep_best, metric, mode, keep_period)
     interval = _interval_seconds(save_interval_minutes)
     if local_dir is not None:
@@ -93,6 +98,7 @@ def check_options(
         interval=interval,
         save_kwargs=kwargs,
         local_dir=local_dir,
+        restore_finite=restore == "finite",
     )
 
 

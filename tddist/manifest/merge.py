@@ -98,8 +98,20 @@ class _Columns:
             node_rows=np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1),
             lengths=np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1),
             checksums=np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1),
-            stats=np.stack([np.frombuffer(f.stats, dtype=_U8) for f in fragments]).reshape(world, -1, 3),
+            stats=_stats_columns(fragments),
         )
+
+
+def _stats_columns(fragments: list[Fragment]) -> np.ndarray:
+    """Every rank's counts per leaf (ranks x leaves x 3, uint64: NaN, Inf, the float64 bits of the largest finite
+    magnitude) from the votes' dense magnitudes and sparse counts."""
+    largest = np.stack([np.frombuffer(f.largest, dtype="<f8") for f in fragments]).reshape(len(fragments), -1)
+    out = np.zeros((*largest.shape, 3), dtype=_U8)
+    out[:, :, 2] = largest.view(_U8)
+    for r, f in enumerate(fragments):
+        triples = np.frombuffer(f.non_finite, dtype=_U8).reshape(-1, 3)
+        out[r, triples[:, 0].astype(np.int64), :2] = triples[:, 1:]
+    return out
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,6 @@ def encode(m: Manifest) -> ManifestFiles:
     leaves = []
     for leaf in m.leaves.values():
         entry: dict[str, Any] = {"key": list(leaf.key), "dtype": leaf.dtype_name, "shape": list(leaf.shape)}
-        if leaf.stats is not None and is_floating(leaf.dtype_name):
-            entry["finite_stats"] = True
-            stats += [np.ascontiguousarray(a, dtype=d).tobytes() for a, d in _stats_columns(leaf.stats)]
         t = leaf.table
         if isinstance(leaf.placement, PerRank):
             assert isinstance(t, ShardChunks)  # the ranks' values stacked along dim 0, one row each
@@ -87,6 +84,9 @@ def encode(m: Manifest) -> ManifestFiles:
             sums.append(np.ascontiguousarray(t.checksums, dtype=_U8).tobytes())
             for a in (t.ranks, t.offsets, t.sizes):
                 boxes.append(np.ascontiguousarray(a, dtype=_I8).tobytes())
+        if leaf.stats is not None and is_floating(leaf.dtype_name):
+            entry["finite_stats"] = True
+            stats += [np.ascontiguousarray(a, dtype=d).tobytes() for a, d in _stats_columns(leaf.stats)]
         leaves.append(entry)
     index = b"".join(rows + own_rows + sums + boxes + stats)
     obj = {

@@ -204,7 +204,7 @@ class WriterBase:
                 dtype="<i8",
             ).tobytes(),
             checksums=np.asarray(sums, dtype="<u8").tobytes(),
-            stats=encode_stats([stored.get(item.key) for item in shard.items]),
+            **encode_stats([stored.get(item.key) for item in shard.items]),
             boxes=None if unchanged else self.boxes,
             objects=tuple(FragmentObject(k, o.kind, o.value) for k, o in shard.objects.items()),
             entries=entries,
@@ -216,15 +216,18 @@ class WriterBase:
             self.cache.committed(self.structure.digest, self.boxes)
 
 
-def encode_stats(stored: list[StoredBytes | None]) -> bytes:
-    """A vote's stats column: per leaf its NaN count, Inf count and the float64 bits of its largest finite
-    magnitude (uint64 each; zeros for a leaf this rank did not store or that is not floating)."""
-    out = np.zeros((len(stored), 3), dtype="<u8")
+def encode_stats(stored: list[StoredBytes | None]) -> dict[str, bytes]:
+    """A vote's counts of non-finite values (``Fragment.largest`` and ``non_finite``): per leaf the largest
+    finite magnitude (8 bytes), and counts only for the rare chunks that hold a NaN or an Inf, so a vote stays
+    small at many leaves."""
+    largest = np.zeros(len(stored), dtype="<f8")
+    bad: list[int] = []
     for i, s in enumerate(stored):
         if s is not None and s.stats is not None:
-            out[i, 0], out[i, 1] = s.stats.nan, s.stats.inf
-            out[i, 2] = np.float64(s.stats.max_abs).view("<u8")
-    return out.tobytes()
+            largest[i] = s.stats.max_abs
+            if not s.stats.finite:
+                bad += [i, s.stats.nan, s.stats.inf]
+    return {"largest": largest.tobytes(), "non_finite": np.asarray(bad, dtype="<u8").tobytes()}
 
 
 def map_copy_on_write(path: str, nbytes: int) -> torch.Tensor:
