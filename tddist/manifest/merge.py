@@ -232,8 +232,9 @@ def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, boxes: _
         m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table, stats)
 
 
-def _leaf_stats(table: ChunkTable, per_rank: np.ndarray) -> LeafStats:
-    """A floating leaf's stats in chunk order, from each rank's (ranks x 3): the rank that stored each chunk."""
+def _leaf_stats(table: ChunkTable, per_rank: np.ndarray) -> LeafStats | None:
+    """A floating leaf's stats in chunk order, from each rank's (ranks x 3): the rank that stored each chunk;
+    None when one of them did not count its chunk (its largest magnitude is NaN)."""
     if isinstance(table, ShardChunks):
         rows = per_rank
     elif isinstance(table, ReplicaChunks):
@@ -241,6 +242,8 @@ def _leaf_stats(table: ChunkTable, per_rank: np.ndarray) -> LeafStats:
     else:
         rows = per_rank[table.ranks]
     rows = np.ascontiguousarray(rows)
+    if np.isnan(rows[:, 2].view("<f8")).any():
+        return None
     return LeafStats(rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy().view("<f8"))
 
 

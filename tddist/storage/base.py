@@ -218,9 +218,10 @@ class WriterBase:
 
 def encode_stats(stored: list[StoredBytes | None]) -> dict[str, bytes]:
     """A vote's counts of non-finite values (``Fragment.largest`` and ``non_finite``): per leaf the largest
-    finite magnitude (8 bytes), and counts only for the rare chunks that hold a NaN or an Inf, so a vote stays
-    small at many leaves."""
-    largest = np.zeros(len(stored), dtype="<f8")
+    finite magnitude (8 bytes; NaN when this rank did not count the leaf: not floating, not stored here, or
+    written by a path that does not count, which the merge then records as uncounted, never as finite), and
+    counts only for the rare chunks that hold a NaN or an Inf, so a vote stays small at many leaves."""
+    largest = np.full(len(stored), np.nan, dtype="<f8")
     bad: list[int] = []
     for i, s in enumerate(stored):
         if s is not None and s.stats is not None:
