@@ -286,11 +286,11 @@ class Fragment:
     node_rows: bytes  # int64 per node: its dim-0 rows here (0 for a node without batch dims)
     lengths: bytes  # int64 per leaf: its size along its Shard dim here (0 for other placements)
     checksums: bytes  # uint64 per leaf: what this rank stored; with check_replicas, a replica's; else 0
-    largest: bytes = b""  # float64 per leaf: its chunk's largest finite magnitude here (0.0: not floating or stored)
-    non_finite: bytes = b""  # uint64 triples (leaf index, NaN count, Inf count), only for chunks that hold any
     boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()
+    largest: bytes = b""  # float64 per leaf: its chunk's largest finite magnitude here (NaN: not counted here)
+    non_finite: bytes = b""  # uint64 triples (leaf index, NaN count, Inf count), only for chunks that hold any
 
 
 # --- what a rank loads ----------------------------------------------------------------------

@@ -105,7 +105,11 @@ class _Columns:
 def _stats_columns(fragments: list[Fragment]) -> np.ndarray:
     """Every rank's counts per leaf (ranks x leaves x 3, uint64: NaN, Inf, the float64 bits of the largest finite
     magnitude) from the votes' dense magnitudes and sparse counts."""
-    largest = np.stack([np.frombuffer(f.largest, dtype="<f8") for f in fragments]).reshape(len(fragments), -1)
+    leaves = len(fragments[0].checksums) // 8
+    largest = np.full((len(fragments), leaves), np.nan, dtype="<f8")  # a vote without them counted nothing
+    for r, f in enumerate(fragments):
+        if f.largest:
+            largest[r] = np.frombuffer(f.largest, dtype="<f8")
     out = np.zeros((*largest.shape, 3), dtype=_U8)
     out[:, :, 2] = largest.view(_U8)
     for r, f in enumerate(fragments):
