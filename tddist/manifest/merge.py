@@ -81,14 +81,16 @@ class _Columns:
         node_rows: each batched node's rows per rank.
         lengths: each leaf's length along its shard dim per rank.
         checksums: each leaf's chunk checksum per rank.
-        stats: each leaf's counts of non-finite values per rank (ranks x leaves x 3: NaN, Inf, the float64
-            bits of the largest finite magnitude).
+        nan, inf: each leaf's counts of NaN and infinite values per rank (uint64).
+        largest: each leaf's largest finite magnitude per rank (float64; NaN: that rank did not count it).
     """
 
     node_rows: np.ndarray
     lengths: np.ndarray
     checksums: np.ndarray
-    stats: np.ndarray
+    nan: np.ndarray
+    inf: np.ndarray
+    largest: np.ndarray
 
     @classmethod
     def stack(cls, fragments: list[Fragment]) -> _Columns:
@@ -98,24 +100,24 @@ class _Columns:
             node_rows=np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1),
             lengths=np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1),
             checksums=np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1),
-            stats=_stats_columns(fragments),
+            **_stats_columns(fragments),
         )
 
 
-def _stats_columns(fragments: list[Fragment]) -> np.ndarray:
-    """Every rank's counts per leaf (ranks x leaves x 3, uint64: NaN, Inf, the float64 bits of the largest finite
-    magnitude) from the votes' dense magnitudes and sparse counts."""
+def _stats_columns(fragments: list[Fragment]) -> dict[str, np.ndarray]:
+    """Every rank's counts per leaf (ranks x leaves: ``nan``, ``inf``, ``largest``) from the votes' dense
+    magnitudes and sparse counts."""
     leaves = len(fragments[0].checksums) // 8
     largest = np.full((len(fragments), leaves), np.nan, dtype="<f8")  # a vote without them counted nothing
     for r, f in enumerate(fragments):
         if f.largest:
             largest[r] = np.frombuffer(f.largest, dtype="<f8")
-    out = np.zeros((*largest.shape, 3), dtype=_U8)
-    out[:, :, 2] = largest.view(_U8)
+    nan, inf = np.zeros(largest.shape, dtype=_U8), np.zeros(largest.shape, dtype=_U8)
     for r, f in enumerate(fragments):
         triples = np.frombuffer(f.non_finite, dtype=_U8).reshape(-1, 3)
-        out[r, triples[:, 0].astype(np.int64), :2] = triples[:, 1:]
-    return out
+        at = triples[:, 0].astype(np.int64)
+        nan[r, at], inf[r, at] = triples[:, 1], triples[:, 2]
+    return {"nan": nan, "inf": inf, "largest": largest}
 
 
 @dataclass(frozen=True)
@@ -232,23 +234,23 @@ def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, boxes: _
         sums_i = np.ascontiguousarray(columns.checksums[:, i])
         table = _table(spec, lengths_i, sums_i, boxes.by_key, boxes.cached, writers.get(spec.key, 0))
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
-        stats = _leaf_stats(table, columns.stats[:, i]) if is_floating(spec.dtype) else None
+        stats = _leaf_stats(table, columns, i) if is_floating(spec.dtype) else None
         m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table, stats)
 
 
-def _leaf_stats(table: ChunkTable, per_rank: np.ndarray) -> LeafStats | None:
-    """A floating leaf's stats in chunk order, from each rank's (ranks x 3): the rank that stored each chunk;
-    None when one of them did not count its chunk (its largest magnitude is NaN)."""
+def _leaf_stats(table: ChunkTable, columns: _Columns, i: int) -> LeafStats | None:
+    """Leaf ``i``'s stats in chunk order, from the ranks that stored its chunks; None when one of them did not
+    count its chunk (its largest magnitude is NaN)."""
     if isinstance(table, ShardChunks):
-        rows = per_rank
+        pick: slice | list[int] | np.ndarray = slice(None)
     elif isinstance(table, ReplicaChunks):
-        rows = per_rank[[table.writer]]
+        pick = [table.writer]
     else:
-        rows = per_rank[table.ranks]
-    rows = np.ascontiguousarray(rows)
-    if np.isnan(rows[:, 2].view("<f8")).any():
+        pick = table.ranks
+    largest = np.ascontiguousarray(columns.largest[pick, i])
+    if np.isnan(largest).any():
         return None
-    return LeafStats(rows[:, 0].copy(), rows[:, 1].copy(), rows[:, 2].copy().view("<f8"))
+    return LeafStats(np.ascontiguousarray(columns.nan[pick, i]), np.ascontiguousarray(columns.inf[pick, i]), largest)
 
 
 def _remember(cache: MergeCache, m: Manifest, reference: Structure, boxes: _MergedBoxes) -> None:

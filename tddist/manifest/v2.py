@@ -225,9 +225,12 @@ def _stats(p: Parser, e: _LeafEntry, table: ChunkTable, cursor: _Cursor) -> Leaf
     n = len(table)
     stats = LeafStats(cursor.take(_U8, n), cursor.take(_U8, n), cursor.take(_F8, n))
     values = table.columns().nbytes // fmt.dtype_itemsize(e.dtype) * (2 if e.dtype.startswith("complex") else 1)
-    counted = stats.nan.astype(object) + stats.inf.astype(object)  # exact: two uint64 may sum past 2^64
-    ok = bool((counted <= values.astype(object)).all()) and bool(np.isfinite(stats.max_abs).all())
-    p.check(ok and bool((stats.max_abs >= 0).all()), f"leaf {e.key!r} has invalid counts of non-finite values")
+    values = values.astype(_U8)  # non-negative: the sizes were checked against the shape
+    # nan + inf <= values without a sum that could wrap: inf <= values, then nan <= values - inf
+    ok = bool((stats.inf <= values).all()) and bool((stats.nan <= values - np.minimum(stats.inf, values)).all())
+    top = stats.max_abs
+    ok = ok and bool(np.isfinite(top).all()) and bool((top >= 0).all())
+    p.check(ok, f"leaf {e.key!r} has invalid counts of non-finite values")
     return stats
 
 
