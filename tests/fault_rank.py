@@ -349,8 +349,24 @@ def run_stopped_before_save(rank: int, cfg: dict, report_dir: Path) -> dict:
     from tests.launch_util import write_report
 
     write_report(rank, "ok", outcome=outcome)  # before the peer's death can end this job
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    stopped = int(pid_file.read_text())
+    os.kill(stopped, signal.SIGKILL)
+    _wait_until_dead(stopped)
     return outcome
+
+
+def _wait_until_dead(pid: int, seconds: float = 10.0) -> None:
+    """Return once ``pid`` is gone or a zombie: exiting (0) before the launcher saw the peer die let mpiexec
+    sometimes report the job as a success."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return
+        except FileNotFoundError:
+            return
+        time.sleep(0.01)
 
 
 MODES = {"batch": run_batch, "die_before_save": run_die_before_save, "stopped_before_save": run_stopped_before_save}
