@@ -53,10 +53,6 @@ class IncompatibleCheckpointError(TddistError):
     """``load(into=...)``: the checkpoint's keys, shapes or dtypes do not match the target."""
 
 
-class NonFiniteError(InvalidDataError):
-    """``save(..., require_finite=True)``: the data holds NaN or infinite values; nothing was committed."""
-
-
 class CorruptCheckpointError(TddistError):
     """A data file is missing, of the wrong size, or fails its checksum."""
 
@@ -119,7 +115,6 @@ BY_NAME: dict[str, type[TddistError]] = {
         TddistError,
         InvalidArgumentError,
         InvalidDataError,
-        NonFiniteError,
         ShardingError,
         TargetError,
         CheckpointNotFoundError,

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from .finite import ChunkStats
 from .sharding import Box, Placement
 
 if TYPE_CHECKING:
@@ -127,7 +126,6 @@ class SaveOptions:
     allow_pickle: bool
     compression: Compression | None = None
     packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
-    require_finite: bool = False  # refuse to publish a checkpoint that holds NaN or Inf values
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,12 +243,10 @@ class ManifestFiles:
 
 @dataclass(frozen=True, slots=True)
 class StoredBytes:
-    """What a rank wrote for one leaf: the byte count, the checksum and, for a floating-point leaf, the counts
-    of its non-finite values (``core.finite``, computed in the checksum's pass; None for other dtypes)."""
+    """What a rank wrote for one leaf: the byte count and the checksum."""
 
     nbytes: int
     checksum: str
-    stats: ChunkStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,8 +288,6 @@ class Fragment:
     boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()
-    largest: bytes = b""  # float64 per leaf: its chunk's largest finite magnitude here (NaN: not counted here)
-    non_finite: bytes = b""  # uint64 triples (leaf index, NaN count, Inf count), only for chunks that hold any
 
 
 @dataclass(frozen=True)
