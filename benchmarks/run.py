@@ -738,7 +738,8 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
     if "deferred" in args.scenarios:  # a training loop saving every 10 steps: one process, its own targets
         res_path = work / "result-deferred.json"
         cmd = [sys.executable, str(DEFERRED), "--dir", str(work / "deferred"), "--json", str(res_path)]
-        jobs.append(run_job(cmd + (["--quick"] if args.quick else []), args.job_timeout, "deferred snapshots"))
+        size = ["--quick"] if args.quick else ["--mib", str(args.size_mib)]  # the payload: 1 GiB, as the targets say
+        jobs.append(run_job(cmd + size, args.job_timeout, "deferred snapshots"))
         got, n = read_records(res_path)
         records += got
         try:
