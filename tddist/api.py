@@ -104,8 +104,9 @@ def save(
             them) whose ``step()`` changes the saved state: each step waits
             for the copy (a step pre-hook), and the leaves they do not own
             (buffers) and small leaves are copied before ``save`` returns.
-            None: every leaf is copied later; call ``wait_snapshot()`` on the
-            Future before changing the state.
+            None: the optimizers ``tddist.get_state`` saw whose parameters or
+            state the save holds; ``[]``: none, every leaf is copied later
+            (call ``wait_snapshot()`` on the Future before changing the state).
         atomic: False writes into the target itself (directories only); the
             manifest is still written last.
         metadata: a JSON-able dict stored in the manifest.

@@ -79,16 +79,16 @@ def save_request(
 
 def check_snapshot(
     snapshot: object, guard: object, return_early: bool, budget: int | None, writer: str
-) -> tuple[bool, tuple[Any, ...]]:
+) -> tuple[bool, tuple[Any, ...] | None]:
     """``snapshot`` ("copy" or "deferred") and ``guard`` (optimizers), checked: whether the save is deferred,
-    and the optimizers that guard it."""
+    and the optimizers that guard it (None: those ``get_state`` saw, chosen when the save's leaves are known)."""
     if snapshot not in ("copy", "deferred"):
         raise InvalidArgumentError(f"snapshot must be 'copy' or 'deferred', got {snapshot!r}")
     optimizers = _optimizers(guard)
     if snapshot == "copy":
         if optimizers:
             raise InvalidArgumentError("guard= guards a deferred snapshot; pass snapshot='deferred' with it")
-        return False, ()
+        return False, None
     if not return_early:
         raise InvalidArgumentError("snapshot='deferred' copies after save returns; pass return_early=True")
     if budget is not None or writer == "process":
@@ -99,10 +99,11 @@ def check_snapshot(
     return True, optimizers
 
 
-def _optimizers(guard: object) -> tuple[Any, ...]:
-    """``guard``: None, an optimizer, or a sequence of them (anything with ``register_step_pre_hook``)."""
+def _optimizers(guard: object) -> tuple[Any, ...] | None:
+    """``guard``: None (the default guard), an optimizer, or a sequence of them (anything with
+    ``register_step_pre_hook``; an empty one guards nothing)."""
     if guard is None:
-        return ()
+        return None
     items = (guard,) if hasattr(guard, "register_step_pre_hook") else guard
     if not isinstance(items, (list, tuple)) or not all(hasattr(o, "register_step_pre_hook") for o in items):
         raise InvalidArgumentError(

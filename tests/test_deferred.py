@@ -81,7 +81,8 @@ def test_a_leaf_changed_during_its_copy_is_refused_without_the_guard(tmp_path: P
     m, opt = _model()
     _train(m, opt)
     with held_copy() as go:
-        fut = tddist.save(tddist.get_state(m, opt), tmp_path / "ck", return_early=True, snapshot="deferred")
+        state = tddist.get_state(m, opt)
+        fut = tddist.save(state, tmp_path / "ck", return_early=True, snapshot="deferred", guard=[])
         with torch.no_grad():
             _leaf(kind, m, opt).add_(1.0)  # the copy has not copied it yet: the snapshot would hold the change
         go.set()
@@ -119,6 +120,30 @@ def test_with_the_guard_a_step_waits_for_the_copy_and_the_checkpoint_is_the_save
     with tddist.CheckpointManager(tmp_path / "root") as mgr:
         assert mgr.restore((m2, opt2)).step == 1
     assert_td_equal(_tensors(tddist.get_state(m2, opt2)), saved, "the restored state")
+
+
+def test_get_state_s_optimizer_guards_a_deferred_save_by_default(tmp_path: Path) -> None:
+    """``save(get_state(m, opt), snapshot="deferred")`` without ``guard=``: the optimizer get_state saw guards
+    it (its step waits for the held copy; the buffer forward changes was copied eagerly), another model's
+    optimizer does not, and the checkpoint is the saved step bit for bit."""
+    m, opt = _model()
+    other, other_opt = _model()
+    _train(m, opt, 2)
+    _train(other, other_opt)
+    tddist.get_state(other, other_opt)  # seen too, but it changes none of the saved leaves
+    state = tddist.get_state(m, opt)
+    leaves = {k: v for k, v in state.flatten_keys(".").items() if isinstance(v, torch.Tensor)}
+    assert deferred.seen_guarding(leaves) == (opt,)
+    saved = _tensors(state)
+    waited: list[bool] = []
+    with held_copy() as go:
+        fut = tddist.save(state, tmp_path / "ck", return_early=True, snapshot="deferred")
+        threading.Timer(0.2, go.set).start()
+        _train(m, opt)  # forward changes BatchNorm's running statistics at once; the step waits for the copy
+        waited.append(go.is_set())
+        fut.result(60)
+    assert waited == [True], "the step ran before the copy it changes was done"
+    assert_td_equal(_tensors(tddist.load(tmp_path / "ck", shard=None)), saved, "the checkpoint")
 
 
 def test_wait_snapshot_lets_the_caller_change_the_state(tmp_path: Path) -> None:

@@ -135,7 +135,8 @@ class EarlyReturn:
     snapshot_budget: int | None  # the most bytes the snapshot may hold (None: the whole state)
     writer: Literal["thread", "process"]  # ``async_writer``
     deferred: bool = False  # ``snapshot="deferred"``: copied after ``save`` returns (``saving.deferred``)
-    guard: tuple[Any, ...] = ()  # the optimizers whose steps wait for a deferred copy
+    # the optimizers whose steps wait for a deferred copy; None: those ``get_state`` saw that change a saved leaf
+    guard: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)

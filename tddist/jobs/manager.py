@@ -130,8 +130,9 @@ class CheckpointManager:
             a background thread writes and commits. ``"deferred"``: also copy
             the state in the background (``snapshot="deferred"``), guarded by
             the state's optimizers: their next ``step()`` waits for the copy
-            (a model pair or a mapping of objects; another state gets no guard, so
-            call ``wait_snapshot()`` before changing it).
+            (a model pair or a mapping of objects; a TensorDict is guarded by
+            the optimizers ``get_state`` saw that change it; another state gets
+            no guard, so call ``wait_snapshot()`` before changing it).
         comm: a torch ProcessGroup, an mpi4py communicator or a tddist
             ``Communicator`` (None: detected as ``tddist.save`` does).
         preempt_signal: the signal(s) that request a preemption: a signal, a
@@ -465,7 +466,7 @@ class CheckpointManager:
             self._tiered.save(step, data, metadata, kwargs, start)
             return
         if self._deferred:
-            kwargs.update(snapshot="deferred", guard=optimizers_of(state))
+            kwargs.update(snapshot="deferred", guard=optimizers_of(state) or None)
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
             self._pending = InFlight(step, fut, start, threading.Event())

@@ -19,6 +19,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from ..core.tree import flatten
 from ..errors import InvalidArgumentError, InvalidDataError
+from ..saving.deferred import remember_optimizer
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -56,6 +57,9 @@ def get_state(
     lists or tuples holding tensors become nodes keyed "0", "1", ...), and
     tensors, TensorDicts, nested dicts and plain values as they are.
 
+    The optimizers it sees are remembered (weakly): a deferred save of this
+    state (``snapshot="deferred"`` without ``guard=``) guards their steps.
+
     Tensors are the state dict's own (no copy): ``tddist.load(path, into=state)``
     fills them in place, each in its own placements. Under FSDP2 they are
     sharded DTensors, under DDP or in one process full tensors; the
@@ -90,6 +94,7 @@ def _model_state(
         model_sd, optim_sd = get_model_state_dict(model, options=options), None
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        remember_optimizer(optimizer)
     state = TensorDict({"model": TensorDict(dict(model_sd), batch_size=[])}, batch_size=[])
     if optim_sd is not None:
         state.set("optim", _optim_node(cast("dict[str, Any]", optim_sd)))
@@ -217,6 +222,7 @@ def _state_of_objects(objects: Mapping[str, Any], options: StateDictOptions | No
             out.set(name, TensorDict(dict(get_model_state_dict(value, options=options)), batch_size=[]))
         elif isinstance(value, torch.optim.Optimizer):
             osd = get_optimizer_state_dict(_owner(objects, value, name), value, options=options)
+            remember_optimizer(value)
             out.set(name, _optim_node(cast("dict[str, Any]", osd)))
         elif isinstance(value, (torch.Tensor, TensorDictBase)):
             out.set(name, value)

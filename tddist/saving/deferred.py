@@ -6,11 +6,14 @@ returns before copying them; the copy runs in the background while the next
 forward and backward run. Two things keep the checkpoint one step's state:
 
 - **The guard** (``arm``): a step pre-hook on each optimizer the save was
-  given (``guard=``) blocks the step until the copy is done, so the step
+  given (``guard=``), or by default on each optimizer that ``get_state``
+  saw whose parameters or state the save holds (``seen_guarding``), blocks
+  the step until the copy is done, so the step
   never changes what is still being copied. What the optimizers do not own
   (buffers that forward changes in place, such as BatchNorm's running
   statistics) and leaves under ``EAGER_BYTES`` are copied before ``save``
-  returns (``eager_keys``). Without optimizers nothing is guarded and every
+  returns (``eager_keys``). Without optimizers (``guard=[]``, or none
+  seen) nothing is guarded and every
   leaf is copied later: the caller waits with ``future.wait_snapshot()``
   before changing the state.
 - **The proof** (``Proof``): every deferred leaf's version counter
@@ -46,6 +49,9 @@ EAGER_BYTES = 64 * 1024
 #: Called on the copying thread with the keys of each slot's leaves before they are copied (the test suite and
 #: the benchmarks hold or slow the copy with it, so that a change during the copy is not left to timing).
 copy_hooks: list[Callable[[list[Key]], None]] = []
+
+#: Guards the registries below (the optimizers seen, armed and hooked).
+_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +147,25 @@ def guarded_storages(optimizers: Sequence[Any]) -> set[int]:
     return out
 
 
+#: The optimizers ``tddist.get_state`` saw (weakly held): a deferred save without ``guard=`` guards those whose
+#: parameters or state it holds, so the common ``save(get_state(model, opt), ...)`` is guarded without more code.
+_seen: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def remember_optimizer(optimizer: Any) -> None:
+    """Remember ``optimizer`` (``get_state`` saw it) as a guard for deferred saves of its state."""
+    with _lock:
+        _seen.add(optimizer)
+
+
+def seen_guarding(sources: Mapping[Key, torch.Tensor]) -> tuple[Any, ...]:
+    """The optimizers ``get_state`` saw whose steps change a leaf of ``sources`` (the default guard)."""
+    with _lock:
+        seen = list(_seen)
+    storages = {_storage(t) for t in sources.values()}
+    return tuple(opt for opt in seen if guarded_storages([opt]) & storages)
+
+
 def eager_keys(sources: Mapping[Key, torch.Tensor], optimizers: Sequence[Any]) -> set[Key]:
     """The leaves a deferred save copies before it returns: with a guard, those under ``EAGER_BYTES`` and those
     the optimizers' steps do not change (buffers); without one, none (the caller waits for the copy)."""
@@ -170,7 +195,6 @@ class Pending:
 
 _armed: weakref.WeakKeyDictionary[Any, list[Pending]] = weakref.WeakKeyDictionary()
 _hooked: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
 
 
 def arm(optimizers: Sequence[Any], pending: Pending) -> None:

@@ -425,7 +425,7 @@ def _commit_in_process(
 # --- snapshot="deferred": plan on the caller's thread, copy after it returned (``deferred``) -----------------
 
 
-def start_deferred(ch: Channel, options: SaveOptions, prepare: Prepare, guard: tuple[Any, ...]) -> SaveFuture:
+def start_deferred(ch: Channel, options: SaveOptions, prepare: Prepare, guard: tuple[Any, ...] | None) -> SaveFuture:
     """Plan the save, copy what must be copied now, and return; the rest is copied in the background.
 
     A packed directory streams through the channel's arena, copied by the
@@ -438,6 +438,8 @@ def start_deferred(ch: Channel, options: SaveOptions, prepare: Prepare, guard: t
     shard = prepare(sources)
     if isinstance(shard, Exception):
         return snapshot_whole(ch, options, shard)
+    if guard is None:
+        guard = deferred.seen_guarding(sources.given)
     if any(t.device.type != "cpu" for t in sources.sources.values()):
         return _deferred_on_device(ch, options, shard, sources, guard)
     if not streams(options):
