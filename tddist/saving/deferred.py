@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
+from .._compat import dtensor_local
 from ..core.types import Key
 from ..errors import SnapshotChangedError
-from .snapshot import local_source
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,14 @@ class Recorded:
 
 
 def _storage(t: torch.Tensor) -> int:
-    """The address of the storage whose bytes are saved (a DTensor's local shard's)."""
-    return int(local_source(t).untyped_storage().data_ptr())
+    """The address of the storage whose bytes are saved (a DTensor's local shard's).
+
+    Not through ``local_source``: an in-place change or a new storage shows on the caller's own tensor
+    (detaching keeps its storage, and resolving a conjugate view would make a new one at every call), and
+    its checks cost 3 us a call, several calls a leaf, on the blocking path of a deferred save."""
+    if hasattr(t, "device_mesh"):
+        t = dtensor_local(t)
+    return int(t.untyped_storage().data_ptr())
 
 
 def record(key: Key, t: torch.Tensor) -> Recorded:
