@@ -82,7 +82,7 @@ def test_merge_computes_global_shapes_and_offsets_in_rank_order():
     """Global dim-0 size is the sum of the ranks' rows; chunks follow rank order, zero-row ranks
     included; replicated leaves keep one chunk, rank 0's."""
     m = merge(three_ranks((3, 0, 2)), metadata={"step": 1})
-    assert m.world_size == 3 and m.version == 3 and m.packing == "packed"
+    assert m.world_size == 3 and m.version == 4 and m.packing == "packed"
     assert m.nodes == {(): (), ("b",): (5,)} and m.node_rows == {("b",): [3, 0, 2]}
     x = m.leaves[("b", "x")]
     assert x.shape == (5, 4) and x.dtype == torch.float32 and x.placement == Shard(0)
@@ -206,13 +206,14 @@ def test_cached_path_switches_back_on_any_change():
     assert cache.full_merges == 3
 
 
-def test_fragment_is_16_bytes_per_leaf():
-    """A rank's vote carries 16 bytes per sharded leaf (its rows and checksum) plus a constant."""
+def test_fragment_is_24_bytes_per_leaf():
+    """A rank's vote carries 24 bytes per sharded floating leaf (its rows, checksum and largest finite magnitude;
+    counts of NaN and Inf only for the chunks that hold any) plus a constant."""
     n = 1000
     shard = shard_of(1, TensorDict({f"leaf{i:04d}": torch.zeros(8, 4) for i in range(n)}, [8]))
     plan, frag = vote(1, shard)
     size = len(pickle.dumps(frag, protocol=pickle.HIGHEST_PROTOCOL))
-    assert size <= 16 * n + 1024, size
+    assert size <= 24 * n + 1024, size
     assert plan.structure is None  # only rank 0's plan carries its structure
 
 
@@ -294,7 +295,7 @@ def test_v1_parses_and_reencodes_as_v2():
     assert [c.box for c in m.leaves[("x",)].chunks] == [((0, 0), (3, 4)), ((3, 0), (0, 4)), ((3, 0), (2, 4))]
     files = encode(m)
     again = parse_manifest(fmt.loads(files.manifest), index=files.index)
-    assert again.version == 3 and set(again.leaves) == set(m.leaves)
+    assert again.version == 4 and set(again.leaves) == set(m.leaves)
     for k in m.leaves:
         assert again.leaves[k].chunks == m.leaves[k].chunks
 

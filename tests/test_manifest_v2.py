@@ -57,7 +57,8 @@ def _chunk_count(leaf: dict, world: int) -> int:
 
 
 def decode_index(obj: dict, data: bytes) -> dict:
-    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes; each by key, in order."""
+    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes, counts (version 4); each by
+    key, in order."""
     world = obj["world_size"]
     pos = 0
 
@@ -82,6 +83,11 @@ def decode_index(obj: dict, data: bytes) -> dict:
             n, d = e["chunks"], len(e["shape"])
             ranks, offsets, sizes = take("<i8", n), take("<i8", n * d), take("<i8", n * d)
             sections["boxes"][tuple(e["key"])] = (ranks, offsets, sizes)
+    sections["counts"] = {}
+    for e in obj["leaves"]:
+        if obj["version"] >= 4 and e.get("finite_stats"):
+            n = _chunk_count(e, world)
+            sections["counts"][tuple(e["key"])] = (take("<u8", n), take("<u8", n), take("<f8", n))
     assert pos == len(data), "the index has bytes its JSON does not account for"
     return sections
 
@@ -93,6 +99,9 @@ def encode_index(sections: dict) -> bytes:
     parts += [np.asarray(v, dtype="<u8").tobytes() for v in sections["checksums"].values()]
     for ranks, offsets, sizes in sections["boxes"].values():
         parts += [np.asarray(a, dtype="<i8").tobytes() for a in (ranks, offsets, sizes)]
+    for nan, inf, largest in sections.get("counts", {}).values():
+        parts += [np.asarray(nan, dtype="<u8").tobytes(), np.asarray(inf, dtype="<u8").tobytes()]
+        parts.append(np.asarray(largest, dtype="<f8").tobytes())
     return b"".join(parts)
 
 
@@ -189,6 +198,10 @@ def _as_boxes(path: Path, ranks: list[int], offsets: list[tuple], sizes: list[tu
     x = leaf(obj, "batch", "x")
     x["placement"], x["chunks"] = {"type": "boxes"}, len(ranks)
     del x["rows"]
+    if x.pop("finite_stats", False):  # its counts, one per chunk, for the new chunks
+        nan, inf, largest = s["counts"][("batch", "x")]
+        s["counts"][("batch", "x")] = ([0] * len(ranks), [0] * len(ranks), ([max(largest)] * len(ranks)))
+        x["finite_stats"] = True
     s["checksums"][("batch", "x")] = (s["checksums"][("batch", "x")] * 2)[: len(ranks)]
     s["boxes"][("batch", "x")] = (ranks, [v for o in offsets for v in o], [v for z in sizes for v in z])
     write(path, obj, encode_index(s))
@@ -479,6 +492,7 @@ def test_boxes_leaf_of_zero_chunks_loads_as_an_empty_tensor(tmp_path):
     e.pop("writer", None)
     s["checksums"][("e",)] = []
     s["boxes"][("e",)] = ([], [], [])
+    s["counts"][("e",)] = ([], [], [])  # no chunks, no counts
     write(path, obj, encode_index(s))
     got = tddist.load(path, shard=None, verify=True)
     assert got["e"].shape == (0, 3) and got["e"].dtype == torch.float64
@@ -510,12 +524,12 @@ def test_node_rows_in_the_json_are_refused(multi, monkeypatch):
     refused(multi, "lists node rows in the JSON; version 2 keeps them in the index", monkeypatch)
 
 
-@pytest.mark.parametrize("version", [4, 99])
+@pytest.mark.parametrize("version", [5, 99])
 def test_newer_version_is_refused_as_newer(multi, version, monkeypatch):
     obj, index = read(multi)
     obj["version"] = version
     write(multi, obj, index)
-    refused(multi, rf"has format version {version}, newer than this tddist reads \(3\); upgrade tddist", monkeypatch)
+    refused(multi, rf"has format version {version}, newer than this tddist reads \(4\); upgrade tddist", monkeypatch)
 
 
 def test_version_1_manifest_beside_packed_data_is_refused(multi, monkeypatch):
@@ -546,7 +560,7 @@ def archive(tmp_path) -> Path:
 
 def test_archive_says_memmap(archive):
     m = tddist.read_manifest(archive)
-    assert (m.layout, m.packing, m.version) == ("archive", "memmap", 3)
+    assert (m.layout, m.packing, m.version) == ("archive", "memmap", 4)
 
 
 def test_archive_whose_packing_is_packed_is_refused(archive, monkeypatch):
@@ -580,7 +594,7 @@ def test_archive_without_its_index_is_refused(archive, monkeypatch):
 
 def test_archive_with_a_damaged_index_is_refused(archive, monkeypatch):
     _rewrite_archive(archive, lambda name, data: data[:-8] if name == "tddist.idx" else data)
-    refused(archive, r"entry 'tddist.idx' declares 8 bytes \(8 stored\), its manifest implies 16", monkeypatch)
+    refused(archive, r"entry 'tddist.idx' declares 32 bytes \(32 stored\), its manifest implies 40", monkeypatch)
 
 
 # --- packed data files ------------------------------------------------------------------------------------------
@@ -639,22 +653,23 @@ def _manifest_files(path: Path) -> tuple[bytes, bytes]:
 
 
 def _round_trip(path: Path) -> None:
-    """The manifest parsed and encoded again: the same bytes (a version-2 manifest comes back as version 3:
-    the same members, with the version and the manifest's own checksum of version 3)."""
+    """The manifest parsed and encoded again: the same bytes (a version-2 or 3 manifest comes back as version 4:
+    the same members, with the version and the manifest's own checksum; its leaves were not counted, so no
+    leaf gains ``finite_stats`` and the index is the same)."""
     raw, index = _manifest_files(path)
     m = parse_manifest(json.loads(raw), index=index)
     files = encode(m)
-    if m.version == 3:
+    if m.version == fmt.FORMAT_VERSION:
         assert files.manifest == raw
     else:
         again = json.loads(files.manifest)
-        assert again.pop("manifest_checksum") and again.pop("version") == 3
-        assert files.manifest == sealed({**json.loads(raw), "version": 3})
+        assert again.pop("manifest_checksum") and again.pop("version") == fmt.FORMAT_VERSION
+        assert files.manifest == sealed({**json.loads(raw), "version": fmt.FORMAT_VERSION})
     assert files.index == index
 
 
 @pytest.mark.parametrize("name", sorted(recipe.BUILDERS))
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 def test_encode_parse_reproduces_the_golden_files(name, version):
     """sharded (dim 0 and dim 1, node and own rows), replicated, DTensor boxes, non-tensor values, memmap
     packing, an archive: the parsed manifest encodes back to the same bytes."""
@@ -710,7 +725,7 @@ def test_v1_manifest_reencoded_as_v2_loads_the_same_data(name, tmp_path):
     (path / "tddist.json").write_bytes(files.manifest)
     (path / "tddist.idx").write_bytes(files.index)
     m2 = tddist.read_manifest(path)
-    assert m2.version == 3 and m2.packing == "memmap" and m2.nodes == m.nodes and m2.objects == m.objects
+    assert m2.version == 4 and m2.packing == "memmap" and m2.nodes == m.nodes and m2.objects == m.objects
     for key, lf in m.leaves.items():
         assert m2.leaves[key].chunks == lf.chunks, key
     assert_td_equal(tddist.load(path, shard=None, verify=True), tddist.load(v1, shard=None, verify=True))
@@ -737,7 +752,7 @@ def test_v1_checkpoint_packs_into_a_v2_archive(name, tmp_path):
     same rows bug shows there: packing a version-1 checkpoint must give an archive with the same data."""
     v1 = GOLDEN / "v1" / name
     tddist.pack(v1, tmp_path / "a.tdz")
-    assert tddist.read_manifest(tmp_path / "a.tdz").version == 3
+    assert tddist.read_manifest(tmp_path / "a.tdz").version == 4
     assert_td_equal(tddist.load(tmp_path / "a.tdz", shard=None, verify=True), tddist.load(v1, shard=None))
 
 

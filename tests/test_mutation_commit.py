@@ -625,12 +625,12 @@ def test_generation_is_the_manifest_checksum_or_the_hash_of_an_unsealed_manifest
     raw = (target / fmt.MANIFEST_NAME).read_bytes()
     obj = json.loads(raw)
     with open_checkpoint(str(target)) as opened:
-        assert opened.generation == obj["manifest_checksum"] and opened.manifest.version == 3
+        assert opened.generation == obj["manifest_checksum"] and opened.manifest.version == 4
         assert opened.path == str(target)
     del obj["manifest_checksum"]
     unsealed = fmt.dumps(obj)
     (target / fmt.MANIFEST_NAME).write_bytes(unsealed)
-    with pytest.raises(ManifestError, match="format version 3.* lacks its manifest_checksum"):
+    with pytest.raises(ManifestError, match="format version 4.* lacks its manifest_checksum"):
         tddist.read_manifest(target)
     obj["version"] = 2
     (target / fmt.MANIFEST_NAME).write_bytes(fmt.dumps(obj))

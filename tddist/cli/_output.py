@@ -11,7 +11,8 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 #: Version of every ``--json`` document; bumped only when a member changes meaning or goes away.
 SCHEMA_VERSION = 1
@@ -49,6 +50,26 @@ def key_text(key: tuple[str, ...] | list[str]) -> str:
     if key and all(k and "/" not in k for k in key):
         return "/".join(key)
     return json.dumps(list(key), ensure_ascii=False)
+
+
+def non_finite_json(leaf: Any) -> dict:
+    """A leaf with NaN or infinite values (``manifest.model.NonFiniteLeaf``) as a ``--json`` member."""
+    return {
+        "key": list(leaf.key),
+        "nan": leaf.stats.nan,
+        "inf": leaf.stats.inf,
+        "max_abs": leaf.stats.max_abs,
+        "ranks": list(leaf.ranks),
+    }
+
+
+def non_finite_lines(leaves: Iterable[Any]) -> list[str]:
+    """Lines naming each leaf with NaN or infinite values (a finding about the data, not damage)."""
+    return [
+        f"  non-finite: {key_text(b.key)}: {b.stats.nan} NaN, {b.stats.inf} Inf (ranks {list(b.ranks)[:8]}; largest "
+        f"finite magnitude {b.stats.max_abs:.6g})"
+        for b in leaves
+    ]
 
 
 def value_text(enc: object, limit: int = 60) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.finite import ChunkStats
 from ..core.sharding import Box, full_box, shard_box
 
 
@@ -47,6 +48,34 @@ class ChunkColumns:
     ranks: np.ndarray
     nbytes: np.ndarray
     checksums: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class LeafStats:
+    """A floating leaf's counts of non-finite values per chunk, in chunk order (format version 4).
+
+    Attributes:
+        nan: each chunk's NaN count (uint64[n]).
+        inf: each chunk's count of infinite values (uint64[n]).
+        max_abs: each chunk's largest finite magnitude (float64[n]).
+    """
+
+    nan: np.ndarray
+    inf: np.ndarray
+    max_abs: np.ndarray
+
+    def chunk(self, i: int) -> ChunkStats:
+        """Chunk ``i``'s stats."""
+        return ChunkStats(int(self.nan[i]), int(self.inf[i]), float(self.max_abs[i]))
+
+    def total(self) -> ChunkStats:
+        """The whole leaf's stats."""
+        top = float(self.max_abs.max()) if len(self.max_abs) else 0.0
+        return ChunkStats(int(self.nan.sum(dtype=np.uint64)), int(self.inf.sum(dtype=np.uint64)), top)
+
+    def nonfinite_chunks(self) -> list[int]:
+        """The chunks that hold a NaN or an infinite value."""
+        return [int(i) for i in np.nonzero((self.nan > 0) | (self.inf > 0))[0]]
 
 
 def hex_checksum(value: int) -> str:

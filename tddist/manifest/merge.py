@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import format as fmt
+from ..core.finite import is_floating
 from ..core.sharding import Box, Boxes, PerRank, Replicate, Shard, box_tiling_problems, replica_writers
 from ..core.types import Fragment, Key, LeafSpec, Structure
 from ..errors import ShardingError
-from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks
+from .chunks import BoxChunks, ChunkTable, LeafStats, ReplicaChunks, ShardChunks
 from .model import Leaf, Manifest, ObjectLeaf
 
 logger = logging.getLogger(__name__)
@@ -80,11 +81,16 @@ class _Columns:
         node_rows: each batched node's rows per rank.
         lengths: each leaf's length along its shard dim per rank.
         checksums: each leaf's chunk checksum per rank.
+        nan, inf: each leaf's counts of NaN and infinite values per rank (uint64).
+        largest: each leaf's largest finite magnitude per rank (float64; NaN: that rank did not count it).
     """
 
     node_rows: np.ndarray
     lengths: np.ndarray
     checksums: np.ndarray
+    nan: np.ndarray
+    inf: np.ndarray
+    largest: np.ndarray
 
     @classmethod
     def stack(cls, fragments: list[Fragment]) -> _Columns:
@@ -94,7 +100,24 @@ class _Columns:
             node_rows=np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1),
             lengths=np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1),
             checksums=np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1),
+            **_stats_columns(fragments),
         )
+
+
+def _stats_columns(fragments: list[Fragment]) -> dict[str, np.ndarray]:
+    """Every rank's counts per leaf (ranks x leaves: ``nan``, ``inf``, ``largest``) from the votes' dense
+    magnitudes and sparse counts."""
+    leaves = len(fragments[0].checksums) // 8
+    largest = np.full((len(fragments), leaves), np.nan, dtype="<f8")  # a vote without them counted nothing
+    for r, f in enumerate(fragments):
+        if f.largest:
+            largest[r] = np.frombuffer(f.largest, dtype="<f8")
+    nan, inf = np.zeros(largest.shape, dtype=_U8), np.zeros(largest.shape, dtype=_U8)
+    for r, f in enumerate(fragments):
+        triples = np.frombuffer(f.non_finite, dtype=_U8).reshape(-1, 3)
+        at = triples[:, 0].astype(np.int64)
+        nan[r, at], inf[r, at] = triples[:, 1], triples[:, 2]
+    return {"nan": nan, "inf": inf, "largest": largest}
 
 
 @dataclass(frozen=True)
@@ -211,7 +234,23 @@ def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, boxes: _
         sums_i = np.ascontiguousarray(columns.checksums[:, i])
         table = _table(spec, lengths_i, sums_i, boxes.by_key, boxes.cached, writers.get(spec.key, 0))
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
-        m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table)
+        stats = _leaf_stats(table, columns, i) if is_floating(spec.dtype) else None
+        m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table, stats)
+
+
+def _leaf_stats(table: ChunkTable, columns: _Columns, i: int) -> LeafStats | None:
+    """Leaf ``i``'s stats in chunk order, from the ranks that stored its chunks; None when one of them did not
+    count its chunk (its largest magnitude is NaN)."""
+    if isinstance(table, ShardChunks):
+        pick: slice | list[int] | np.ndarray = slice(None)
+    elif isinstance(table, ReplicaChunks):
+        pick = [table.writer]
+    else:
+        pick = table.ranks
+    largest = np.ascontiguousarray(columns.largest[pick, i])
+    if np.isnan(largest).any():
+        return None
+    return LeafStats(np.ascontiguousarray(columns.nan[pick, i]), np.ascontiguousarray(columns.inf[pick, i]), largest)
 
 
 def _remember(cache: MergeCache, m: Manifest, reference: Structure, boxes: _MergedBoxes) -> None:

@@ -17,19 +17,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from .. import format as fmt
+from ..core.finite import ChunkStats, is_floating
 from ..core.sharding import Box, Placement
 from ..core.types import Key
 from ..errors import ManifestError
-from .chunks import Chunk, ChunkTable, ShardChunks
+from .chunks import Chunk, ChunkTable, LeafStats, ShardChunks
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Chunk", "Leaf", "Manifest", "ObjectLeaf"]
+__all__ = ["Chunk", "Leaf", "Manifest", "NonFiniteLeaf", "ObjectLeaf"]
 
 MAX_ELEMENTS = 1 << 56
 #: The newest format version this tddist reads.
-READS_UP_TO = 3
+READS_UP_TO = 4
 #: The most ranks a manifest may name: far beyond any job, and small enough that an array of one number per
 #: rank (128 MiB at most) never exhausts memory before the files that should back it are checked.
 MAX_WORLD_SIZE = 1 << 24
@@ -99,6 +100,8 @@ class Leaf:
         shape: The global shape (all ranks' pieces together).
         placement: How the ranks' pieces make up the global tensor.
         table: The stored pieces, in columns; together they tile ``shape`` exactly.
+        stats: For a floating leaf, each chunk's counts of non-finite values (format version 4); None when
+            they were not recorded (other dtypes, older versions).
     """
 
     key: Key
@@ -106,6 +109,7 @@ class Leaf:
     shape: tuple[int, ...]
     placement: Placement
     table: ChunkTable
+    stats: LeafStats | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -146,6 +150,21 @@ class ObjectLeaf:
     declared: bool = False
 
 
+@dataclass(frozen=True)
+class NonFiniteLeaf:
+    """A floating leaf whose chunks hold NaN or infinite values (format version 4 records them).
+
+    Attributes:
+        key: the leaf's key.
+        stats: the whole leaf's counts and its largest finite magnitude.
+        ranks: the ranks that stored the chunks holding them, in chunk order.
+    """
+
+    key: Key
+    stats: ChunkStats
+    ranks: tuple[int, ...]
+
+
 @dataclass
 class Manifest:
     """What a committed checkpoint holds: its structure, every leaf's chunks, metadata.
@@ -182,6 +201,19 @@ class Manifest:
     node_rows: dict[Key, list[int]] = field(default_factory=dict)  # batched node -> its dim-0 rows per rank
     packing: str = "memmap"
     structure_digest: str = ""
+
+    def non_finite(self) -> list[NonFiniteLeaf]:
+        """Every leaf whose recorded counts show a NaN or an infinite value, in leaf order."""
+        out = []
+        for leaf in self.leaves.values():
+            if leaf.stats is not None and not (total := leaf.stats.total()).finite:
+                ranks = leaf.table.columns().ranks
+                out.append(NonFiniteLeaf(leaf.key, total, tuple(int(ranks[i]) for i in leaf.stats.nonfinite_chunks())))
+        return out
+
+    def uncounted(self) -> list[Key]:
+        """The floating leaves without recorded counts (checkpoints of format versions before 4)."""
+        return [k for k, leaf in self.leaves.items() if leaf.stats is None and is_floating(leaf.dtype_name)]
 
     def rows_of(self, node_key: Key) -> list[int] | None:
         """The dim-0 rows each rank saved of a batched node: recorded, or (manifests of version 1 written

@@ -19,18 +19,19 @@ Index sections, in order (``docs/format.md`` section 5):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import xxhash
 
 from .. import format as fmt
+from ..core.finite import is_floating
 from ..core.sharding import Boxes, PerRank, Placement, Replicate, Shard, box_tiling_problems
 from ..core.types import Key, ManifestFiles
 from ..errors import InvalidDataError, ManifestError
 from .checksum import seal
-from .chunks import BoxChunks, ChunkTable, ReplicaChunks, ShardChunks, starts_of
+from .chunks import BoxChunks, ChunkTable, LeafStats, ReplicaChunks, ShardChunks, starts_of
 from .model import (
     MAX_INDEX_BYTES,
     MAX_MANIFEST_BYTES,
@@ -45,6 +46,7 @@ from .model import (
 
 _I8 = np.dtype("<i8")
 _U8 = np.dtype("<u8")
+_F8 = np.dtype("<f8")
 PACKINGS = ("packed", "memmap")
 
 
@@ -55,6 +57,7 @@ def encode(m: Manifest) -> ManifestFiles:
     own_rows: list[bytes] = []
     sums: list[bytes] = []
     boxes: list[bytes] = []
+    stats: list[bytes] = []
     leaves = []
     for leaf in m.leaves.values():
         entry: dict[str, Any] = {"key": list(leaf.key), "dtype": leaf.dtype_name, "shape": list(leaf.shape)}
@@ -81,8 +84,11 @@ def encode(m: Manifest) -> ManifestFiles:
             sums.append(np.ascontiguousarray(t.checksums, dtype=_U8).tobytes())
             for a in (t.ranks, t.offsets, t.sizes):
                 boxes.append(np.ascontiguousarray(a, dtype=_I8).tobytes())
+        if leaf.stats is not None and is_floating(leaf.dtype_name):
+            entry["finite_stats"] = True
+            stats += [np.ascontiguousarray(a, dtype=d).tobytes() for a, d in _stats_columns(leaf.stats)]
         leaves.append(entry)
-    index = b"".join(rows + own_rows + sums + boxes)
+    index = b"".join(rows + own_rows + sums + boxes + stats)
     obj = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,
@@ -103,6 +109,11 @@ def encode(m: Manifest) -> ManifestFiles:
     raw = seal(fmt.dumps(obj))  # version 3: the checksum of its own bytes first
     _check_writable(raw, obj)
     return ManifestFiles(raw, index)
+
+
+def _stats_columns(stats: LeafStats) -> list[tuple[np.ndarray, np.dtype]]:
+    """A leaf's part of the index's section 5: NaN counts, Inf counts, largest finite magnitudes."""
+    return [(stats.nan, _U8), (stats.inf, _U8), (stats.max_abs, _F8)]
 
 
 def _check_writable(raw: bytes, obj: dict[str, Any]) -> None:
@@ -144,6 +155,7 @@ class _LeafEntry:
     own_rows: bool = False
     writer: int = 0
     chunks: int = 0
+    stats: bool = False  # version 4: its chunks' counts of non-finite values are in the index's section 5
 
 
 @dataclass(frozen=True)
@@ -175,7 +187,7 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) 
     parse_nodes(p, obj, m)
     p.check(not m.node_rows, "lists node rows in the JSON; version 2 keeps them in the index")
     p.check(() in m.nodes, "has no root node (key [])")
-    entries = [_leaf_entry(p, e, world) for e in p.list_of(obj, "leaves")]
+    entries = [_with_stats(p, e, _leaf_entry(p, e, world), m.version) for e in p.list_of(obj, "leaves")]
     batched = [k for k, b in m.nodes.items() if b]
     own = [e for e in entries if e.own_rows]
     data = _checked_index(p, obj, index, _index_size(entries, len(batched), world))
@@ -189,9 +201,37 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) 
     rows = _IndexRows(dict(zip(batched, node_block)), totals, {e.key: r for e, r in zip(own, own_block)})
     m.node_rows.update(zip(batched, node_block.tolist()))
     tables = _Tables(p, world, rows, sums, cursor)
-    for e in entries:
-        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, tables.table(e)))
+    built = [(e, tables.table(e)) for e in entries]
+    for e, table in built:  # section 5 follows every leaf's boxes
+        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, table, _stats(p, e, table, cursor)))
     p.check(cursor.pos == len(data), "has bytes left over at the end of its index")
+
+
+def _with_stats(p: Parser, raw: Any, e: _LeafEntry, version: int) -> _LeafEntry:
+    """``e`` with its ``finite_stats`` member (version 4; a member older versions do not know is ignored)."""
+    counted = raw.get("finite_stats", False) if version >= 4 else False
+    if counted is False:
+        return e
+    if counted is not True or not is_floating(e.dtype):
+        p.fail(f"leaf {e.key!r} has an invalid finite_stats {counted!r} (only true, only on a floating dtype)")
+    return replace(e, stats=True)
+
+
+def _stats(p: Parser, e: _LeafEntry, table: ChunkTable, cursor: _Cursor) -> LeafStats | None:
+    """A leaf's counts of non-finite values from section 5, checked: no more than its chunks' values, and
+    magnitudes that are finite and not negative."""
+    if not e.stats:
+        return None
+    n = len(table)
+    stats = LeafStats(cursor.take(_U8, n), cursor.take(_U8, n), cursor.take(_F8, n))
+    values = table.columns().nbytes // fmt.dtype_itemsize(e.dtype) * (2 if e.dtype.startswith("complex") else 1)
+    values = values.astype(_U8)  # non-negative: the sizes were checked against the shape
+    # nan + inf <= values without a sum that could wrap: inf <= values, then nan <= values - inf
+    ok = bool((stats.inf <= values).all()) and bool((stats.nan <= values - np.minimum(stats.inf, values)).all())
+    top = stats.max_abs
+    ok = ok and bool(np.isfinite(top).all()) and bool((top >= 0).all())
+    p.check(ok, f"leaf {e.key!r} has invalid counts of non-finite values")
+    return stats
 
 
 def _dim(e: _LeafEntry) -> int:
@@ -265,6 +305,7 @@ def _index_size(entries: list[_LeafEntry], batched_nodes: int, world: int) -> in
         + sum(world for e in entries if e.own_rows)
         + sum(_chunk_count(e, world) for e in entries)
         + sum(e.chunks * (1 + 2 * len(e.shape)) for e in entries if isinstance(e.placement, Boxes))
+        + sum(3 * _chunk_count(e, world) for e in entries if e.stats)
     )
 
 

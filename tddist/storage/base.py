@@ -233,6 +233,7 @@ class WriterBase:
                 dtype="<i8",
             ).tobytes(),
             checksums=np.asarray(sums, dtype="<u8").tobytes(),
+            **encode_stats([stored.get(item.key) for item in shard.items]),
             boxes=None if unchanged else self.boxes,
             objects=tuple(FragmentObject(k, o.kind, o.value) for k, o in shard.objects.items()),
             entries=entries,
@@ -242,6 +243,21 @@ class WriterBase:
         """Remember what this rank sent, once the save is committed (the cached path of the next save)."""
         if self.cache is not None and self.structure is not None:
             self.cache.committed(self.structure.digest, self.boxes)
+
+
+def encode_stats(stored: list[StoredBytes | None]) -> dict[str, bytes]:
+    """A vote's counts of non-finite values (``Fragment.largest`` and ``non_finite``): per leaf the largest
+    finite magnitude (8 bytes; NaN when this rank did not count the leaf: not floating, not stored here, or
+    written by a path that does not count, which the merge then records as uncounted, never as finite), and
+    counts only for the rare chunks that hold a NaN or an Inf, so a vote stays small at many leaves."""
+    largest = np.full(len(stored), np.nan, dtype="<f8")
+    bad: list[int] = []
+    for i, s in enumerate(stored):
+        if s is not None and s.stats is not None:
+            largest[i] = s.stats.max_abs
+            if not s.stats.finite:
+                bad += [i, s.stats.nan, s.stats.inf]
+    return {"largest": largest.tobytes(), "non_finite": np.asarray(bad, dtype="<u8").tobytes()}
 
 
 def map_copy_on_write(path: str, nbytes: int) -> torch.Tensor:
