@@ -15,12 +15,13 @@ from tddist import format as fmt
 from tddist.checksum import checksum_bytes, tensor_bytes
 from tddist.core.sharding import Boxes
 from tddist.core.structure import describe_difference
-from tddist.core.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBytes
+from tddist.core.types import DTensorBox, LocalShard, SaveItem, SaveOptions
 from tddist.manifest.merge import MergeCache, merge_fragments
 from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
 from tddist.saving.prepare import prepare_shard
 from tddist.storage.base import WriterBase
+from tddist.storage.writer import stored_bytes
 
 CS = "0123456789abcdef"  # a well-formed checksum
 
@@ -39,7 +40,7 @@ def vote(rank: int, shard: LocalShard, check_replicas: bool = False, cache: Merg
     options = SaveOptions("/t", "directory", {}, True, 0, check_replicas, True, False, False)
     w = WriterBase(options, rank, shard, cache)
     plan = w.make_plan()
-    stored = {i.key: StoredBytes(i.tensor.numel() * i.tensor.element_size(), checksum_bytes(tensor_bytes(i.tensor)))
+    stored = {i.key: stored_bytes(tensor_bytes(i.tensor), fmt.dtype_name(i.tensor.dtype))
               for i in shard.items if i.writes}  # fmt: skip
     return plan, w.fragment(stored)
 
@@ -206,14 +207,16 @@ def test_cached_path_switches_back_on_any_change():
     assert cache.full_merges == 3
 
 
-def test_fragment_is_24_bytes_per_leaf():
-    """A rank's vote carries 24 bytes per sharded floating leaf (its rows, checksum and largest finite magnitude;
-    counts of NaN and Inf only for the chunks that hold any) plus a constant."""
+def test_fragment_is_16_bytes_per_leaf():
+    """A rank's vote carries 16 bytes per sharded leaf (its rows and checksum) plus a constant: the counts of a
+    clean floating state add nothing per leaf (NaN and Inf counts only for the chunks that hold any, one
+    largest finite magnitude per rank)."""
     n = 1000
     shard = shard_of(1, TensorDict({f"leaf{i:04d}": torch.zeros(8, 4) for i in range(n)}, [8]))
     plan, frag = vote(1, shard)
     size = len(pickle.dumps(frag, protocol=pickle.HIGHEST_PROTOCOL))
-    assert size <= 24 * n + 1024, size
+    assert size <= 16 * n + 1024, size
+    assert frag.non_finite == frag.uncounted == b"" and (frag.largest, frag.largest_leaf) == (0.0, -1)
     assert plan.structure is None  # only rank 0's plan carries its structure
 
 

@@ -57,8 +57,8 @@ def _chunk_count(leaf: dict, world: int) -> int:
 
 
 def decode_index(obj: dict, data: bytes) -> dict:
-    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes, counts (version 4); each by
-    key, in order."""
+    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes, non-finite chunks and the
+    ranks' largest magnitudes (version 4); each by key, in order."""
     world = obj["world_size"]
     pos = 0
 
@@ -83,11 +83,13 @@ def decode_index(obj: dict, data: bytes) -> dict:
             n, d = e["chunks"], len(e["shape"])
             ranks, offsets, sizes = take("<i8", n), take("<i8", n * d), take("<i8", n * d)
             sections["boxes"][tuple(e["key"])] = (ranks, offsets, sizes)
-    sections["counts"] = {}
+    sections["non_finite"] = {}
     for e in obj["leaves"]:
-        if obj["version"] >= 4 and e.get("finite_stats"):
-            n = _chunk_count(e, world)
-            sections["counts"][tuple(e["key"])] = (take("<u8", n), take("<u8", n), take("<f8", n))
+        if obj["version"] >= 4 and e.get("non_finite_chunks"):
+            k = e["non_finite_chunks"]
+            sections["non_finite"][tuple(e["key"])] = (take("<i8", k), take("<u8", k), take("<u8", k))
+    if obj["version"] >= 4 and obj.get("rank_magnitudes"):
+        sections["magnitudes"] = (take("<f8", world), take("<i8", world))
     assert pos == len(data), "the index has bytes its JSON does not account for"
     return sections
 
@@ -99,9 +101,12 @@ def encode_index(sections: dict) -> bytes:
     parts += [np.asarray(v, dtype="<u8").tobytes() for v in sections["checksums"].values()]
     for ranks, offsets, sizes in sections["boxes"].values():
         parts += [np.asarray(a, dtype="<i8").tobytes() for a in (ranks, offsets, sizes)]
-    for nan, inf, largest in sections.get("counts", {}).values():
+    for chunks, nan, inf in sections.get("non_finite", {}).values():
+        parts += [np.asarray(chunks, dtype="<i8").tobytes()]
         parts += [np.asarray(nan, dtype="<u8").tobytes(), np.asarray(inf, dtype="<u8").tobytes()]
-        parts.append(np.asarray(largest, dtype="<f8").tobytes())
+    if "magnitudes" in sections:
+        values, leaves = sections["magnitudes"]
+        parts += [np.asarray(values, dtype="<f8").tobytes(), np.asarray(leaves, dtype="<i8").tobytes()]
     return b"".join(parts)
 
 
@@ -198,10 +203,7 @@ def _as_boxes(path: Path, ranks: list[int], offsets: list[tuple], sizes: list[tu
     x = leaf(obj, "batch", "x")
     x["placement"], x["chunks"] = {"type": "boxes"}, len(ranks)
     del x["rows"]
-    if x.pop("finite_stats", False):  # its counts, one per chunk, for the new chunks
-        nan, inf, largest = s["counts"][("batch", "x")]
-        s["counts"][("batch", "x")] = ([0] * len(ranks), [0] * len(ranks), ([max(largest)] * len(ranks)))
-        x["finite_stats"] = True
+    assert "non_finite_chunks" not in x  # clean: its counts (none) hold for any chunks
     s["checksums"][("batch", "x")] = (s["checksums"][("batch", "x")] * 2)[: len(ranks)]
     s["boxes"][("batch", "x")] = (ranks, [v for o in offsets for v in o], [v for z in sizes for v in z])
     write(path, obj, encode_index(s))
@@ -492,7 +494,7 @@ def test_boxes_leaf_of_zero_chunks_loads_as_an_empty_tensor(tmp_path):
     e.pop("writer", None)
     s["checksums"][("e",)] = []
     s["boxes"][("e",)] = ([], [], [])
-    s["counts"][("e",)] = ([], [], [])  # no chunks, no counts
+    assert "non_finite_chunks" not in e  # no chunks, no counts
     write(path, obj, encode_index(s))
     got = tddist.load(path, shard=None, verify=True)
     assert got["e"].shape == (0, 3) and got["e"].dtype == torch.float64
@@ -594,7 +596,7 @@ def test_archive_without_its_index_is_refused(archive, monkeypatch):
 
 def test_archive_with_a_damaged_index_is_refused(archive, monkeypatch):
     _rewrite_archive(archive, lambda name, data: data[:-8] if name == "tddist.idx" else data)
-    refused(archive, r"entry 'tddist.idx' declares 32 bytes \(32 stored\), its manifest implies 40", monkeypatch)
+    refused(archive, r"entry 'tddist.idx' declares 24 bytes \(24 stored\), its manifest implies 32", monkeypatch)
 
 
 # --- packed data files ------------------------------------------------------------------------------------------

@@ -292,8 +292,11 @@ class Fragment:
     boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()
-    largest: bytes = b""  # float64 per leaf: its chunk's largest finite magnitude here (NaN: not counted here)
+    # Counts of non-finite values (format version 4), sparse: nothing per leaf for a clean state.
     non_finite: bytes = b""  # uint64 triples (leaf index, NaN count, Inf count), only for chunks that hold any
+    uncounted: bytes = b""  # int64 leaf indices: floating leaves stored here without counts (none by tddist's writers)
+    largest: float = 0.0  # the largest finite magnitude among the values of every counted chunk stored here
+    largest_leaf: int = -1  # the leaf index of the chunk that holds it; -1: no counted value here is nonzero
 
 
 @dataclass(frozen=True)
