@@ -15,7 +15,7 @@ from tddist import format as fmt
 from tddist.checksum import checksum_bytes, tensor_bytes
 from tddist.core.sharding import Boxes
 from tddist.core.structure import describe_difference
-from tddist.core.types import DTensorBox, LocalShard, SaveItem, SaveOptions
+from tddist.core.types import DTensorBox, LocalShard, SaveItem, SaveOptions, StoredBytes
 from tddist.manifest.merge import MergeCache, merge_fragments
 from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
@@ -179,6 +179,47 @@ def test_dtensor_boxes_must_tile_and_take_the_cached_path():
     gap = [_box_shard(((0, 0), (1, 2))), _box_shard(((2, 0), (2, 2)))]
     with pytest.raises(ShardingError, match="do not tile"):
         merge(gap, cache=MergeCache())
+
+
+def test_counts_of_a_dtensor_name_the_chunk_of_the_rank_that_stored_it():
+    """Rank 1 holds a replica of rank 0's box and stores nothing; rank 2's box (chunk 1, not 2) holds an Inf
+    and a NaN: the merge lists chunk 1 only, and each rank's largest finite magnitude (rank 1's: none)."""
+
+    def box(b, writes, fill):
+        t = torch.full(b[1], fill)
+        if fill == 3.0:
+            t[0, 0], t[1, 1] = float("inf"), float("nan")
+        item = SaveItem(("d",), t, Boxes(), writes, DTensorBox(b, (4, 2)))
+        return LocalShard({(): ()}, (item,), {})
+
+    m = merge([box(((0, 0), (2, 2)), True, -2.0), box(((0, 0), (2, 2)), False, -2.0), box(((2, 0), (2, 2)), True, 3.0)])
+    d = m.leaves[("d",)]
+    assert d.table.columns().ranks.tolist() == [0, 2]
+    assert (d.stats.chunks.tolist(), d.stats.nan.tolist(), d.stats.inf.tolist()) == ([1], [1], [1])
+    assert [(b.key, b.nan, b.inf, b.ranks) for b in m.non_finite()] == [(("d",), 1, 1, (2,))]
+    assert m.largest.values.tolist() == [2.0, 0.0, 3.0] and m.largest.leaves.tolist() == [0, -1, 0]
+
+
+def test_a_leaf_some_rank_did_not_count_is_uncounted_not_finite():
+    """A vote that stored a floating leaf without counts (no tddist writer does) makes the merged leaf
+    uncounted (``stats`` None: of unknown finiteness), never finite."""
+    shards = three_ranks()
+    votes = [vote(r, s) for r, s in enumerate(shards)]
+    plain = WriterBase(SaveOptions("/t", "directory", {}, True, 0, False, True, False, False), 1, shards[1])
+    plain.make_plan()
+    stored = {
+        i.key: StoredBytes(i.tensor.numel() * 4, checksum_bytes(tensor_bytes(i.tensor)))
+        for i in shards[1].items
+        if i.writes
+    }
+    frags = [votes[0][1], plain.fragment(stored), votes[2][1]]
+    assert frags[1].uncounted and not frags[0].uncounted
+    m = merge_fragments(
+        frags, votes[0][0].structure, metadata={}, robust_key=True, version="test", container="directory",
+        packing="packed",
+    )  # fmt: skip
+    assert m.leaves[("b", "x")].stats is None and m.uncounted() == [("b", "x")]
+    assert not m.non_finite()
 
 
 def test_a_failed_save_does_not_feed_the_next_merge():

@@ -33,6 +33,7 @@ import tddist.loading.read
 from tddist import CorruptCheckpointError, ManifestError
 from tddist import format as fmt
 from tddist.manifest.checksum import seal
+from tddist.manifest.model import LargestMagnitude
 from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
 from tddist.tools.verify import verify as verify_checkpoint
@@ -921,3 +922,101 @@ def test_whole_load_finds_a_flipped_byte_in_any_rank(tmp_path, layout):
     with pytest.raises(CorruptCheckpointError, match=r"leaf \('c',\), rank 3\)"):
         tddist.load(target, shard=None, verify=True)
     assert not torch.equal(tddist.load(target, shard=None)["c"], _whole_state()["c"])
+
+
+# --- version 4: the sparse counts of non-finite values and the ranks' largest magnitudes ----------------------
+
+
+@pytest.fixture
+def diverged(tmp_path) -> Path:
+    """Two ranks: batch/x (4, 3) sharded, rank 1's chunk holding a NaN and an Inf; w (6,) replicated, clean."""
+
+    def rank_main(comm):
+        r = comm.rank
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 6 * r
+        if r == 1:
+            x[0, 0], x[1, 2] = float("nan"), float("-inf")
+        td = TensorDict({"batch": TensorDict({"x": x}, [2]), "w": torch.arange(6.0) - 20}, [])
+        tddist.save(td, tmp_path / "d", comm=comm)
+        return "ok"
+
+    assert tddist.run_threads(2, rank_main) == ["ok", "ok"]
+    return tmp_path / "d"
+
+
+def test_non_finite_chunks_and_magnitudes_as_specified(diverged):
+    """Only rank 1's chunk of batch/x is listed (section 5); each rank's largest finite magnitude and its leaf
+    (section 6): rank 0's 5.0 in batch/x, rank 1's 10.0, or 20.0 in w on w's writer; the manifest encodes back the same."""
+    obj, index = read(diverged)
+    s = decode_index(obj, index)
+    assert leaf(obj, "batch", "x")["non_finite_chunks"] == 1 and "non_finite_chunks" not in leaf(obj, "w")
+    assert s["non_finite"] == {("batch", "x"): ([1], [1], [1])}
+    writer = leaf(obj, "w")["writer"]
+    x_top = [5.0, 10.0]  # rank 1: 6..11 without its NaN (6) and Inf (11)
+    assert s["magnitudes"] == (
+        [20.0 if r == writer else x_top[r] for r in range(2)],
+        [1 if r == writer else 0 for r in range(2)],
+    )
+    m = tddist.read_manifest(diverged)
+    assert [(b.key, b.nan, b.inf, b.ranks) for b in m.non_finite()] == [(("batch", "x"), 1, 1, (1,))]
+    assert m.largest_magnitude() == LargestMagnitude(20.0, ("w",), writer)
+    _round_trip(diverged)
+
+
+def _tamper_section5(i: int, value: int):
+    def change(obj, s):
+        chunks, nan, inf = (list(a) for a in s["non_finite"][("batch", "x")])
+        (chunks, nan, inf)[i][0] = value
+        s["non_finite"][("batch", "x")] = (chunks, nan, inf)
+
+    return change
+
+
+def _tamper_section6(i: int, value):
+    def change(obj, s):
+        values, leaves = (list(a) for a in s["magnitudes"])
+        (values, leaves)[i][0] = value
+        s["magnitudes"] = (values, leaves)
+
+    return change
+
+
+def _more_chunks(obj, s):
+    leaf(obj, "batch", "x")["non_finite_chunks"] = 3  # of 2 chunks
+    s["non_finite"][("batch", "x")] = ([0, 1, 2], [1, 1, 1], [0, 0, 0])
+
+
+def _uncounted_but_listed(obj, s):
+    del leaf(obj, "batch", "x")["finite_stats"]
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_tamper_section5(0, 2), "invalid counts of non-finite values"),  # chunk 2 of 2
+        (_tamper_section5(0, -1), "invalid counts of non-finite values"),
+        (_tamper_section5(1, 6), "invalid counts of non-finite values"),  # 6 NaN + 1 Inf in 6 values
+        (_tamper_section5(1, 0), None),  # control: 0 NaN + 1 Inf still counts one
+        (lambda obj, s: s.update(non_finite={("batch", "x"): ([1], [0], [0])}), "invalid counts of non-finite"),
+        (_more_chunks, "invalid non_finite_chunks 3"),
+        (_uncounted_but_listed, "invalid finite_stats"),
+        (_tamper_section6(0, -1.0), "invalid largest magnitudes"),
+        (_tamper_section6(0, float("nan")), "invalid largest magnitudes"),
+        (_tamper_section6(0, float("inf")), "invalid largest magnitudes"),
+        (_tamper_section6(1, -1), "invalid largest magnitudes"),  # -1 with a nonzero magnitude
+        (_tamper_section6(1, 2), "invalid largest magnitudes"),  # no third leaf
+        (lambda obj, s: obj.update(rank_magnitudes="yes"), "invalid rank_magnitudes"),
+        (lambda obj, s: obj.update(rank_magnitudes=False), "its structure needs"),  # section 6 left over
+    ],
+)
+def test_tampered_counts_are_refused(diverged, monkeypatch, change, match):
+    """Sections 5 and 6 are checked (docs/format.md section 5.7, rule 13) with the index re-encoded and its size
+    and checksum recomputed, so each refusal comes from the tampered numbers."""
+    obj, index = read(diverged)
+    s = decode_index(obj, index)
+    change(obj, s)
+    write(diverged, obj, encode_index(s))
+    if match is None:
+        assert [b.nan for b in tddist.read_manifest(diverged).non_finite()] == [0]
+    else:
+        refused(diverged, match, monkeypatch)
