@@ -36,7 +36,8 @@ WORKER = HERE / "worker.py"
 SCALE = HERE / "scale_manifest.py"
 DEFERRED = HERE / "deferred.py"
 REPLICAS = HERE / "replicas.py"
-SCENARIOS = ["save", "async", "load", "reshard", "small", "commit", "manifest", "deferred", "replicas"]
+CERTIFY = HERE / "certify.py"
+SCENARIOS = ["save", "async", "load", "reshard", "small", "commit", "manifest", "deferred", "replicas", "certify"]
 LEAVES, COLS = 4, 1024  # the payload: 4 float32 leaves of 4 KiB rows, sharded by rows
 
 QUICK = dict(
@@ -50,6 +51,7 @@ QUICK = dict(
     manifest_ranks="64,256",
     manifest_leaves=100,
     replicas_mib=8,
+    clean_saves=20,
 )
 FULL = dict(
     size_mib=1024,
@@ -62,6 +64,7 @@ FULL = dict(
     manifest_ranks="1024,4096,16384",
     manifest_leaves=1000,
     replicas_mib=256,
+    clean_saves=1000,
 )
 
 DISPLAY_METRIC = {
@@ -91,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--commit-reps", type=int, help="tiny checkpoints per repeat in the commit scenario (default 30)")
     ap.add_argument("--manifest-ranks", help="rank counts of the manifest scale model (default 1024,4096,16384)")
     ap.add_argument("--manifest-leaves", type=int, help="leaves per rank in the manifest scale model (default 1000)")
+    ap.add_argument("--clean-saves", type=int, help="clean saves checked for false findings (default 1000)")
     ap.add_argument("--job-timeout", type=float, default=3600, help="seconds before a job is killed")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints written (default: removed)")
     ap.add_argument(
@@ -129,7 +133,7 @@ def snapshot_tddist(work: Path) -> dict:
     its identity: the version, the digest of the package alone (``sha256``, as older runs had it),
     and ``source_digest`` over every ``.py`` file of both with the files' own digests
     (``source_files``), which ``publish.py`` compares with the tree before it writes a table."""
-    global _LIB, _BENCH, WORKER, SCALE
+    global _LIB, _BENCH, WORKER, SCALE, CERTIFY
     import hashlib
     import importlib.util
     import shutil
@@ -145,7 +149,7 @@ def snapshot_tddist(work: Path) -> dict:
     _BENCH.mkdir()
     for f in sorted(HERE.glob("*.py")):
         shutil.copy2(f, _BENCH / f.name)
-    WORKER, SCALE = _BENCH / WORKER.name, _BENCH / SCALE.name
+    WORKER, SCALE, CERTIFY = _BENCH / WORKER.name, _BENCH / SCALE.name, _BENCH / CERTIFY.name
     h = hashlib.sha256()
     for f in sorted((_LIB / "tddist").rglob("*.py")):
         h.update(f.relative_to(_LIB).as_posix().encode() + b"\0" + f.read_bytes())
@@ -293,9 +297,7 @@ def order(rows: list[dict]) -> list[dict]:
         scen_rank.setdefault(
             r["scenario"],
             (
-                ["save", "async", "load", "reshard", "small", "commit", "manifest"].index(base)
-                if base in ("save", "async", "load", "reshard", "small", "commit", "manifest")
-                else 99,
+                SCENARIOS.index(base) if base in SCENARIOS else 99,
                 len(scen_rank),
             ),
         )
@@ -600,7 +602,28 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
         lambda r: r["median"],
         8.0,
     )
+    certify_targets(med, records, check)
     return out
+
+
+def certify_targets(med, records: list[dict], check) -> None:
+    """Certified checkpoints (``certify.py``): the counting's cost on a durable save, and no false findings."""
+    counted = med("certify save", 1, "tddist", launcher="single")
+    plain = med("certify save", 1, "tddist uncounted", launcher="single")
+    check(
+        "certification (NaN/Inf counts in the checksum pass): <= 3% of a durable save",
+        None if None in (counted, plain) else counted <= 1.03 * plain,
+        None
+        if None in (counted, plain)
+        else f"{100 * (counted / plain - 1):+.1f}% (counted {C.fmt_seconds(counted)}, uncounted "
+        f"{C.fmt_seconds(plain)})",
+    )
+    clean = [r["extra"] for r in records if r.get("scenario") == "certify clean"]
+    check(
+        "certification: 0 false findings on clean saves",
+        None if not clean else all(e["false_findings"] == 0 for e in clean),
+        None if not clean else f"{sum(e['false_findings'] for e in clean)} in {sum(e['saves'] for e in clean)} saves",
+    )
 
 
 # --- main ---------------------------------------------------------------------------------------------
@@ -636,7 +659,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         "small_tensors": args.small_tensors,
         "small_elems": small_elems,
         "commit_reps": args.commit_reps,
-        "scenarios": [s for s in args.scenarios if s not in ("manifest", "replicas")],
+        "scenarios": [s for s in args.scenarios if s not in ("manifest", "deferred", "replicas", "certify")],
         "mpi_scenarios": ["commit"],
         "archive": args.archive,
     }
@@ -751,6 +774,13 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         cmd = [sys.executable, str(REPLICAS), "--mib", str(args.replicas_mib), "--rounds", str(max(3, args.repeats)),
                "--dir", str(work), "--json", str(res_path)]  # fmt: skip
         jobs.append(run_job(cmd, args.job_timeout, "replicated node-local tier"))
+        got, n = read_records(res_path)
+        records += got
+    if "certify" in args.scenarios:
+        res_path = work / "result-certify.json"
+        cmd = [sys.executable, str(CERTIFY), "--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
+        cmd += ["--clean-saves", str(args.clean_saves), "--dir", str(work), "--json", str(res_path)]
+        jobs.append(run_job(cmd, args.job_timeout, "certification"))
         got, n = read_records(res_path)
         records += got
     total = time.perf_counter() - t_start

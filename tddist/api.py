@@ -54,6 +54,7 @@ def save(
     archive: bool | None = None,
     compression: Any = None,
     layout: str | None = None,
+    require_finite: bool = False,
 ) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint ``prefix``.
 
@@ -130,6 +131,11 @@ def save(
             "packed" (the default: one data file per rank) or "memmap" (one
             file per leaf, each rank directory loadable with
             ``TensorDict.load_memmap``). Archives store one entry per leaf.
+        require_finite: refuse to publish a checkpoint whose floating-point
+            leaves hold a NaN or an infinite value (every checkpoint records
+            how many each chunk holds, counted while it is hashed): every rank
+            raises ``NonFiniteError`` and the target keeps its previous
+            checkpoint.
 
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the
@@ -150,6 +156,8 @@ def save(
         CollectiveError: ranks failed with different errors.
         SnapshotChangedError: (from a deferred save's Future) a leaf changed
             in place while it was copied; nothing was committed.
+        NonFiniteError: ``require_finite`` and the data holds NaN or Inf
+            values (on every rank; nothing was committed).
     """
     request = save_request(
         prefix,
@@ -173,6 +181,7 @@ def save(
         archive=archive,
         compression=compression,
         layout=layout,
+        require_finite=require_finite,
     )
     return saving.save(data, request)
 

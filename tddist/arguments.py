@@ -46,6 +46,7 @@ def save_request(
     archive: bool | None,
     compression: Any,
     layout: str | None,
+    require_finite: bool = False,
 ) -> SaveRequest:
     """``save``'s keyword arguments (tensordict's, plus tddist's), checked and normalised; every rank
     refuses a bad argument the same way, before any collective."""
@@ -71,6 +72,7 @@ def save_request(
         allow_pickle=allow_pickle,
         compression=resolve_compression(compression) if store.archive else None,
         packing="memmap" if store.archive or layout == "memmap" else "packed",
+        require_finite=bool(require_finite),
     )
     deferred, optimizers = check_snapshot(snapshot, guard, return_early, snapshot_budget, async_writer)
     early = EarlyReturn(snapshot_budget, cast(Any, async_writer), deferred, optimizers) if return_early else None

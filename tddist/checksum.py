@@ -29,6 +29,24 @@ def block_digest(block: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(block)
 
 
+#: Bytes hashed per step when a pass also visits the bytes (``digest_visiting``): the visitor reads each
+#: step right after the hash did, while it is in the core's cache.
+VISIT_STEP = 512 * 1024
+
+
+def digest_visiting(block: memoryview, visit: Callable[[memoryview], None] | None) -> int:
+    """``block_digest(block)``, handing each step of ``VISIT_STEP`` bytes to ``visit`` right after hashing it
+    (the counts of non-finite values, ``core.finite``, in the same pass as the checksum)."""
+    if visit is None:
+        return block_digest(block)
+    h = xxhash.xxh3_64()
+    for i in range(0, len(block), VISIT_STEP):
+        step = block[i : i + VISIT_STEP]
+        h.update(step)
+        visit(step)
+    return h.intdigest()
+
+
 def blocks(data: memoryview | bytes | np.ndarray) -> list[memoryview]:
     """``data`` cut into CHECKSUM_BLOCK-sized views (no copy)."""
     # An ndarray is a buffer; numpy's stubs declare ``__buffer__`` only for Python >= 3.12.

@@ -53,6 +53,10 @@ class IncompatibleCheckpointError(TddistError):
     """``load(into=...)``: the checkpoint's keys, shapes or dtypes do not match the target."""
 
 
+class NonFiniteError(InvalidDataError):
+    """``save(..., require_finite=True)``: the data holds NaN or infinite values; nothing was committed."""
+
+
 class CorruptCheckpointError(TddistError):
     """A data file is missing, of the wrong size, or fails its checksum."""
 
@@ -115,6 +119,7 @@ BY_NAME: dict[str, type[TddistError]] = {
         TddistError,
         InvalidArgumentError,
         InvalidDataError,
+        NonFiniteError,
         ShardingError,
         TargetError,
         CheckpointNotFoundError,

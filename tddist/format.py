@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 FORMAT_NAME = "tddist"
 #: The version tddist writes; every earlier one stays readable (docs/format.md, section 10).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 MANIFEST_NAME = "tddist.json"
 #: Version 2: the per-rank columns of the manifest (rows, checksums, boxes), binary.
 INDEX_NAME = "tddist.idx"

@@ -371,7 +371,7 @@ def test_info_summary_values_and_leaves(tmp_path):
     ckpt = tmp_path / "ck"
     three_ranks(ckpt, metadata={"step": 7, "run": "demo"})
     text = cli("info", ckpt, check_rc=0).stdout
-    assert text.startswith(f"{ckpt}: tddist checkpoint, directory, format version 3 (packed: one data file per rank)")
+    assert text.startswith(f"{ckpt}: tddist checkpoint, directory, format version 4 (packed: one data file per rank)")
     assert "world size 3 (ranks that saved it)" in text and "2 tensor(s) (2 sharded)" in text
     assert '"step": 7' in text
     assert 'who = per rank: rank 0: "rank0", rank 1: "rank1", rank 2: "rank2"' in text
@@ -383,7 +383,7 @@ def test_info_summary_values_and_leaves(tmp_path):
 
     doc = cli_json("info", ckpt)
     assert doc["schema"] == "tddist.info/1" and doc["world_size"] == 3 and doc["layout"] == "directory"
-    assert doc["format_version"] == 3 and doc["packing"] == "packed"
+    assert doc["format_version"] == 4 and doc["packing"] == "packed"
     assert doc["bytes"] == 12 * 3 * 4 + 12 * 8
     x = next(leaf for leaf in doc["leaves"] if leaf["key"] == ["x"])
     assert x == {
@@ -407,18 +407,18 @@ def test_info_ls_and_diff_on_every_packing(tmp_path):
     v1 = root / step_name(4)
     shutil.copytree(REPO / "tests" / "golden" / "v1" / "three_ranks", v1)
     shown = {
-        packed: "directory, format version 3 (packed: one data file per rank)",
-        memmap: "directory, format version 3 (memmap: one file per leaf)",
-        archive: "archive, format version 3 (memmap: one file per leaf, as archive entries)",
+        packed: "directory, format version 4 (packed: one data file per rank)",
+        memmap: "directory, format version 4 (memmap: one file per leaf)",
+        archive: "archive, format version 4 (memmap: one file per leaf, as archive entries)",
         v1: "directory, format version 1 (memmap: one file per leaf)",
     }
     for path, first in shown.items():
         assert cli("info", path, check_rc=0).stdout.startswith(f"{path}: tddist checkpoint, {first}\n")
     docs = {path: cli_json("info", path) for path in shown}
     assert [(d["format_version"], d["layout"], d["packing"]) for d in docs.values()] == [
-        (3, "directory", "packed"),
-        (3, "directory", "memmap"),
-        (3, "archive", "memmap"),
+        (4, "directory", "packed"),
+        (4, "directory", "memmap"),
+        (4, "archive", "memmap"),
         (1, "directory", "memmap"),
     ]
     assert docs[packed]["leaves"] == docs[memmap]["leaves"] == docs[archive]["leaves"]

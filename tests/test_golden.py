@@ -1,4 +1,4 @@
-"""Checkpoints written by earlier tddists (tests/golden/v1, v2, v3) must keep loading, bit for bit.
+"""Checkpoints written by earlier tddists (tests/golden/v1, v2, v3, v4) must keep loading, bit for bit.
 
 Every load test runs on the golden checkpoints of every format version (the
 same recipes wrote them, so the same expected values apply); what a version
@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import zipfile
 from pathlib import Path
 
@@ -38,12 +39,14 @@ recipe = _load_recipe()
 V1 = GOLDEN / "v1"
 V2 = GOLDEN / "v2"
 V3 = GOLDEN / "v3"
-VERSIONS = {1: V1, 2: V2, 3: V3}
+V4 = GOLDEN / "v4"
+VERSIONS = {1: V1, 2: V2, 3: V3, 4: V4}
 #: every golden checkpoint of each version (version 1 had no memmap packing to cover)
 CONTENTS = {
     1: [recipe.SINGLE, recipe.MULTI, recipe.EXTENDED, recipe.EXTENDED_ARCHIVE, recipe.DTENSOR],
     2: list(recipe.BUILDERS),
     3: [*recipe.BUILDERS, "per_rank"],  # per_rank: written and tested by tests/test_per_rank_golden.py
+    4: list(recipe.BUILDERS),
 }
 #: the checkpoints of the single-rank data (a): each version's, and version 2's memmap packing
 SINGLES = [
@@ -52,11 +55,13 @@ SINGLES = [
     V2 / recipe.SINGLE_MEMMAP,
     V3 / recipe.SINGLE,
     V3 / recipe.SINGLE_MEMMAP,
+    V4 / recipe.SINGLE,
+    V4 / recipe.SINGLE_MEMMAP,
 ]
-SINGLE_IDS = ["v1", "v2", "v2-memmap", "v3", "v3-memmap"]
+SINGLE_IDS = ["v1", "v2", "v2-memmap", "v3", "v3-memmap", "v4", "v4-memmap"]
 #: the three-rank checkpoint (b) of each version
-MULTIS = [V1 / recipe.MULTI, V2 / recipe.MULTI, V3 / recipe.MULTI]
-MULTI_IDS = ["v1", "v2", "v3"]
+MULTIS = [V1 / recipe.MULTI, V2 / recipe.MULTI, V3 / recipe.MULTI, V4 / recipe.MULTI]
+MULTI_IDS = ["v1", "v2", "v3", "v4"]
 #: version 2's checkpoints and their packing
 V2_PACKING = {
     recipe.SINGLE: "packed",
@@ -347,10 +352,10 @@ def _packed_chunks(path: Path) -> dict[tuple, bytes]:
 def test_recipe_still_writes_the_golden_files(tmp_path):
     """Writing the recipe today gives byte-identical data files and index, and the same manifest
     (all but creation time, writer version and the manifest's checksum, which covers them): the writer has
-    not drifted from format version 3."""
+    not drifted from format version 4."""
     for name, write in recipe.BUILDERS.items():
         write(tmp_path / name)
-        golden, fresh = V3 / name, tmp_path / name
+        golden, fresh = V4 / name, tmp_path / name
         g, f = _files(golden), _files(fresh)
         assert sorted(g) == sorted(f), name
         mg, mf = json.loads(g["tddist.json"]), json.loads(f["tddist.json"])
@@ -378,6 +383,8 @@ def _moved_replicas(golden: dict, fresh: dict) -> bool:
     sizes = {tuple(e["key"]): math.prod(e["shape"]) * getattr(torch, e["dtype"]).itemsize for e in replicated}
     assert {tuple(e["key"]): e["writer"] for e in replicated} == replica_writers(sizes, world)
     before = {tuple(e["key"]): e["writer"] for e in golden["leaves"] if e["placement"]["type"] == "replicate"}
+    if before == replica_writers(sizes, world):  # written by a tddist that already shared them out (version 4)
+        return False
     assert set(before.values()) <= {0}
     for e in replicated:
         e["writer"] = before[tuple(e["key"])]
@@ -414,9 +421,9 @@ def test_loading_never_modifies_golden_files(version, tmp_path):
 
 # --- (c) non-tensor values, node rows, verbatim keys; (c') the same as an archive; (d) a DTensor ---
 
-EXTENDED = [V / name for V in (V1, V2, V3) for name in (recipe.EXTENDED, recipe.EXTENDED_ARCHIVE)]
-EXTENDED_IDS = [f"v{v}-{kind}" for v in (1, 2, 3) for kind in ("directory", "archive")]
-DTENSORS = [V1 / recipe.DTENSOR, V2 / recipe.DTENSOR, V3 / recipe.DTENSOR]
+EXTENDED = [V / name for V in (V1, V2, V3, V4) for name in (recipe.EXTENDED, recipe.EXTENDED_ARCHIVE)]
+EXTENDED_IDS = [f"v{v}-{kind}" for v in (1, 2, 3, 4) for kind in ("directory", "archive")]
+DTENSORS = [V1 / recipe.DTENSOR, V2 / recipe.DTENSOR, V3 / recipe.DTENSOR, V4 / recipe.DTENSOR]
 
 
 @pytest.mark.parametrize("path", EXTENDED, ids=EXTENDED_IDS)
@@ -455,13 +462,99 @@ def test_dtensor_golden_loads_whole_and_into_plain_tensors(path):
 
 @pytest.mark.parametrize("name", sorted(recipe.BUILDERS))
 def test_v3_golden_manifest_checksum(name):
-    """Version 3's tddist.json begins with its own checksum: xxh3-64 of the manifest without that member
-    (computed here from the specification, not by tddist); versions 1 and 2 carry none."""
-    raw = _files(V3 / name)["tddist.json"]
-    prefix = b'{"manifest_checksum":"'
-    assert raw.startswith(prefix) and raw[len(prefix) + 16 : len(prefix) + 18] == b'",'
-    digest = raw[len(prefix) : len(prefix) + 16].decode()
-    assert xxhash.xxh3_64_hexdigest(b"{" + raw[len(prefix) + 18 :]) == digest
+    """Version 3's (and 4's) tddist.json begins with its own checksum: xxh3-64 of the manifest without that
+    member (computed here from the specification, not by tddist); versions 1 and 2 carry none."""
+    for root in (V3, V4):
+        raw = _files(root / name)["tddist.json"]
+        prefix = b'{"manifest_checksum":"'
+        assert raw.startswith(prefix) and raw[len(prefix) + 16 : len(prefix) + 18] == b'",'
+        digest = raw[len(prefix) : len(prefix) + 16].decode()
+        assert xxhash.xxh3_64_hexdigest(b"{" + raw[len(prefix) + 18 :]) == digest
     for old in (V1, V2):
         if (old / name).exists():
             assert b"manifest_checksum" not in _files(old / name)["tddist.json"]
+
+
+# --- version 4: counts of non-finite values, sparse, and each rank's largest finite magnitude --------------
+
+
+def _expected_counts(t: torch.Tensor) -> tuple[int, int, float]:
+    """NaN count, Inf count and largest finite magnitude of ``t``, by torch (complex: each component)."""
+    v = torch.view_as_real(t) if t.is_complex() else t
+    v = v.to(torch.float64)
+    finite = v[torch.isfinite(v)]
+    return int(torch.isnan(v).sum()), int(torch.isinf(v).sum()), float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def _sections_5_and_6(path: Path) -> tuple[set, dict, list[tuple[float, int]]]:
+    """The counted leaves (``"finite_stats": true``), each leaf's non-finite chunks (chunk index, NaN, Inf) from
+    the index's section 5, and each rank's (largest finite magnitude, leaf position) from its section 6, read as
+    docs/format.md section 5.4 lays them out (not through tddist's parser)."""
+    files = _files(path)
+    obj = json.loads(files["tddist.json"])
+    index = files["tddist.idx"]
+    world = obj["world_size"]
+    counted = {tuple(e["key"]) for e in obj["leaves"] if e.get("finite_stats")}
+    sparse = [e for e in obj["leaves"] if e.get("non_finite_chunks")]
+    assert obj["rank_magnitudes"] is True
+    pos = len(index) - 8 * (sum(3 * e["non_finite_chunks"] for e in sparse) + 2 * world)
+    chunks = {}
+    for e in sparse:
+        k = e["non_finite_chunks"]
+        at, nan, inf = (struct.unpack_from(f"<{k}q", index, pos + 8 * k * j) for j in range(3))
+        pos += 24 * k
+        chunks[tuple(e["key"])] = list(zip(at, nan, inf))
+    values = struct.unpack_from(f"<{world}d", index, pos)
+    leaves = struct.unpack_from(f"<{world}q", index, pos + 8 * world)
+    return counted, chunks, list(zip(values, leaves))
+
+
+@pytest.mark.parametrize("name", [recipe.SINGLE, recipe.SINGLE_MEMMAP, recipe.EXTENDED_ARCHIVE])
+def test_v4_golden_counts_non_finite_values(name):
+    """Every floating leaf of a version-4 golden checkpoint is counted; only the chunks that hold NaN or Inf
+    are listed, with the recipe's counts (checkpoint (a) holds one NaN and one -Inf in batch/obs), and the
+    rank's largest finite magnitude is that of the recipe's values, in the leaf named; older versions count
+    nothing."""
+    path = V4 / name
+    counted, chunks, ranks = _sections_5_and_6(path)
+    whole = tddist.load(path, shard=None, verify=True)
+    floating = {k for k, v in whole.items(True, True) if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    floating |= {k for k, v in whole.items(True, True) if isinstance(v, torch.Tensor) and v.is_complex()}
+    assert {tuple(k) if isinstance(k, tuple) else (k,) for k in floating} == counted
+    expected = {key: _expected_counts(whole[key]) for key in counted}
+    assert {k: (sum(c[1] for c in v), sum(c[2] for c in v)) for k, v in chunks.items()} == {
+        k: (nan, inf) for k, (nan, inf, _top) in expected.items() if nan or inf
+    }
+    value, at = max(ranks)  # the largest of the ranks' (each rank's own is checked on three_ranks below)
+    obj = json.loads(_files(path)["tddist.json"])
+    assert value == max(top for _n, _i, top in expected.values())
+    assert expected[tuple(obj["leaves"][at]["key"])][2] == value
+    m = tddist.read_manifest(path)
+    if name != recipe.EXTENDED_ARCHIVE:
+        assert [(b.key, b.nan, b.inf) for b in m.non_finite()] == [(("batch", "obs"), 1, 1)]
+    assert not m.uncounted() and m.largest_magnitude().value == value
+    assert all(leaf.stats is None for leaf in tddist.read_manifest(V3 / name).leaves.values())
+    assert tddist.read_manifest(V3 / name).largest is None
+
+
+def test_v4_golden_three_ranks_records_each_ranks_largest_magnitude():
+    """Clean: no chunk listed; each rank's largest finite magnitude is the largest among the chunks it stored
+    (rank 1's sharded chunks are empty; replicated leaves count on their writer only)."""
+    m = tddist.read_manifest(V4 / recipe.MULTI)
+    g = recipe.multi_rank_global()
+    top = [0.0] * m.world_size
+    for key, leaf in m.leaves.items():
+        if leaf.stats is None:
+            continue
+        assert leaf.stats.finite
+        for c in leaf.chunks:
+            offsets, sizes = c.box
+            piece = g[key][tuple(slice(o, o + z) for o, z in zip(offsets, sizes))]
+            if piece.numel():
+                top[c.rank] = max(top[c.rank], _expected_counts(piece)[2])
+    assert m.largest.values.tolist() == pytest.approx(top)
+    g_top = {key: _expected_counts(g[key])[2] for key in m.leaves if m.leaves[key].stats is not None}
+    for rank, at in enumerate(m.largest.leaves.tolist()):
+        assert (at == -1) == (top[rank] == 0.0), rank
+        assert at == -1 or g_top[list(m.leaves)[at]] >= top[rank], rank  # a leaf that holds that magnitude
+    assert not m.non_finite()

@@ -33,6 +33,7 @@ import tddist.loading.read
 from tddist import CorruptCheckpointError, ManifestError
 from tddist import format as fmt
 from tddist.manifest.checksum import seal
+from tddist.manifest.model import LargestMagnitude
 from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
 from tddist.tools.verify import verify as verify_checkpoint
@@ -57,7 +58,8 @@ def _chunk_count(leaf: dict, world: int) -> int:
 
 
 def decode_index(obj: dict, data: bytes) -> dict:
-    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes; each by key, in order."""
+    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes, non-finite chunks and the
+    ranks' largest magnitudes (version 4); each by key, in order."""
     world = obj["world_size"]
     pos = 0
 
@@ -82,6 +84,13 @@ def decode_index(obj: dict, data: bytes) -> dict:
             n, d = e["chunks"], len(e["shape"])
             ranks, offsets, sizes = take("<i8", n), take("<i8", n * d), take("<i8", n * d)
             sections["boxes"][tuple(e["key"])] = (ranks, offsets, sizes)
+    sections["non_finite"] = {}
+    for e in obj["leaves"]:
+        if obj["version"] >= 4 and e.get("non_finite_chunks"):
+            k = e["non_finite_chunks"]
+            sections["non_finite"][tuple(e["key"])] = (take("<i8", k), take("<u8", k), take("<u8", k))
+    if obj["version"] >= 4 and obj.get("rank_magnitudes"):
+        sections["magnitudes"] = (take("<f8", world), take("<i8", world))
     assert pos == len(data), "the index has bytes its JSON does not account for"
     return sections
 
@@ -93,6 +102,12 @@ def encode_index(sections: dict) -> bytes:
     parts += [np.asarray(v, dtype="<u8").tobytes() for v in sections["checksums"].values()]
     for ranks, offsets, sizes in sections["boxes"].values():
         parts += [np.asarray(a, dtype="<i8").tobytes() for a in (ranks, offsets, sizes)]
+    for chunks, nan, inf in sections.get("non_finite", {}).values():
+        parts += [np.asarray(chunks, dtype="<i8").tobytes()]
+        parts += [np.asarray(nan, dtype="<u8").tobytes(), np.asarray(inf, dtype="<u8").tobytes()]
+    if "magnitudes" in sections:
+        values, leaves = sections["magnitudes"]
+        parts += [np.asarray(values, dtype="<f8").tobytes(), np.asarray(leaves, dtype="<i8").tobytes()]
     return b"".join(parts)
 
 
@@ -189,6 +204,7 @@ def _as_boxes(path: Path, ranks: list[int], offsets: list[tuple], sizes: list[tu
     x = leaf(obj, "batch", "x")
     x["placement"], x["chunks"] = {"type": "boxes"}, len(ranks)
     del x["rows"]
+    assert "non_finite_chunks" not in x  # clean: its counts (none) hold for any chunks
     s["checksums"][("batch", "x")] = (s["checksums"][("batch", "x")] * 2)[: len(ranks)]
     s["boxes"][("batch", "x")] = (ranks, [v for o in offsets for v in o], [v for z in sizes for v in z])
     write(path, obj, encode_index(s))
@@ -479,6 +495,7 @@ def test_boxes_leaf_of_zero_chunks_loads_as_an_empty_tensor(tmp_path):
     e.pop("writer", None)
     s["checksums"][("e",)] = []
     s["boxes"][("e",)] = ([], [], [])
+    assert "non_finite_chunks" not in e  # no chunks, no counts
     write(path, obj, encode_index(s))
     got = tddist.load(path, shard=None, verify=True)
     assert got["e"].shape == (0, 3) and got["e"].dtype == torch.float64
@@ -510,12 +527,12 @@ def test_node_rows_in_the_json_are_refused(multi, monkeypatch):
     refused(multi, "lists node rows in the JSON; version 2 keeps them in the index", monkeypatch)
 
 
-@pytest.mark.parametrize("version", [4, 99])
+@pytest.mark.parametrize("version", [5, 99])
 def test_newer_version_is_refused_as_newer(multi, version, monkeypatch):
     obj, index = read(multi)
     obj["version"] = version
     write(multi, obj, index)
-    refused(multi, rf"has format version {version}, newer than this tddist reads \(3\); upgrade tddist", monkeypatch)
+    refused(multi, rf"has format version {version}, newer than this tddist reads \(4\); upgrade tddist", monkeypatch)
 
 
 def test_version_1_manifest_beside_packed_data_is_refused(multi, monkeypatch):
@@ -546,7 +563,7 @@ def archive(tmp_path) -> Path:
 
 def test_archive_says_memmap(archive):
     m = tddist.read_manifest(archive)
-    assert (m.layout, m.packing, m.version) == ("archive", "memmap", 3)
+    assert (m.layout, m.packing, m.version) == ("archive", "memmap", 4)
 
 
 def test_archive_whose_packing_is_packed_is_refused(archive, monkeypatch):
@@ -580,7 +597,7 @@ def test_archive_without_its_index_is_refused(archive, monkeypatch):
 
 def test_archive_with_a_damaged_index_is_refused(archive, monkeypatch):
     _rewrite_archive(archive, lambda name, data: data[:-8] if name == "tddist.idx" else data)
-    refused(archive, r"entry 'tddist.idx' declares 8 bytes \(8 stored\), its manifest implies 16", monkeypatch)
+    refused(archive, r"entry 'tddist.idx' declares 24 bytes \(24 stored\), its manifest implies 32", monkeypatch)
 
 
 # --- packed data files ------------------------------------------------------------------------------------------
@@ -639,22 +656,23 @@ def _manifest_files(path: Path) -> tuple[bytes, bytes]:
 
 
 def _round_trip(path: Path) -> None:
-    """The manifest parsed and encoded again: the same bytes (a version-2 manifest comes back as version 3:
-    the same members, with the version and the manifest's own checksum of version 3)."""
+    """The manifest parsed and encoded again: the same bytes (a version-2 or 3 manifest comes back as version 4:
+    the same members, with the version and the manifest's own checksum; its leaves were not counted, so no
+    leaf gains ``finite_stats`` and the index is the same)."""
     raw, index = _manifest_files(path)
     m = parse_manifest(json.loads(raw), index=index)
     files = encode(m)
-    if m.version == 3:
+    if m.version == fmt.FORMAT_VERSION:
         assert files.manifest == raw
     else:
         again = json.loads(files.manifest)
-        assert again.pop("manifest_checksum") and again.pop("version") == 3
-        assert files.manifest == sealed({**json.loads(raw), "version": 3})
+        assert again.pop("manifest_checksum") and again.pop("version") == fmt.FORMAT_VERSION
+        assert files.manifest == sealed({**json.loads(raw), "version": fmt.FORMAT_VERSION})
     assert files.index == index
 
 
 @pytest.mark.parametrize("name", sorted(recipe.BUILDERS))
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 def test_encode_parse_reproduces_the_golden_files(name, version):
     """sharded (dim 0 and dim 1, node and own rows), replicated, DTensor boxes, non-tensor values, memmap
     packing, an archive: the parsed manifest encodes back to the same bytes."""
@@ -710,7 +728,7 @@ def test_v1_manifest_reencoded_as_v2_loads_the_same_data(name, tmp_path):
     (path / "tddist.json").write_bytes(files.manifest)
     (path / "tddist.idx").write_bytes(files.index)
     m2 = tddist.read_manifest(path)
-    assert m2.version == 3 and m2.packing == "memmap" and m2.nodes == m.nodes and m2.objects == m.objects
+    assert m2.version == 4 and m2.packing == "memmap" and m2.nodes == m.nodes and m2.objects == m.objects
     for key, lf in m.leaves.items():
         assert m2.leaves[key].chunks == lf.chunks, key
     assert_td_equal(tddist.load(path, shard=None, verify=True), tddist.load(v1, shard=None, verify=True))
@@ -737,7 +755,7 @@ def test_v1_checkpoint_packs_into_a_v2_archive(name, tmp_path):
     same rows bug shows there: packing a version-1 checkpoint must give an archive with the same data."""
     v1 = GOLDEN / "v1" / name
     tddist.pack(v1, tmp_path / "a.tdz")
-    assert tddist.read_manifest(tmp_path / "a.tdz").version == 3
+    assert tddist.read_manifest(tmp_path / "a.tdz").version == 4
     assert_td_equal(tddist.load(tmp_path / "a.tdz", shard=None, verify=True), tddist.load(v1, shard=None))
 
 
@@ -904,3 +922,101 @@ def test_whole_load_finds_a_flipped_byte_in_any_rank(tmp_path, layout):
     with pytest.raises(CorruptCheckpointError, match=r"leaf \('c',\), rank 3\)"):
         tddist.load(target, shard=None, verify=True)
     assert not torch.equal(tddist.load(target, shard=None)["c"], _whole_state()["c"])
+
+
+# --- version 4: the sparse counts of non-finite values and the ranks' largest magnitudes ----------------------
+
+
+@pytest.fixture
+def diverged(tmp_path) -> Path:
+    """Two ranks: batch/x (4, 3) sharded, rank 1's chunk holding a NaN and an Inf; w (6,) replicated, clean."""
+
+    def rank_main(comm):
+        r = comm.rank
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 6 * r
+        if r == 1:
+            x[0, 0], x[1, 2] = float("nan"), float("-inf")
+        td = TensorDict({"batch": TensorDict({"x": x}, [2]), "w": torch.arange(6.0) - 20}, [])
+        tddist.save(td, tmp_path / "d", comm=comm)
+        return "ok"
+
+    assert tddist.run_threads(2, rank_main) == ["ok", "ok"]
+    return tmp_path / "d"
+
+
+def test_non_finite_chunks_and_magnitudes_as_specified(diverged):
+    """Only rank 1's chunk of batch/x is listed (section 5); each rank's largest finite magnitude and its leaf
+    (section 6): rank 0's 5.0 in batch/x, rank 1's 10.0, or 20.0 in w on w's writer; the manifest encodes back the same."""
+    obj, index = read(diverged)
+    s = decode_index(obj, index)
+    assert leaf(obj, "batch", "x")["non_finite_chunks"] == 1 and "non_finite_chunks" not in leaf(obj, "w")
+    assert s["non_finite"] == {("batch", "x"): ([1], [1], [1])}
+    writer = leaf(obj, "w")["writer"]
+    x_top = [5.0, 10.0]  # rank 1: 6..11 without its NaN (6) and Inf (11)
+    assert s["magnitudes"] == (
+        [20.0 if r == writer else x_top[r] for r in range(2)],
+        [1 if r == writer else 0 for r in range(2)],
+    )
+    m = tddist.read_manifest(diverged)
+    assert [(b.key, b.nan, b.inf, b.ranks) for b in m.non_finite()] == [(("batch", "x"), 1, 1, (1,))]
+    assert m.largest_magnitude() == LargestMagnitude(20.0, ("w",), writer)
+    _round_trip(diverged)
+
+
+def _tamper_section5(i: int, value: int):
+    def change(obj, s):
+        chunks, nan, inf = (list(a) for a in s["non_finite"][("batch", "x")])
+        (chunks, nan, inf)[i][0] = value
+        s["non_finite"][("batch", "x")] = (chunks, nan, inf)
+
+    return change
+
+
+def _tamper_section6(i: int, value):
+    def change(obj, s):
+        values, leaves = (list(a) for a in s["magnitudes"])
+        (values, leaves)[i][0] = value
+        s["magnitudes"] = (values, leaves)
+
+    return change
+
+
+def _more_chunks(obj, s):
+    leaf(obj, "batch", "x")["non_finite_chunks"] = 3  # of 2 chunks
+    s["non_finite"][("batch", "x")] = ([0, 1, 2], [1, 1, 1], [0, 0, 0])
+
+
+def _uncounted_but_listed(obj, s):
+    del leaf(obj, "batch", "x")["finite_stats"]
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_tamper_section5(0, 2), "invalid counts of non-finite values"),  # chunk 2 of 2
+        (_tamper_section5(0, -1), "invalid counts of non-finite values"),
+        (_tamper_section5(1, 6), "invalid counts of non-finite values"),  # 6 NaN + 1 Inf in 6 values
+        (_tamper_section5(1, 0), None),  # control: 0 NaN + 1 Inf still counts one
+        (lambda obj, s: s.update(non_finite={("batch", "x"): ([1], [0], [0])}), "invalid counts of non-finite"),
+        (_more_chunks, "invalid non_finite_chunks 3"),
+        (_uncounted_but_listed, "invalid finite_stats"),
+        (_tamper_section6(0, -1.0), "invalid largest magnitudes"),
+        (_tamper_section6(0, float("nan")), "invalid largest magnitudes"),
+        (_tamper_section6(0, float("inf")), "invalid largest magnitudes"),
+        (_tamper_section6(1, -1), "invalid largest magnitudes"),  # -1 with a nonzero magnitude
+        (_tamper_section6(1, 2), "invalid largest magnitudes"),  # no third leaf
+        (lambda obj, s: obj.update(rank_magnitudes="yes"), "invalid rank_magnitudes"),
+        (lambda obj, s: obj.update(rank_magnitudes=False), "its structure needs"),  # section 6 left over
+    ],
+)
+def test_tampered_counts_are_refused(diverged, monkeypatch, change, match):
+    """Sections 5 and 6 are checked (docs/format.md section 5.7, rule 13) with the index re-encoded and its size
+    and checksum recomputed, so each refusal comes from the tampered numbers."""
+    obj, index = read(diverged)
+    s = decode_index(obj, index)
+    change(obj, s)
+    write(diverged, obj, encode_index(s))
+    if match is None:
+        assert [b.nan for b in tddist.read_manifest(diverged).non_finite()] == [0]
+    else:
+        refused(diverged, match, monkeypatch)

@@ -625,14 +625,18 @@ def test_generation_is_the_manifest_checksum_or_the_hash_of_an_unsealed_manifest
     raw = (target / fmt.MANIFEST_NAME).read_bytes()
     obj = json.loads(raw)
     with open_checkpoint(str(target)) as opened:
-        assert opened.generation == obj["manifest_checksum"] and opened.manifest.version == 3
+        assert opened.generation == obj["manifest_checksum"] and opened.manifest.version == 4
         assert opened.path == str(target)
     del obj["manifest_checksum"]
     unsealed = fmt.dumps(obj)
     (target / fmt.MANIFEST_NAME).write_bytes(unsealed)
-    with pytest.raises(ManifestError, match="format version 3.* lacks its manifest_checksum"):
+    with pytest.raises(ManifestError, match="format version 4.* lacks its manifest_checksum"):
         tddist.read_manifest(target)
-    obj["version"] = 2
+    obj["version"] = 2  # without what version 2 lacks: the ranks' largest magnitudes (the index's last 16 bytes)
+    del obj["rank_magnitudes"]
+    index = (target / fmt.INDEX_NAME).read_bytes()[:-16]
+    (target / fmt.INDEX_NAME).write_bytes(index)
+    obj["index"] = {"size": len(index), "checksum": xxhash.xxh3_64_hexdigest(index)}
     (target / fmt.MANIFEST_NAME).write_bytes(fmt.dumps(obj))
     with open_checkpoint(str(target)) as opened:
         assert opened.generation == xxhash.xxh3_64_hexdigest(fmt.dumps(obj)) and opened.manifest.version == 2

@@ -33,6 +33,7 @@ import tddist
 from tddist import _fs
 from tddist import format as fmt
 from tddist.checksum import EMPTY, combine_digests, hash_blocks
+from tddist.core.finite import ChunkStats
 from tddist.core.types import StoredBytes
 from tddist.loading import read as reader
 from tddist.manifest.locate import ChunkRange, Location, Locator
@@ -182,7 +183,8 @@ def checksum(t: torch.Tensor) -> str:
 
 @pytest.mark.parametrize("num_threads", [1, 3])
 def test_write_leaves_reports_what_it_stored(tmp_path, num_threads):
-    """Each leaf's byte count and checksum, a file of exactly its bytes; an empty leaf: 0 bytes, EMPTY, no file."""
+    """Each leaf's byte count, checksum and (floating leaves) counts of non-finite values, a file of exactly its
+    bytes; an empty leaf: 0 bytes, EMPTY, nothing counted, no file."""
     leaves = [
         writer.LeafToWrite(("a",), torch.arange(10, dtype=torch.int32)),
         writer.LeafToWrite(("n", "e"), torch.zeros(0, 3)),
@@ -191,8 +193,8 @@ def test_write_leaves_reports_what_it_stored(tmp_path, num_threads):
     got = writer.write_leaves(str(tmp_path), 2, leaves, True, num_threads)
     assert got == {
         ("a",): StoredBytes(40, checksum(leaves[0].tensor)),
-        ("n", "e"): StoredBytes(0, EMPTY),
-        ("n", "b"): StoredBytes(32, checksum(leaves[2].tensor)),
+        ("n", "e"): StoredBytes(0, EMPTY, ChunkStats(0, 0, 0.0)),
+        ("n", "b"): StoredBytes(32, checksum(leaves[2].tensor), ChunkStats(0, 0, 0.5)),
     }
     for leaf in (leaves[0], leaves[2]):
         written = (tmp_path / fmt.leaf_relpath(2, leaf.key)).read_bytes()

@@ -44,7 +44,7 @@ def test_eight_ranks_save_few_files(saved):
         names = sorted(os.listdir(target))
         assert names == [f"rank-{r:05d}.data" for r in range(8)] + ["tddist.idx", "tddist.json"], names
         m = tddist.read_manifest(target)
-        assert m.world_size == 8 and m.version == 3 and m.packing == "packed"
+        assert m.world_size == 8 and m.version == 4 and m.packing == "packed"
         assert len(m.leaves) == scale_rank.LEAVES
         assert os.path.getsize(target / "rank-00002.data") == 0  # rank 2 saved no rows
 

@@ -11,7 +11,8 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 #: Version of every ``--json`` document; bumped only when a member changes meaning or goes away.
 SCHEMA_VERSION = 1
@@ -49,6 +50,29 @@ def key_text(key: tuple[str, ...] | list[str]) -> str:
     if key and all(k and "/" not in k for k in key):
         return "/".join(key)
     return json.dumps(list(key), ensure_ascii=False)
+
+
+def non_finite_json(leaf: Any) -> dict:
+    """A leaf with NaN or infinite values (``manifest.model.NonFiniteLeaf``) as a ``--json`` member."""
+    return {
+        "key": list(leaf.key),
+        "nan": leaf.nan,
+        "inf": leaf.inf,
+        "ranks": list(leaf.ranks),
+    }
+
+
+def non_finite_lines(leaves: Iterable[Any]) -> list[str]:
+    """Lines naming each leaf with NaN or infinite values (a finding about the data, not damage)."""
+    return [f"  non-finite: {key_text(b.key)}: {b.nan} NaN, {b.inf} Inf (ranks {list(b.ranks)[:8]})" for b in leaves]
+
+
+def largest_json(largest: Any) -> dict | None:
+    """The checkpoint's largest finite magnitude (``manifest.model.LargestMagnitude`` or None) as a ``--json``
+    member."""
+    if largest is None:
+        return None
+    return {"value": largest.value, "key": list(largest.key), "rank": largest.rank}
 
 
 def value_text(enc: object, limit: int = 60) -> str:

@@ -15,7 +15,17 @@ from ..manifest.model import Leaf, Manifest, ObjectLeaf
 from ..storage.backends import read_manifest
 from ..tools.diff import placement_text
 from ..tools.verify import leaf_nbytes
-from ._output import emit_json, human_age, human_bytes, key_text, table, value_text
+from ._output import (
+    emit_json,
+    human_age,
+    human_bytes,
+    key_text,
+    largest_json,
+    non_finite_json,
+    non_finite_lines,
+    table,
+    value_text,
+)
 from .convert import foreign_error
 
 HELP = "describe a checkpoint: contents, sizes, metadata, non-tensor values (reads only the manifest)"
@@ -136,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json("info", _info_json(args.path, m, total, left))
         return 0
     _print_header(args.path, m, total)
+    _print_finite(m)
     if m.metadata:
         print(f"  metadata: {value_text({'json': m.metadata}, 200)}")
     _print_groups(m)
@@ -167,7 +178,34 @@ def _info_json(path: str, m: Manifest, total: int, left: list[dict]) -> dict:
             {"key": list(o.key), "placement": o.placement, "values": object_values(o)} for o in m.objects.values()
         ],
         "leftovers": left,
+        "finite": _finite_state(m),
+        "non_finite": [non_finite_json(b) for b in m.non_finite()],
+        "largest_magnitude": largest_json(m.largest_magnitude()),
     }
+
+
+def _finite_state(m: Manifest) -> bool | None:
+    """True: every floating leaf was counted and holds only finite values; False: some hold NaN or Inf;
+    None: some floating leaf was not counted (format versions before 4)."""
+    if m.non_finite():
+        return False
+    return None if m.uncounted() else True
+
+
+def _print_finite(m: Manifest) -> None:
+    """Whether the tensors are certified finite, and which leaves hold NaN or Inf values (a finding, not damage)."""
+    bad = m.non_finite()
+    if bad:
+        print(f"  values: {len(bad)} tensor(s) hold NaN or Inf values (counted at save):")
+        for line in non_finite_lines(bad):
+            print("  " + line)
+    elif m.uncounted():
+        print(f"  values: not counted ({len(m.uncounted())} floating tensor(s) saved before format version 4)")
+    else:
+        print("  values: every floating-point value is finite (counted at save)")
+    top = m.largest_magnitude()
+    if top is not None:
+        print(f"  largest finite magnitude: {top.value:.6g} ({key_text(top.key)}, rank {top.rank})")
 
 
 def _leaf_json(leaf: Leaf) -> dict:

@@ -16,6 +16,10 @@ CheckpointManager would resume from (the highest step-NNNNNNNNN with a valid
 manifest; without step names, the one committed last). Exit status 1 and nothing
 on stdout when there is none. Never imports torch.
 
+With --finite, skip checkpoints whose floating-point values include NaN or Inf
+(counted when they were saved, format version 4; older checkpoints are not
+counted and are not skipped), as CheckpointManager(restore="finite") does.
+
   ckpt=$(tddist latest ckpt/run) && python eval.py "$ckpt" """
 
 
@@ -29,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a directory or s3://bucket/prefix of checkpoints, such as a CheckpointManager root",
     )
     s.add_argument(
+        "--finite", action="store_true", help="skip checkpoints that hold NaN or Inf values (counted at save)"
+    )
+    s.add_argument(
         "--json", action="store_true", help="print one JSON object (schema tddist.latest/1, see docs/cli.md)"
     )
     s.set_defaults(run=run)
@@ -36,8 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        entry = inventory.newest(args.root)
-        message = f"no committed checkpoint under {args.root!r}"
+        entry = inventory.newest(args.root, finite=args.finite)
+        what = "committed checkpoint without NaN or Inf values" if args.finite else "committed checkpoint"
+        message = f"no {what} under {args.root!r}"
     except CheckpointNotFoundError as e:  # a missing root (or bucket): no checkpoint, exit status 1
         entry, message = None, str(e)
     if entry is None:

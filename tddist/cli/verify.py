@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import CheckpointNotFoundError
-from ._output import emit_json, human_bytes, key_text, positive_int, progress
+from ._output import emit_json, human_bytes, key_text, non_finite_json, non_finite_lines, positive_int, progress
 from .convert import foreign_error
 
 HELP = "check every chunk of a checkpoint (sizes, structure and checksums) and list every problem"
@@ -18,6 +18,8 @@ size the manifest implies: each rank's data file (the default "packed" layout:
 one file per rank, its chunks at aligned offsets), each chunk's file (layout
 "memmap" and format version 1) or archive entry, and the archive's structure.
 A bad chunk in a data file is reported with the file and its offset there.
+Leaves that hold NaN or infinite values (counted when the checkpoint was saved,
+format version 4) are listed as findings: they are not damage.
 Exit status 0 when all is well, 1 when a problem was found."""
 
 
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                 "chunks": report.chunks,
                 "bytes": report.nbytes,
                 "ok": report.ok,
+                "non_finite": [non_finite_json(b) for b in report.non_finite],
                 "problems": [
                     {
                         "kind": p.kind,
@@ -77,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         return 0 if report.ok else 1
     what = "sizes and structure" if args.quick else "sizes and checksums"
     checked = f"{report.chunks} chunk(s), {human_bytes(report.nbytes)}"
+    for line in non_finite_lines(report.non_finite):
+        print(line)
     if report.ok:
         print(f"{args.path}: OK ({what} of {checked})")
         return 0

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
+from .finite import ChunkStats
 from .sharding import Box, Placement
 
 if TYPE_CHECKING:
@@ -126,6 +127,7 @@ class SaveOptions:
     allow_pickle: bool
     compression: Compression | None = None
     packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
+    require_finite: bool = False  # refuse to publish a checkpoint that holds NaN or Inf values
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,10 +246,12 @@ class ManifestFiles:
 
 @dataclass(frozen=True, slots=True)
 class StoredBytes:
-    """What a rank wrote for one leaf: the byte count and the checksum."""
+    """What a rank wrote for one leaf: the byte count, the checksum and, for a floating-point leaf, the counts
+    of its non-finite values (``core.finite``, computed in the checksum's pass; None for other dtypes)."""
 
     nbytes: int
     checksum: str
+    stats: ChunkStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +293,11 @@ class Fragment:
     boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()
+    # Counts of non-finite values (format version 4), sparse: nothing per leaf for a clean state.
+    non_finite: bytes = b""  # uint64 triples (leaf index, NaN count, Inf count), only for chunks that hold any
+    uncounted: bytes = b""  # int64 leaf indices: floating leaves stored here without counts (none by tddist's writers)
+    largest: float = 0.0  # the largest finite magnitude among the values of every counted chunk stored here
+    largest_leaf: int = -1  # the leaf index of the chunk that holds it; -1: no counted value here is nonzero
 
 
 @dataclass(frozen=True)

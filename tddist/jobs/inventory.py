@@ -307,14 +307,16 @@ def _sorted(entries: list[Entry]) -> list[Entry]:
     )
 
 
-def newest(root: str | os.PathLike) -> Entry | None:
+def newest(root: str | os.PathLike, *, finite: bool = False) -> Entry | None:
     """The checkpoint a job would resume from: the newest valid one under ``root``, or None.
 
     Under a root with step names (``step-000000100``, as ``CheckpointManager``
     writes), the one with the highest step, by the manager's own rule
     (``retention.newest_checkpoint``: damaged and uncommitted entries are
     skipped). Under a root without step names, the valid checkpoint committed
-    last (by the time in its manifest, then its modification time).
+    last (by the time in its manifest, then its modification time). With
+    ``finite``, checkpoints whose recorded counts show NaN or Inf values are
+    skipped (format version 4; uncounted older ones are not).
 
     Raises:
         CheckpointNotFoundError: a root on a file system that does not exist or
@@ -326,16 +328,24 @@ def newest(root: str | os.PathLike) -> Entry | None:
     if steps:
         for _step, path in steps:
             entry = describe(path, shown) if where.local else _object_entry(where, os.path.basename(path), shown)
-            if entry is not None and entry.committed:
+            if entry is not None and entry.committed and (not finite or _finite(entry)):
                 return entry
         return None
     if where.local and not os.path.isdir(where.target):
         what = "does not exist" if not os.path.lexists(where.target) else "is not a directory"
         raise CheckpointNotFoundError(f"{shown!r} {what}")
-    found = [e for e in scan(shown) if e.committed]
+    found = [e for e in scan(shown) if e.committed and (not finite or _finite(e))]
     if not found:
         return None
     return max(found, key=lambda e: (_parse_time(e.created) or e.mtime, e.mtime, e.path))
+
+
+def _finite(entry: Entry) -> bool:
+    """Whether a committed checkpoint's manifest records no NaN or Inf value (an unreadable one is not)."""
+    try:
+        return not read_manifest(entry.path).non_finite()
+    except TddistError:
+        return False
 
 
 # --- on object storage -------------------------------------------------------------------------

@@ -105,6 +105,12 @@ class CheckpointManager:
     ``preempt_signal``: one signal, several, or None. ``save_kwargs`` go to
     ``tddist.save`` (``metadata`` is merged with the step and the metrics).
 
+    ``restore="finite"``: ``restore`` (without ``step``) skips the checkpoints
+    whose floating-point leaves hold NaN or Inf values, as counted when they
+    were saved (format version 4; older checkpoints were not counted and are
+    taken as they are), so a diverged run resumes from its last healthy
+    state; a node-local copy is then used only for the step it picked.
+
     ``local_dir`` adds a node-local tier (docs/jobs.md, "Node-local tier"):
     each save first commits every rank's shard to fast storage of its own
     node, as the one-rank checkpoint ``<local_dir>/step-<step>/rank-<r>-of-<world>``
@@ -158,6 +164,8 @@ class CheckpointManager:
         node: this rank's node, as a name (ranks with the same name share a
             node); None: ``TDDIST_NODE``, torchrun's ``GROUP_RANK``, ``SLURM_NODEID``,
             the MPI processor name, else the host name.
+        restore: "newest" (the default) or "finite": ``restore`` skips
+            checkpoints that hold NaN or Inf values.
 
     Attributes:
         should_stop: True once a requested preemption has been saved; the
@@ -194,6 +202,7 @@ class CheckpointManager:
         save_interval_minutes: float | None = None,
         replicas: int = 0,
         node: str | None = None,
+        restore: str = "newest",
     ) -> None:
         options = check_options(
             root,
@@ -209,8 +218,9 @@ class CheckpointManager:
             save_interval_minutes=save_interval_minutes,
             replicas=replicas,
             node=node,
+            restore=restore,
         )
-        self.retention = options.retention
+        self.retention, self._restore_finite = options.retention, options.restore_finite
         self.save_kwargs = options.save_kwargs
         self._root = options.root
         self.root = self._root.target
@@ -351,7 +361,7 @@ class CheckpointManager:
         if step is not None:
             _check_step(step)
         restorer = Restorer(self.comm, self._root, self._tiered, self.save_kwargs)
-        return restorer.restore(RestoreRequest(state, step, required, load_kwargs))
+        return restorer.restore(RestoreRequest(state, step, required, load_kwargs, self._restore_finite))
 
     def should_save(self, step: int) -> bool:
         """Whether the manager saves at ``step``: the ranks' decision, the same on every rank. Collective.

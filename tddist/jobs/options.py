@@ -40,6 +40,7 @@ class ManagerOptions:
         local_dir: the node-local tier's directory, or None.
         replicas: copies of each rank's local part kept on other nodes (0 or 1).
         node: this rank's node as given (None: detected, see ``nodes.node_name``).
+        restore_finite: ``restore="finite"``: restore skips checkpoints that hold NaN or Inf values.
     """
 
     root: Root
@@ -53,6 +54,7 @@ class ManagerOptions:
     deferred: bool = False
     replicas: int = 0
     node: str | None = None
+    restore_finite: bool = False
 
 
 def check_options(
@@ -70,6 +72,7 @@ def check_options(
     save_interval_minutes: float | None,
     replicas: int = 0,
     node: str | None = None,
+    restore: str = "newest",
 ) -> ManagerOptions:
     """The manager's options, checked in the order the manager has always checked them.
 
@@ -79,6 +82,8 @@ def check_options(
     _check_count("every", every, allow_none=True)
     if async_save not in (True, False, "deferred"):
         raise InvalidArgumentError(f"async_save must be True, False or 'deferred', got {async_save!r}")
+    if restore not in ("newest", "finite"):
+        raise InvalidArgumentError(f"restore={restore!r} is not supported: use 'newest' or 'finite'")
     retention = Retention(keep_last, keep_best, metric, mode, keep_period)
     interval = _interval_seconds(save_interval_minutes)
     if local_dir is not None:
@@ -107,6 +112,7 @@ def check_options(
         deferred=async_save == "deferred",
         replicas=replicas,
         node=node,
+        restore_finite=restore == "finite",
     )
 
 

@@ -80,12 +80,14 @@ class RestoreRequest:
         step: the step to load, or None for the newest.
         required: raise instead of starting from step 0 when there is nothing to restore.
         load_kwargs: passed to ``tddist.load``.
+        finite: skip checkpoints that hold NaN or Inf values (``CheckpointManager(restore="finite")``).
     """
 
     state: Any
     step: int | None
     required: bool
     load_kwargs: dict[str, Any]
+    finite: bool = False
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class Restorer:
         complete = tiered.complete() if tiered is not None and not replicated else frozenset()
         try:  # rank 0 holds the checkpoint it picked (retention leaves it alone) until the load ended
             what = f"finding the checkpoint to restore in {self.root}"
-            found = decide_on_rank0(self.comm, what, lambda _none: self._find_held(request.step))
+            found = decide_on_rank0(self.comm, what, lambda _none: self._find_held(request.step, request.finite))
             return self._restore_found(request, found, complete)
         finally:
             release, self._read_release = self._read_release, None
@@ -150,7 +152,9 @@ class Restorer:
         """``restore`` once rank 0 found the shared checkpoint: the local copy when it is as new, else that."""
         tiered = self._tiered
         step, shared_step = request.step, found.step
-        if tiered is not None and tiered.replicator is not None:
+        if request.finite:  # the local copies were not checked: only that of the step rank 0 certified
+            complete = frozenset(s for s in complete if s == shared_step)
+        if tiered is not None and tiered.replicator is not None and not request.finite:
             from_copies = self._from_copies(request, shared_step)
             if from_copies is not None:
                 return from_copies
@@ -236,14 +240,14 @@ class Restorer:
             )  # fmt: skip
         logger.info("rank %d: resumed from %s (step %d)", self.comm.rank, path, step)
 
-    def _find_held(self, step: int | None) -> RestoreSource:
+    def _find_held(self, step: int | None, finite: bool) -> RestoreSource:
         """Rank 0: ``find``, holding what it found (``retention.hold``) until ``restore`` ends.
 
         Held, then checked again: a checkpoint retention deleted between the
         two is looked for again, and once held no retention deletes it.
         """
         for _attempt in range(3):
-            found = find(self._root, step)
+            found = find(self._root, step, finite)
             if found.path is None:
                 return found
             release = hold(found.path)
@@ -254,15 +258,17 @@ class Restorer:
         return found
 
 
-def find(root: Root, step: int | None) -> RestoreSource:
-    """Rank 0: the checkpoint under ``root`` to restore (that of ``step``, else the newest), or why there is none."""
+def find(root: Root, step: int | None, finite: bool = False) -> RestoreSource:
+    """Rank 0: the checkpoint under ``root`` to restore (that of ``step``, else the newest; with ``finite`` the
+    newest without NaN or Inf values), or why there is none."""
     where = root.target
     if not root.exists():
         return RestoreSource.none(f"checkpoint root {where!r} does not exist", root_missing=True)
     if step is None:
-        newest = newest_checkpoint(where)
+        newest = newest_checkpoint(where, finite=finite)
         if newest is None:
-            return RestoreSource.none(f"no committed checkpoint in {where!r}")
+            what = "committed checkpoint without NaN or Inf values" if finite else "committed checkpoint"
+            return RestoreSource.none(f"no {what} in {where!r}")
         path, at = newest
         return RestoreSource.at(path, at)
     for s, path in step_entries(where):

@@ -77,7 +77,7 @@ def step_entries(root: str) -> list[tuple[int, str]]:
     return sorted(((s, p) for s, p in found if s is not None), reverse=True)
 
 
-def newest_checkpoint(root: str) -> tuple[str, int] | None:
+def newest_checkpoint(root: str, *, finite: bool = False) -> tuple[str, int] | None:
     """(path, step) of the newest checkpoint under ``root`` with a valid manifest, or None.
 
     Staging leftovers, torn directories and unreadable manifests are skipped.
@@ -85,6 +85,8 @@ def newest_checkpoint(root: str) -> tuple[str, int] | None:
 
     Args:
         root: the root holding the step checkpoints.
+        finite: also skip checkpoints whose recorded counts show NaN or Inf values (format version 4;
+            uncounted older ones are not skipped).
 
     Returns:
         The newest readable checkpoint's path and step, or None if there is none.
@@ -94,6 +96,12 @@ def newest_checkpoint(root: str) -> tuple[str, int] | None:
             manifest = read_manifest(path)
         except TddistError as e:
             logger.warning("skipping %s: %s", path, e)
+            continue
+        bad = manifest.non_finite() if finite else []
+        if bad:
+            logger.warning(
+                "skipping %s: %d leaves hold NaN or Inf values (first: %s)", path, len(bad), list(bad[0].key)
+            )
             continue
         return path, int(manifest.metadata.get("step", step))
     return None

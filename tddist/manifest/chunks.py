@@ -49,6 +49,36 @@ class ChunkColumns:
     checksums: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class LeafStats:
+    """A counted floating leaf's non-finite values (format version 4), sparse: only the chunks that hold any,
+    so a clean leaf costs nothing however many chunks it has.
+
+    Attributes:
+        chunks: the indices (in chunk order) of the chunks that hold a NaN or an infinite value, increasing
+            (int64[k]; empty for a leaf whose values are all finite).
+        nan: each of those chunks' NaN count (uint64[k]).
+        inf: each of those chunks' count of infinite values (uint64[k]).
+    """
+
+    chunks: np.ndarray
+    nan: np.ndarray
+    inf: np.ndarray
+
+    @property
+    def finite(self) -> bool:
+        """Every value of the leaf is finite."""
+        return len(self.chunks) == 0
+
+    def total(self) -> tuple[int, int]:
+        """The whole leaf's NaN and Inf counts."""
+        return int(self.nan.sum(dtype=np.uint64)), int(self.inf.sum(dtype=np.uint64))
+
+
+#: The counts of a leaf whose values are all finite.
+FINITE = LeafStats(np.zeros(0, dtype="<i8"), np.zeros(0, dtype="<u8"), np.zeros(0, dtype="<u8"))
+
+
 def hex_checksum(value: int) -> str:
     """A chunk checksum (an unsigned 64-bit integer) as the manifest's 16 hex digits."""
     return f"{int(value):016x}"

@@ -16,20 +16,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+import numpy as np
+
 from .. import format as fmt
+from ..core.finite import is_floating
 from ..core.sharding import Box, Placement
 from ..core.types import Key
 from ..errors import ManifestError
-from .chunks import Chunk, ChunkTable, ShardChunks
+from .chunks import Chunk, ChunkTable, LeafStats, ShardChunks
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Chunk", "Leaf", "Manifest", "ObjectLeaf"]
+__all__ = ["Chunk", "LargestMagnitude", "Leaf", "Manifest", "NonFiniteLeaf", "ObjectLeaf", "RankMagnitudes"]
 
 MAX_ELEMENTS = 1 << 56
 #: The newest format version this tddist reads.
-READS_UP_TO = 3
+READS_UP_TO = 4
 #: The most ranks a manifest may name: far beyond any job, and small enough that an array of one number per
 #: rank (128 MiB at most) never exhausts memory before the files that should back it are checked.
 MAX_WORLD_SIZE = 1 << 24
@@ -99,6 +102,8 @@ class Leaf:
         shape: The global shape (all ranks' pieces together).
         placement: How the ranks' pieces make up the global tensor.
         table: The stored pieces, in columns; together they tile ``shape`` exactly.
+        stats: For a floating leaf, its chunks' counts of non-finite values (format version 4; only the
+            chunks that hold any); None when they were not recorded (other dtypes, older versions).
     """
 
     key: Key
@@ -106,6 +111,7 @@ class Leaf:
     shape: tuple[int, ...]
     placement: Placement
     table: ChunkTable
+    stats: LeafStats | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -146,6 +152,50 @@ class ObjectLeaf:
     declared: bool = False
 
 
+@dataclass(frozen=True)
+class NonFiniteLeaf:
+    """A floating leaf whose chunks hold NaN or infinite values (format version 4 records them).
+
+    Attributes:
+        key: the leaf's key.
+        nan: how many of its values are NaN (complex: components); inf: how many are infinite.
+        ranks: the ranks that stored the chunks holding them, in chunk order.
+    """
+
+    key: Key
+    nan: int
+    inf: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankMagnitudes:
+    """Each rank's largest finite magnitude among the values of the counted chunks it stored (format version 4):
+    one number per rank, not per chunk, so a manifest at thousands of ranks stays small.
+
+    Attributes:
+        values: float64[world_size], in rank order (0.0: the rank stored no nonzero counted value).
+        leaves: int64[world_size]: the position, in ``Manifest.leaves``, of the leaf whose chunk holds it (-1
+            where the value is 0.0).
+    """
+
+    values: np.ndarray
+    leaves: np.ndarray
+
+
+@dataclass(frozen=True)
+class LargestMagnitude:
+    """The checkpoint's largest finite magnitude, where it is (``Manifest.largest_magnitude``).
+
+    Attributes:
+        value: the magnitude; key: the leaf that holds it; rank: the rank that stored that chunk.
+    """
+
+    value: float
+    key: Key
+    rank: int
+
+
 @dataclass
 class Manifest:
     """What a committed checkpoint holds: its structure, every leaf's chunks, metadata.
@@ -167,6 +217,7 @@ class Manifest:
         node_rows: For each batched node, the dim-0 rows each rank saved, in rank order.
         packing: "packed" (one data file per rank) or "memmap" (one file per leaf and rank).
         structure_digest: The digest of the saved structure (version 2; "" before).
+        largest: Each rank's largest finite magnitude and its leaf (version 4; None when not recorded).
     """
 
     world_size: int
@@ -182,6 +233,32 @@ class Manifest:
     node_rows: dict[Key, list[int]] = field(default_factory=dict)  # batched node -> its dim-0 rows per rank
     packing: str = "memmap"
     structure_digest: str = ""
+    largest: RankMagnitudes | None = None
+
+    def non_finite(self) -> list[NonFiniteLeaf]:
+        """Every leaf whose recorded counts show a NaN or an infinite value, in leaf order."""
+        out = []
+        for leaf in self.leaves.values():
+            if leaf.stats is not None and not leaf.stats.finite:
+                ranks = leaf.table.columns().ranks[leaf.stats.chunks]
+                nan, inf = leaf.stats.total()
+                out.append(NonFiniteLeaf(leaf.key, nan, inf, tuple(int(r) for r in ranks)))
+        return out
+
+    def uncounted(self) -> list[Key]:
+        """The floating leaves without recorded counts (checkpoints of format versions before 4)."""
+        return [k for k, leaf in self.leaves.items() if leaf.stats is None and is_floating(leaf.dtype_name)]
+
+    def largest_magnitude(self) -> LargestMagnitude | None:
+        """The largest finite magnitude the ranks recorded, its leaf and rank; None when none was recorded
+        (format versions before 4) or every counted value is zero."""
+        if self.largest is None or not len(self.largest.values):
+            return None
+        rank = int(np.argmax(self.largest.values))
+        at = int(self.largest.leaves[rank])
+        if at < 0:
+            return None
+        return LargestMagnitude(float(self.largest.values[rank]), list(self.leaves)[at], rank)
 
     def rows_of(self, node_key: Key) -> list[int] | None:
         """The dim-0 rows each rank saved of a batched node: recorded, or (manifests of version 1 written

@@ -53,9 +53,10 @@ from ..core.types import (
     Staging,
     Structure,
 )
-from ..errors import CheckpointChangedError, StorageError, TargetError, TddistError
+from ..errors import CheckpointChangedError, NonFiniteError, StorageError, TargetError, TddistError
 from ..loading.pipeline import read_shard
 from ..manifest.merge import MergeCache, merge_fragments
+from ..manifest.model import Manifest
 from ..manifest.v2 import encode
 from ..storage.backends import Store, store_for
 from ..storage.base import ShardWriter, hashes_replica
@@ -155,6 +156,8 @@ def commit(
             packing=options.packing,
             cache=cache,
         )
+        if options.require_finite:
+            refuse_non_finite(m, options.target)
         return encode(m)
 
     try:
@@ -166,6 +169,25 @@ def commit(
     writer.committed()
     logger.info("rank %d: committed %s", c.rank, options.target)
     return Committed(writer, generation, pins[0] if pins else None)
+
+
+def refuse_non_finite(m: Manifest, target: str) -> None:
+    """(rank 0, before the manifest is written) ``require_finite``: refuse a checkpoint whose leaves hold NaN
+    or Inf values; the commit turns it into the same error on every rank and removes the staging area.
+
+    Raises:
+        NonFiniteError: naming each such leaf, its counts and the ranks whose chunks hold them.
+    """
+    bad = m.non_finite()
+    if not bad:
+        return
+    shown = "; ".join(f"{list(b.key)}: {b.nan} NaN and {b.inf} Inf values (ranks {list(b.ranks)[:8]})" for b in bad[:8])
+    more = f"; and {len(bad) - 8} more leaves" if len(bad) > 8 else ""
+    raise NonFiniteError(
+        f"the save to {target!r} was refused (require_finite=True): {len(bad)} leaves hold non-finite values: "
+        f"{shown}{more}. Nothing was committed; the target keeps its previous checkpoint. The run has probably "
+        f"diverged: restore the last finite checkpoint (CheckpointManager(restore='finite'))"
+    )
 
 
 def open_committed(

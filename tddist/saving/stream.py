@@ -42,6 +42,7 @@ import xxhash
 from .. import format as fmt
 from .._fs import WRITE_STEP, write_and_start_writeback
 from ..checksum import combine_digests
+from ..core.finite import counter_for
 from ..core.types import Fragment, Key, LocalShard, SaveOptions, Staging, StoredBytes
 from ..manifest.locate import packed_offsets
 from ..manifest.merge import MergeCache
@@ -291,6 +292,8 @@ class Stream:
         # 1,000 leaves while the commit's thread ran (1 ms of CPU, the rest waiting), longer than a copy.
         self._items = items
         self.sources = [_bytes_of(t) for _k, t in items]
+        # Each floating leaf's counts of non-finite values, made in the hashing pass (``consume``).
+        self.counters = [counter_for(fmt.dtype_name(t.dtype)) for _k, t in items]
         # Host leaves are copied by address (``copy_bytes``); device leaves (None) by ``copy_``.
         self._addresses = [s.data_ptr() if s.is_cpu else None for s in self.sources]
         assigned = assign_slots(tuple(s.numel() for s in self.sources), arena.slot_bytes)
@@ -495,6 +498,9 @@ class Stream:
                         if h is None:
                             h = hashers[(idx, block)] = xxhash.xxh3_64()
                         h.update(view[lo : lo + k])
+                        counter = self.counters[idx]
+                        if counter is not None:
+                            counter(view[lo : lo + k])
                         if (at + k) % cb == 0 or at + k == n:
                             digests[idx][block] = h.intdigest()
                             del hashers[(idx, block)]
@@ -510,7 +516,10 @@ class Stream:
             os.fsync(fd)
         finally:
             os.close(fd)
-        return {k: StoredBytes(s.numel(), combine_digests(d)) for k, s, d in zip(self.keys, self.sources, digests)}
+        return {
+            k: StoredBytes(s.numel(), combine_digests(d), None if c is None else c.result())
+            for k, s, d, c in zip(self.keys, self.sources, digests, self.counters)
+        }
 
     def _write_slot(self, fd: int, slot: int, view: memoryview, at: int) -> None:
         """(a write thread) Write one slot and hand it back; on an error, stop the caller and the hashing

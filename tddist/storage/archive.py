@@ -23,6 +23,7 @@ import torch
 from .. import format as fmt
 from .._fs import drop_pages, makedirs_durable
 from ..checksum import EMPTY, combine_digests
+from ..core.finite import counter_for
 from ..core.types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..errors import CorruptCheckpointError, TargetError
 from ..manifest.locate import ChunkRange, Location
@@ -138,9 +139,14 @@ class ArchiveWriter(WriterBase):
         """This rank's vote: each written leaf's stored size and checksum (from its entry), and the entry rows."""
         by_name = {e.name: e for e in self.entries}
         stored = {}
-        for key in self.local_shard().written():
+        for key, t in self.local_shard().written().items():
             e = by_name.get(self.names.get(key, ""))
-            stored[key] = StoredBytes(len(e.data), combine_digests(e.digests)) if e else StoredBytes(0, EMPTY)
+            if e is None:  # no elements, no entry
+                counter = counter_for(fmt.dtype_name(t.dtype))
+                stored[key] = StoredBytes(0, EMPTY, None if counter is None else counter.result())
+            else:
+                stats = None if e.counter is None else e.counter.result()
+                stored[key] = StoredBytes(len(e.data), combine_digests(e.digests), stats)
         return self.fragment(stored, entry_rows(self.entries))
 
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:

@@ -27,7 +27,8 @@ import torch
 from .. import format as fmt
 from .._faults import fault_point
 from .._fs import WRITE_STEP, fsync_path, fsync_tree_dirs, syncfs, write_and_start_writeback, write_durable
-from ..checksum import EMPTY, block_digest, combine_digests, tensor_bytes
+from ..checksum import EMPTY, combine_digests, digest_visiting, tensor_bytes
+from ..core.finite import StatsCounter, counter_for
 from ..core.types import Key, LocalShard, SaveItem, StoredBytes
 from ..manifest.locate import packed_offsets
 from .tdmeta import node_meta_files
@@ -46,9 +47,10 @@ class LeafToWrite:
 class _FileJob:
     """One output file: its descriptor, the blocks still to write, their digests."""
 
-    def __init__(self, path: str, data: np.ndarray, sync: bool = True) -> None:
+    def __init__(self, path: str, data: np.ndarray, sync: bool = True, counter: StatsCounter | None = None) -> None:
         self.path = path
         self.sync = sync
+        self.counter = counter
         self.data = memoryview(data.data)
         self.nblocks = (len(self.data) + fmt.CHECKSUM_BLOCK - 1) // fmt.CHECKSUM_BLOCK
         self.digests: list[int] = [0] * self.nblocks
@@ -64,7 +66,7 @@ class _FileJob:
     def write_block(self, index: int) -> None:
         lo = index * fmt.CHECKSUM_BLOCK
         block = self.data[lo : lo + fmt.CHECKSUM_BLOCK]
-        self.digests[index] = block_digest(block)
+        self.digests[index] = digest_visiting(block, self.counter)
         write_and_start_writeback(self.fd, block, lo, WRITE_STEP)
         with self.lock:
             self.remaining -= 1
@@ -97,19 +99,22 @@ def write_leaves(
     try:
         for leaf in leaves:
             data = tensor_bytes(leaf.tensor)
+            counter = counter_for(fmt.dtype_name(leaf.tensor.dtype))
             if data.size == 0:
-                results[leaf.key] = StoredBytes(0, EMPTY)
+                results[leaf.key] = StoredBytes(0, EMPTY, None if counter is None else counter.result())
                 continue
             path = os.path.join(root, fmt.leaf_relpath(rank, leaf.key, robust_key))
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            jobs.append(_FileJob(path, data, sync_each))
+            jobs.append(_FileJob(path, data, sync_each, counter))
         tasks: list[Callable[[], None]] = [functools.partial(j.write_block, i) for j in jobs for i in range(j.nblocks)]
         _run_all(tasks, num_threads)
     finally:
         for j in jobs:
             j.close()
     for leaf, j in zip([lf for lf in leaves if lf.tensor.numel()], jobs):
-        results[leaf.key] = StoredBytes(len(j.data), combine_digests(j.digests))
+        results[leaf.key] = StoredBytes(
+            len(j.data), combine_digests(j.digests), None if j.counter is None else j.counter.result()
+        )
     return results
 
 
@@ -192,6 +197,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
     writer's) names the fault point ``midwrite``, halfway through the writes.
     """
     written = [(i.key, tensor_bytes(i.tensor)) for i in items if i.writes]
+    counters = {i.key: counter_for(fmt.dtype_name(i.tensor.dtype)) for i in items if i.writes}
     sizes = np.array([a.size for _k, a in written], dtype=np.int64)
     offsets, end = packed_offsets(sizes)
     total = int(end)
@@ -213,9 +219,10 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
                     tasks.append(partial(_put_batch, fd, batch))
                     batch, batch_bytes = [], 0
                 for j, block in enumerate(blocks):
-                    tasks.append(partial(_put, fd, digests[key], j, block, offset + j * fmt.CHECKSUM_BLOCK))
+                    at = offset + j * fmt.CHECKSUM_BLOCK
+                    tasks.append(partial(_put, fd, digests[key], j, block, at, counters[key]))
                 continue
-            digests[key] = [block_digest(b) for b in blocks]
+            digests[key] = [digest_visiting(b, counters[key]) for b in blocks]
             batch.append((offset, view))
             batch_bytes += len(view)
             if batch_bytes >= WRITE_STEP:
@@ -229,12 +236,23 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
     finally:
         os.close(fd)
     for key, data in written:
-        stored[key] = StoredBytes(int(data.size), combine_digests(digests[key]))
+        counter = counters[key]
+        stats = None if counter is None else counter.result()
+        stored[key] = StoredBytes(int(data.size), combine_digests(digests[key]), stats)
     return stored
 
 
-def _put(fd: int, digests: list[int], index: int, block: memoryview, at: int) -> None:
-    digests[index] = block_digest(block)
+def stored_bytes(data: np.ndarray, dtype_name: str) -> StoredBytes:
+    """What storing the bytes ``data`` of a chunk of dtype ``dtype_name`` records: its size, its checksum and,
+    for a floating dtype, its counts of non-finite values, in one pass (a store that uploads from memory)."""
+    counter = counter_for(dtype_name)
+    mv = memoryview(data.data).cast("B")
+    digests = [digest_visiting(mv[i : i + fmt.CHECKSUM_BLOCK], counter) for i in range(0, len(mv), fmt.CHECKSUM_BLOCK)]
+    return StoredBytes(len(mv), combine_digests(digests), None if counter is None else counter.result())
+
+
+def _put(fd: int, digests: list[int], index: int, block: memoryview, at: int, counter: StatsCounter | None) -> None:
+    digests[index] = digest_visiting(block, counter)
     write_and_start_writeback(fd, block, at, WRITE_STEP)
 
 

@@ -31,7 +31,8 @@ from .. import format as fmt
 from .._compat import local_header, write_central_directory, zip_lzma_compressor
 from .._faults import fault_point
 from .._fs import pwrite_all, write_and_start_writeback
-from ..checksum import block_digest, tensor_bytes
+from ..checksum import digest_visiting, tensor_bytes
+from ..core.finite import StatsCounter, counter_for
 from ..core.types import ArchiveEntryRow, Compression
 from ..errors import CorruptCheckpointError, InvalidArgumentError
 
@@ -142,6 +143,7 @@ class Entry:
     crc: int = 0
     csize: int = 0
     digests: list[int] = field(default_factory=list)  # xxh3-64 of each CHECKSUM_BLOCK
+    counter: StatsCounter | None = None  # a floating leaf's counts of non-finite values, made while hashing
     header: bytes = b""
     offset: int = 0  # of the local header, absolute
 
@@ -166,7 +168,7 @@ def _hash_and_compress(e: Entry, i: int, level: int | None) -> None:
     e.crcs[i] = zlib.crc32(block)
     cb = fmt.CHECKSUM_BLOCK
     for j in range(lo // cb, -(-hi // cb)):
-        e.digests[j] = block_digest(e.data[j * cb : (j + 1) * cb])
+        e.digests[j] = digest_visiting(e.data[j * cb : (j + 1) * cb], e.counter)
     if e.method != zipfile.ZIP_STORED:
         e.pieces[i] = _compress_piece(e.method, level, block, i == len(e.blocks) - 1)
 
@@ -183,7 +185,10 @@ def prepare_entries(
     """
     entries = [Entry(name, memoryview(data)) for name, data in files.items()]
     method, level = compression.method, compression.level
-    entries += [Entry(name, memoryview(tensor_bytes(t).data), method) for name, t in leaves.items()]
+    entries += [
+        Entry(name, memoryview(tensor_bytes(t).data), method, counter=counter_for(fmt.dtype_name(t.dtype)))
+        for name, t in leaves.items()
+    ]
     tasks = []
     for e in entries:
         n = len(e.data)

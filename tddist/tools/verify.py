@@ -32,7 +32,7 @@ from ..checksum import EMPTY, block_digest, blocks, combine_digests
 from ..errors import CorruptCheckpointError, InvalidArgumentError, ManifestError, StorageError
 from ..manifest.chunks import ChunkColumns, ReplicaChunks, int_checksum
 from ..manifest.locate import Location, Locator
-from ..manifest.model import Chunk, Leaf, Manifest
+from ..manifest.model import Chunk, Leaf, Manifest, NonFiniteLeaf
 from ..manifest.whole import file_offsets
 from ..storage.backends import read_manifest
 
@@ -85,6 +85,9 @@ class VerifyReport:
             checkpoint first (by rank), then the chunks' in manifest order.
         packing: ``"packed"`` (one data file per rank) or ``"memmap"`` (one file
             or archive entry per chunk).
+        non_finite: the leaves whose recorded counts show NaN or infinite
+            values (format version 4): a finding about the data, not damage,
+            so ``ok`` does not depend on it.
     """
 
     path: str
@@ -95,6 +98,7 @@ class VerifyReport:
     nbytes: int
     problems: tuple[Problem, ...]
     packing: str = "memmap"
+    non_finite: tuple[NonFiniteLeaf, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -197,6 +201,7 @@ def verify_manifest(
         nbytes=stored_bytes(manifest),
         problems=tuple(check.problems),
         packing=manifest.packing,
+        non_finite=tuple(manifest.non_finite()),
     )
 
 

@@ -1,6 +1,6 @@
-"""Build the golden checkpoints of tddist's on-disk format, version 3 (the version this tddist writes).
+"""Build the golden checkpoints of tddist's on-disk format, version 4 (the version this tddist writes).
 
-    python tests/golden/make_golden.py            # writes tests/golden/v3/<name>/
+    python tests/golden/make_golden.py            # writes tests/golden/v4/<name>/
     python tests/golden/make_golden.py OUT_DIR    # writes OUT_DIR/<name>/ instead
 
 The values come from fixed formulas (no random numbers), so the recipe
@@ -27,7 +27,7 @@ from tddist import format as tddist_format
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 #: The format version these recipes write, and where a plain run writes it.
-VERSION = 3
+VERSION = 4
 VERSION_DIR = GOLDEN_DIR / f"v{VERSION}"
 
 #: checkpoint (a): one rank, nested, many dtypes, keys that need escaping

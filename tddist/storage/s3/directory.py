@@ -28,12 +28,13 @@ import numpy as np
 
 from ... import format as fmt
 from ..._faults import fault_point
-from ...checksum import checksum_bytes, tensor_bytes
-from ...core.types import Fragment, ManifestFiles, SavePlan, Staging, StoredBytes
+from ...checksum import tensor_bytes
+from ...core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ...errors import TargetError, TddistError
 from ...manifest.locate import packed_offsets
 from ..base import Retirement, WriterBase
 from ..tdmeta import node_meta_files
+from ..writer import stored_bytes
 from .client import bucket_missing, client_errors, no_bucket, s3_client, s3_failed
 from .pin import GENERATION_META, GENERATION_PREFIX, is_generation
 from .root import committed_generation, delete_prefix
@@ -98,11 +99,11 @@ class S3DirectoryWriter(WriterBase):
         stored: dict = {}
         objects: list[tuple[str, list[Segment], int]] = []
         if o.packing == "packed":
-            written = [(i.key, tensor_bytes(i.tensor)) for i in shard.items if i.writes]
-            offsets, end = packed_offsets(np.array([a.size for _k, a in written], dtype=np.int64))
+            written = [(i.key, tensor_bytes(i.tensor), fmt.dtype_name(i.tensor.dtype)) for i in shard.items if i.writes]
+            offsets, end = packed_offsets(np.array([a.size for _k, a, _d in written], dtype=np.int64))
             segments = []
-            for (key, data), offset in zip(written, offsets):
-                stored[key] = StoredBytes(int(data.size), checksum_bytes(data))
+            for (key, data, dtype), offset in zip(written, offsets):
+                stored[key] = stored_bytes(data, dtype)
                 if data.size:
                     segments.append(Segment(int(offset), memoryview(data.data).cast("B")))
                     self.uploaded[(fmt.rank_data_name(self.rank), int(offset))] = segments[-1].data
@@ -110,7 +111,7 @@ class S3DirectoryWriter(WriterBase):
         else:
             for key, t in shard.written().items():
                 data = tensor_bytes(t)
-                stored[key] = StoredBytes(int(data.size), checksum_bytes(data))
+                stored[key] = stored_bytes(data, fmt.dtype_name(t.dtype))
                 if data.size:  # a chunk with no elements has no file (as in tensordict)
                     rel = fmt.leaf_relpath(self.rank, key, o.robust_key)
                     objects.append((rel, [Segment(0, memoryview(data.data).cast("B"))], int(data.size)))
