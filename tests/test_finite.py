@@ -241,9 +241,12 @@ def test_info_and_verify_report_non_finite_leaves_as_findings(tmp_path):
         (["w"], 1, 0, [0]),
         (["h"], 0, 1, [0]),
     ]
-    assert json.loads(_cli("info", "--json", str(tmp_path / "good")).stdout)["finite"] is True
+    good = json.loads(_cli("info", "--json", str(tmp_path / "good")).stdout)
+    assert good["finite"] is True and good["non_finite"] == []
+    assert info["largest_magnitude"] == good["largest_magnitude"] == {"value": 7.5, "key": ["model", "emb"], "rank": 0}
     text = _cli("info", str(tmp_path / "bad")).stdout
     assert "2 tensor(s) hold NaN or Inf values" in text and "non-finite: w: 1 NaN, 0 Inf" in text
+    assert "largest finite magnitude: 7.5 (model/emb, rank 0)" in text
     verify = _cli("verify", "--json", str(tmp_path / "bad"))
     doc = json.loads(verify.stdout)
     assert verify.returncode == 0 and doc["ok"] and [b["key"] for b in doc["non_finite"]] == [["w"], ["h"]]

@@ -282,7 +282,8 @@ class Fragment:
     The arrays follow the order of the rank's ``Structure``; every rank of a
     save has the same one (equal ``digest``), so rank 0 merges them column
     by column. 16 bytes per leaf and rank, plus the boxes of DTensor leaves
-    when they changed since this rank's previous save.
+    when they changed since this rank's previous save; the counts of
+    non-finite values add nothing per leaf for a clean state.
     """
 
     rank: int
