@@ -112,7 +112,13 @@ def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copie
     shutil.rmtree(b)  # node b is lost
     assert run(2, [a], restore) == [(3, "local")] * 2  # 4 parts resharded onto 2 ranks, all on node a
     assert run(4, [a, c], restore) == [(3, "peers")] * 4  # a fresh node c: its parts come from a's replicas
-    assert sorted(p.name for p in (c / step_name(3)).iterdir()) == ["rank-2-of-4", "rank-3-of-4"]
+    kept = sorted(p.name for p in (c / step_name(3)).iterdir())  # written after the restore, with their records
+    assert kept == ["rank-2-of-4", "rank-2-of-4.copy.json", "rank-3-of-4", "rank-3-of-4.copy.json"], kept
+    for r in (2, 3):  # the bytes received, which matched the replica's record; the record names that replica
+        record = read_record(str(c / step_name(3) / f"rank-{r}-of-4"))
+        assert record is not None and record.peer_node == "node-a", record
+        assert record.files == read_record(str(a / "replicas" / step_name(3) / f"rank-{r}-of-4")).files  # type: ignore[union-attr]
+    assert not list(c.glob(".fetched-*/*"))  # nothing left staged
     flip_byte(a / "replicas" / step_name(3) / "rank-2-of-4" / "rank-00000.data")
     shutil.rmtree(c)  # the only good copy of part 2 is lost: the shared root is used
     hide_data(root, hidden=False)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-from .._fs import remove_tree
-from ..api import load
+from ..api import load, load_from
 from ..comm.base import Communicator, LocalComm
 from ..comm.collective import collective_error, contribute
 from ..core.sharding import Shard
@@ -34,8 +34,10 @@ from ..core.types import Key
 from ..errors import IncompatibleCheckpointError, TddistError
 from ..loading.share import LoadReport
 from ..storage.backends import read_manifest
+from ..storage.memory import MemoryStore
 from . import local_shards, transfer
-from .copies import FileSum, PartId, digest_files, mismatch, read_record, record_path
+from .copies import CopyRecord, FileSum, PartId, digest_files, mismatch, read_record
+from .keeping import Keeping
 from .local_tier import LocalTier
 from .replication import held_replicas, replica_path
 from .retention import parse_step
@@ -94,7 +96,9 @@ class PeerRestore:
         report: the load's report.
         layouts: the state's DTensor leaves (to promote the copy again).
         tier: ``"local"`` when every rank read only its own node's copies, ``"peers"`` otherwise.
-        same_world: the step was saved on this world size (its own part is now in this rank's local tier).
+        same_world: the step was saved on this world size (its own part is, or is being written, in this rank's
+            local tier).
+        keeping: its own part received from a peer, being written to its local tier (wait before using it).
     """
 
     step: int
@@ -103,6 +107,7 @@ class PeerRestore:
     layouts: tuple[local_shards.DTensorLayout, ...]
     tier: str
     same_world: bool
+    keeping: Keeping | None = None
 
 
 def inventory(tier: LocalTier, node: str) -> list[Copy]:
@@ -209,7 +214,7 @@ def _listdir(path: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Fetch:
-    """One attempt's transfers: for each copy a rank reads, where it is on the reader's node.
+    """One attempt's transfers: for each part a rank reads, where: a copy on its node, or bytes received.
 
     A copy without a record (an own part whose replication was never
     confirmed) has no checksums of its own to be checked against: it is
@@ -217,9 +222,19 @@ class Fetch:
     """
 
     choice: Choice
-    paths: Mapping[int, str]  # part rank -> where this rank reads it
+    paths: Mapping[int, str]  # part rank -> a copy on this rank's node it reads
+    received: Mapping[int, Received]  # part rank -> its files received from a peer (checked), read from memory
     shipped: bool  # some rank read a copy held by another rank
     unrecorded: frozenset[int]  # parts read from a copy without a record: loaded with verify=True
+
+
+@dataclass(frozen=True)
+class Received:
+    """A part received from the rank that holds a copy of it, its checksums matched: its files in memory."""
+
+    copy: Copy
+    files: Mapping[str, torch.Tensor]
+    sums: tuple[FileSum, ...]
 
 
 def restore_from_copies(
@@ -287,20 +302,16 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     sums = {k: v for f, _found in announced for k, v in f.items()}
     shipments = [transfer.Shipment(c.holder, r, c.part, sums[(c.part, c.holder)])
                  for (r, _k), c in sorted(routes.items()) if c.holder != r]  # fmt: skip
-    inbox = os.path.join(tier.directory, f".fetched-rank{me}")
-    remove_tree(inbox)
-    target = lambda s: os.path.join(inbox, str(s.part.step), s.part.name)
-    failed = transfer.ship(comm, shipments, lambda s: _source(routes, s), target, transfer.chunk_bytes())
-    arrived = [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in failed]
+    got = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes())
+    arrived = [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in got.bad]
     bad = _bad(comm.allgather(({}, arrived)), comm.rank)
     if bad:
         return None, bad
     mine = {k: c for (r, k), c in routes.items() if r == me}
-    paths = {
-        k: c.path if c.holder == me else target(transfer.Shipment(c.holder, me, c.part, ())) for k, c in mine.items()
-    }
+    received = {s.part.rank: Received(mine[s.part.rank], files, s.files) for s, files in got.files.items()}
+    paths = {k: c.path for k, c in mine.items() if c.holder == me}
     unrecorded = frozenset(k for k, c in mine.items() if not c.recorded)
-    return Fetch(choice, paths, bool(shipments), unrecorded), set()
+    return Fetch(choice, paths, received, bool(shipments), unrecorded), set()
 
 
 def _order(c: Copy) -> tuple[PartId, int]:
@@ -339,8 +350,13 @@ def _bad(announced: Sequence[tuple[Any, list[tuple[Copy, str]]]], rank: int) -> 
 
 
 def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kwargs: dict[str, Any]) -> PeerRestore:
-    """Every rank fills ``state`` from the parts it read; the same error on every rank if one fails."""
-    choice, paths = fetch.choice, fetch.paths
+    """Every rank fills ``state`` from the parts it read; the same error on every rank if one fails.
+
+    A part received from a peer is loaded from memory; on the same world
+    size it is then written to this rank's local directory in the
+    background, to be its own copy again (``keeping``).
+    """
+    choice, me = fetch.choice, comm.rank
     same = choice.world == comm.size
     layouts: list[tuple[local_shards.DTensorLayout, ...]] = []
 
@@ -348,55 +364,52 @@ def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kw
         plain, found = local_shards.split(into)
         layouts.append(found)
         if same:
-            kwargs = {**load_kwargs, "verify": True} if comm.rank in fetch.unrecorded else load_kwargs
-            report = load(paths[comm.rank], comm=LocalComm(), into=plain, **kwargs)
+            kwargs = {**load_kwargs, "verify": True} if me in fetch.unrecorded else load_kwargs
+            report = _read(fetch, me, into=plain, **kwargs)
             assert isinstance(report, LoadReport)  # load(into=...) returns its report
             return report
         if found:
             raise IncompatibleCheckpointError(
-                f"rank {comm.rank}: step {choice.step} was saved on {choice.world} ranks and the state holds "
+                f"rank {me}: step {choice.step} was saved on {choice.world} ranks and the state holds "
                 f"DTensors: the node-local copies reshard plain tensors only"
             )
-        return reshard(plain, paths, choice, comm.rank, comm.size, fetch.unrecorded)
+        return reshard(plain, fetch, me, comm.size)
 
     outcome = contribute(lambda: fill(state, fill_from_parts))
     failures = {r: f for r, f in enumerate(comm.allgather(outcome.failure)) if f is not None}
     if failures:
         raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
     assert outcome.value is not None
-    path = paths[min(paths)]
-    if same:
-        path = _keep(tier, choice.step, path)
-    remove_tree(os.path.join(tier.directory, f".fetched-rank{comm.rank}"))
+    keeping = None
+    if same and me in fetch.received:
+        got = fetch.received[me]
+        keeping = Keeping(tier, CopyRecord(got.copy.part, got.sums, got.copy.holder, got.copy.node), got.files)
+    path = tier.part(choice.step) if same else _where(fetch, min([*fetch.paths, *fetch.received]))
     tier_name = "peers" if fetch.shipped else "local"
-    return PeerRestore(choice.step, path, outcome.value, layouts[-1] if layouts else (), tier_name, same)
+    return PeerRestore(choice.step, path, outcome.value, layouts[-1] if layouts else (), tier_name, same, keeping)
 
 
-def _keep(tier: LocalTier, step: int, path: str) -> str:
-    """A part fetched from a peer becomes this rank's own local copy (so it is promoted and replicated again).
-
-    An own copy that was not read is bad (a rank reads its own copy when it
-    holds one that is good): the fetched one replaces it.
-    """
-    own = tier.part(step)
-    fetched = os.path.join(tier.directory, f".fetched-rank{tier.rank}")
-    if not path.startswith(fetched + os.sep):
-        return path
-    remove_tree(record_path(own))
-    remove_tree(own)
-    os.makedirs(os.path.dirname(own), exist_ok=True)
-    os.rename(path, own)
-    return own
+def _read(fetch: Fetch, k: int, **kwargs: Any) -> TensorDict | LoadReport:
+    """``load`` part ``k``: from memory if it was received, else from its copy on this node."""
+    got = fetch.received.get(k)
+    if got is None:
+        return load(fetch.paths[k], comm=LocalComm(), **kwargs)
+    return load_from(MemoryStore(_where(fetch, k), got.files), comm=LocalComm(), **kwargs)
 
 
-def reshard(
-    plain: Any, paths: Mapping[int, str], choice: Choice, rank: int, world: int, unrecorded: frozenset[int]
-) -> LoadReport:
+def _where(fetch: Fetch, k: int) -> str:
+    """Part ``k`` as messages name it: its copy on this node, or the copy it was received from."""
+    got = fetch.received.get(k)
+    return fetch.paths[k] if got is None else f"rank {got.copy.holder}'s copy {got.copy.node}:{got.copy.path}"
+
+
+def reshard(plain: Any, fetch: Fetch, rank: int, world: int) -> LoadReport:
     """Fill ``plain`` (this rank's even share of every sharded leaf) from the parts of another world size.
 
-    ``unrecorded``: parts loaded with ``verify=True`` (their copies have no record).
+    Parts whose copies have no record are loaded with ``verify=True``.
     """
-    datas = {k: load(p, comm=LocalComm(), verify=k in unrecorded) for k, p in paths.items()}  # memory-mapped
+    choice = fetch.choice
+    datas = {k: _read(fetch, k, verify=k in fetch.unrecorded) for k in [*fetch.paths, *fetch.received]}  # mapped
     rows = [dict(choice.copies[k][0].rows) for k in range(choice.world)]
     _nodes, leaves, objects = flatten(plain)
     if objects:
