@@ -24,13 +24,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist.jobs.copies import read_record
+from tddist.api import load_from
+from tddist.jobs import transfer
+from tddist.jobs.copies import PartId, digest_files, read_record
 from tddist.jobs.manager import CheckpointManager
 from tddist.jobs.nodes import node_name, replica_peers
 from tddist.jobs.retention import step_name
+from tddist.storage.memory import MemoryStore
 from tests import launch_util
 from tests.helpers import assert_td_equal
 from tests.manager_rank import local_state, train
@@ -66,6 +70,33 @@ def flip_byte(path: Path, at: int | None = None) -> None:
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2 if at is None else at] ^= 0xFF
     path.write_bytes(bytes(raw))
+
+
+def test_a_copy_received_into_memory_loads_like_its_files_and_a_flipped_bit_never_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TDDIST_REPLICA_CHUNK_BYTES", "100")  # rounds of chunks that straddle the files
+    part = tmp_path / "part"
+    tddist.save(local_state(0, 1, 3), str(part))
+    files = digest_files(str(part))  # as the holder's record says
+    shipment = transfer.Shipment(0, 1, PartId(3, 0, 1), files)
+
+    def send(comm) -> object:
+        got = transfer.ship_to_memory(comm, [shipment], lambda s: str(part), transfer.chunk_bytes())()
+        return got.bad, {n: bytes(t.numpy()) for n, t in got.files.get(shipment, {}).items()}
+
+    out = tddist.run_threads(2, send)
+    assert out[0] == ((), {})
+    bad, received = out[1]  # type: ignore[misc]
+    assert bad == () and received == {f.name: (part / f.name).read_bytes() for f in files}
+    tensors = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in received.items()}
+    from_memory = load_from(MemoryStore("a peer", tensors), shard=None, verify=True)
+    assert_td_equal(from_memory, tddist.load(str(part), shard=None))
+    for f in files:  # one bit of any file (data, manifest, index): the shipment arrives bad, its bytes are dropped
+        original = (part / f.name).read_bytes()
+        flip_byte(part / f.name, at=len(original) - 1)
+        assert tddist.run_threads(2, send)[1] == ((shipment,), {}), f.name
+        (part / f.name).write_bytes(original)
 
 
 def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copies(

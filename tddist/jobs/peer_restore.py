@@ -7,10 +7,13 @@ copy (``choose``); a copy found bad is left out and the choice made again.
 Each rank then needs some parts (``needs``): its own on the same world size;
 on another one, the parts whose rows overlap its even share of each sharded
 leaf (and one part for the replicated leaves). A part held by another rank
-is sent over the manager's communicator in bounded chunks (``transfer.ship``)
-and checked against the sender's record; a copy whose bytes do not match its
-record is reported, and the ranks choose again without it. Nothing is read
-from the shared root. When no step is whole, or the shared root holds a newer
+is sent over the manager's communicator (``transfer.ship_to_memory``) as the
+sender's record describes it, received into memory and hashed as it arrives,
+while each rank checks the copies it reads on its own node against their
+records; a copy whose bytes do not match its record is reported, and the
+ranks choose again without it. A received part is loaded from memory, then
+(same world size) written to the rank's local directory in the background
+(``keeping``). Nothing is read from the shared root. When no step is whole, or the shared root holds a newer
 one, ``restore_from_copies`` returns None and says why in the log.
 """
 
@@ -223,13 +226,13 @@ class Fetch:
 
     choice: Choice
     paths: Mapping[int, str]  # part rank -> a copy on this rank's node it reads
-    received: Mapping[int, Received]  # part rank -> its files received from a peer (checked), read from memory
+    received: Mapping[int, Arrived]  # part rank -> its files received from a peer (checked), read from memory
     shipped: bool  # some rank read a copy held by another rank
     unrecorded: frozenset[int]  # parts read from a copy without a record: loaded with verify=True
 
 
 @dataclass(frozen=True)
-class Received:
+class Arrived:
     """A part received from the rank that holds a copy of it, its checksums matched: its files in memory."""
 
     copy: Copy
@@ -282,19 +285,20 @@ def restore_from_copies(
 
 
 def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch | None, set[tuple[PartId, str, str]]]:
-    """Check the copies this attempt reads and bring those held elsewhere to their readers (collective).
+    """Bring the copies held elsewhere to their readers and check every copy this attempt reads (collective).
 
-    Returns the fetch, or None with the copies found bad on any rank.
+    The senders announce each copy's files with their checksums (its
+    record's, else hashed now); the transfer then runs while each rank checks
+    the copies it reads on its own node against their records; the ranks
+    agree on what was found bad once the bytes arrived (each hashed as it
+    came, against the sender's announcement). Returns the fetch, or None with
+    the copies found bad on any rank.
     """
     me, routes = comm.rank, route(choice, comm.size)
     sending = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader != me}, key=_order)
-    reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me} - set(sending), key=_order)
+    reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me}, key=_order)
     files: dict[tuple[PartId, int], tuple[FileSum, ...]] = {}
-    found = []
-    for c in sending + reading:
-        why = _check(c, files, sender=c in sending)
-        if why:
-            found.append((c, why))
+    found = [(c, why) for c in sending if (why := _announce(c, files))]
     announced = comm.allgather((files, found))
     bad = _bad(announced, comm.rank)
     if bad:
@@ -302,13 +306,15 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     sums = {k: v for f, _found in announced for k, v in f.items()}
     shipments = [transfer.Shipment(c.holder, r, c.part, sums[(c.part, c.holder)])
                  for (r, _k), c in sorted(routes.items()) if c.holder != r]  # fmt: skip
-    got = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes())
-    arrived = [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in got.bad]
-    bad = _bad(comm.allgather(({}, arrived)), comm.rank)
+    arriving = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes())
+    found = [(c, why) for c in reading if (why := _check(c))]  # while the transfer runs
+    got = arriving()
+    found += [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in got.bad]
+    bad = _bad(comm.allgather(({}, found)), comm.rank)
     if bad:
         return None, bad
     mine = {k: c for (r, k), c in routes.items() if r == me}
-    received = {s.part.rank: Received(mine[s.part.rank], files, s.files) for s, files in got.files.items()}
+    received = {s.part.rank: Arrived(mine[s.part.rank], files, s.files) for s, files in got.files.items()}
     paths = {k: c.path for k, c in mine.items() if c.holder == me}
     unrecorded = frozenset(k for k, c in mine.items() if not c.recorded)
     return Fetch(choice, paths, received, bool(shipments), unrecorded), set()
@@ -322,21 +328,28 @@ def _source(routes: Mapping[tuple[int, int], Copy], s: transfer.Shipment) -> str
     return routes[(s.dst, s.part.rank)].path
 
 
-def _check(c: Copy, files: dict[tuple[PartId, int], tuple[FileSum, ...]], sender: bool) -> str | None:
-    """Why copy ``c`` cannot be used, or None; a sender puts the files it sends, with their checksums, in ``files``.
+def _announce(c: Copy, files: dict[tuple[PartId, int], tuple[FileSum, ...]]) -> str | None:
+    """Put the files of copy ``c``, which this rank sends, with their checksums in ``files``; or why it cannot.
 
-    A copy with a record is sent as its record says (the receiver checks the
-    bytes against it), one without is hashed first; a reader of its own copy
-    checks it against its record when it has one.
+    A copy with a record is sent as its record says, without reading it (the
+    receiver checks every byte against it); one without is hashed first.
     """
     try:
         record = read_record(c.path) if c.recorded else None
-        if not sender:
-            return mismatch(c.path, record.files) if record is not None else None
         files[(c.part, c.holder)] = record.files if record is not None else digest_files(c.path)
     except OSError as e:
         return f"{c.path} cannot be read: {e}"
     return None
+
+
+def _check(c: Copy) -> str | None:
+    """Why copy ``c``, which this rank reads on its own node, does not match its record, or None (also when
+    it has none: it is then loaded with ``verify=True``)."""
+    try:
+        record = read_record(c.path) if c.recorded else None
+        return mismatch(c.path, record.files) if record is not None else None
+    except OSError as e:
+        return f"{c.path} cannot be read: {e}"
 
 
 def _bad(announced: Sequence[tuple[Any, list[tuple[Copy, str]]]], rank: int) -> set[tuple[PartId, str, str]]:

@@ -4,17 +4,21 @@ A ``Shipment`` is one copy sent from the rank that holds it to the rank that
 needs it. Every rank knows every shipment (they are planned from what the
 ranks told each other), so the ranks agree on the number of rounds without a
 message: in each round, every sender sends at most ``chunk`` bytes to each of
-its receivers, and every receiver writes what it got to its files at once.
-Each round is in flight while the previous one is written and the next one
-read, so a rank holds at most two chunks per peer it talks to, whatever the
-size of the parts. Over a gloo group (``TorchComm``) the chunks go point
-to point (``isend``/``irecv``); over another communicator, through one
-``allgather`` per round (every rank sees every chunk: correct, not fast).
+its receivers, and every receiver takes in what it got at once (``receiving``:
+written to its files by replication's ``ship``, kept in memory by a
+restore's ``ship_to_memory``). Each round is in flight while the previous one
+is taken in and the next one read, so ``ship`` holds at most two chunks per
+peer it talks to, whatever the size of the parts. Over a gloo group
+(``TorchComm``) the chunks go point to point (``isend``/``irecv``), and a
+restore's transfer posts all its chunks at once (``streaming``); over another
+communicator, through one ``allgather`` per round (every rank sees every
+chunk: correct, not fast).
 
-A receiver checks each file's size and checksum against the shipment's,
-fsyncs it, and reports the shipments that failed; it never trusts bytes that
-did not match. The fault point ``replica.chunk`` (``_faults``) lies after each
-chunk a receiver wrote, so tests can kill a rank in the middle of a copy.
+A receiver checks each file's size and checksum against the shipment's as
+its bytes arrive, and reports the shipments that failed; it never trusts
+bytes that did not match. ``ship`` fsyncs the files it wrote. The fault
+point ``replica.chunk`` (``_faults``) lies after each chunk a receiver took
+in, so tests can kill a rank in the middle of a copy.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from io import BufferedReader
 
 import torch
@@ -32,6 +35,7 @@ from ..comm.base import Communicator
 from ..errors import CommError
 from .copies import Shipment
 from .receiving import FileSink, MemorySink, Sink
+from .streaming import Received, Streaming
 
 __all__ = ["CHUNK_BYTES", "Received", "Shipment", "chunk_bytes", "ship", "ship_to_memory", "start_exchange"]
 
@@ -68,29 +72,29 @@ def ship(
     return [bad for sink in sinks.values() for bad in sink.finish()]
 
 
-@dataclass(frozen=True)
-class Received:
-    """What ``ship_to_memory`` received: each good shipment's files (uint8 tensors, by name), and the bad ones."""
-
-    files: Mapping[Shipment, Mapping[str, torch.Tensor]]
-    bad: tuple[Shipment, ...]
-
-
 def ship_to_memory(
     comm: Communicator, shipments: Sequence[Shipment], source: Callable[[Shipment], str], chunk: int
-) -> Received:
-    """``ship``, except that the receiving rank keeps what it receives in memory (nothing is written).
+) -> Callable[[], Received]:
+    """Start ``ship``, except that the receiving rank keeps what it receives in memory (nothing is written);
+    the function returned waits for it and returns what this rank received.
 
-    Each chunk is received in place into its files' buffers and hashed while
-    the next one is in flight; a shipment any of whose files does not match
-    its checksum is bad, and its bytes are not returned.
+    Over a gloo group the transfer runs in the background until waited for
+    (``streaming``); over another communicator it runs in rounds here, and
+    the function returned has nothing left to wait for. Either way each chunk
+    is received in place into its files' buffers and hashed as it arrives; a
+    shipment any of whose files does not match its checksum is bad, and its
+    bytes are not returned.
     """
+    from ..comm.gloo import TorchComm
+
+    if isinstance(comm, TorchComm):
+        return Streaming(comm, shipments, source, chunk).wait
     me = comm.rank
     sinks = {s: MemorySink([x for x in shipments if x.dst == me and x.src == s]) for s in _peers(shipments, me, "src")}
     _exchange(comm, shipments, source, dict(sinks), chunk)
     bad = [b for sink in sinks.values() for b in sink.finish()]
-    files = {s: f for sink in sinks.values() for s, f in sink.files.items() if s not in bad}
-    return Received(files, tuple(bad))
+    received = Received({s: f for sink in sinks.values() for s, f in sink.files.items() if s not in bad}, tuple(bad))
+    return lambda: received
 
 
 def _exchange(
