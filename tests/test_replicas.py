@@ -82,8 +82,9 @@ def test_a_copy_received_into_memory_loads_like_its_files_and_a_flipped_bit_neve
     shipment = transfer.Shipment(0, 1, PartId(3, 0, 1), files)
 
     def send(comm) -> object:
-        got = transfer.ship_to_memory(comm, [shipment], lambda s: str(part), transfer.chunk_bytes())()
-        return got.bad, {n: bytes(t.numpy()) for n, t in got.files.get(shipment, {}).items()}
+        got = transfer.ship_to_memory(comm, [shipment], lambda s: str(part), transfer.chunk_bytes())
+        bad = got.wait()
+        return bad, {n: bytes(t.numpy()) for n, t in got.files.get(shipment, {}).items() if not bad}
 
     out = tddist.run_threads(2, send)
     assert out[0] == ((), {})

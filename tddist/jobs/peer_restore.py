@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from ..comm.collective import collective_error, contribute
 from ..core.sharding import Shard
 from ..core.tree import flatten
 from ..core.types import Key
-from ..errors import IncompatibleCheckpointError, TddistError
+from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, TddistError
 from ..loading.share import LoadReport
 from ..storage.backends import read_manifest
 from ..storage.memory import MemoryStore
@@ -217,7 +218,7 @@ def _listdir(path: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Fetch:
-    """One attempt's transfers: for each part a rank reads, where: a copy on its node, or bytes received.
+    """One attempt's sources: for each part a rank reads, a copy on its node or the bytes arriving from a peer.
 
     A copy without a record (an own part whose replication was never
     confirmed) has no checksums of its own to be checked against: it is
@@ -226,18 +227,19 @@ class Fetch:
 
     choice: Choice
     paths: Mapping[int, str]  # part rank -> a copy on this rank's node it reads
-    received: Mapping[int, Arrived]  # part rank -> its files received from a peer (checked), read from memory
+    received: Mapping[int, Arrived]  # part rank -> its files arriving from a peer, read from memory
     shipped: bool  # some rank read a copy held by another rank
     unrecorded: frozenset[int]  # parts read from a copy without a record: loaded with verify=True
 
 
 @dataclass(frozen=True)
 class Arrived:
-    """A part received from the rank that holds a copy of it, its checksums matched: its files in memory."""
+    """A part arriving from the rank that holds a copy of it: its files in memory, as they arrive."""
 
     copy: Copy
     files: Mapping[str, torch.Tensor]
     sums: tuple[FileSum, ...]
+    ready: Callable[[str, int], None]  # waits for the first bytes of a file (``MemoryStore.ready``)
 
 
 def restore_from_copies(
@@ -258,9 +260,12 @@ def restore_from_copies(
 
     Raises:
         TddistError: loading the parts failed on some rank (the same error on every rank).
+        CorruptCheckpointError: copies failed their checksums after the state was filled from them, and no
+            attempt succeeded: the shared root must restore all of it (the caller raises this when it has none).
     """
     copies = [c for held in comm.allgather(inventory(tier, node)) for c in held]
     bad: set[tuple[PartId, str, str]] = set()
+    touched = False
     for _attempt in range(ATTEMPTS):
         choice, passed = choose(copies, bad, step, comm.size)
         if passed and comm.rank == 0:
@@ -269,30 +274,56 @@ def restore_from_copies(
             if comm.rank == 0:
                 logger.warning("no step has a surviving copy of every part on the nodes that are up: "
                                "restoring from the shared root")  # fmt: skip
+            _give_up(comm, touched, bad)
             return None
         if step is None and shared is not None and choice.step < shared:
             if comm.rank == 0:
                 logger.warning("the newest step whole on the nodes (%d) is older than the shared root's newest (%d): "
                                "restoring from the shared root", choice.step, shared)  # fmt: skip
+            _give_up(comm, touched, bad)
             return None
-        fetch, found = _fetch(comm, tier, choice)
-        if fetch is not None:
-            return _load(comm, tier, state, fetch, load_kwargs)
-        bad |= found
+        got = _attempt_restore(comm, tier, state, choice, load_kwargs)
+        if isinstance(got, PeerRestore):
+            return got
+        bad |= got.bad
+        touched = touched or got.touched
     if comm.rank == 0:
         logger.warning("copies kept failing their checksums (%s): restoring from the shared root", sorted(bad)[:8])
+    _give_up(comm, touched, bad)
     return None
 
 
-def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch | None, set[tuple[PartId, str, str]]]:
-    """Bring the copies held elsewhere to their readers and check every copy this attempt reads (collective).
+def _give_up(comm: Communicator, touched: bool, bad: set[tuple[PartId, str, str]]) -> None:
+    """Before returning None (the shared root restores the state): after an attempt that filled the state,
+    raise instead, so that the caller, if the shared root has nothing, says so rather than start from step 0
+    with a filled state."""
+    if touched:
+        raise CorruptCheckpointError(
+            f"rank {comm.rank}: the node-local copies {sorted(bad)[:4]} failed their checksums after the state was "
+            f"filled from an attempt to restore them; restore it from the shared root or from a fresh state"
+        )
+
+
+@dataclass(frozen=True)
+class Retry:
+    """An attempt that found bad copies: their places, and whether some rank had filled the state already."""
+
+    bad: set[tuple[PartId, str, str]]
+    touched: bool
+
+
+def _attempt_restore(
+    comm: Communicator, tier: LocalTier, state: Any, choice: Choice, load_kwargs: dict[str, Any]
+) -> PeerRestore | Retry:
+    """One attempt (collective): bring the copies held elsewhere to their readers and fill ``state`` from the
+    parts while they arrive; the restore, or the copies found bad on any rank.
 
     The senders announce each copy's files with their checksums (its
-    record's, else hashed now); the transfer then runs while each rank checks
-    the copies it reads on its own node against their records; the ranks
-    agree on what was found bad once the bytes arrived (each hashed as it
-    came, against the sender's announcement). Returns the fetch, or None with
-    the copies found bad on any rank.
+    record's, else hashed now). While the transfer runs, each rank checks the
+    copies it reads on its own node against their records and, if they
+    match, fills the state, from them and from the received bytes as they
+    arrive (each hashed as it comes). The ranks then agree: a copy whose bytes
+    did not match is bad on every rank, and the state is filled again.
     """
     me, routes = comm.rank, route(choice, comm.size)
     sending = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader != me}, key=_order)
@@ -302,22 +333,50 @@ def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch |
     announced = comm.allgather((files, found))
     bad = _bad(announced, comm.rank)
     if bad:
-        return None, bad
+        return Retry(bad, touched=False)
     sums = {k: v for f, _found in announced for k, v in f.items()}
-    shipments = [transfer.Shipment(c.holder, r, c.part, sums[(c.part, c.holder)])
+    shipments = [transfer.Shipment(c.holder, r, c.part, _small_first(sums[(c.part, c.holder)]))
                  for (r, _k), c in sorted(routes.items()) if c.holder != r]  # fmt: skip
     arriving = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes())
     found = [(c, why) for c in reading if (why := _check(c))]  # while the transfer runs
-    got = arriving()
-    found += [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in got.bad]
-    bad = _bad(comm.allgather(({}, found)), comm.rank)
+    fetch = _sources(comm, choice, routes, shipments, arriving)
+    outcome = contribute(lambda: _fill(comm, state, fetch, load_kwargs)) if not found else None
+    found += [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in arriving.wait()]
+    announced = comm.allgather((found, outcome.failure if outcome is not None else None))
+    bad = _bad([({}, f) for f, _failure in announced], comm.rank)
     if bad:
-        return None, bad
+        return Retry(bad, touched=True)
+    failures = {r: f for r, (_found, f) in enumerate(announced) if f is not None}
+    if failures:
+        raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
+    assert outcome is not None and outcome.value is not None  # no rank found a bad copy, none failed
+    return _restored(comm, tier, fetch, *outcome.value)
+
+
+def _small_first(files: tuple[FileSum, ...]) -> tuple[FileSum, ...]:
+    """A copy's files in the order they are sent: the smallest first (the manifest and index, which a load
+    reads first), so that a load from the bytes arriving starts at once."""
+    return tuple(sorted(files, key=lambda f: (f.size, f.name)))
+
+
+def _sources(
+    comm: Communicator,
+    choice: Choice,
+    routes: Mapping[tuple[int, int], Copy],
+    shipments: list[transfer.Shipment],
+    arriving: transfer.Arriving,
+) -> Fetch:
+    """Where this rank reads each part of the attempt: its node's copies, and the bytes arriving from peers."""
+    me = comm.rank
     mine = {k: c for (r, k), c in routes.items() if r == me}
-    received = {s.part.rank: Arrived(mine[s.part.rank], files, s.files) for s, files in got.files.items()}
+    received = {}
+    for s in shipments:
+        if s.dst == me:
+            ready = partial(arriving.until, s)
+            received[s.part.rank] = Arrived(mine[s.part.rank], arriving.files[s], s.files, ready)
     paths = {k: c.path for k, c in mine.items() if c.holder == me}
     unrecorded = frozenset(k for k, c in mine.items() if not c.recorded)
-    return Fetch(choice, paths, received, bool(shipments), unrecorded), set()
+    return Fetch(choice, paths, received, bool(shipments), unrecorded)
 
 
 def _order(c: Copy) -> tuple[PartId, int]:
@@ -362,21 +421,18 @@ def _bad(announced: Sequence[tuple[Any, list[tuple[Copy, str]]]], rank: int) -> 
     return {c.place for c, _why in found}
 
 
-def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kwargs: dict[str, Any]) -> PeerRestore:
-    """Every rank fills ``state`` from the parts it read; the same error on every rank if one fails.
-
-    A part received from a peer is loaded from memory; on the same world
-    size it is then written to this rank's local directory in the
-    background, to be its own copy again (``keeping``).
-    """
+def _fill(
+    comm: Communicator, state: Any, fetch: Fetch, load_kwargs: dict[str, Any]
+) -> tuple[LoadReport, tuple[local_shards.DTensorLayout, ...]]:
+    """Fill ``state`` from the parts this rank reads (a received one as its bytes arrive); the report and the
+    layouts of the state's DTensor leaves."""
     choice, me = fetch.choice, comm.rank
-    same = choice.world == comm.size
     layouts: list[tuple[local_shards.DTensorLayout, ...]] = []
 
     def fill_from_parts(into: Any) -> LoadReport:
         plain, found = local_shards.split(into)
         layouts.append(found)
-        if same:
+        if choice.world == comm.size:
             kwargs = {**load_kwargs, "verify": True} if me in fetch.unrecorded else load_kwargs
             report = _read(fetch, me, into=plain, **kwargs)
             assert isinstance(report, LoadReport)  # load(into=...) returns its report
@@ -388,26 +444,37 @@ def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kw
             )
         return reshard(plain, fetch, me, comm.size)
 
-    outcome = contribute(lambda: fill(state, fill_from_parts))
-    failures = {r: f for r, f in enumerate(comm.allgather(outcome.failure)) if f is not None}
-    if failures:
-        raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
-    assert outcome.value is not None
+    report = fill(state, fill_from_parts)
+    return report, layouts[-1] if layouts else ()
+
+
+def _restored(
+    comm: Communicator,
+    tier: LocalTier,
+    fetch: Fetch,
+    report: LoadReport,
+    layouts: tuple[local_shards.DTensorLayout, ...],
+) -> PeerRestore:
+    """What was restored; on the same world size, a part received from a peer starts being written to this
+    rank's local directory, to be its own copy again (``keeping``)."""
+    choice, me = fetch.choice, comm.rank
+    same = choice.world == comm.size
     keeping = None
     if same and me in fetch.received:
         got = fetch.received[me]
-        keeping = Keeping(tier, CopyRecord(got.copy.part, got.sums, got.copy.holder, got.copy.node), got.files)
+        sums = tuple(sorted(got.sums, key=lambda f: f.name))  # a record lists its files by name
+        keeping = Keeping(tier, CopyRecord(got.copy.part, sums, got.copy.holder, got.copy.node), got.files)
     path = tier.part(choice.step) if same else _where(fetch, min([*fetch.paths, *fetch.received]))
     tier_name = "peers" if fetch.shipped else "local"
-    return PeerRestore(choice.step, path, outcome.value, layouts[-1] if layouts else (), tier_name, same, keeping)
+    return PeerRestore(choice.step, path, report, layouts, tier_name, same, keeping)
 
 
 def _read(fetch: Fetch, k: int, **kwargs: Any) -> TensorDict | LoadReport:
-    """``load`` part ``k``: from memory if it was received, else from its copy on this node."""
+    """``load`` part ``k``: from the bytes arriving if it is received, else from its copy on this node."""
     got = fetch.received.get(k)
     if got is None:
         return load(fetch.paths[k], comm=LocalComm(), **kwargs)
-    return load_from(MemoryStore(_where(fetch, k), got.files), comm=LocalComm(), **kwargs)
+    return load_from(MemoryStore(_where(fetch, k), got.files, got.ready), comm=LocalComm(), **kwargs)
 
 
 def _where(fetch: Fetch, k: int) -> str:

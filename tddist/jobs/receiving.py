@@ -17,8 +17,10 @@ trusts bytes that did not match.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -88,30 +90,52 @@ class _Files:
 
 
 class MemorySink:
-    """Receives one peer's shipments into memory, hashing each round while the next is in flight."""
+    """Receives one peer's shipments into memory, each file in a buffer of its own (aligned as a tensor's), hashing
+    each round as it arrives.
+
+    A round within one file is received in place; one that straddles files
+    (the rounds of ``transfer._exchange``) goes through a buffer of its own
+    and is copied into them when it arrived.
+    """
 
     def __init__(self, shipments: list[Shipment]) -> None:
-        total = sum(s.size for s in shipments)
-        self._stream = torch.empty(total, dtype=torch.uint8)
-        self._handed = 0  # bytes handed out as buffers
-        self._taken = 0  # bytes arrived and hashed
         self._files = _Files([(s, f) for s in shipments for f in s.files])
         self.files: dict[Shipment, dict[str, torch.Tensor]] = {s: {} for s in shipments}
+        self.offsets: dict[tuple[Shipment, str], int] = {}  # where each file begins in what this peer sends
+        self._spans: list[tuple[int, torch.Tensor]] = []  # (where it begins, its buffer), in order
         at = 0
         for s in shipments:
             for f in s.files:
-                self.files[s][f.name] = self._stream[at : at + f.size]
+                self.files[s][f.name] = buf = torch.empty(f.size, dtype=torch.uint8)
+                self.offsets[(s, f.name)] = at
+                self._spans.append((at, buf))
                 at += f.size
+        self._begins = [begin for begin, _buf in self._spans]
+        self._handed = 0  # bytes handed out as buffers
+        self._queue: deque[tuple[torch.Tensor, bool]] = deque()  # (buffer, whether it is a file's own bytes)
 
     def buffer(self, n: int) -> torch.Tensor:
-        out = self._stream[self._handed : self._handed + n]
-        self._handed += n
+        at, self._handed = self._handed, self._handed + n
+        i = bisect.bisect_right(self._begins, at) - 1
+        while 0 <= i < len(self._spans) and self._spans[i][1].numel() == 0:
+            i += 1  # empty files begin where the next one does
+        begin, buf = self._spans[i] if 0 <= i < len(self._spans) else (at, torch.empty(0, dtype=torch.uint8))
+        if n and at + n <= begin + buf.numel():
+            out, in_place = buf[at - begin : at - begin + n], True
+        else:
+            out, in_place = torch.empty(n, dtype=torch.uint8), False
+        self._queue.append((out, in_place))
         return out
 
     def arrived(self, n: int) -> None:
-        view = self._stream[self._taken : self._taken + n].numpy().data
-        self._taken += n
-        self._files.take(view, lambda _i, _b: None)
+        buf, in_place = self._queue.popleft()
+        files = self._files
+
+        def copy(index: int, piece: memoryview) -> None:
+            if not in_place:
+                self._spans[index][1][files.written : files.written + len(piece)].numpy()[:] = piece
+
+        files.take(buf[:n].numpy().data, copy)
 
     def finish(self) -> list[Shipment]:
         self._files.skip_empty()

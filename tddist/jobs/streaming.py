@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,25 @@ from .receiving import MemorySink
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Received:
-    """What a rank received in memory: each good shipment's files (uint8 tensors, by name), and the bad ones."""
+class Arriving:
+    """What a rank receives in memory, arriving: each shipment's files (uint8 tensors, by name, filled as the
+    bytes arrive), ``until`` to wait for some of them, ``wait`` for all.
 
-    files: dict[Shipment, dict[str, torch.Tensor]]
-    bad: tuple[Shipment, ...]
+    This base class is a transfer that already ended (``transfer.ship_to_memory`` over a communicator that
+    is not gloo): every byte is there.
+    """
+
+    def __init__(self, files: dict[Shipment, dict[str, torch.Tensor]], bad: tuple[Shipment, ...] = ()) -> None:
+        self.files = files
+        self._bad = bad
+
+    def until(self, shipment: Shipment, name: str, end: int) -> None:
+        """Wait until the first ``end`` bytes of the file ``name`` of ``shipment`` arrived (hashed, not checked
+        yet: the file's checksum is known once it arrived whole, ``wait``)."""
+
+    def wait(self) -> tuple[Shipment, ...]:
+        """Wait for every chunk; the shipments that arrived bad (their bytes must not be used)."""
+        return self._bad
 
 
 def pieces(size: int, chunk: int) -> list[tuple[int, int]]:
@@ -51,7 +65,7 @@ def pieces(size: int, chunk: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk, size)) for a in range(0, size, chunk)]
 
 
-class Streaming:
+class Streaming(Arriving):
     """One restore's transfer in flight over a gloo group (see the module docstring)."""
 
     def __init__(
@@ -62,15 +76,18 @@ class Streaming:
         self._sinks = {
             s: MemorySink([x for x in shipments if x.dst == me and x.src == s]) for s in _srcs(shipments, me)
         }
+        super().__init__({s: f for sink in self._sinks.values() for s, f in sink.files.items()})
         self._sends: list[tuple[dist.Work | None, torch.Tensor]] = []
-        self._recvs: list[tuple[dist.Work | None, int, int]] = []  # (work, src, bytes)
+        self._recvs: dict[int, deque[tuple[dist.Work | None, int]]] = {src: deque() for src in self._sinks}
+        self._done = dict.fromkeys(self._sinks, 0)  # bytes arrived from each peer
+        self._lock = threading.Lock()  # a load may read the files from several threads
         try:
             for src, sink in self._sinks.items():
                 for s in sink.files:
                     for f in s.files:
                         for a, b in pieces(f.size, chunk):
                             work = dist.irecv(sink.buffer(b - a), group=self._group, group_src=src)
-                            self._recvs.append((work, src, b - a))
+                            self._recvs[src].append((work, b - a))
             for s in shipments:
                 if s.src == me and s.dst != me:
                     for f in s.files:
@@ -81,14 +98,15 @@ class Streaming:
         except Exception as e:
             raise self._failed(e) from e
 
-    def wait(self) -> Received:
-        """Wait for every chunk (hashing each received one as it arrives); what this rank received."""
+    def until(self, shipment: Shipment, name: str, end: int) -> None:
+        src = shipment.src
+        self._take(src, self._sinks[src].offsets[(shipment, name)] + end)
+
+    def wait(self) -> tuple[Shipment, ...]:
+        """Wait for every chunk (hashing each received one as it arrives); the shipments that arrived bad."""
+        for src in self._sinks:
+            self._take(src, None)
         try:
-            for work, src, n in self._recvs:
-                if work is not None:
-                    work.wait()
-                self._sinks[src].arrived(n)
-                fault_point("replica.chunk", self.rank)
             for work, _view in self._sends:
                 if work is not None:
                     work.wait()
@@ -96,9 +114,22 @@ class Streaming:
             raise self._failed(e) from e
         finally:
             self._sends.clear()  # sent: the maps may go
-        bad = [b for sink in self._sinks.values() for b in sink.finish()]
-        files = {s: f for sink in self._sinks.values() for s, f in sink.files.items() if s not in bad}
-        return Received(files, tuple(bad))
+        return tuple(b for sink in self._sinks.values() for b in sink.finish())
+
+    def _take(self, src: int, end: int | None) -> None:
+        """Take in the chunks from ``src`` in order until ``end`` bytes (None: all) arrived."""
+        with self._lock:
+            pending = self._recvs[src]
+            while pending and (end is None or self._done[src] < end):
+                work, n = pending.popleft()
+                try:
+                    if work is not None:
+                        work.wait()
+                except RuntimeError as e:  # gloo raises RuntimeError on a dead peer or a timeout
+                    raise self._failed(e) from e
+                self._sinks[src].arrived(n)
+                self._done[src] += n
+                fault_point("replica.chunk", self.rank)
 
     def _failed(self, e: Exception) -> CommError:
         return CommError(

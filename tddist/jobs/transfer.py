@@ -35,9 +35,9 @@ from ..comm.base import Communicator
 from ..errors import CommError
 from .copies import Shipment
 from .receiving import FileSink, MemorySink, Sink
-from .streaming import Received, Streaming
+from .streaming import Arriving, Streaming
 
-__all__ = ["CHUNK_BYTES", "Received", "Shipment", "chunk_bytes", "ship", "ship_to_memory", "start_exchange"]
+__all__ = ["CHUNK_BYTES", "Arriving", "Shipment", "chunk_bytes", "ship", "ship_to_memory", "start_exchange"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,27 +74,25 @@ def ship(
 
 def ship_to_memory(
     comm: Communicator, shipments: Sequence[Shipment], source: Callable[[Shipment], str], chunk: int
-) -> Callable[[], Received]:
-    """Start ``ship``, except that the receiving rank keeps what it receives in memory (nothing is written);
-    the function returned waits for it and returns what this rank received.
+) -> Arriving:
+    """Start ``ship``, except that the receiving rank keeps what it receives in memory (nothing is written):
+    what arrives (``streaming.Arriving``: wait for part of it, or all).
 
     Over a gloo group the transfer runs in the background until waited for
-    (``streaming``); over another communicator it runs in rounds here, and
-    the function returned has nothing left to wait for. Either way each chunk
-    is received in place into its files' buffers and hashed as it arrives; a
-    shipment any of whose files does not match its checksum is bad, and its
-    bytes are not returned.
+    (``streaming.Streaming``); over another communicator it runs in rounds
+    here, and has ended when this returns. Either way each chunk is received
+    in place into its files' buffers and hashed as it arrives; a shipment any
+    of whose files does not match its checksum is bad.
     """
     from ..comm.gloo import TorchComm
 
     if isinstance(comm, TorchComm):
-        return Streaming(comm, shipments, source, chunk).wait
+        return Streaming(comm, shipments, source, chunk)
     me = comm.rank
     sinks = {s: MemorySink([x for x in shipments if x.dst == me and x.src == s]) for s in _peers(shipments, me, "src")}
     _exchange(comm, shipments, source, dict(sinks), chunk)
-    bad = [b for sink in sinks.values() for b in sink.finish()]
-    received = Received({s: f for sink in sinks.values() for s, f in sink.files.items() if s not in bad}, tuple(bad))
-    return lambda: received
+    bad = tuple(b for sink in sinks.values() for b in sink.finish())
+    return Arriving({s: f for sink in sinks.values() for s, f in sink.files.items()}, bad)
 
 
 def _exchange(
