@@ -96,7 +96,8 @@ def restore_times(rank: int, work: Path, local: Path, rounds: int) -> dict:
     loss wrote), with the files in the page cache alike (``os.sync`` before
     each), in alternating order (healthy first in even rounds, lost first in
     odd ones). The write of rank 1's part after a lost-node restore (in the
-    background, after ``restore`` returned) is timed apart, as ``kept``.
+    background, after ``restore`` returned) is not in the restore's time:
+    what ``close()`` still waits for it is reported apart, as ``kept``.
     """
     out: dict[str, list] = {"healthy": [], "lost": [], "tiers": [], "steps": [], "kept": []}
     mine, pristine = local / f"rep-{rank}", local / f"pristine-{rank}"
@@ -227,7 +228,8 @@ def report(record: dict) -> list[tuple[str, bool, str]]:
         ("restore after losing 1 of 2 nodes: 0 bytes from the shared root, <= 1.3x a healthy local restore",
          lost <= 1.3 * healthy and "shared" not in record["tiers"] and len(set(record["steps"])) == 1,
          f"{lost / healthy:.2f}x ({lost * 1e3:.1f} ms vs {healthy * 1e3:.1f} ms; tiers {sorted(set(record['tiers']))}"
-         f", step {sorted(set(record['steps']))}; the part written after it in {kept * 1e3:.1f} ms)"),
+         f", step {sorted(set(record['steps']))}; close() then waited {kept * 1e3:.1f} ms for the received part's "
+         f"write)"),
         ("replica checksums: 100% of injected corruptions detected",
          c["detected"] == c["injected"] and r["detected"] == r["injected"],
          f"{c['detected']}/{c['injected']} by the record check, {r['detected']}/{r['injected']} in restores over "
