@@ -159,6 +159,21 @@ def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copie
         assert run(2, [a], restore) == [(3, "shared")] * 2
     assert "no surviving copy of the parts of ranks [2]" in caplog.text
     assert "restoring from the shared root" in caplog.text
+    # Without the shared root, a restore whose received part 2 fails its checksum after the ranks filled the
+    # state from the others raises on every rank, rather than start from step 0 with that state.
+    shutil.rmtree(root)
+    failed = tddist.run_threads(4, lambda comm: _restore_on(comm, root, [a, c]))
+    assert all(isinstance(e, tddist.CorruptCheckpointError) for e in failed), failed
+    assert all("failed their checksums after the state was filled" in str(e) for e in failed), failed
+
+
+def _restore_on(comm, root: Path, dirs: list[Path]) -> object:
+    """Restore on a rank of ``comm`` whose nodes are ``dirs`` (ranks split evenly over them, in order)."""
+    node = comm.rank * len(dirs) // comm.size
+    with CheckpointManager(
+        root, comm=comm, local_dir=dirs[node], preempt_signal=None, replicas=1, node=f"node-{dirs[node].name}"
+    ) as mgr:
+        return mgr.restore(local_state(comm.rank, comm.size, 0))
 
 
 # --- nodes as torchrun agents on 127.0.0.1 ------------------------------------------------------
