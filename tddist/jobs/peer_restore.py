@@ -342,11 +342,11 @@ def _attempt_restore(
     fetch = _sources(comm, choice, routes, shipments, arriving)
     outcome = contribute(lambda: _fill(comm, state, fetch, load_kwargs)) if not found else None
     found += [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in arriving.wait()]
-    announced = comm.allgather((found, outcome.failure if outcome is not None else None))
-    bad = _bad([({}, f) for f, _failure in announced], comm.rank)
+    agreed = comm.allgather((found, outcome is not None, outcome.failure if outcome is not None else None))
+    bad = _bad([({}, f) for f, _filled, _failure in agreed], comm.rank)
     if bad:
-        return Retry(bad, touched=True)
-    failures = {r: f for r, (_found, f) in enumerate(announced) if f is not None}
+        return Retry(bad, touched=any(filled for _f, filled, _failure in agreed))
+    failures = {r: f for r, (_found, _filled, f) in enumerate(agreed) if f is not None}
     if failures:
         raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
     assert outcome is not None and outcome.value is not None  # no rank found a bad copy, none failed
