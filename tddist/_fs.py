@@ -115,6 +115,29 @@ def drop_pages(address: int, nbytes: int) -> None:
     madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
+#: ``madvise``'s advice that backs a range with transparent huge pages where the kernel allows them.
+MADV_HUGEPAGE = 14
+#: The size of a transparent huge page on x86-64 and arm64 (4 KiB pages).
+HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(address: int, nbytes: int) -> None:
+    """Ask for huge pages under the fresh anonymous memory ``[address, address + nbytes)``
+    (``madvise(MADV_HUGEPAGE)`` on the whole huge pages inside it).
+
+    For a large buffer written once at once (bytes received from a peer):
+    the first write of each 4 KiB page faults, and a fault costs more than
+    its copy (measured: 64 MiB written into fresh memory in about twice the
+    time with 4 KiB pages as with huge pages, in a VM). Does nothing where
+    ``madvise`` cannot be reached or refuses (an advice, not a requirement).
+    """
+    madvise = getattr(_load_libc(), "madvise", None)
+    start = address + -address % HUGE_PAGE
+    end = (address + nbytes) - (address + nbytes) % HUGE_PAGE
+    if madvise is not None and end > start:
+        madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+
+
 def _renameat2_fn() -> Callable[..., int] | None:
     fn = getattr(_load_libc(), "renameat2", None)
     if fn is not None:

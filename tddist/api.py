@@ -28,6 +28,7 @@ from .manifest.model import Manifest
 from .saving import pipeline as saving
 from .storage import backends
 from .storage.backends import store_for
+from .storage.opened import Readable
 
 
 def save(
@@ -259,9 +260,36 @@ def load(
         InvalidArgumentError: an invalid ``shard``, ``keys``, ``exclude``,
             ``per_rank`` or ``device`` (CUDA asked for where it is not available).
     """
+    return load_from(
+        store_for(prefix), comm=comm, shard=shard, keys=keys, into=into, exclude=exclude, per_rank=per_rank,
+        strict=strict, device=device, verify=verify, num_threads=num_threads, allow_pickle=allow_pickle,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def load_from(
+    store: Readable,
+    *,
+    comm: Any = None,
+    shard: Any = "even",
+    keys: Sequence | str | None = None,
+    into: Any = None,
+    exclude: Sequence | str | None = None,
+    per_rank: Any = None,
+    strict: bool = True,
+    device: torch.device | str | None = None,
+    verify: bool = False,
+    num_threads: int = 0,
+    allow_pickle: bool = False,
+    timeout: float | None = None,
+) -> TensorDict | LoadReport:
+    """``load`` of a checkpoint that no prefix names: one held in memory (``storage.memory.MemoryStore``).
+
+    The node-local tier loads a copy received from a peer this way, before
+    it is written to its local directory. The arguments are ``load``'s.
+    """
     check_int("num_threads", num_threads)
     check_device(device)
-    store = store_for(prefix)
     c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)
     options = LoadOptions(
         shard=shard_request(shard, c.size),

@@ -24,13 +24,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist.jobs.copies import read_record
+from tddist.api import load_from
+from tddist.jobs import transfer
+from tddist.jobs.copies import PartId, digest_files, read_record
 from tddist.jobs.manager import CheckpointManager
 from tddist.jobs.nodes import node_name, replica_peers
 from tddist.jobs.retention import step_name
+from tddist.storage.memory import MemoryStore
 from tests import launch_util
 from tests.helpers import assert_td_equal
 from tests.manager_rank import local_state, train
@@ -66,6 +70,34 @@ def flip_byte(path: Path, at: int | None = None) -> None:
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2 if at is None else at] ^= 0xFF
     path.write_bytes(bytes(raw))
+
+
+def test_a_copy_received_into_memory_loads_like_its_files_and_a_flipped_bit_never_arrives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TDDIST_REPLICA_CHUNK_BYTES", "100")  # rounds of chunks that straddle the files
+    part = tmp_path / "part"
+    tddist.save(local_state(0, 1, 3), str(part))
+    files = digest_files(str(part))  # as the holder's record says
+    shipment = transfer.Shipment(0, 1, PartId(3, 0, 1), files)
+
+    def send(comm) -> object:
+        got = transfer.ship_to_memory(comm, [shipment], lambda s: str(part), transfer.chunk_bytes())
+        bad = got.wait()
+        return bad, {n: bytes(t.numpy()) for n, t in got.files.get(shipment, {}).items() if not bad}
+
+    out = tddist.run_threads(2, send)
+    assert out[0] == ((), {})
+    bad, received = out[1]  # type: ignore[misc]
+    assert bad == () and received == {f.name: (part / f.name).read_bytes() for f in files}
+    tensors = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in received.items()}
+    from_memory = load_from(MemoryStore("a peer", tensors), shard=None, verify=True)
+    assert_td_equal(from_memory, tddist.load(str(part), shard=None))
+    for f in files:  # one bit of any file (data, manifest, index): the shipment arrives bad, its bytes are dropped
+        original = (part / f.name).read_bytes()
+        flip_byte(part / f.name, at=len(original) - 1)
+        assert tddist.run_threads(2, send)[1] == ((shipment,), {}), f.name
+        (part / f.name).write_bytes(original)
 
 
 def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copies(
@@ -112,7 +144,13 @@ def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copie
     shutil.rmtree(b)  # node b is lost
     assert run(2, [a], restore) == [(3, "local")] * 2  # 4 parts resharded onto 2 ranks, all on node a
     assert run(4, [a, c], restore) == [(3, "peers")] * 4  # a fresh node c: its parts come from a's replicas
-    assert sorted(p.name for p in (c / step_name(3)).iterdir()) == ["rank-2-of-4", "rank-3-of-4"]
+    kept = sorted(p.name for p in (c / step_name(3)).iterdir())  # written after the restore, with their records
+    assert kept == ["rank-2-of-4", "rank-2-of-4.copy.json", "rank-3-of-4", "rank-3-of-4.copy.json"], kept
+    for r in (2, 3):  # the bytes received, which matched the replica's record; the record names that replica
+        record = read_record(str(c / step_name(3) / f"rank-{r}-of-4"))
+        assert record is not None and record.peer_node == "node-a", record
+        assert record.files == read_record(str(a / "replicas" / step_name(3) / f"rank-{r}-of-4")).files  # type: ignore[union-attr]
+    assert not list(c.glob(".fetched-*/*"))  # nothing left staged
     flip_byte(a / "replicas" / step_name(3) / "rank-2-of-4" / "rank-00000.data")
     shutil.rmtree(c)  # the only good copy of part 2 is lost: the shared root is used
     hide_data(root, hidden=False)
@@ -121,6 +159,21 @@ def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copie
         assert run(2, [a], restore) == [(3, "shared")] * 2
     assert "no surviving copy of the parts of ranks [2]" in caplog.text
     assert "restoring from the shared root" in caplog.text
+    # Without the shared root, a restore whose received part 2 fails its checksum after the ranks filled the
+    # state from the others raises on every rank, rather than start from step 0 with that state.
+    shutil.rmtree(root)
+    failed = tddist.run_threads(4, lambda comm: _restore_on(comm, root, [a, c]))
+    assert all(isinstance(e, tddist.CorruptCheckpointError) for e in failed), failed
+    assert all("failed their checksums after the state was filled" in str(e) for e in failed), failed
+
+
+def _restore_on(comm, root: Path, dirs: list[Path]) -> object:
+    """Restore on a rank of ``comm`` whose nodes are ``dirs`` (ranks split evenly over them, in order)."""
+    node = comm.rank * len(dirs) // comm.size
+    with CheckpointManager(
+        root, comm=comm, local_dir=dirs[node], preempt_signal=None, replicas=1, node=f"node-{dirs[node].name}"
+    ) as mgr:
+        return mgr.restore(local_state(comm.rank, comm.size, 0))
 
 
 # --- nodes as torchrun agents on 127.0.0.1 ------------------------------------------------------

@@ -49,6 +49,21 @@ class FileSum:
 
 
 @dataclass(frozen=True)
+class Shipment:
+    """One copy of a part sent from ``src`` to ``dst``: its files with their sizes and checksums."""
+
+    src: int
+    dst: int
+    part: PartId
+    files: tuple[FileSum, ...]
+
+    @property
+    def size(self) -> int:
+        """Its bytes."""
+        return sum(f.size for f in self.files)
+
+
+@dataclass(frozen=True)
 class CopyRecord:
     """The record of a committed copy (``<part>.copy.json``).
 

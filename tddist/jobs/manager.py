@@ -354,7 +354,9 @@ class CheckpointManager:
                 committed checkpoint of ``step`` (on every rank).
             IncompatibleCheckpointError: ``state`` does not match the checkpoint,
                 or per-rank state saved on another world size without ``per_rank=``.
-            CorruptCheckpointError: a data file is missing, truncated or fails its checksum.
+            CorruptCheckpointError: a data file is missing, truncated or fails its checksum;
+                or, with replicas, the node-local copies failed their checksums after the
+                state was filled from them, and the shared root has nothing to restore.
             InvalidArgumentError: an invalid keyword argument of ``tddist.load``.
             CommError: a rank could not be reached.
         """

@@ -7,10 +7,13 @@ copy (``choose``); a copy found bad is left out and the choice made again.
 Each rank then needs some parts (``needs``): its own on the same world size;
 on another one, the parts whose rows overlap its even share of each sharded
 leaf (and one part for the replicated leaves). A part held by another rank
-is sent over the manager's communicator in bounded chunks (``transfer.ship``)
-and checked against the sender's record; a copy whose bytes do not match its
-record is reported, and the ranks choose again without it. Nothing is read
-from the shared root. When no step is whole, or the shared root holds a newer
+is sent over the manager's communicator (``transfer.ship_to_memory``) as the
+sender's record describes it, received into memory and hashed as it arrives,
+while each rank checks the copies it reads on its own node against their
+records; a copy whose bytes do not match its record is reported, and the
+ranks choose again without it. A received part is loaded from memory, then
+(same world size) written to the rank's local directory in the background
+(``keeping``). Nothing is read from the shared root. When no step is whole, or the shared root holds a newer
 one, ``restore_from_copies`` returns None and says why in the log.
 """
 
@@ -18,24 +21,27 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
-from .._fs import remove_tree
-from ..api import load
+from ..api import load, load_from
 from ..comm.base import Communicator, LocalComm
 from ..comm.collective import collective_error, contribute
 from ..core.sharding import Shard
 from ..core.tree import flatten
 from ..core.types import Key
-from ..errors import IncompatibleCheckpointError, TddistError
+from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, TddistError
 from ..loading.share import LoadReport
 from ..storage.backends import read_manifest
+from ..storage.memory import MemoryStore
 from . import local_shards, transfer
-from .copies import FileSum, PartId, digest_files, mismatch, read_record, record_path
+from .copies import CopyRecord, FileSum, PartId, digest_files, mismatch, read_record
+from .keeping import Keeping
 from .local_tier import LocalTier
 from .replication import held_replicas, replica_path
 from .retention import parse_step
@@ -94,7 +100,9 @@ class PeerRestore:
         report: the load's report.
         layouts: the state's DTensor leaves (to promote the copy again).
         tier: ``"local"`` when every rank read only its own node's copies, ``"peers"`` otherwise.
-        same_world: the step was saved on this world size (its own part is now in this rank's local tier).
+        same_world: the step was saved on this world size (its own part is, or is being written, in this rank's
+            local tier).
+        keeping: its own part received from a peer, being written to its local tier (wait before using it).
     """
 
     step: int
@@ -103,6 +111,7 @@ class PeerRestore:
     layouts: tuple[local_shards.DTensorLayout, ...]
     tier: str
     same_world: bool
+    keeping: Keeping | None = None
 
 
 def inventory(tier: LocalTier, node: str) -> list[Copy]:
@@ -209,7 +218,7 @@ def _listdir(path: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Fetch:
-    """One attempt's transfers: for each copy a rank reads, where it is on the reader's node.
+    """One attempt's sources: for each part a rank reads, a copy on its node or the bytes arriving from a peer.
 
     A copy without a record (an own part whose replication was never
     confirmed) has no checksums of its own to be checked against: it is
@@ -217,9 +226,20 @@ class Fetch:
     """
 
     choice: Choice
-    paths: Mapping[int, str]  # part rank -> where this rank reads it
+    paths: Mapping[int, str]  # part rank -> a copy on this rank's node it reads
+    received: Mapping[int, Arrived]  # part rank -> its files arriving from a peer, read from memory
     shipped: bool  # some rank read a copy held by another rank
     unrecorded: frozenset[int]  # parts read from a copy without a record: loaded with verify=True
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """A part arriving from the rank that holds a copy of it: its files in memory, as they arrive."""
+
+    copy: Copy
+    files: Mapping[str, torch.Tensor]
+    sums: tuple[FileSum, ...]
+    ready: Callable[[str, int], None]  # waits for the first bytes of a file (``MemoryStore.ready``)
 
 
 def restore_from_copies(
@@ -240,9 +260,12 @@ def restore_from_copies(
 
     Raises:
         TddistError: loading the parts failed on some rank (the same error on every rank).
+        CorruptCheckpointError: copies failed their checksums after the state was filled from them, and no
+            attempt succeeded: the shared root must restore all of it (the caller raises this when it has none).
     """
     copies = [c for held in comm.allgather(inventory(tier, node)) for c in held]
     bad: set[tuple[PartId, str, str]] = set()
+    touched = False
     for _attempt in range(ATTEMPTS):
         choice, passed = choose(copies, bad, step, comm.size)
         if passed and comm.rank == 0:
@@ -251,56 +274,109 @@ def restore_from_copies(
             if comm.rank == 0:
                 logger.warning("no step has a surviving copy of every part on the nodes that are up: "
                                "restoring from the shared root")  # fmt: skip
+            _give_up(comm, touched, bad)
             return None
         if step is None and shared is not None and choice.step < shared:
             if comm.rank == 0:
                 logger.warning("the newest step whole on the nodes (%d) is older than the shared root's newest (%d): "
                                "restoring from the shared root", choice.step, shared)  # fmt: skip
+            _give_up(comm, touched, bad)
             return None
-        fetch, found = _fetch(comm, tier, choice)
-        if fetch is not None:
-            return _load(comm, tier, state, fetch, load_kwargs)
-        bad |= found
+        got = _attempt_restore(comm, tier, state, choice, load_kwargs)
+        if isinstance(got, PeerRestore):
+            return got
+        bad |= got.bad
+        touched = touched or got.touched
     if comm.rank == 0:
         logger.warning("copies kept failing their checksums (%s): restoring from the shared root", sorted(bad)[:8])
+    _give_up(comm, touched, bad)
     return None
 
 
-def _fetch(comm: Communicator, tier: LocalTier, choice: Choice) -> tuple[Fetch | None, set[tuple[PartId, str, str]]]:
-    """Check the copies this attempt reads and bring those held elsewhere to their readers (collective).
+def _give_up(comm: Communicator, touched: bool, bad: set[tuple[PartId, str, str]]) -> None:
+    """Before returning None (the shared root restores the state): after an attempt that filled the state,
+    raise instead, so that the caller, if the shared root has nothing, says so rather than start from step 0
+    with a filled state."""
+    if touched:
+        raise CorruptCheckpointError(
+            f"rank {comm.rank}: the node-local copies {sorted(bad)[:4]} failed their checksums after the state was "
+            f"filled from an attempt to restore them; restore it from the shared root or from a fresh state"
+        )
 
-    Returns the fetch, or None with the copies found bad on any rank.
+
+@dataclass(frozen=True)
+class Retry:
+    """An attempt that found bad copies: their places, and whether some rank had filled the state already."""
+
+    bad: set[tuple[PartId, str, str]]
+    touched: bool
+
+
+def _attempt_restore(
+    comm: Communicator, tier: LocalTier, state: Any, choice: Choice, load_kwargs: dict[str, Any]
+) -> PeerRestore | Retry:
+    """One attempt (collective): bring the copies held elsewhere to their readers and fill ``state`` from the
+    parts while they arrive; the restore, or the copies found bad on any rank.
+
+    The senders announce each copy's files with their checksums (its
+    record's, else hashed now). While the transfer runs, each rank checks the
+    copies it reads on its own node against their records and, if they
+    match, fills the state, from them and from the received bytes as they
+    arrive (each hashed as it comes). The ranks then agree: a copy whose bytes
+    did not match is bad on every rank, and the state is filled again.
     """
     me, routes = comm.rank, route(choice, comm.size)
     sending = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader != me}, key=_order)
-    reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me} - set(sending), key=_order)
+    reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me}, key=_order)
     files: dict[tuple[PartId, int], tuple[FileSum, ...]] = {}
-    found = []
-    for c in sending + reading:
-        why = _check(c, files, sender=c in sending)
-        if why:
-            found.append((c, why))
+    found = [(c, why) for c in sending if (why := _announce(c, files))]
     announced = comm.allgather((files, found))
     bad = _bad(announced, comm.rank)
     if bad:
-        return None, bad
+        return Retry(bad, touched=False)
     sums = {k: v for f, _found in announced for k, v in f.items()}
-    shipments = [transfer.Shipment(c.holder, r, c.part, sums[(c.part, c.holder)])
+    shipments = [transfer.Shipment(c.holder, r, c.part, _small_first(sums[(c.part, c.holder)]))
                  for (r, _k), c in sorted(routes.items()) if c.holder != r]  # fmt: skip
-    inbox = os.path.join(tier.directory, f".fetched-rank{me}")
-    remove_tree(inbox)
-    target = lambda s: os.path.join(inbox, str(s.part.step), s.part.name)
-    failed = transfer.ship(comm, shipments, lambda s: _source(routes, s), target, transfer.chunk_bytes())
-    arrived = [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in failed]
-    bad = _bad(comm.allgather(({}, arrived)), comm.rank)
+    arriving = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes())
+    found = [(c, why) for c in reading if (why := _check(c))]  # while the transfer runs
+    fetch = _sources(comm, choice, routes, shipments, arriving)
+    outcome = contribute(lambda: _fill(comm, state, fetch, load_kwargs)) if not found else None
+    found += [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in arriving.wait()]
+    agreed = comm.allgather((found, outcome is not None, outcome.failure if outcome is not None else None))
+    bad = _bad([({}, f) for f, _filled, _failure in agreed], comm.rank)
     if bad:
-        return None, bad
+        return Retry(bad, touched=any(filled for _f, filled, _failure in agreed))
+    failures = {r: f for r, (_found, _filled, f) in enumerate(agreed) if f is not None}
+    if failures:
+        raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
+    assert outcome is not None and outcome.value is not None  # no rank found a bad copy, none failed
+    return _restored(comm, tier, fetch, *outcome.value)
+
+
+def _small_first(files: tuple[FileSum, ...]) -> tuple[FileSum, ...]:
+    """A copy's files in the order they are sent: the smallest first (the manifest and index, which a load
+    reads first), so that a load from the bytes arriving starts at once."""
+    return tuple(sorted(files, key=lambda f: (f.size, f.name)))
+
+
+def _sources(
+    comm: Communicator,
+    choice: Choice,
+    routes: Mapping[tuple[int, int], Copy],
+    shipments: list[transfer.Shipment],
+    arriving: transfer.Arriving,
+) -> Fetch:
+    """Where this rank reads each part of the attempt: its node's copies, and the bytes arriving from peers."""
+    me = comm.rank
     mine = {k: c for (r, k), c in routes.items() if r == me}
-    paths = {
-        k: c.path if c.holder == me else target(transfer.Shipment(c.holder, me, c.part, ())) for k, c in mine.items()
-    }
+    received = {}
+    for s in shipments:
+        if s.dst == me:
+            ready = partial(arriving.until, s)
+            received[s.part.rank] = Arrived(mine[s.part.rank], arriving.files[s], s.files, ready)
+    paths = {k: c.path for k, c in mine.items() if c.holder == me}
     unrecorded = frozenset(k for k, c in mine.items() if not c.recorded)
-    return Fetch(choice, paths, bool(shipments), unrecorded), set()
+    return Fetch(choice, paths, received, bool(shipments), unrecorded)
 
 
 def _order(c: Copy) -> tuple[PartId, int]:
@@ -311,21 +387,28 @@ def _source(routes: Mapping[tuple[int, int], Copy], s: transfer.Shipment) -> str
     return routes[(s.dst, s.part.rank)].path
 
 
-def _check(c: Copy, files: dict[tuple[PartId, int], tuple[FileSum, ...]], sender: bool) -> str | None:
-    """Why copy ``c`` cannot be used, or None; a sender puts the files it sends, with their checksums, in ``files``.
+def _announce(c: Copy, files: dict[tuple[PartId, int], tuple[FileSum, ...]]) -> str | None:
+    """Put the files of copy ``c``, which this rank sends, with their checksums in ``files``; or why it cannot.
 
-    A copy with a record is sent as its record says (the receiver checks the
-    bytes against it), one without is hashed first; a reader of its own copy
-    checks it against its record when it has one.
+    A copy with a record is sent as its record says, without reading it (the
+    receiver checks every byte against it); one without is hashed first.
     """
     try:
         record = read_record(c.path) if c.recorded else None
-        if not sender:
-            return mismatch(c.path, record.files) if record is not None else None
         files[(c.part, c.holder)] = record.files if record is not None else digest_files(c.path)
     except OSError as e:
         return f"{c.path} cannot be read: {e}"
     return None
+
+
+def _check(c: Copy) -> str | None:
+    """Why copy ``c``, which this rank reads on its own node, does not match its record, or None (also when
+    it has none: it is then loaded with ``verify=True``)."""
+    try:
+        record = read_record(c.path) if c.recorded else None
+        return mismatch(c.path, record.files) if record is not None else None
+    except OSError as e:
+        return f"{c.path} cannot be read: {e}"
 
 
 def _bad(announced: Sequence[tuple[Any, list[tuple[Copy, str]]]], rank: int) -> set[tuple[PartId, str, str]]:
@@ -338,65 +421,75 @@ def _bad(announced: Sequence[tuple[Any, list[tuple[Copy, str]]]], rank: int) -> 
     return {c.place for c, _why in found}
 
 
-def _load(comm: Communicator, tier: LocalTier, state: Any, fetch: Fetch, load_kwargs: dict[str, Any]) -> PeerRestore:
-    """Every rank fills ``state`` from the parts it read; the same error on every rank if one fails."""
-    choice, paths = fetch.choice, fetch.paths
-    same = choice.world == comm.size
+def _fill(
+    comm: Communicator, state: Any, fetch: Fetch, load_kwargs: dict[str, Any]
+) -> tuple[LoadReport, tuple[local_shards.DTensorLayout, ...]]:
+    """Fill ``state`` from the parts this rank reads (a received one as its bytes arrive); the report and the
+    layouts of the state's DTensor leaves."""
+    choice, me = fetch.choice, comm.rank
     layouts: list[tuple[local_shards.DTensorLayout, ...]] = []
 
     def fill_from_parts(into: Any) -> LoadReport:
         plain, found = local_shards.split(into)
         layouts.append(found)
-        if same:
-            kwargs = {**load_kwargs, "verify": True} if comm.rank in fetch.unrecorded else load_kwargs
-            report = load(paths[comm.rank], comm=LocalComm(), into=plain, **kwargs)
+        if choice.world == comm.size:
+            kwargs = {**load_kwargs, "verify": True} if me in fetch.unrecorded else load_kwargs
+            report = _read(fetch, me, into=plain, **kwargs)
             assert isinstance(report, LoadReport)  # load(into=...) returns its report
             return report
         if found:
             raise IncompatibleCheckpointError(
-                f"rank {comm.rank}: step {choice.step} was saved on {choice.world} ranks and the state holds "
+                f"rank {me}: step {choice.step} was saved on {choice.world} ranks and the state holds "
                 f"DTensors: the node-local copies reshard plain tensors only"
             )
-        return reshard(plain, paths, choice, comm.rank, comm.size, fetch.unrecorded)
+        return reshard(plain, fetch, me, comm.size)
 
-    outcome = contribute(lambda: fill(state, fill_from_parts))
-    failures = {r: f for r, f in enumerate(comm.allgather(outcome.failure)) if f is not None}
-    if failures:
-        raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
-    assert outcome.value is not None
-    path = paths[min(paths)]
-    if same:
-        path = _keep(tier, choice.step, path)
-    remove_tree(os.path.join(tier.directory, f".fetched-rank{comm.rank}"))
+    report = fill(state, fill_from_parts)
+    return report, layouts[-1] if layouts else ()
+
+
+def _restored(
+    comm: Communicator,
+    tier: LocalTier,
+    fetch: Fetch,
+    report: LoadReport,
+    layouts: tuple[local_shards.DTensorLayout, ...],
+) -> PeerRestore:
+    """What was restored; on the same world size, a part received from a peer starts being written to this
+    rank's local directory, to be its own copy again (``keeping``)."""
+    choice, me = fetch.choice, comm.rank
+    same = choice.world == comm.size
+    keeping = None
+    if same and me in fetch.received:
+        got = fetch.received[me]
+        sums = tuple(sorted(got.sums, key=lambda f: f.name))  # a record lists its files by name
+        keeping = Keeping(tier, CopyRecord(got.copy.part, sums, got.copy.holder, got.copy.node), got.files)
+    path = tier.part(choice.step) if same else _where(fetch, min([*fetch.paths, *fetch.received]))
     tier_name = "peers" if fetch.shipped else "local"
-    return PeerRestore(choice.step, path, outcome.value, layouts[-1] if layouts else (), tier_name, same)
+    return PeerRestore(choice.step, path, report, layouts, tier_name, same, keeping)
 
 
-def _keep(tier: LocalTier, step: int, path: str) -> str:
-    """A part fetched from a peer becomes this rank's own local copy (so it is promoted and replicated again).
-
-    An own copy that was not read is bad (a rank reads its own copy when it
-    holds one that is good): the fetched one replaces it.
-    """
-    own = tier.part(step)
-    fetched = os.path.join(tier.directory, f".fetched-rank{tier.rank}")
-    if not path.startswith(fetched + os.sep):
-        return path
-    remove_tree(record_path(own))
-    remove_tree(own)
-    os.makedirs(os.path.dirname(own), exist_ok=True)
-    os.rename(path, own)
-    return own
+def _read(fetch: Fetch, k: int, **kwargs: Any) -> TensorDict | LoadReport:
+    """``load`` part ``k``: from the bytes arriving if it is received, else from its copy on this node."""
+    got = fetch.received.get(k)
+    if got is None:
+        return load(fetch.paths[k], comm=LocalComm(), **kwargs)
+    return load_from(MemoryStore(_where(fetch, k), got.files, got.ready), comm=LocalComm(), **kwargs)
 
 
-def reshard(
-    plain: Any, paths: Mapping[int, str], choice: Choice, rank: int, world: int, unrecorded: frozenset[int]
-) -> LoadReport:
+def _where(fetch: Fetch, k: int) -> str:
+    """Part ``k`` as messages name it: its copy on this node, or the copy it was received from."""
+    got = fetch.received.get(k)
+    return fetch.paths[k] if got is None else f"rank {got.copy.holder}'s copy {got.copy.node}:{got.copy.path}"
+
+
+def reshard(plain: Any, fetch: Fetch, rank: int, world: int) -> LoadReport:
     """Fill ``plain`` (this rank's even share of every sharded leaf) from the parts of another world size.
 
-    ``unrecorded``: parts loaded with ``verify=True`` (their copies have no record).
+    Parts whose copies have no record are loaded with ``verify=True``.
     """
-    datas = {k: load(p, comm=LocalComm(), verify=k in unrecorded) for k, p in paths.items()}  # memory-mapped
+    choice = fetch.choice
+    datas = {k: _read(fetch, k, verify=k in fetch.unrecorded) for k in [*fetch.paths, *fetch.received]}  # mapped
     rows = [dict(choice.copies[k][0].rows) for k in range(choice.world)]
     _nodes, leaves, objects = flatten(plain)
     if objects:

@@ -154,12 +154,12 @@ class Restorer:
         step, shared_step = request.step, found.step
         if request.finite:  # the local copies were not checked: only that of the step rank 0 certified
             complete = frozenset(s for s in complete if s == shared_step)
+        local_error: TddistError | None = None
         if tiered is not None and tiered.replicator is not None and not request.finite:
-            from_copies = self._from_copies(request, shared_step)
+            from_copies, local_error = self._from_copies(request, shared_step)
             if from_copies is not None:
                 return from_copies
         local = pick_local(complete, step, shared_step)
-        local_error: TddistError | None = None
         if local is not None:
             assert tiered is not None  # pick_local picks from the complete local steps only
             try:
@@ -189,8 +189,11 @@ class Restorer:
         self._log_restored(path, at, report)
         return Restored(at, path, report, "shared")
 
-    def _from_copies(self, request: RestoreRequest, shared_step: int | None) -> Restored | None:
-        """With replication: restore from the own parts and replicas that survive, or None (the shared root)."""
+    def _from_copies(
+        self, request: RestoreRequest, shared_step: int | None
+    ) -> tuple[Restored | None, TddistError | None]:
+        """With replication: restore from the own parts and replicas that survive; else None (the shared root)
+        and the error that stopped it, if one did (raised if the shared root has nothing either)."""
         tiered = self._tiered
         assert tiered is not None
         try:
@@ -199,9 +202,9 @@ class Restorer:
             raise
         except TddistError as e:  # the same on every rank: all of them go to the shared root
             logger.warning("rank %d: %s; restoring from the shared root %s", self.comm.rank, e, self.root)
-            return None
+            return None, e
         if got is None:
-            return None
+            return None, None
         self._log_restored(got.path, got.step, got.report)
         if got.tier == "peers":
             logger.info("rank %d: step %d came from the node-local copies and peers' replicas, 0 bytes from %s",
@@ -212,7 +215,7 @@ class Restorer:
             elif self.comm.rank == 0:
                 logger.warning("step %d (restored onto another world size) is not in %s; the next save promotes "
                                "a newer one", got.step, self.root)  # fmt: skip
-        return Restored(got.step, got.path, got.report, got.tier)
+        return Restored(got.step, got.path, got.report, got.tier), None
 
     def _nothing_to_restore(
         self, found: RestoreSource, request: RestoreRequest, local_error: TddistError | None

@@ -24,6 +24,7 @@ from ..comm.collective import collective_error, contribute, describe, run_step
 from ..errors import CommError, TddistError
 from ..loading.share import LoadReport
 from . import promotion
+from .keeping import Keeping
 from .local_shards import DTensorLayout
 from .local_tier import LocalTier, Restoring, complete_steps, expand
 from .nodes import node_name
@@ -118,9 +119,17 @@ class TieredSaves:
         self._promotion: promotion.Promotion | None = None
         self._newest_local: int | None = None  # the newest complete local copy saved by this manager
         self._promoted: int | None = None  # the newest step whose promotion committed
+        self._keeping: Keeping | None = None  # a part restored from a peer, being written to the local tier
+
+    def settle(self) -> None:
+        """Wait until a part restored from a peer is written to this rank's local tier (``keeping``), if one is."""
+        keeping, self._keeping = self._keeping, None
+        if keeping is not None:
+            keeping.wait()
 
     def complete(self) -> frozenset[int]:
         """The steps of which every rank holds its local part for this world size (collective)."""
+        self.settle()
         return complete_steps(self.comm, self.tier)
 
     def promotion_done(self) -> bool:
@@ -133,6 +142,7 @@ class TieredSaves:
         Returns what was restored and the layouts of the state's DTensor leaves.
         """
         tier = self.tier
+        self.settle()
         restoring: list[Restoring] = []
 
         def load_local(into: Any) -> LoadReport:
@@ -151,7 +161,10 @@ class TieredSaves:
     ) -> PeerRestore | None:
         """Restore from the own parts and replicas on the nodes that are up (collective; see ``peer_restore``)."""
         assert self.replicator is not None  # the manager asks only with replicas
-        return restore_from_copies(self.comm, self.tier, self.replicator.node, state, step, shared, load_kwargs)
+        self.settle()
+        got = restore_from_copies(self.comm, self.tier, self.replicator.node, state, step, shared, load_kwargs)
+        self._keeping = got.keeping if got is not None else None
+        return got
 
     def promote_restored(self, step: int, layouts: tuple[DTensorLayout, ...], save_kwargs: dict[str, Any]) -> None:
         """Promote the local copy just restored, which is newer than the shared root's newest (collective).
@@ -205,13 +218,14 @@ class TieredSaves:
             self.replicator.start(step)
 
     def wait(self) -> None:
-        """Wait for the replication in flight, then for the promotion in flight, if any, and agree on its
-        outcome (collective); apply retention.
+        """Wait for a restored part being written (``settle``) and the replication in flight, then for the
+        promotion in flight, if any, and agree on its outcome (collective); apply retention.
 
         Raises:
             TddistError: the promotion failed on some rank (the same error on
                 every rank, naming its step); its local copy is kept.
         """
+        self.settle()
         if self.replicator is not None:
             self.replicator.wait()
         p = self._promotion

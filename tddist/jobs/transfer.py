@@ -4,17 +4,21 @@ A ``Shipment`` is one copy sent from the rank that holds it to the rank that
 needs it. Every rank knows every shipment (they are planned from what the
 ranks told each other), so the ranks agree on the number of rounds without a
 message: in each round, every sender sends at most ``chunk`` bytes to each of
-its receivers, and every receiver writes what it got to its files at once.
-Each round is in flight while the previous one is written and the next one
-read, so a rank holds at most two chunks per peer it talks to, whatever the
-size of the parts. Over a gloo group (``TorchComm``) the chunks go point
-to point (``isend``/``irecv``); over another communicator, through one
-``allgather`` per round (every rank sees every chunk: correct, not fast).
+its receivers, and every receiver takes in what it got at once (``receiving``:
+written to its files by replication's ``ship``, kept in memory by a
+restore's ``ship_to_memory``). Each round is in flight while the previous one
+is taken in and the next one read, so ``ship`` holds at most two chunks per
+peer it talks to, whatever the size of the parts. Over a gloo group
+(``TorchComm``) the chunks go point to point (``isend``/``irecv``), and a
+restore's transfer posts all its chunks at once (``streaming``); over another
+communicator, through one ``allgather`` per round (every rank sees every
+chunk: correct, not fast).
 
-A receiver checks each file's size and checksum against the shipment's,
-fsyncs it, and reports the shipments that failed; it never trusts bytes that
-did not match. The fault point ``replica.chunk`` (``_faults``) lies after each
-chunk a receiver wrote, so tests can kill a rank in the middle of a copy.
+A receiver checks each file's size and checksum against the shipment's as
+its bytes arrive, and reports the shipments that failed; it never trusts
+bytes that did not match. ``ship`` fsyncs the files it wrote. The fault
+point ``replica.chunk`` (``_faults``) lies after each chunk a receiver took
+in, so tests can kill a rank in the middle of a copy.
 """
 
 from __future__ import annotations
@@ -22,15 +26,18 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import BinaryIO
+from io import BufferedReader
+
+import torch
 
 from .._faults import fault_point
-from .._fs import fsync_path, makedirs_durable
-from ..checksum import Hasher
 from ..comm.base import Communicator
 from ..errors import CommError
-from .copies import FileSum, PartId
+from .copies import Shipment
+from .receiving import FileSink, MemorySink, Sink
+from .streaming import Arriving, Streaming
+
+__all__ = ["CHUNK_BYTES", "Arriving", "Shipment", "chunk_bytes", "ship", "ship_to_memory", "start_exchange"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +49,6 @@ def chunk_bytes() -> int:
     """The chunk size: ``TDDIST_REPLICA_CHUNK_BYTES`` if set (a positive int), else ``CHUNK_BYTES``."""
     value = os.environ.get("TDDIST_REPLICA_CHUNK_BYTES", "")
     return int(value) if value.isdigit() and int(value) > 0 else CHUNK_BYTES
-
-
-@dataclass(frozen=True)
-class Shipment:
-    """One copy of a part sent from ``src`` to ``dst``: its files with their sizes and checksums."""
-
-    src: int
-    dst: int
-    part: PartId
-    files: tuple[FileSum, ...]
-
-    @property
-    def size(self) -> int:
-        """Its bytes."""
-        return sum(f.size for f in self.files)
 
 
 def ship(
@@ -73,36 +65,71 @@ def ship(
     fsynced, directories too.
     """
     me = comm.rank
-    readers = {
-        d: _Reader([s for s in shipments if s.src == me and s.dst == d], source) for d in _peers(shipments, me, "dst")
+    sinks: dict[int, Sink] = {
+        s: FileSink([x for x in shipments if x.dst == me and x.src == s], target) for s in _peers(shipments, me, "src")
     }
-    writers = {
-        s: _Writer([x for x in shipments if x.dst == me and x.src == s], target) for s in _peers(shipments, me, "src")
+    _exchange(comm, shipments, source, sinks, chunk)
+    return [bad for sink in sinks.values() for bad in sink.finish()]
+
+
+def ship_to_memory(
+    comm: Communicator, shipments: Sequence[Shipment], source: Callable[[Shipment], str], chunk: int
+) -> Arriving:
+    """Start ``ship``, except that the receiving rank keeps what it receives in memory (nothing is written):
+    what arrives (``streaming.Arriving``: wait for part of it, or all).
+
+    Over a gloo group the transfer runs in the background until waited for
+    (``streaming.Streaming``); over another communicator it runs in rounds
+    here, and has ended when this returns. Either way each chunk is received
+    in place into its files' buffers and hashed as it arrives; a shipment any
+    of whose files does not match its checksum is bad.
+    """
+    from ..comm.gloo import TorchComm
+
+    if isinstance(comm, TorchComm):
+        return Streaming(comm, shipments, source, chunk)
+    me = comm.rank
+    sinks = {s: MemorySink([x for x in shipments if x.dst == me and x.src == s]) for s in _peers(shipments, me, "src")}
+    _exchange(comm, shipments, source, dict(sinks), chunk)
+    bad = tuple(b for sink in sinks.values() for b in sink.finish())
+    return Arriving({s: f for sink in sinks.values() for s, f in sink.files.items()}, bad)
+
+
+def _exchange(
+    comm: Communicator,
+    shipments: Sequence[Shipment],
+    source: Callable[[Shipment], str],
+    sinks: Mapping[int, Sink],
+    chunk: int,
+) -> None:
+    """The rounds of ``ship``: this rank sends its shipments' bytes and hands what it receives to ``sinks``."""
+    me = comm.rank
+    readers = {
+        d: _Reader([s for s in shipments if s.src == me and s.dst == d], source, chunk)
+        for d in _peers(shipments, me, "dst")
     }
     totals: dict[tuple[int, int], int] = {}
     for x in shipments:
         totals[(x.src, x.dst)] = totals.get((x.src, x.dst), 0) + x.size
     rounds = max((-(-n // chunk) for n in totals.values()), default=0)
-    left = {src: totals[(src, me)] for src in writers}
-    outgoing = {d: r.read(chunk) for d, r in readers.items()}
-    arrived: dict[int, memoryview] = {}
-    for i in range(rounds):  # round i is in flight while round i-1 is written and round i+1 read
+    left = {src: totals[(src, me)] for src in sinks}
+    outgoing = {d: r.read() for d, r in readers.items()}
+    arrived: dict[int, int] = {}
+    for i in range(rounds):  # round i is in flight while round i-1 is taken in and round i+1 read
         expect = {src: min(chunk, n) for src, n in left.items() if n > 0}
         left = {src: n - expect.get(src, 0) for src, n in left.items()}
-        finish = start_exchange(comm, {d: b for d, b in outgoing.items() if b}, expect)
-        _write(writers, arrived, me)
-        outgoing = {d: r.read(chunk) for d, r in readers.items()} if i + 1 < rounds else {}
-        arrived = finish()
-    _write(writers, arrived, me)
-    bad = []
-    for w in writers.values():
-        bad.extend(w.finish())
-    return bad
+        into = {src: sinks[src].buffer(n) for src, n in expect.items()}
+        finish = start_exchange(comm, {d: b for d, b in outgoing.items() if len(b)}, into)
+        _take(sinks, arrived, me)
+        outgoing = {d: r.read() for d, r in readers.items()} if i + 1 < rounds else {}
+        finish()
+        arrived = expect
+    _take(sinks, arrived, me)
 
 
-def _write(writers: Mapping[int, _Writer], arrived: Mapping[int, memoryview], me: int) -> None:
-    for src, data in arrived.items():
-        writers[src].write(data)
+def _take(sinks: Mapping[int, Sink], arrived: Mapping[int, int], me: int) -> None:
+    for src, n in arrived.items():
+        sinks[src].arrived(n)
         fault_point("replica.chunk", me)
 
 
@@ -112,10 +139,10 @@ def _peers(shipments: Sequence[Shipment], me: int, field: str) -> list[int]:
 
 
 def start_exchange(
-    comm: Communicator, outgoing: Mapping[int, bytearray], incoming: Mapping[int, int]
-) -> Callable[[], dict[int, memoryview]]:
-    """Start sending ``outgoing[dst]`` to each ``dst`` and receiving ``incoming[src]`` bytes from each ``src``;
-    the function returned waits for both and returns what arrived.
+    comm: Communicator, outgoing: Mapping[int, memoryview], incoming: Mapping[int, torch.Tensor]
+) -> Callable[[], None]:
+    """Start sending ``outgoing[dst]`` to each ``dst`` and receiving into ``incoming[src]`` (a flat uint8 tensor,
+    filled whole) from each ``src``; the function returned waits for both.
 
     Point to point over a gloo group, in flight until waited for; over any
     other communicator every rank must call it in the same round: it gathers
@@ -126,14 +153,14 @@ def start_exchange(
     if isinstance(comm, TorchComm):
         return _point_to_point(comm, outgoing, incoming)
     everyone = comm.allgather({d: bytes(b) for d, b in outgoing.items()})
-    got = {s: memoryview(everyone[s][comm.rank]) for s in incoming}
-    return lambda: got
+    for s, into in incoming.items():
+        into.copy_(torch.frombuffer(bytearray(everyone[s][comm.rank]), dtype=torch.uint8))
+    return lambda: None
 
 
 def _point_to_point(
-    comm: object, outgoing: Mapping[int, bytearray], incoming: Mapping[int, int]
-) -> Callable[[], dict[int, memoryview]]:
-    import torch
+    comm: object, outgoing: Mapping[int, memoryview], incoming: Mapping[int, torch.Tensor]
+) -> Callable[[], None]:
     import torch.distributed as dist
 
     group = comm.group  # type: ignore[attr-defined]
@@ -146,14 +173,13 @@ def _point_to_point(
         )
 
     try:
-        bufs = {s: torch.empty(n, dtype=torch.uint8) for s, n in incoming.items()}
-        works = [dist.irecv(b, group=group, group_src=s) for s, b in bufs.items()]
+        works = [dist.irecv(b, group=group, group_src=s) for s, b in incoming.items()]
         sends = {d: torch.frombuffer(data, dtype=torch.uint8) for d, data in outgoing.items()}  # no copy
         works += [dist.isend(t, group=group, group_dst=d) for d, t in sends.items()]
     except Exception as e:
         raise failed(e) from e
 
-    def finish() -> dict[int, memoryview]:
+    def finish() -> None:
         try:
             for w in works:
                 if w is not None:
@@ -161,126 +187,58 @@ def _point_to_point(
         except Exception as e:
             raise failed(e) from e
         sends.clear()  # sent: the buffers may go
-        return {s: b.numpy().data for s, b in bufs.items()}
 
     return finish
 
 
 class _Reader:
-    """The bytes of a rank's shipments to one peer, in order, read a chunk at a time.
+    """The bytes of a rank's shipments to one peer, in order, read a chunk at a time into two buffers in turn
+    (one is in flight while the other is filled).
 
     Each file gives exactly the size its shipment announced: a file that
     is shorter, unreadable or gone is padded with zeros (the receiver finds
     the checksum wrong), so the ranks never disagree on how much is sent.
     """
 
-    def __init__(self, shipments: list[Shipment], source: Callable[[Shipment], str]) -> None:
+    def __init__(self, shipments: list[Shipment], source: Callable[[Shipment], str], chunk: int) -> None:
         self._files = [(os.path.join(source(s), f.name), f.size) for s in shipments for f in s.files]
-        self._handle: BinaryIO | None = None
+        total = sum(size for _path, size in self._files)
+        self._buffers = [bytearray(min(chunk, total)) for _turn in range(2 if total > chunk else 1)]
+        self._turn = 0
+        self._handle: BufferedReader | None = None
         self._index = 0
         self._left = self._files[0][1] if self._files else 0
 
-    def read(self, n: int) -> bytearray:
-        out = bytearray()
-        while len(out) < n and self._index < len(self._files):
-            want = min(n - len(out), self._left)
-            block = self._read(want)
-            out += block + bytes(want - len(block))
+    def read(self) -> memoryview:
+        """The next chunk (at most the chunk size; empty once all was read), valid until the call after next."""
+        buf = memoryview(self._buffers[self._turn]) if self._buffers else memoryview(b"")
+        self._turn = (self._turn + 1) % max(1, len(self._buffers))
+        filled = 0
+        while filled < len(buf) and self._index < len(self._files):
+            want = min(len(buf) - filled, self._left)
+            got = self._read(buf[filled : filled + want])
+            buf[filled + got : filled + want] = bytes(want - got)
+            filled += want
             self._left -= want
             if self._left == 0:
                 self._next()
-        return out
+        return buf[:filled]
 
-    def _read(self, want: int) -> bytes:
+    def _read(self, into: memoryview) -> int:
         path = self._files[self._index][0]
         try:
             if self._handle is None:
                 self._handle = open(path, "rb")
-            return self._handle.read(want)
+            got = 0
+            while got < len(into) and (n := self._handle.readinto(into[got:])):
+                got += n
+            return got
         except OSError as e:
             logger.warning("reading %s to send it failed: %s; zeros are sent instead", path, e)
-            return b""
+            return 0
 
     def _next(self) -> None:
         if self._handle is not None:
             self._handle.close()
         self._handle, self._index = None, self._index + 1
         self._left = self._files[self._index][1] if self._index < len(self._files) else 0
-
-
-class _Writer:
-    """Writes the bytes a rank receives from one peer into the files of its shipments, checking each file."""
-
-    def __init__(self, shipments: list[Shipment], target: Callable[[Shipment], str]) -> None:
-        self._todo = [(s, f, os.path.join(target(s), f.name)) for s in shipments for f in s.files]
-        self._shipments = shipments
-        self._bad: set[Shipment] = set()
-        self._index = 0
-        self._fd: int | None = None
-        self._written = 0
-        self._hash = Hasher()
-        self._broken = False
-        self.received = 0
-
-    def write(self, data: memoryview) -> None:
-        """Write the next bytes; a failing disk marks what is left bad (the rounds go on, the bytes are dropped)."""
-        self.received += len(data)
-        if self._broken:
-            return
-        try:
-            self._write(data.cast("B"))
-        except OSError as e:
-            logger.warning("writing a received copy failed: %s; it is not kept", e)
-            self._broken = True
-            self._bad.update(s for s, _f, _p in self._todo[self._index :])
-
-    def _write(self, view: memoryview) -> None:
-        while view:
-            self._open()
-            s, f, _path = self._todo[self._index]
-            take = view[: f.size - self._written]
-            assert self._fd is not None
-            os.write(self._fd, take)  # a local file: one write takes it whole (the chunk is bounded)
-            self._hash.update(take)
-            self._written += len(take)
-            view = view[len(take) :]
-            if self._written == f.size:
-                self._close()
-
-    def _open(self) -> None:
-        if self._fd is not None:
-            return
-        _s, _f, path = self._todo[self._index]
-        makedirs_durable(os.path.dirname(path))
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._written, self._hash = 0, Hasher()
-
-    def _close(self) -> None:
-        assert self._fd is not None
-        s, f, path = self._todo[self._index]
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
-        if self._hash.hexdigest() != f.digest:
-            logger.warning("copy of %s: %s arrived with another checksum than its sender's", s.part, path)
-            self._bad.add(s)
-        self._index += 1
-
-    def finish(self) -> list[Shipment]:
-        """Close the files (empty ones are created here), fsync the directories; the shipments that arrived bad."""
-        if self._broken:
-            if self._fd is not None:
-                os.close(self._fd)
-            return list(self._shipments)
-        while self._index < len(self._todo):
-            self._open()
-            if self._todo[self._index][1].size != self._written:
-                self._bad.add(self._todo[self._index][0])  # fewer bytes than announced
-            self._close()
-        try:
-            for d in sorted({os.path.dirname(p) for _s, _f, p in self._todo}):
-                fsync_path(d)
-        except OSError as e:
-            logger.warning("syncing the directories of received copies failed: %s; they are not kept", e)
-            return list(self._shipments)
-        return [s for s in self._shipments if s in self._bad]

@@ -33,8 +33,7 @@ from ..core.tree import build, select
 from ..core.types import AllRows, Key, LoadOptions, SavedRows
 from ..errors import CheckpointChangedError, InvalidArgumentError
 from ..manifest.model import Manifest
-from ..storage.backends import Store
-from ..storage.opened import OpenedCheckpoint
+from ..storage.opened import OpenedCheckpoint, Readable
 from . import per_rank as pr
 from .into import fill
 from .read import read_leaves
@@ -49,7 +48,7 @@ ATTEMPTS = 3
 
 
 def load(
-    store: Store, c: Communicator, options: LoadOptions, into: Any = None, strict: bool = True
+    store: Readable, c: Communicator, options: LoadOptions, into: Any = None, strict: bool = True
 ) -> TensorDict | LoadReport:
     """Read the committed checkpoint of ``store`` on ``c``: this rank's TensorDict, or ``into`` filled in place.
 
@@ -73,7 +72,7 @@ def load(
     raise AssertionError("unreachable")
 
 
-def open_agreed(store: Store, c: Communicator, read: Callable[[OpenedCheckpoint], T], alone: bool) -> T:
+def open_agreed(store: Readable, c: Communicator, read: Callable[[OpenedCheckpoint], T], alone: bool) -> T:
     """Open the checkpoint once and ``read`` it; on several ranks, every rank reads the same generation.
 
     Alone: open, read, close. On several ranks: every rank opens it (or all

@@ -83,6 +83,20 @@ class ChunkFiles(Protocol):
         ...
 
 
+class Readable(Protocol):
+    """What a load needs of a store (``backends.Store`` is one; ``memory.MemoryStore``, a copy held in memory,
+    is another): its name and ``open``."""
+
+    @property
+    def target(self) -> str:
+        """The checkpoint, as messages name it."""
+        ...
+
+    def open(self) -> OpenedCheckpoint:
+        """Pin one generation and read its validated manifest."""
+        ...
+
+
 class Pin(Protocol):
     """One generation of a committed checkpoint, held while it is read (see the module's call order); its
     store reads its chunks (``Store.files``)."""
