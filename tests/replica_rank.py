@@ -23,6 +23,7 @@ Roles:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -43,10 +44,7 @@ def full_dtensors(step: int) -> dict[str, torch.Tensor]:
     base = {"w": (9, 5), "w_exp_avg": (9, 5), "w_exp_avg_sq": (9, 5), "v": (3, 7), "bias": (6,)}
     out = {}
     for i, (name, shape) in enumerate(base.items()):
-        n = 1
-        for d in shape:
-            n *= d
-        out[name] = torch.arange(n, dtype=torch.float32).view(shape) * 0.37 + i + step
+        out[name] = torch.arange(math.prod(shape), dtype=torch.float32).view(shape) * 0.37 + i + step
     return out
 
 

@@ -550,9 +550,15 @@ def reshard(
     read = partial(_part_leaf, datas, rank)
     where = f"rank {rank}: step {choice.step} (saved on {choice.world} ranks)"
     box_reshard.fill(leaves, targets, {k: sources[k] for k in datas}, read, where)
+    dtensors = {b.key for b in targets}
     for key, t in leaves.items():
-        if key in {b.key for b in targets}:
+        if key in dtensors:
             continue
+        if key in boxed:
+            raise IncompatibleCheckpointError(
+                f"{where}: {'/'.join(key)} was saved as a DTensor and is a plain tensor in the state; restore "
+                f"into a state of the saved layout"
+            )
         if key not in rows[0]:
             t.copy_(_leaf(datas[min(datas)], key, rank))
             continue
