@@ -29,8 +29,10 @@ from tensordict import TensorDict
 
 import tddist
 from tddist.api import load_from
-from tddist.jobs import transfer
+from tddist.comm.base import LocalComm
+from tddist.jobs import box_reshard, local_shards, peer_restore, transfer
 from tddist.jobs.copies import PartId, digest_files, read_record
+from tddist.jobs.local_tier import LocalTier
 from tddist.jobs.manager import CheckpointManager
 from tddist.jobs.nodes import node_name, replica_peers
 from tddist.jobs.retention import step_name
@@ -57,6 +59,70 @@ def test_replicas_need_the_local_tier(tmp_path: Path) -> None:
         CheckpointManager(tmp_path, replicas=1, preempt_signal=None)
     with pytest.raises(tddist.InvalidArgumentError, match="replicas must be 0 or 1"):
         CheckpointManager(tmp_path, local_dir=tmp_path / "l", replicas=2, preempt_signal=None)
+
+
+def _shard_boxes(key: tuple[str, ...], shape: tuple[int, ...], dim: int, parts: int) -> list[local_shards.LeafBox]:
+    """Each rank's box of a DTensor ``Shard(dim)`` over ``parts`` ranks (torch.chunk's split: the last may be short
+    or empty)."""
+    out, at, step = [], 0, -(-shape[dim] // parts)
+    for _ in range(parts):
+        n = max(0, min(step, shape[dim] - at))
+        offsets = tuple(at if d == dim else 0 for d in range(len(shape)))
+        sizes = tuple(n if d == dim else s for d, s in enumerate(shape))
+        out.append(local_shards.LeafBox(key, offsets, sizes, shape))
+        at += n
+    return out
+
+
+def test_dtensor_boxes_choose_the_parts_and_fill_any_shard_from_their_intersections() -> None:
+    full = {"w": torch.arange(9 * 5.0).view(9, 5), "v": torch.arange(3 * 7.0).view(3, 7), "b": torch.arange(6.0)}
+    dims = {"w": 0, "v": 1}
+    saved = [[*(_shard_boxes((k,), tuple(full[k].shape), d, 4)[r] for k, d in dims.items()),
+              local_shards.LeafBox(("b",), (0,), (6,), (6,))] for r in range(4)]  # fmt: skip
+    assert local_shards.decode(local_shards.encode(tuple(saved[3]))) == tuple(saved[3])  # JSON in a part's metadata
+    assert local_shards.decode(None) is None and local_shards.decode([{"key": ["w"], "offsets": [-1]}]) is None
+    parts = {r: {b.key: full[b.key[0]][box_reshard._slices(b.box, ((0,) * len(b.shape), b.shape))] for b in boxes}
+             for r, boxes in enumerate(saved)}  # fmt: skip
+    assert parts[3][("w",)].shape == (0, 5) and parts[3][("v",)].shape == (3, 1)  # uneven: short and empty shards
+    sources = [tuple(b) for b in saved]
+    for rank in range(2):  # onto 2 ranks: w 5 + 4 rows, v 4 + 3 columns, b whole (any one part holds it)
+        targets = (*(_shard_boxes((k,), tuple(full[k].shape), d, 2)[rank] for k, d in dims.items()), saved[0][2])
+        want = box_reshard.overlapping(sources, targets, rank, set())
+        assert want == [{0, 1}, {1, 2, 3}][rank], want  # w's rows and v's columns of this rank; not part 3's empty w
+        leaves = {t.key: torch.full(t.sizes, -1.0) for t in targets}
+        box_reshard.fill(leaves, targets, dict(enumerate(sources)), lambda k, key: parts[k][key], f"rank {rank}")
+        for t in targets:
+            assert torch.equal(leaves[t.key], full[t.key[0]][box_reshard._slices(t.box, ((0,) * 2, t.shape))])
+    only_b = (saved[0][2],)
+    assert box_reshard.overlapping(sources, only_b, 1, set()) == {1}  # a replicated box: this rank's part
+    assert box_reshard.overlapping(sources, only_b, 1, {3}) == set()  # or one it reads anyway
+    target = _shard_boxes(("w",), (9, 5), 0, 2)[1]
+    leaves = {("w",): torch.zeros(target.sizes)}
+    with pytest.raises(tddist.IncompatibleCheckpointError, match="hold 5 of the 20 elements .* DTensor w"):
+        box_reshard.fill(
+            leaves, (target,), {1: sources[1], 3: sources[3]}, lambda k, key: parts[k][key], "rank 1"
+        )  # no part 2
+
+
+def test_parts_without_recorded_dtensor_boxes_reshard_plain_states_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    tier = LocalTier(str(tmp_path), 0, 2)
+    for r in range(2):  # parts as a tddist that recorded no boxes saved them
+        tddist.save(local_state(r, 2, 1), str(tmp_path / step_name(1) / f"rank-{r}-of-2"), metadata={"step": 1})
+    copies = peer_restore.inventory(tier, "n")
+    assert [c.boxes for c in copies] == [None, None]
+    choice, _passed = peer_restore.choose(copies, set(), None, 1)
+    assert choice is not None and choice.world == 2
+    assert peer_restore._reshardable(LocalComm(), choice, {0: ()})  # a plain state reshards as before
+    dtensor = local_shards.LeafBox(("fsdp", "w"), (0, 0), (9, 5), (9, 5))
+    with caplog.at_level(logging.WARNING):
+        assert not peer_restore._reshardable(LocalComm(), choice, {0: (dtensor,)})
+    assert "did not record where the DTensor shards of its node-local parts lie" in caplog.text
+    assert "restoring from the shared root" in caplog.text
+    tier.save(local_state(0, 2, 2), 2, {"step": 2}, {})  # the local tier records the boxes (none: no DTensor)
+    assert [c.boxes for c in peer_restore.inventory(tier, "n") if c.part.step == 2] == [()]
+    assert tier.read(2, ()).metadata == {"step": 2}  # a promotion gives the shared checkpoint the user's metadata
 
 
 def hide_data(root: Path, hidden: bool) -> None:
@@ -180,10 +246,10 @@ def _restore_on(comm, root: Path, dirs: list[Path]) -> object:
 
 
 class Node:
-    """One torchrun agent playing a node: two workers, its own local directory, killed as a process group."""
+    """One torchrun agent playing a node: ``nproc`` workers, its own local directory, killed as a process group."""
 
     def __init__(
-        self, work: Path, tag: str, rank: int, nnodes: int, port: int, local: Path, role: str, step: int
+        self, work: Path, tag: str, rank: int, nnodes: int, port: int, local: Path, role: str, step: int, nproc: int
     ) -> None:
         self.log = work / f"agent-{tag}-{rank}.log"
         env = launch_util._env({
@@ -193,7 +259,7 @@ class Node:
         (work / f"reports-{tag}").mkdir(exist_ok=True)
         cmd = [
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={rank}",
-            "--nproc-per-node=2", "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
+            f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=0",
             str(SCRIPT), str(work), role, str(step),
         ]  # fmt: skip
         with open(self.log, "w") as out:
@@ -239,10 +305,11 @@ def descendants(pid: int) -> list[int]:
 STARTED: list[Node] = []
 
 
-def start(work: Path, tag: str, role: str, step: int, locals_: list[Path]) -> list[Node]:
-    """A job of one agent per local directory (``tag`` names its reports and logs)."""
+def start(work: Path, tag: str, role: str, step: int, locals_: list[Path], nprocs: tuple[int, ...] = ()) -> list[Node]:
+    """A job of one agent per local directory (``tag`` names its reports and logs), ``nprocs`` workers each (2)."""
     port = launch_util.free_port()
-    nodes = [Node(work, tag, k, len(locals_), port, d, role, step) for k, d in enumerate(locals_)]
+    sizes = nprocs or (2,) * len(locals_)
+    nodes = [Node(work, tag, k, len(locals_), port, d, role, step, sizes[k]) for k, d in enumerate(locals_)]
     STARTED.extend(nodes)
     return nodes
 
@@ -282,11 +349,18 @@ def test_a_node_killed_for_real_restart_on_survivor_and_fresh_node(tmp_path: Pat
     shutil.rmtree(l1)
     hide_data(tmp_path / "shared", hidden=True)
 
+    # The state holds DTensors (tests/replica_rank.py): resharded from the parts' recorded boxes.
     alone = start(tmp_path, "alone", "restore", 4, [l0])  # the survivor alone: 2 ranks instead of 4
     got = reports(tmp_path, "alone", 2, alone)
     for n in alone:
         assert n.proc.wait(60) == 0, n.log.read_text()[-3000:]
     assert {(r["step"], r["tier"]) for r in got.values()} == {(4, "local")}
+    three = start(tmp_path, "three", "restore", 4, [l0, l1], (2, 1))  # + a fresh one-rank node: parts sent to it
+    got = reports(tmp_path, "three", 3, three)
+    for n in three:
+        assert n.proc.wait(60) == 0, n.log.read_text()[-3000:]
+    assert {(r["step"], r["tier"]) for r in got.values()} == {(4, "peers")}
+    shutil.rmtree(l1, ignore_errors=True)
 
     pair = start(tmp_path, "pair", "restore-then-crash", 4, [l0, l1])  # survivor + a fresh empty node
     try:

@@ -8,6 +8,11 @@ global shape and stride) is kept in this process. The promotion rebuilds the
 DTensors around the local copy's memory maps (``join``), so the collective
 save to the root sees exactly what a direct save would; a local restore fills
 the local tensors of the state's DTensors in place (``split`` of the target).
+
+Each part also records where its DTensor shards lie in their global tensors
+(``LeafBox``, in the part's metadata under ``BOXES_KEY``), so that the parts
+can be resharded onto another world size without the processes that saved
+them (``peer_restore``, ``box_reshard``).
 """
 
 from __future__ import annotations
@@ -19,9 +24,14 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase, is_tensorclass
 
-from .._compat import dtensor_local
+from .._compat import dtensor_local, dtensor_local_box
+from ..core.sharding import Box
 from ..core.tree import flatten, is_dtensor
 from ..core.types import Key
+
+#: The key of a local part's metadata that holds its DTensor leaves' boxes (``encode``); absent in parts
+#: saved before they were recorded.
+BOXES_KEY = "tddist-dtensor-boxes"
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,8 @@ class DTensorLayout:
         placements: its placements.
         shape: its global shape.
         stride: its global stride.
+        offsets: where this rank's local shard starts in the global tensor.
+        sizes: the local shard's sizes.
     """
 
     key: Key
@@ -41,6 +53,60 @@ class DTensorLayout:
     placements: tuple[Any, ...]
     shape: tuple[int, ...]
     stride: tuple[int, ...]
+    offsets: tuple[int, ...] = ()
+    sizes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LeafBox:
+    """Where one rank's shard of a DTensor leaf lies in the global tensor (sent to other ranks, JSON in a part).
+
+    Attributes:
+        key: the leaf's key.
+        offsets: the shard's first index in each dimension of the global tensor.
+        sizes: the shard's sizes.
+        shape: the global tensor's shape.
+    """
+
+    key: Key
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def box(self) -> Box:
+        """``(offsets, sizes)``, as ``core.sharding`` takes a box."""
+        return self.offsets, self.sizes
+
+
+def boxes(layouts: tuple[DTensorLayout, ...]) -> tuple[LeafBox, ...]:
+    """The boxes of the local shards of the DTensor leaves ``layouts`` describe."""
+    return tuple(LeafBox(lay.key, lay.offsets, lay.sizes, lay.shape) for lay in layouts)
+
+
+def encode(found: tuple[LeafBox, ...]) -> list[dict[str, list[Any]]]:
+    """``found`` as JSON (a part's metadata): one object per leaf, its key a list of names."""
+    return [{"key": list(b.key), "offsets": list(b.offsets), "sizes": list(b.sizes), "shape": list(b.shape)}
+            for b in found]  # fmt: skip
+
+
+def decode(raw: object) -> tuple[LeafBox, ...] | None:
+    """The boxes ``encode`` wrote, or None when ``raw`` is absent or not valid (the part cannot be resharded)."""
+    if not isinstance(raw, list):
+        return None
+    out = []
+    try:
+        for item in raw:
+            key = tuple(item["key"])
+            dims = [tuple(item[f]) for f in ("offsets", "sizes", "shape")]
+            if not all(isinstance(k, str) for k in key) or len({len(d) for d in dims}) != 1:
+                return None
+            if not all(type(x) is int and x >= 0 for d in dims for x in d):
+                return None
+            out.append(LeafBox(key, *dims))
+    except (TypeError, KeyError):
+        return None
+    return tuple(out)
 
 
 def split(data: Any) -> tuple[Any, tuple[DTensorLayout, ...]]:
@@ -57,7 +123,10 @@ def split(data: Any) -> tuple[Any, tuple[DTensorLayout, ...]]:
     layouts = []
     for key, t in found.items():
         _set(out, key, dtensor_local(t))
-        layouts.append(DTensorLayout(key, t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride())))
+        offsets, sizes = dtensor_local_box(t)
+        layouts.append(
+            DTensorLayout(key, t.device_mesh, tuple(t.placements), tuple(t.shape), tuple(t.stride()), offsets, sizes)
+        )
     return out, tuple(layouts)
 
 

@@ -130,12 +130,15 @@ class LocalTier:
         The maps read the committed local files, so the promotion reads what
         the local copy holds, not the training state (which moves on). A
         DTensor leaf is saved as this rank's local shard and comes back as a
-        DTensor of the same layout around the map of that shard.
+        DTensor of the same layout around the map of that shard; where that
+        shard lies in the global tensor is recorded in the part's metadata
+        (``local_shards.BOXES_KEY``), which travels with its replicas.
         """
         plain, layouts = local_shards.split(data)  # a DTensor leaf: this rank's shard of it
         kwargs = {k: v for k, v in options.items() if k in LOCAL_SAVE_OPTIONS}
         os.makedirs(os.path.dirname(self.part(step)), exist_ok=True)
-        mapped = save(plain, self.part(step), comm=self._comm, metadata=dict(metadata), copy_existing=True, **kwargs)
+        recorded = {**metadata, local_shards.BOXES_KEY: local_shards.encode(local_shards.boxes(layouts))}
+        mapped = save(plain, self.part(step), comm=self._comm, metadata=recorded, copy_existing=True, **kwargs)
         return local_shards.join(mapped, layouts)
 
     def read(self, step: int, layouts: tuple[local_shards.DTensorLayout, ...]) -> LocalCopy:
@@ -145,7 +148,8 @@ class LocalTier:
         """
         path = self.part(step)
         data = local_shards.join(load(path, comm=self._comm), layouts)
-        return LocalCopy(step, path, data, dict(read_manifest(path).metadata))
+        metadata = {k: v for k, v in read_manifest(path).metadata.items() if k != local_shards.BOXES_KEY}
+        return LocalCopy(step, path, data, metadata)  # the user's metadata, as the shared checkpoint gets it
 
     def held(self) -> frozenset[int]:
         """Steps of which this rank holds a committed part for the current world size.

@@ -6,7 +6,9 @@ their local directories hold (``inventory``: own parts and replicas, each a
 copy (``choose``); a copy found bad is left out and the choice made again.
 Each rank then needs some parts (``needs``): its own on the same world size;
 on another one, the parts whose rows overlap its even share of each sharded
-leaf (and one part for the replicated leaves). A part held by another rank
+leaf (and one part for the replicated leaves), and the parts whose DTensor
+shards intersect its own (``box_reshard``: their boxes are recorded in each
+part's metadata, the ranks' own boxes are pooled with one allgather). A part held by another rank
 is sent over the manager's communicator (``transfer.ship_to_memory``) as the
 sender's record describes it, received into memory and hashed as it arrives,
 while each rank checks the copies it reads on its own node against their
@@ -39,13 +41,13 @@ from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, Tddist
 from ..loading.share import LoadReport
 from ..storage.backends import read_manifest
 from ..storage.memory import MemoryStore
-from . import local_shards, transfer
+from . import box_reshard, local_shards, transfer
 from .copies import CopyRecord, FileSum, PartId, digest_files, mismatch, read_record
 from .keeping import Keeping
 from .local_tier import LocalTier
 from .replication import held_replicas, replica_path
 from .retention import parse_step
-from .train_state import fill
+from .train_state import data_to_save, fill
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class Copy:
         replica: a peer's replica (else the owner's own copy).
         recorded: it has a record with checksums (own copies get one once replicated).
         rows: for each sharded leaf of the part, its rows (to reshard onto another world size).
+        boxes: where the part's DTensor shards lie in their global tensors (None: a part saved before
+            they were recorded, which reshards plain tensors only).
     """
 
     part: PartId
@@ -74,6 +78,7 @@ class Copy:
     replica: bool
     recorded: bool
     rows: tuple[tuple[Key, int], ...] = field(compare=False)
+    boxes: tuple[local_shards.LeafBox, ...] | None = field(default=None, compare=False)
 
     @property
     def place(self) -> tuple[PartId, str, str]:
@@ -139,7 +144,8 @@ def _described(part: PartId, holder: int, node: str, path: str, replica: bool) -
         for k, leaf in manifest.leaves.items()
         if isinstance(leaf.placement, Shard) and leaf.placement.dim == 0
     )
-    return [Copy(part, holder, node, path, replica, read_record(path) is not None, rows)]
+    boxes = local_shards.decode(manifest.metadata.get(local_shards.BOXES_KEY))
+    return [Copy(part, holder, node, path, replica, read_record(path) is not None, rows, boxes)]
 
 
 def choose(
@@ -164,11 +170,14 @@ def choose(
     return None, passed
 
 
-def needs(choice: Choice, rank: int, world: int) -> list[int]:
-    """The parts rank ``rank`` of ``world`` reads: its own, or on another world size those overlapping its rows."""
+def needs(choice: Choice, rank: int, world: int, targets: tuple[local_shards.LeafBox, ...] = ()) -> list[int]:
+    """The parts rank ``rank`` of ``world`` reads: its own, or on another world size those overlapping its rows
+    and those whose DTensor shards intersect its own (``targets``: its DTensor leaves' boxes)."""
     if choice.world == world:
         return [rank]
-    rows = [dict(choice.copies[k][0].rows) for k in range(choice.world)]
+    sources = _boxes(choice)
+    boxed = {b.key for found in sources for b in found}
+    rows = [{key: n for key, n in choice.copies[k][0].rows if key not in boxed} for k in range(choice.world)]
     want: set[int] = set()
     for key in rows[0]:
         lo, hi = _even(sum(r.get(key, 0) for r in rows), rank, world)
@@ -178,7 +187,13 @@ def needs(choice: Choice, rank: int, world: int) -> list[int]:
             if at < hi and lo < at + n:
                 want.add(k)
             at += n
+    want |= box_reshard.overlapping(sources, targets, rank, want)
     return sorted(want) or [min(rank, choice.world - 1)]
+
+
+def _boxes(choice: Choice) -> list[tuple[local_shards.LeafBox, ...]]:
+    """Each part's DTensor boxes (none for a part saved before they were recorded)."""
+    return [choice.copies[k][0].boxes or () for k in range(choice.world)]
 
 
 def _even(total: int, rank: int, world: int) -> tuple[int, int]:
@@ -188,11 +203,16 @@ def _even(total: int, rank: int, world: int) -> tuple[int, int]:
     return lo, lo + q + (1 if rank < r else 0)
 
 
-def route(choice: Choice, world: int) -> dict[tuple[int, int], Copy]:
-    """(reader, part) -> the copy it reads: its own holding when it has one, else one spread over the holders."""
+def route(
+    choice: Choice, world: int, targets: Mapping[int, tuple[local_shards.LeafBox, ...]] | None = None
+) -> dict[tuple[int, int], Copy]:
+    """(reader, part) -> the copy it reads: its own holding when it has one, else one spread over the holders.
+
+    ``targets``: each reader's DTensor boxes (on another world size).
+    """
     out = {}
     for reader in range(world):
-        for k in needs(choice, reader, world):
+        for k in needs(choice, reader, world, (targets or {}).get(reader, ())):
             held = choice.copies[k]
             own = [c for c in held if c.holder == reader]
             out[(reader, k)] = own[0] if own else held[(reader + k) % len(held)]
@@ -266,6 +286,7 @@ def restore_from_copies(
     copies = [c for held in comm.allgather(inventory(tier, node)) for c in held]
     bad: set[tuple[PartId, str, str]] = set()
     touched = False
+    targets: dict[int, tuple[local_shards.LeafBox, ...]] | None = None
     for _attempt in range(ATTEMPTS):
         choice, passed = choose(copies, bad, step, comm.size)
         if passed and comm.rank == 0:
@@ -282,7 +303,12 @@ def restore_from_copies(
                                "restoring from the shared root", choice.step, shared)  # fmt: skip
             _give_up(comm, touched, bad)
             return None
-        got = _attempt_restore(comm, tier, state, choice, load_kwargs)
+        if choice.world != comm.size:
+            targets = _pooled_targets(comm, state) if targets is None else targets
+            if not _reshardable(comm, choice, targets):
+                _give_up(comm, touched, bad)
+                return None
+        got = _attempt_restore(comm, tier, state, choice, load_kwargs, targets or {})
         if isinstance(got, PeerRestore):
             return got
         bad |= got.bad
@@ -291,6 +317,25 @@ def restore_from_copies(
         logger.warning("copies kept failing their checksums (%s): restoring from the shared root", sorted(bad)[:8])
     _give_up(comm, touched, bad)
     return None
+
+
+def _pooled_targets(comm: Communicator, state: Any) -> dict[int, tuple[local_shards.LeafBox, ...]]:
+    """Every rank's DTensor boxes in ``state`` (collective: one allgather), to choose the parts each one reads."""
+    _plain, layouts = local_shards.split(data_to_save(state))
+    return dict(enumerate(comm.allgather(local_shards.boxes(layouts))))
+
+
+def _reshardable(comm: Communicator, choice: Choice, targets: Mapping[int, tuple[local_shards.LeafBox, ...]]) -> bool:
+    """Whether the parts of ``choice`` say where their DTensor shards lie, if the state holds DTensors (the same
+    answer on every rank); rank 0 logs why not."""
+    if not any(targets.values()):
+        return True
+    old = [k for k in range(choice.world) if choice.copies[k][0].boxes is None]
+    if old and comm.rank == 0:
+        logger.warning("step %d was saved on %d ranks by a tddist that did not record where the DTensor shards of "
+                       "its node-local parts lie (parts %s): the state's DTensors cannot be resharded from them; "
+                       "restoring from the shared root", choice.step, choice.world, old[:8])  # fmt: skip
+    return not old
 
 
 def _give_up(comm: Communicator, touched: bool, bad: set[tuple[PartId, str, str]]) -> None:
@@ -313,7 +358,12 @@ class Retry:
 
 
 def _attempt_restore(
-    comm: Communicator, tier: LocalTier, state: Any, choice: Choice, load_kwargs: dict[str, Any]
+    comm: Communicator,
+    tier: LocalTier,
+    state: Any,
+    choice: Choice,
+    load_kwargs: dict[str, Any],
+    targets: Mapping[int, tuple[local_shards.LeafBox, ...]],
 ) -> PeerRestore | Retry:
     """One attempt (collective): bring the copies held elsewhere to their readers and fill ``state`` from the
     parts while they arrive; the restore, or the copies found bad on any rank.
@@ -325,7 +375,7 @@ def _attempt_restore(
     arrive (each hashed as it comes). The ranks then agree: a copy whose bytes
     did not match is bad on every rank, and the state is filled again.
     """
-    me, routes = comm.rank, route(choice, comm.size)
+    me, routes = comm.rank, route(choice, comm.size, targets)
     sending = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader != me}, key=_order)
     reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me}, key=_order)
     files: dict[tuple[PartId, int], tuple[FileSum, ...]] = {}
@@ -437,12 +487,7 @@ def _fill(
             report = _read(fetch, me, into=plain, **kwargs)
             assert isinstance(report, LoadReport)  # load(into=...) returns its report
             return report
-        if found:
-            raise IncompatibleCheckpointError(
-                f"rank {me}: step {choice.step} was saved on {choice.world} ranks and the state holds "
-                f"DTensors: the node-local copies reshard plain tensors only"
-            )
-        return reshard(plain, fetch, me, comm.size)
+        return reshard(plain, fetch, me, comm.size, found)
 
     report = fill(state, fill_from_parts)
     return report, layouts[-1] if layouts else ()
@@ -483,21 +528,37 @@ def _where(fetch: Fetch, k: int) -> str:
     return fetch.paths[k] if got is None else f"rank {got.copy.holder}'s copy {got.copy.node}:{got.copy.path}"
 
 
-def reshard(plain: Any, fetch: Fetch, rank: int, world: int) -> LoadReport:
-    """Fill ``plain`` (this rank's even share of every sharded leaf) from the parts of another world size.
+def reshard(
+    plain: Any, fetch: Fetch, rank: int, world: int, layouts: tuple[local_shards.DTensorLayout, ...] = ()
+) -> LoadReport:
+    """Fill ``plain`` (this rank's even share of every sharded leaf, the local shards of the DTensor leaves
+    ``layouts`` describe) from the parts of another world size.
 
     Parts whose copies have no record are loaded with ``verify=True``.
     """
     choice = fetch.choice
     datas = {k: _read(fetch, k, verify=k in fetch.unrecorded) for k in [*fetch.paths, *fetch.received]}  # mapped
-    rows = [dict(choice.copies[k][0].rows) for k in range(choice.world)]
+    sources, targets = _boxes(choice), local_shards.boxes(layouts)
+    boxed = {b.key for found in [targets, *sources] for b in found}
+    rows = [{key: n for key, n in choice.copies[k][0].rows if key not in boxed} for k in range(choice.world)]
     _nodes, leaves, objects = flatten(plain)
     if objects:
         raise IncompatibleCheckpointError(
             f"rank {rank}: the state holds non-tensor leaves {sorted(objects)[:5]}: the node-local copies reshard "
             f"tensors only onto another world size"
         )
+    read = partial(_part_leaf, datas, rank)
+    where = f"rank {rank}: step {choice.step} (saved on {choice.world} ranks)"
+    box_reshard.fill(leaves, targets, {k: sources[k] for k in datas}, read, where)
+    dtensors = {b.key for b in targets}
     for key, t in leaves.items():
+        if key in dtensors:
+            continue
+        if key in boxed:
+            raise IncompatibleCheckpointError(
+                f"{where}: {'/'.join(key)} was saved as a DTensor and is a plain tensor in the state; restore "
+                f"into a state of the saved layout"
+            )
         if key not in rows[0]:
             t.copy_(_leaf(datas[min(datas)], key, rank))
             continue
@@ -513,6 +574,10 @@ def reshard(plain: Any, fetch: Fetch, rank: int, world: int) -> LoadReport:
                 t[a - lo : b - lo].copy_(_leaf(datas[k], key, rank)[a - at : b - at])
             at += r.get(key, 0)
     return LoadReport(loaded=list(leaves))
+
+
+def _part_leaf(datas: Mapping[int, Any], rank: int, k: int, key: Key) -> torch.Tensor:
+    return _leaf(datas[k], key, rank)
 
 
 def _leaf(data: Any, key: Key, rank: int) -> torch.Tensor:
