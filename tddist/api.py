@@ -55,6 +55,7 @@ def save(
     compression: Any = None,
     layout: str | None = None,
     require_finite: bool = False,
+    base: str | os.PathLike | None = None,
 ) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint ``prefix``.
 
@@ -135,6 +136,13 @@ def save(
             how many each chunk holds, counted while it is hashed): every rank
             raises ``NonFiniteError`` and the target keeps its previous
             checkpoint.
+        base: an incremental save: a committed checkpoint beside ``prefix``
+            (in the same directory) whose chunks this save references instead
+            of writing them when their content is unchanged (same leaf, same
+            rank, same size; compared by a 128-bit hash). A base that cannot
+            hold references (another directory, an archive, another layout,
+            a missing one) is ignored: every chunk is written. Packed
+            directories; see docs/parameters.md.
 
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the
@@ -181,6 +189,7 @@ def save(
         compression=compression,
         layout=layout,
         require_finite=require_finite,
+        base=base,
     )
     return saving.save(data, request)
 

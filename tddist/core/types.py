@@ -128,6 +128,7 @@ class SaveOptions:
     compression: Compression | None = None
     packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
     require_finite: bool = False  # refuse to publish a checkpoint that holds NaN or Inf values
+    base: str | None = None  # an incremental save: the checkpoint whose equal chunks are referenced, not written
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +276,19 @@ class ArchiveEntryRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """A checkpoint that holds the bytes of chunks an incremental checkpoint references (docs/format.md 5.10).
+
+    Attributes:
+        name: its name beside the referencing checkpoint: one path component.
+        generation: its manifest's checksum when the reference was made.
+    """
+
+    name: str
+    generation: str
+
+
+@dataclass(frozen=True, slots=True)
 class Fragment:
     """What one rank reports after writing its shard (its vote), as compact arrays.
 
@@ -294,6 +308,12 @@ class Fragment:
     entries: tuple[ArchiveEntryRow, ...] = ()
     largest: bytes = b""  # float64 per leaf: its chunk's largest finite magnitude here (NaN: not counted here)
     non_finite: bytes = b""  # uint64 triples (leaf index, NaN count, Inf count), only for chunks that hold any
+    # An incremental save (``base=``) only: per leaf, which holder of ``base`` holds this rank's chunk (int64,
+    # 0: written here, ``h``: ``base[h - 1]``) and its chunk's XXH3-128 (two uint64); ``base``: the holders this
+    # rank's numbering refers to (None: it read no base).
+    holders: bytes = b""
+    ids: bytes = b""
+    base: tuple[Holder, ...] | None = None
 
 
 @dataclass(frozen=True)

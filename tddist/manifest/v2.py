@@ -43,6 +43,7 @@ from .model import (
     add_leaf,
     parse_nodes,
 )
+from .refs import LeafRefs, holders_member, leaf_section, parse_holders, read_leaf_refs, refs_index_size
 
 _I8 = np.dtype("<i8")
 _U8 = np.dtype("<u8")
@@ -88,7 +89,7 @@ def encode(m: Manifest) -> ManifestFiles:
             entry["finite_stats"] = True
             stats += [np.ascontiguousarray(a, dtype=d).tobytes() for a, d in _stats_columns(leaf.stats)]
         leaves.append(entry)
-    index = b"".join(rows + own_rows + sums + boxes + stats)
+    index = b"".join(rows + own_rows + sums + boxes + stats + _refs_section(m))
     obj = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,
@@ -106,9 +107,23 @@ def encode(m: Manifest) -> ManifestFiles:
         "leaves": leaves,
         "objects": [_object_entry(o) for o in m.objects.values()],
     }
+    if m.holders is not None:  # an incremental checkpoint (section 5.10)
+        obj["holders"] = holders_member(m.holders)
     raw = seal(fmt.dumps(obj))  # version 3: the checksum of its own bytes first
     _check_writable(raw, obj)
     return ManifestFiles(raw, index)
+
+
+def _refs_section(m: Manifest) -> list[bytes]:
+    """The index's section 6 (an incremental checkpoint only): every leaf's chunks' holders and identities."""
+    if m.holders is None:
+        return []
+    out: list[bytes] = []
+    for leaf in m.leaves.values():
+        n = len(leaf.table)
+        refs = leaf.refs or LeafRefs(np.zeros(n, dtype=_I8), np.zeros((n, 2), dtype=_U8))
+        out += leaf_section(refs)
+    return out
 
 
 def _stats_columns(stats: LeafStats) -> list[tuple[np.ndarray, np.dtype]]:
@@ -190,7 +205,9 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) 
     entries = [_with_stats(p, e, _leaf_entry(p, e, world), m.version) for e in p.list_of(obj, "leaves")]
     batched = [k for k, b in m.nodes.items() if b]
     own = [e for e in entries if e.own_rows]
-    data = _checked_index(p, obj, index, _index_size(entries, len(batched), world))
+    m.holders = parse_holders(obj, p.fail) if m.version >= 4 else None
+    extra = 0 if m.holders is None else 8 * refs_index_size(sum(_chunk_count(e, world) for e in entries))
+    data = _checked_index(p, obj, index, _index_size(entries, len(batched), world) + extra)
     cursor = _Cursor(data)
     node_block = cursor.take(_I8, world * len(batched)).reshape(len(batched), world)  # the index's sections
     own_block = cursor.take(_I8, world * len(own)).reshape(len(own), world)
@@ -202,9 +219,19 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) 
     m.node_rows.update(zip(batched, node_block.tolist()))
     tables = _Tables(p, world, rows, sums, cursor)
     built = [(e, tables.table(e)) for e in entries]
-    for e, table in built:  # section 5 follows every leaf's boxes
-        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, table, _stats(p, e, table, cursor)))
+    counted = [_stats(p, e, table, cursor) for e, table in built]  # section 5 follows every leaf's boxes
+    refs = _refs(p, [t for _e, t in built], m, cursor)  # section 6 follows section 5
+    for (e, table), stats, r in zip(built, counted, refs):
+        add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, table, stats, r))
     p.check(cursor.pos == len(data), "has bytes left over at the end of its index")
+
+
+def _refs(p: Parser, tables: list[ChunkTable], m: Manifest, cursor: _Cursor) -> list[LeafRefs | None]:
+    """Every leaf's part of section 6 (an incremental checkpoint), or None for each leaf of any other."""
+    if m.holders is None:
+        return [None] * len(tables)
+    n = len(m.holders)
+    return [read_leaf_refs(cursor.take, len(t), n, p.fail) for t in tables]
 
 
 def _with_stats(p: Parser, raw: Any, e: _LeafEntry, version: int) -> _LeafEntry:

@@ -153,6 +153,7 @@ class WriterBase:
         self.structure: Structure | None = None
         self.boxes = b""
         self.replaced: str | None = None  # rank 0, after publish: where the replaced checkpoint now lies
+        self.pins: list[str] = []  # rank 0 of an incremental save: the pins of its holders, until it commits
 
     @property
     def stages_alone(self) -> bool:
@@ -223,6 +224,7 @@ class WriterBase:
             else:
                 sums.append(0)
         cache = self.cache
+        stats = encode_stats([stored.get(item.key) for item in shard.items])
         unchanged = cache is not None and (cache.sent_digest, cache.sent_boxes) == (self.structure.digest, self.boxes)
         return Fragment(
             rank=self.rank,
@@ -233,7 +235,8 @@ class WriterBase:
                 dtype="<i8",
             ).tobytes(),
             checksums=np.asarray(sums, dtype="<u8").tobytes(),
-            **encode_stats([stored.get(item.key) for item in shard.items]),
+            largest=stats["largest"],
+            non_finite=stats["non_finite"],
             boxes=None if unchanged else self.boxes,
             objects=tuple(FragmentObject(k, o.kind, o.value) for k, o in shard.objects.items()),
             entries=entries,

@@ -30,7 +30,8 @@ from typing import Protocol
 
 from .. import format as fmt
 from .._fs import fsync_path, remove_tree
-from ..errors import RootLockedError
+from ..errors import CheckpointPinnedError, RootLockedError
+from .pins import pinned
 from .recovery import is_committed, is_tddist_dir
 
 logger = logging.getLogger(__name__)
@@ -170,8 +171,13 @@ def remove_checkpoint(path: str) -> None:
     Raises:
         OSError: ``path`` could not be renamed or removed.
     """
+    if pinned(path):
+        raise CheckpointPinnedError(f"{path} is pinned by an incremental save in progress; not deleted")
     trash = fmt.trash_path(path)
     os.rename(path, trash)
+    if pinned(path):  # a save pinned it between the check and the rename: it may reference it
+        os.rename(trash, path)
+        raise CheckpointPinnedError(f"{path} is pinned by an incremental save in progress; not deleted")
     fsync_path(os.path.dirname(trash))
     remove_tree(trash)
     logger.info("deleted checkpoint %s", path)

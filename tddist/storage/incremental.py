@@ -1,0 +1,284 @@
+"""One rank's side of an incremental save (``save(..., base=...)``) to a packed directory.
+
+The rank reads its base's manifest, decides which of its chunks it may
+reference (``read_base``), hashes every chunk it stores once for its checksum,
+its counts and its identity (XXH3-128), and writes only the chunks whose
+identity differs from the base's (``write_packed_incremental``). A
+referenced chunk's range of the data file is left unwritten (a hole): every
+offset stays the one section 2.3 derives, and a reader takes those bytes
+from the holder's data file of the same rank, at the same offset.
+
+A chunk may be referenced only when this rank's data file in the base has
+exactly the layout of its data file now (the same leaves, in the same order,
+each with a chunk of the same size here; a DTensor chunk the same box):
+the holder's offsets are then this checkpoint's. Anything else is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import format as fmt
+from .._faults import fault_point
+from .._fs import WRITE_STEP, write_and_start_writeback
+from ..checksum import EMPTY, identify, tensor_bytes
+from ..core.finite import counter_for
+from ..core.types import Holder, Key, SaveItem, StoredBytes
+from ..errors import TargetError, TddistError
+from ..manifest.locate import packed_offsets
+from ..manifest.model import Manifest
+from ..manifest.refs import id_pair
+from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
+from .pinned import open_local
+
+logger = logging.getLogger(__name__)
+
+_U8 = np.dtype("<u8")
+
+
+@dataclass(frozen=True, slots=True)
+class BaseChunk:
+    """What the base holds of one of this rank's chunks.
+
+    Attributes:
+        holder: which holder of the new manifest's table has its bytes (1: the base itself).
+        checksum: its checksum, as an integer.
+        identity: its XXH3-128, or None when the base recorded none (a checkpoint saved without a base): the
+            bytes are then compared.
+    """
+
+    holder: int
+    checksum: int
+    identity: int | None
+
+
+@dataclass(frozen=True)
+class RankBase:
+    """What this rank may reference of its base.
+
+    Attributes:
+        path: the base checkpoint (a directory beside the target).
+        table: the holders a reference may name, numbered from 1: the base, then the base's own holders.
+        chunks: this rank's chunks that may be referenced, by key.
+    """
+
+    path: str
+    table: tuple[Holder, ...]
+    chunks: dict[Key, BaseChunk]
+
+
+@dataclass(frozen=True)
+class IncrementalStored:
+    """What an incremental write stored: per key its bytes' record, where its bytes are, and its identity.
+
+    Attributes:
+        stored: each written or referenced chunk's size, checksum and counts (as ``write_packed`` returns).
+        holders: per key, the holder of its bytes (0: written here).
+        ids: per key, the chunk's XXH3-128.
+        written: the bytes written to the data file.
+    """
+
+    stored: dict[Key, StoredBytes]
+    holders: dict[Key, int]
+    ids: dict[Key, int]
+    written: int
+
+
+def eligible_base(base: str, target: str) -> str | None:
+    """Why ``base`` cannot hold references of a save to ``target`` (None: it can): it must be another
+    directory beside the target (references name a holder by its name in the same parent directory)."""
+    b, t = os.path.abspath(base), os.path.abspath(target)
+    if b == t:
+        return "it is the target itself, which this save replaces"
+    if os.path.dirname(b) != os.path.dirname(t):
+        return "it does not lie beside the target (in the same directory)"
+    if b.endswith(fmt.ARCHIVE_SUFFIX) or not os.path.isdir(b):
+        return "it is not a directory checkpoint"
+    return None
+
+
+def open_manifest(path: str) -> OpenedCheckpoint:
+    """The committed directory checkpoint at ``path`` pinned, with its validated manifest (its chunks are read
+    through the pin's own files here, never through ``files()``)."""
+    return validate(open_local(path), _no_reader)
+
+
+def _no_reader(pin: Pin) -> ChunkFiles:
+    raise NotImplementedError("an incremental save reads its base's data files through the pin")
+
+
+def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> RankBase | None:
+    """This rank's view of ``base`` (None: nothing of it may be referenced, said in the log)."""
+    why = eligible_base(base, target)
+    if why is not None:
+        logger.info("rank %d: base %s holds no references of %s: %s; every chunk is written", rank, base, target, why)
+        return None
+    try:
+        with open_manifest(base) as opened:
+            m, generation = opened.manifest, opened.generation
+    except TddistError as e:
+        logger.warning("rank %d: cannot read base %s (%s); every chunk is written", rank, base, e)
+        return None
+    if m.layout != "directory" or m.packing != "packed":
+        logger.info("rank %d: base %s is not a packed directory; every chunk is written", rank, base)
+        return None
+    table = (Holder(os.path.basename(os.path.abspath(base)), generation), *m.referenced())
+    return RankBase(base, table, _same_layout(m, rank, items))
+
+
+def _same_layout(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key, BaseChunk]:
+    """This rank's chunks of ``m`` by key, when its data file there has the layout it has now; else none."""
+    if rank >= m.world_size or list(m.leaves) != [i.key for i in items]:
+        return {}
+    out: dict[Key, BaseChunk] = {}
+    for item in items:
+        leaf = m.leaves[item.key]
+        nbytes = item.tensor.numel() * item.tensor.element_size() if item.writes else 0
+        if leaf.dtype_name != fmt.dtype_name(item.tensor.dtype) or leaf.table.nbytes_of_rank(rank) != nbytes:
+            return {}
+        i = leaf.table.index_of_rank(rank)
+        if not nbytes or i is None:
+            continue
+        chunk = leaf.table.chunk(i)
+        if item.dtensor is not None and tuple(map(tuple, chunk.box)) != tuple(map(tuple, item.dtensor.box)):
+            return {}
+        held = leaf.holder_of(i)
+        ident = None
+        if leaf.refs is not None:
+            lo, hi = (int(x) for x in leaf.refs.ids[i])
+            ident = lo | (hi << 64)
+        out[item.key] = BaseChunk(held + 1, int(chunk.checksum, 16), ident)
+    return out
+
+
+def write_packed_incremental(
+    path: str, items: Sequence[SaveItem], rank: int, base: RankBase | None
+) -> IncrementalStored:
+    """Write this rank's data file (packing "packed"), durably, leaving out the chunks the base holds.
+
+    Every chunk is hashed once (checksum, counts, identity); one equal to its
+    base chunk (equal identities, or equal bytes where the base recorded no
+    identity) is not written and is recorded as the base's holder's.
+    """
+    written = [i for i in items if i.writes]
+    datas = [tensor_bytes(i.tensor) for i in written]
+    offsets, end = packed_offsets(np.array([a.size for a in datas], dtype=np.int64))
+    result = IncrementalStored({}, {}, {}, 0)
+    holders = _HolderFiles(base, rank)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, int(end))  # referenced ranges stay holes
+        total = 0
+        for n, (item, data, offset) in enumerate(zip(written, datas, offsets.tolist())):
+            if n == len(written) // 2:
+                fault_point("midwrite", rank)
+            if not _identify(item, data, holders, offset, result) and data.size:
+                os.posix_fallocate(fd, offset, int(data.size))
+                write_and_start_writeback(fd, memoryview(data.data).cast("B"), offset, WRITE_STEP)
+                total += int(data.size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        holders.close()
+    return IncrementalStored(result.stored, result.holders, result.ids, total)
+
+
+def _identify(item: SaveItem, data: np.ndarray, holders: _HolderFiles, offset: int, out: IncrementalStored) -> int:
+    """Hash ``item``'s chunk into ``out``; return its holder when the base holds equal bytes (else 0)."""
+    counter = counter_for(fmt.dtype_name(item.tensor.dtype))
+    checksum, ident = identify(data, counter) if data.size else (EMPTY, 0)
+    out.stored[item.key] = StoredBytes(int(data.size), checksum, None if counter is None else counter.result())
+    out.ids[item.key] = ident
+    known = holders.known(item.key)
+    held = 0
+    if known is not None and data.size and known.checksum == int(checksum, 16):
+        if known.identity is not None:
+            held = known.holder if known.identity == ident else 0
+        elif holders.same_bytes(known.holder, offset, data):
+            held = known.holder
+    out.holders[item.key] = held
+    return held
+
+
+class _HolderFiles:
+    """This rank's data file in each holder, opened once (pinned at its recorded generation) when a base
+    without identities makes a comparison of bytes necessary."""
+
+    def __init__(self, base: RankBase | None, rank: int) -> None:
+        self.base, self.rank = base, rank
+        self.fds: dict[int, int] = {}
+
+    def known(self, key: Key) -> BaseChunk | None:
+        return None if self.base is None else self.base.chunks.get(key)
+
+    def same_bytes(self, holder: int, offset: int, data: np.ndarray) -> bool:
+        """Whether holder ``holder``'s bytes at ``offset`` of this rank's data file equal ``data``."""
+        fd = self._fd(holder)
+        if fd is None:
+            return False
+        view = memoryview(data.data).cast("B")
+        for lo in range(0, len(view), fmt.CHECKSUM_BLOCK):
+            block = view[lo : lo + fmt.CHECKSUM_BLOCK]
+            if os.pread(fd, len(block), offset + lo) != block:
+                return False
+        return True
+
+    def _fd(self, holder: int) -> int | None:
+        if holder not in self.fds:
+            self.fds[holder] = self._open(holder)
+        fd = self.fds[holder]
+        return None if fd < 0 else fd
+
+    def _open(self, holder: int) -> int:
+        from .pinned import PinnedCheckpoint
+
+        assert self.base is not None
+        h = self.base.table[holder - 1]
+        path = os.path.join(os.path.dirname(os.path.abspath(self.base.path)), h.name)
+        try:
+            with open_manifest(path) as opened:
+                pin = opened.pin
+                if opened.generation != h.generation or not isinstance(pin, PinnedCheckpoint):
+                    return -1
+                fd = pin.open_file(fmt.rank_data_name(self.rank))
+        except (TddistError, OSError) as e:
+            logger.warning("rank %d: cannot read holder %s (%s); its chunks are written", self.rank, path, e)
+            return -1
+        return -1 if fd is None else fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            if fd >= 0:
+                os.close(fd)
+
+
+def identity_columns(ids: list[int]) -> bytes:
+    """A vote's identities (``Fragment.ids``): two uint64 per leaf, low half first."""
+    return np.asarray([id_pair(i) for i in ids], dtype=_U8).reshape(-1, 2).tobytes()
+
+
+def check_holders(target: str, table: tuple[Holder, ...]) -> None:
+    """(rank 0, before the commit) Every holder a save to ``target`` may reference is there, at the generation
+    its ranks read.
+
+    Raises:
+        TargetError: one is missing or was replaced since (deleted by a clean-up that ran before the pins):
+            nothing is committed; save again.
+    """
+    for h in table:
+        path = fmt.holder_path(target, h.name)
+        try:
+            with open_manifest(path) as opened:
+                gen = opened.generation
+        except TddistError as e:
+            gen = f"unreadable ({e})"
+        if gen != h.generation:
+            raise TargetError(
+                f"rank 0: {path}, which this incremental save references, changed during the save (generation "
+                f"{h.generation}, now {gen}); nothing was committed: save again"
+            )

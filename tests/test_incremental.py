@@ -1,0 +1,168 @@
+"""Incremental checkpoints: a chunk equal to the base's is referenced, not written (docs/format.md 5.10).
+
+Real saves on real files, ranks as threads (``tddist.run_threads``): what an
+incremental save writes (holes where its chunks are referenced), what its
+manifest records (holders, never a chain), loads of every kind through the
+references, and the bases that hold no references (written in full).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+import tddist
+from tddist import format as fmt
+from tddist.errors import CorruptCheckpointError, ManifestError
+from tddist.manifest.parse import parse_manifest
+
+
+def shard(rank: int, step: int) -> TensorDict:
+    """A LoRA-like shard: a large frozen base (sharded rows and a replicated matrix), small adapters that change
+    with ``step``."""
+    g = torch.Generator().manual_seed(rank)
+    return TensorDict(
+        {
+            "base": TensorDict({"w": torch.randn(64, 256, generator=g)}, [64]),
+            "frozen": torch.arange(4096, dtype=torch.float32).reshape(64, 64),
+            "adapter": torch.full((8, 8), float(step)),
+            "step": torch.tensor(step),
+        },
+        [],
+    )
+
+
+def save_all(path: str, step: int, size: int = 2, **kwargs: object) -> list[object]:
+    results = tddist.run_threads(size, lambda c: tddist.save(shard(c.rank, step), path, comm=c, **kwargs), timeout=60)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def load_all(path: str, size: int, **kwargs: object) -> list[TensorDict]:
+    results = tddist.run_threads(size, lambda c: tddist.load(path, comm=c, **kwargs), timeout=60)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+def expected(step: int, size: int = 2) -> TensorDict:
+    """The global state the ``size`` ranks saved at ``step``."""
+    parts = [shard(r, step) for r in range(size)]
+    out = parts[0].clone()
+    out["base"] = torch.cat([p["base"] for p in parts])
+    return out
+
+
+def allocated(path: str) -> int:
+    """Bytes of disk a checkpoint's data files take (holes take none)."""
+    return sum(os.stat(os.path.join(path, n)).st_blocks * 512 for n in os.listdir(path) if n.endswith(".data"))
+
+
+def test_unchanged_chunks_are_referenced_and_loads_follow_them(tmp_path):
+    s1, s2, s3 = (str(tmp_path / f"step{i}") for i in (1, 2, 3))
+    save_all(s1, 1)
+    save_all(s2, 2, base=s1)
+    m2 = tddist.read_manifest(s2)
+    assert m2.holders == (tddist.read_manifest(s1).holders or ()) + m2.holders  # the base: no holders of its own
+    assert [h.name for h in m2.referenced()] == ["step1"]
+    held = {k: leaf.refs.holders.tolist() for k, leaf in m2.leaves.items()}
+    assert held[("base", "w")] == [1, 1] and held[("frozen",)] == [1]
+    assert held[("adapter",)] == [0] and held[("step",)] == [0]
+    assert allocated(s2) < allocated(s1) // 10
+    for size in (2, 3, 1):  # the saving world size, and resharded
+        for got in load_all(s2, size, shard=None):
+            assert (got == expected(2)).all()
+    got = tddist.load(s2, verify=True)
+    assert (got == expected(2)).all()
+    # the next save references the holder of each chunk, never the checkpoint that references it
+    save_all(s3, 3, base=s2)
+    m3 = tddist.read_manifest(s3)
+    names = [h.name for h in m3.referenced()]
+    assert names == ["step1"]
+    assert m3.leaves[("frozen",)].refs.holders.tolist() == [1]
+    assert (tddist.load(s3, verify=True) == expected(3)).all()
+
+
+def test_a_save_without_a_base_records_nothing_more(tmp_path):
+    path = str(tmp_path / "full")
+    save_all(path, 1)
+    with open(os.path.join(path, fmt.MANIFEST_NAME), "rb") as f:
+        obj = json.loads(f.read())
+    assert "holders" not in obj
+    m = tddist.read_manifest(path)
+    assert m.holders is None and all(leaf.refs is None for leaf in m.leaves.values())
+
+
+@pytest.mark.parametrize("why", ["elsewhere", "changed", "archive", "itself", "missing"])
+def test_bases_that_hold_no_references_are_written_in_full(tmp_path, why):
+    (tmp_path / "a").mkdir()
+    base = str(tmp_path / ("a/base" if why == "elsewhere" else "base"))
+    base = base + ".tdz" if why == "archive" else base
+    if why != "missing":
+        save_all(base, 1)
+    target = base if why == "itself" else str(tmp_path / "new")
+    if why == "changed":  # another layout of every rank's data file: one more leaf first
+
+        def changed(c):
+            return tddist.save(TensorDict({"a": torch.ones(3), **shard(c.rank, 2)}, []), target, comm=c, base=base)
+
+        assert not any(isinstance(r, BaseException) for r in tddist.run_threads(2, changed, timeout=60))
+        m = tddist.read_manifest(target)
+        assert all(not leaf.refs.holders.any() for leaf in m.leaves.values())
+        return
+    save_all(target, 2, base=base)
+    m = tddist.read_manifest(target)
+    assert m.referenced() == ()
+    assert (tddist.load(target, verify=True) == expected(2)).all()
+
+
+def test_another_world_size_references_what_keeps_its_place(tmp_path):
+    """3 ranks over a base of 2: a rank whose data file keeps its layout references its equal chunks."""
+    s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    save_all(s1, 1)
+    save_all(s2, 2, size=3, base=s1)
+    assert (tddist.load(s2, verify=True) == expected(2, 3)).all()
+
+
+def test_a_replaced_or_removed_holder_is_damage(tmp_path):
+    s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    save_all(s1, 1)
+    save_all(s2, 2, base=s1)
+    save_all(s1, 5)  # another checkpoint at the holder's name: another generation
+    with pytest.raises(CorruptCheckpointError, match="replaced"):
+        tddist.load(s2)
+    tddist.run_threads(1, lambda c: None)
+    import shutil
+
+    shutil.rmtree(s1)
+    with pytest.raises(CorruptCheckpointError, match="cannot be read"):
+        tddist.load(s2)
+
+
+def test_the_parser_refuses_bad_holders(tmp_path):
+    s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    save_all(s1, 1)
+    save_all(s2, 2, base=s1)
+    with open(os.path.join(s2, fmt.MANIFEST_NAME), "rb") as f:
+        obj = json.loads(f.read())
+    with open(os.path.join(s2, fmt.INDEX_NAME), "rb") as f:
+        index = f.read()
+    parse_manifest(obj, index=index)
+    for bad in ([{"name": "../x", "generation": "0" * 16}], [{"name": "s1", "generation": "zz"}], "s1"):
+        with pytest.raises(ManifestError):
+            parse_manifest({**obj, "holders": bad}, index=index)
+    # a holder number beyond the table
+    raw = bytearray(index)
+    at = len(index) - 8 * 3 * sum(len(leaf.table) for leaf in tddist.read_manifest(s2).leaves.values())
+    raw[at : at + 8] = np.array([7], "<i8").tobytes()
+    obj2 = {**obj, "index": {"size": len(raw), "checksum": __import__("xxhash").xxh3_64_hexdigest(bytes(raw))}}
+    with pytest.raises(ManifestError, match="holder"):
+        parse_manifest(obj2, index=bytes(raw))
