@@ -20,6 +20,7 @@ import tddist
 from tddist import format as fmt
 from tddist.errors import CorruptCheckpointError, ManifestError
 from tddist.manifest.parse import parse_manifest
+from tddist.tools.verify import verify
 
 
 def shard(rank: int, step: int) -> TensorDict:
@@ -166,3 +167,34 @@ def test_the_parser_refuses_bad_holders(tmp_path):
     obj2 = {**obj, "index": {"size": len(raw), "checksum": __import__("xxhash").xxh3_64_hexdigest(bytes(raw))}}
     with pytest.raises(ManifestError, match="holder"):
         parse_manifest(obj2, index=bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "replaced", "corrupted", "truncated"])
+def test_verify_finds_every_deleted_or_replaced_holder(tmp_path, damage):
+    """Every way of losing a holder is a problem of the checkpoint that references it (and only then)."""
+    s1, s2, s3 = (str(tmp_path / f"s{i}") for i in (1, 2, 3))
+    save_all(s1, 1)
+    save_all(s2, 2, base=s1)
+    save_all(s3, 3, base=s2)
+    assert verify(s3).ok and verify(s2).ok
+    data = os.path.join(s1, fmt.rank_data_name(0))
+    if damage == "deleted":
+        import shutil
+
+        shutil.rmtree(s1)
+    elif damage == "replaced":
+        save_all(s1, 4)  # another checkpoint at its name (another generation)
+    elif damage == "corrupted":
+        with open(data, "r+b") as f:
+            f.seek(100)
+            f.write(b"\xff" * 8)
+    else:
+        os.truncate(data, 64)
+    for path in (s2, s3):
+        report = verify(path)
+        assert not report.ok, (damage, path)
+        kinds = {p.kind for p in report.problems}
+        assert kinds <= {"holder", "checksum", "unreadable"}, kinds
+        if damage in ("deleted", "replaced"):
+            assert [p.file for p in report.problems] == ["s1"]
+            assert not verify(path, quick=True).ok
