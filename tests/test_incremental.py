@@ -198,3 +198,61 @@ def test_verify_finds_every_deleted_or_replaced_holder(tmp_path, damage):
         if damage in ("deleted", "replaced"):
             assert [p.file for p in report.problems] == ["s1"]
             assert not verify(path, quick=True).ok
+
+
+# --- nothing referenced is ever removed -------------------------------------------------------
+
+
+def lora(step: int) -> TensorDict:
+    """One process's LoRA-like state: the frozen base never changes, the adapter does."""
+    return TensorDict({"frozen": torch.arange(65536, dtype=torch.float32), "adapter": torch.full((16,), float(step))})
+
+
+def test_manager_incremental_retention_keeps_what_kept_checkpoints_reference(tmp_path):
+    from tddist import CheckpointManager
+
+    root = str(tmp_path / "root")
+    mgr = CheckpointManager(root, keep_last=1, incremental=True)
+    for step in range(1, 5):
+        mgr.save(step, lora(step))
+    mgr.wait()
+    names = sorted(n for n in os.listdir(root) if n.startswith("step"))
+    # the newest, and the first (it holds the frozen base the newest references); the others are gone
+    assert names == ["step-000000001", "step-000000004"], names
+    newest = os.path.join(root, "step-000000004")
+    assert [h.name for h in tddist.read_manifest(newest).referenced()] == ["step-000000001"]
+    assert verify(newest).ok
+    assert (tddist.load(newest)["adapter"] == 4).all()
+    state = lora(0)
+    assert mgr.restore(state) == 4
+    assert (state["adapter"] == 4).all() and (state["frozen"] == lora(0)["frozen"]).all()
+    mgr.close()
+
+
+def test_gc_keeps_referenced_checkpoints_and_pins_hold_off_deletion(tmp_path):
+    from tddist.errors import CheckpointPinnedError
+    from tddist.jobs.cleanup import gc, plan_gc
+    from tddist.jobs.retention import delete_checkpoint
+    from tddist.storage.pins import PIN_LEASE, pin
+    from tddist.storage.recovery import recover
+
+    root = tmp_path / "root"
+    root.mkdir()
+    paths = [str(root / f"step-{s:09d}") for s in (1, 2, 3)]
+    tddist.save(lora(1), paths[0])
+    tddist.save(lora(2), paths[1])  # full: references nothing
+    tddist.save(lora(3), paths[2], base=paths[0])
+    plan = {os.path.basename(a.path): a.action for a in plan_gc(str(root), keep_last=1)}
+    assert plan == {"step-000000001": "keep", "step-000000002": "delete"}
+    gc(str(root), keep_last=1)
+    assert sorted(os.listdir(root)) == ["step-000000001", "step-000000003"]
+    # a pinned checkpoint is not deleted; an expired pin no longer holds it, and recover removes it
+    held = pin(paths[0])
+    with pytest.raises(CheckpointPinnedError):
+        delete_checkpoint(paths[0])
+    assert os.path.isdir(paths[0])
+    os.utime(held, (0, 0))
+    assert recover(paths[0]) == [f"removed expired pin {held}"]
+    assert not os.path.exists(held) and PIN_LEASE > 0
+    delete_checkpoint(paths[0])
+    assert not verify(paths[2]).ok

@@ -165,6 +165,10 @@ class CheckpointManager:
             the MPI processor name, else the host name.
         restore: "newest" (the default) or "finite": ``restore`` skips
             checkpoints that hold NaN or Inf values.
+        incremental: each save references the chunks it shares with the
+            newest committed checkpoint instead of writing them
+            (``tddist.save(..., base=...)``); retention keeps every checkpoint
+            that a kept one references. Not with ``local_dir``.
 
     Attributes:
         should_stop: True once a requested preemption has been saved; the
@@ -202,7 +206,14 @@ class CheckpointManager:
         replicas: int = 0,
         node: str | None = None,
         restore: str = "newest",
+        incremental: bool = False,
     ) -> None:
+        if type(incremental) is not bool or (incremental and local_dir is not None):
+            raise InvalidArgumentError(
+                f"incremental must be True or False (and False with local_dir), got {incremental!r}"
+            )
+        self._incremental = incremental
+        self._saved: str | None = None  # the last save's checkpoint, the base of the next incremental one
         options = check_options(
             root,
             keep_last=keep_last,
@@ -469,6 +480,8 @@ class CheckpointManager:
         if encoded:
             metadata[METRICS_KEY] = encoded
         path, start = self.path(step), time.monotonic()
+        if self._incremental:
+            kwargs["base"] = self._base_for(path)
         self._schedule.saved()
         self._root_retention.note_metric(step, path, metadata, self.retention.metric)
         if self._tiered is not None:
@@ -476,6 +489,7 @@ class CheckpointManager:
             return
         if self._deferred:
             kwargs.update(snapshot="deferred", guard=optimizers_of(state))
+        self._saved = path
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
             self._pending = InFlight(step, fut, start, threading.Event())
@@ -573,6 +587,14 @@ class CheckpointManager:
         p = self._pending
         if p is not None and p.retained.is_set() and p.future.exception() is None:
             self.wait()
+
+    def _base_for(self, path: str) -> str | None:
+        """The base of an incremental save to ``path``: the last checkpoint this manager saved, else the newest
+        committed one in the root (rank 0 finds it, every rank gets the same)."""
+        if self._saved is not None and self._saved != path:
+            return self._saved
+        found = self._on_rank0("finding the base in " + self.root, lambda: newest_checkpoint(self.root))
+        return None if found is None or found[0] == path else found[0]
 
     def _retain(self, newest: int) -> None:
         """Rank 0: apply the retention rules after the save of ``newest`` (``root_retention.RootRetention``)."""

@@ -279,7 +279,37 @@ def retire(
     committed = committed_steps(root)
     kept = rules.kept(committed, metric_of or (lambda p: stored_metric(p, rules.metric)))
     kept |= set(keep)
-    return [(s, p) for s, p in committed if s not in kept and not being_read(p)]
+    needed = referenced([p for s, p in committed if s in kept])
+    return [(s, p) for s, p in committed if s not in kept and not being_read(p) and _target(p) not in needed]
+
+
+def holders_of(path: str) -> list[str]:
+    """The checkpoints that the committed checkpoint at ``path`` references (an incremental one's holders),
+    by path; none when its manifest cannot be read (it references nothing a reader could follow)."""
+    try:
+        m = read_manifest(path)
+    except TddistError:
+        return []
+    return [fmt.holder_path(path, h.name) for h in m.referenced()]
+
+
+def referenced(kept: Iterable[str]) -> set[str]:
+    """Mark: the targets of every checkpoint that one of ``kept`` references, transitively (a reference names
+    the holder itself, so one step suffices for what tddist writes; a longer chain costs nothing more).
+    A clean-up never deletes them (the sweep)."""
+    seen: set[str] = set()
+    todo = list(kept)
+    while todo:
+        for holder in holders_of(todo.pop()):
+            t = _target(holder)
+            if t not in seen:
+                seen.add(t)
+                todo.append(holder)
+    return seen
+
+
+def _target(path: str) -> str:
+    return store_for(path).target
 
 
 # --- metrics ---------------------------------------------------------------------------------
