@@ -208,12 +208,6 @@ class CheckpointManager:
         restore: str = "newest",
         incremental: bool = False,
     ) -> None:
-        if type(incremental) is not bool or (incremental and local_dir is not None):
-            raise InvalidArgumentError(
-                f"incremental must be True or False (and False with local_dir), got {incremental!r}"
-            )
-        self._incremental = incremental
-        self._saved: str | None = None  # the last save's checkpoint, the base of the next incremental one
         options = check_options(
             root,
             keep_last=keep_last,
@@ -229,16 +223,17 @@ class CheckpointManager:
             replicas=replicas,
             node=node,
             restore=restore,
+            incremental=incremental,
         )
         self.retention, self._restore_finite = options.retention, options.restore_finite
-        self.save_kwargs = options.save_kwargs
-        self._root = options.root
+        self._incremental = options.incremental
+        self._saved: str | None = None  # the last save's checkpoint: the next incremental save's base
+        self.save_kwargs, self._root = options.save_kwargs, options.root
         self.root = self._root.target
         self.keep_last, self.every, self.async_save = options.keep_last, options.every, options.async_save
         self._deferred = options.deferred
         self.comm = resolve(comm, self.save_kwargs.get("timeout"))
-        self.should_stop = False
-        self._requested = False
+        self.should_stop, self._requested = False, False
         self._pending: InFlight | None = None
         self._locked = False
         self._schedule = SaveSchedule(options.interval)
