@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..api import save
 from ..comm.base import Communicator
@@ -226,8 +226,7 @@ class CheckpointManager:
             incremental=incremental,
         )
         self.retention, self._restore_finite = options.retention, options.restore_finite
-        self._incremental = options.incremental
-        self._saved: str | None = None  # the last save's checkpoint: the next incremental save's base
+        self._incremental, self._saved = options.incremental, cast("str | None", None)  # _saved: the next base
         self.save_kwargs, self._root = options.save_kwargs, options.root
         self.root = self._root.target
         self.keep_last, self.every, self.async_save = options.keep_last, options.every, options.async_save
