@@ -256,3 +256,28 @@ def test_gc_keeps_referenced_checkpoints_and_pins_hold_off_deletion(tmp_path):
     assert not os.path.exists(held) and PIN_LEASE > 0
     delete_checkpoint(paths[0])
     assert not verify(paths[2]).ok
+
+
+def test_pack_convert_and_materialize_write_self_contained_copies(tmp_path):
+    """Each copy holds every byte itself: it loads and verifies after the holder is gone."""
+    import shutil
+    import subprocess
+    import sys
+
+    s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    save_all(s1, 1)
+    save_all(s2, 2, base=s1)
+    whole = str(tmp_path / "whole")
+    packed = str(tmp_path / "s2.tdz")
+    pt = str(tmp_path / "s2.pt")
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for args in (["materialize", s2, whole], ["pack", s2, packed], ["convert", s2, pt]):
+        done = subprocess.run([sys.executable, "-m", "tddist.cli", *args], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    shutil.rmtree(s1)
+    for copy in (whole, packed):
+        assert tddist.read_manifest(copy).holders is None
+        assert verify(copy).ok
+        assert (tddist.load(copy) == expected(2)).all()
+    saved = torch.load(pt)
+    assert torch.equal(saved["frozen"], expected(2)["frozen"])
