@@ -75,6 +75,7 @@ def save_request(
         packing="memmap" if store.archive or layout == "memmap" else "packed",
         require_finite=bool(require_finite),
         base=check_base(base),
+        reuse_hashes=base is not None and not return_early,
     )
     deferred, optimizers = check_snapshot(snapshot, guard, return_early, snapshot_budget, async_writer)
     early = EarlyReturn(snapshot_budget, cast(Any, async_writer), deferred, optimizers) if return_early else None

@@ -129,6 +129,9 @@ class SaveOptions:
     packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
     require_finite: bool = False  # refuse to publish a checkpoint that holds NaN or Inf values
     base: str | None = None  # an incremental save: the checkpoint whose equal chunks are referenced, not written
+    # an incremental synchronous save: a leaf whose storage and version counter are those it had when this process
+    # last hashed it is not hashed again (asynchronous saves write snapshot buffers, reused without a new version)
+    reuse_hashes: bool = False
 
 
 @dataclass(frozen=True, slots=True)

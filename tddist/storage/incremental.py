@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .. import format as fmt
 from .._faults import fault_point
@@ -156,8 +158,36 @@ def _same_layout(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key,
     return out
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """A chunk as this process last hashed it: the tensor (kept alive, so no other tensor can take its memory),
+    its version counter and address then, and what hashing it gave."""
+
+    tensor: torch.Tensor
+    version: int
+    address: int
+    stored: StoredBytes
+    identity: int
+
+    def unchanged(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is this chunk's memory, changed by no in-place operation since it was hashed."""
+        return (
+            t.data_ptr() == self.address
+            and t.numel() * t.element_size() == self.stored.nbytes
+            and int(t._version) == self.version == int(self.tensor._version)
+            and t.untyped_storage().data_ptr() == self.tensor.untyped_storage().data_ptr()
+        )
+
+
+#: Per rank and key, each chunk of the last incremental save of this process (``SaveOptions.reuse_hashes``): a
+#: frozen leaf (the same memory, its version counter unchanged) is not hashed again. A change the version
+#: counter does not see (through ``.data``, by another process) is not seen either, as with deferred snapshots.
+_SEEN: dict[tuple[int, Key], _Seen] = {}
+_SEEN_LOCK = threading.Lock()
+
+
 def write_packed_incremental(
-    path: str, items: Sequence[SaveItem], rank: int, base: RankBase | None
+    path: str, items: Sequence[SaveItem], rank: int, base: RankBase | None, reuse: bool = False
 ) -> IncrementalStored:
     """Write this rank's data file (packing "packed"), durably, leaving out the chunks the base holds.
 
@@ -177,7 +207,7 @@ def write_packed_incremental(
         for n, (item, data, offset) in enumerate(zip(written, datas, offsets.tolist())):
             if n == len(written) // 2:
                 fault_point("midwrite", rank)
-            if not _identify(item, data, holders, offset, result) and data.size:
+            if not _identify(item, data, holders, offset, result, rank if reuse else None) and data.size:
                 os.posix_fallocate(fd, offset, int(data.size))
                 write_and_start_writeback(fd, memoryview(data.data).cast("B"), offset, WRITE_STEP)
                 total += int(data.size)
@@ -188,11 +218,29 @@ def write_packed_incremental(
     return IncrementalStored(result.stored, result.holders, result.ids, total)
 
 
-def _identify(item: SaveItem, data: np.ndarray, holders: _HolderFiles, offset: int, out: IncrementalStored) -> int:
-    """Hash ``item``'s chunk into ``out``; return its holder when the base holds equal bytes (else 0)."""
+def _hashed(item: SaveItem, data: np.ndarray, rank: int | None) -> tuple[StoredBytes, int]:
+    """``item``'s chunk's record and identity: hashed, or remembered from this process's last incremental save
+    of rank ``rank`` (None: not remembered) when the tensor is unchanged since."""
+    seen = None if rank is None else _SEEN.get((rank, item.key))
+    if seen is not None and seen.unchanged(item.tensor):
+        return seen.stored, seen.identity
+    version = int(item.tensor._version)
     counter = counter_for(fmt.dtype_name(item.tensor.dtype))
     checksum, ident = identify(data, counter) if data.size else (EMPTY, 0)
-    out.stored[item.key] = StoredBytes(int(data.size), checksum, None if counter is None else counter.result())
+    stored = StoredBytes(int(data.size), checksum, None if counter is None else counter.result())
+    if rank is not None and data.size:
+        with _SEEN_LOCK:
+            _SEEN[(rank, item.key)] = _Seen(item.tensor, version, item.tensor.data_ptr(), stored, ident)
+    return stored, ident
+
+
+def _identify(
+    item: SaveItem, data: np.ndarray, holders: _HolderFiles, offset: int, out: IncrementalStored, rank: int | None
+) -> int:
+    """Hash ``item``'s chunk into ``out``; return its holder when the base holds equal bytes (else 0)."""
+    stored, ident = _hashed(item, data, rank)
+    checksum = stored.checksum
+    out.stored[item.key] = stored
     out.ids[item.key] = ident
     known = holders.known(item.key)
     held = 0
