@@ -281,3 +281,31 @@ def test_pack_convert_and_materialize_write_self_contained_copies(tmp_path):
         assert (tddist.load(copy) == expected(2)).all()
     saved = torch.load(pt)
     assert torch.equal(saved["frozen"], expected(2)["frozen"])
+
+
+def test_a_synchronous_save_hashes_again_what_changed_since_it_last_hashed_it(tmp_path):
+    """Unchanged leaves (same memory, same version counter) are not hashed again; a leaf changed in place, or
+    replaced by another tensor, is, and is written."""
+    from tddist.storage import incremental
+
+    state = lora(1)
+    s1, s2, s3, s4 = (str(tmp_path / f"s{i}") for i in range(1, 5))
+    tddist.save(state, s1)
+    tddist.save(state, s2, base=s1)  # hashes everything once: identities recorded
+    seen = {k[1]: v for k, v in incremental._SEEN.items() if k[0] == 0}
+    assert set(seen) >= {("frozen",), ("adapter",)}
+    state["adapter"].add_(1)  # in place: its version counter moves
+    tddist.save(state, s3, base=s2)
+    m3 = tddist.read_manifest(s3)
+    assert m3.leaves[("adapter",)].refs.holders.tolist() == [0]
+    assert m3.leaves[("frozen",)].refs.holders.tolist() == [1] and m3.referenced()[0].name == "s1"
+    state["frozen"] = state["frozen"].clone()
+    state["frozen"][0] = -1.0  # another tensor, other bytes
+    tddist.save(state, s4, base=s3)
+    m4 = tddist.read_manifest(s4)
+    assert m4.leaves[("frozen",)].refs.holders.tolist() == [0]
+    for path, want in ((s3, 2.0), (s4, 2.0)):
+        got = tddist.load(path, verify=True)
+        assert (got["adapter"] == want).all()
+    assert tddist.load(s4)["frozen"][0] == -1.0 and tddist.load(s3)["frozen"][0] == 0.0
+    assert verify(s4).ok and verify(s3).ok
