@@ -309,3 +309,18 @@ def test_a_synchronous_save_hashes_again_what_changed_since_it_last_hashed_it(tm
         assert (got["adapter"] == want).all()
     assert tddist.load(s4)["frozen"][0] == -1.0 and tddist.load(s3)["frozen"][0] == 0.0
     assert verify(s4).ok and verify(s3).ok
+
+
+def test_return_early_saves_are_incremental_too(tmp_path):
+    """An asynchronous save snapshots the whole state first, then compares it with the base (its snapshot
+    buffers are hashed every time: they are reused without a new version)."""
+    s1, s2, s3 = (str(tmp_path / f"s{i}") for i in range(1, 4))
+    state = lora(1)
+    tddist.save(state, s1)
+    tddist.save(state, s2, base=s1, return_early=True).result()
+    state["adapter"].add_(1)
+    tddist.save(state, s3, base=s2, return_early=True).result()
+    m3 = tddist.read_manifest(s3)
+    assert [h.name for h in m3.referenced()] == ["s1"]
+    assert m3.leaves[("adapter",)].refs.holders.tolist() == [0]
+    assert (tddist.load(s3, verify=True)["adapter"] == 2).all()
