@@ -256,6 +256,11 @@ def test_gc_keeps_referenced_checkpoints_and_pins_hold_off_deletion(tmp_path):
     assert not os.path.exists(held) and PIN_LEASE > 0
     delete_checkpoint(paths[0])
     assert not verify(paths[2]).ok
+    # a root's clean-up (the manager's at start, under the root's lock: no save runs) removes every pin
+    from tddist.jobs.retention import clean_root
+
+    held = pin(paths[2])
+    assert any("pin" in line for line in clean_root(str(root))) and not os.path.exists(held)
 
 
 def test_pack_convert_and_materialize_write_self_contained_copies(tmp_path):

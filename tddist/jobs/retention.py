@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -161,12 +162,23 @@ def clean_root(root: str) -> list[str]:
         path = r.join(name)
         store = store_for(path)
         done += store.recover()
+        done += _unpin(path) if r.local else []
         ours = r.partial(name)
         if ours:
             store.delete()
             done.append(f"removed torn checkpoint {path}")
         elif ours is not None:
             logger.warning("%s is not a committed checkpoint and holds foreign files; left alone", path)
+    return done
+
+
+def _unpin(path: str) -> list[str]:
+    """Remove every pin of ``path``: no save into the root runs while it is cleaned (the manager holds its lock),
+    so each was left by an incremental save that died."""
+    done = []
+    for pin in fmt.pin_entries(path):
+        os.unlink(pin)
+        done.append(f"removed the pin {pin} of a save that died")
     return done
 
 
