@@ -24,6 +24,7 @@ alternating). The targets (benchmarks/README.md): an incremental save writes
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -111,7 +112,10 @@ def save_records(size_mib: int, repeats: int, directory: str) -> list[dict]:
             print(f"[save rep {rep}] {impl}: {C.fmt_seconds(seconds)}, {written / C.MIB:.1f} MiB on disk",
                   file=sys.stderr, flush=True)  # fmt: skip
         out += load_records(directory, rep, nbytes)
-        for impl in order:
+    # removed only now: on a file system mounted with "discard", removing a GiB trims it while the next
+    # measurements run, and slows them by whatever the device does meanwhile
+    for rep in range(repeats):
+        for impl in ("full", "incremental"):
             shutil.rmtree(os.path.join(directory, f"{impl}-{rep}"))
     return out
 
@@ -128,6 +132,7 @@ def load_records(directory: str, rep: int, nbytes: int) -> list[dict]:
             t.reshape(-1).view(torch.uint8)[::4096].sum()  # one byte a page: every page read
         seconds = time.perf_counter() - t0
         del td
+        gc.collect()  # the maps are released before the next load drops the page cache
         out.append(_record("incremental load", impl, rep, seconds, nbytes, cold))
         print(f"[load rep {rep}] {impl}: {C.fmt_seconds(seconds)}", file=sys.stderr, flush=True)
     return out
