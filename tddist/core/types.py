@@ -80,6 +80,7 @@ class SaveItem:
     placement: Placement
     writes: bool
     dtensor: DTensorBox | None = None
+    own_memory: bool = False  # ``tensor`` views the caller's memory (not a copy made for the save)
 
 
 @dataclass(frozen=True, slots=True)

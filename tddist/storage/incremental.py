@@ -221,6 +221,7 @@ def write_packed_incremental(
 def _hashed(item: SaveItem, data: np.ndarray, rank: int | None) -> tuple[StoredBytes, int]:
     """``item``'s chunk's record and identity: hashed, or remembered from this process's last incremental save
     of rank ``rank`` (None: not remembered) when the tensor is unchanged since."""
+    rank = rank if item.own_memory else None  # a copy made for this save is new every time: never kept
     seen = None if rank is None else _SEEN.get((rank, item.key))
     if seen is not None and seen.unchanged(item.tensor):
         return seen.stored, seen.identity
