@@ -254,7 +254,11 @@ def test_gc_keeps_referenced_checkpoints_and_pins_hold_off_deletion(tmp_path):
     os.utime(held, (0, 0))
     assert recover(paths[0]) == [f"removed expired pin {held}"]
     assert not os.path.exists(held) and PIN_LEASE > 0
-    delete_checkpoint(paths[0])
+    with pytest.raises(CheckpointPinnedError, match="referenced"):  # step 3 references it: never deleted
+        delete_checkpoint(paths[0])
+    import shutil
+
+    shutil.rmtree(paths[0])  # lost outside tddist
     assert not verify(paths[2]).ok
     # a root's clean-up (the manager's at start, under the root's lock: no save runs) removes every pin
     from tddist.jobs.retention import clean_root

@@ -10,10 +10,13 @@ file) before it decides, checks the holders before it publishes, and removes
 the pins once the save is committed or aborted.
 
 A deletion (``roots.remove_checkpoint``) checks the pins, renames the
-checkpoint away, and checks them again: a pin created between the two checks
-makes it rename the checkpoint back. Either the save's check of its holders
-sees the rename (the save fails, nothing references a missing holder) or the
-deletion sees the pin. A pin older than ``PIN_LEASE`` seconds was left by a
+checkpoint away, and checks again, the pins and the committed checkpoints
+beside it (``held``): a pin, or a manifest that references the checkpoint,
+makes it rename the checkpoint back. A save publishes before it removes its
+pins, so either the save's check of its holders sees the rename (the save
+fails, nothing references a missing holder), or the deletion sees its pin or
+its published manifest (a clean-up that decided before the commit cannot
+delete what the commit references). A pin older than ``PIN_LEASE`` seconds was left by a
 save that died: it is ignored and ``recover`` of the holder removes it.
 """
 
@@ -75,3 +78,38 @@ def expired_pins(target: str) -> list[str]:
         except FileNotFoundError:
             continue
     return out
+
+
+def referenced_beside(target: str) -> bool:
+    """Whether a committed checkpoint beside ``target`` references it (names it among its ``holders``).
+
+    Only manifests that have a ``holders`` member are parsed, so a root of
+    checkpoints saved without a base costs a read of each manifest.
+    """
+    parent, name = os.path.split(os.path.abspath(target))
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return False
+    for entry in entries:
+        if entry == name or fmt.side_entry_kind(entry) is not None:
+            continue
+        try:
+            with open(os.path.join(parent, entry, fmt.MANIFEST_NAME), "rb") as f:
+                raw = f.read()
+        except OSError:  # not a directory checkpoint (an archive holds no references tddist writes)
+            continue
+        if b'"holders"' not in raw:
+            continue
+        try:
+            holders = fmt.loads(raw).get("holders", [])
+        except ValueError:
+            continue
+        if isinstance(holders, list) and any(isinstance(h, dict) and h.get("name") == name for h in holders):
+            return True
+    return False
+
+
+def held(target: str) -> bool:
+    """Whether the checkpoint at ``target`` must not be deleted now: pinned, or referenced beside it."""
+    return pinned(target) or referenced_beside(target)

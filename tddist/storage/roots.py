@@ -31,7 +31,7 @@ from typing import Protocol
 from .. import format as fmt
 from .._fs import fsync_path, remove_tree
 from ..errors import CheckpointPinnedError, RootLockedError
-from .pins import pinned
+from .pins import held, pinned
 from .recovery import is_committed, is_tddist_dir
 
 logger = logging.getLogger(__name__)
@@ -175,9 +175,11 @@ def remove_checkpoint(path: str) -> None:
         raise CheckpointPinnedError(f"{path} is pinned by an incremental save in progress; not deleted")
     trash = fmt.trash_path(path)
     os.rename(path, trash)
-    if pinned(path):  # a save pinned it between the check and the rename: it may reference it
+    if held(path):  # a save pinned it, or committed a reference to it, since this deletion was decided
         os.rename(trash, path)
-        raise CheckpointPinnedError(f"{path} is pinned by an incremental save in progress; not deleted")
+        raise CheckpointPinnedError(
+            f"{path} is pinned by an incremental save in progress, or referenced by a checkpoint beside it; not deleted"
+        )
     fsync_path(os.path.dirname(trash))
     remove_tree(trash)
     logger.info("deleted checkpoint %s", path)
