@@ -101,17 +101,22 @@ def encode(m: Manifest) -> ManifestFiles:
         "robust_key": m.robust_key,
         "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
         "structure_digest": m.structure_digest,
+        **_holders_member(m),
         "index": {"size": len(index), "checksum": xxhash.xxh3_64_hexdigest(index)},
         "metadata": m.metadata,
         "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
         "leaves": leaves,
         "objects": [_object_entry(o) for o in m.objects.values()],
     }
-    if m.holders is not None:  # an incremental checkpoint (section 5.10)
-        obj["holders"] = holders_member(m.holders)
     raw = seal(fmt.dumps(obj))  # version 3: the checksum of its own bytes first
     _check_writable(raw, obj)
     return ManifestFiles(raw, index)
+
+
+def _holders_member(m: Manifest) -> dict[str, Any]:
+    """An incremental checkpoint's ``holders`` (section 5.10), early in the JSON: a clean-up finds them in the
+    first bytes of a manifest, whatever its size."""
+    return {} if m.holders is None else {"holders": holders_member(m.holders)}
 
 
 def _refs_section(m: Manifest) -> list[bytes]:

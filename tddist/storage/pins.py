@@ -22,6 +22,7 @@ save that died: it is ignored and ``recover`` of the holder removes it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -83,8 +84,8 @@ def expired_pins(target: str) -> list[str]:
 def referenced_beside(target: str) -> bool:
     """Whether a committed checkpoint beside ``target`` references it (names it among its ``holders``).
 
-    Only manifests that have a ``holders`` member are parsed, so a root of
-    checkpoints saved without a base costs a read of each manifest.
+    The writer puts ``holders`` before the manifest's large members, so only
+    the first ``HEAD`` bytes of each manifest beside it are read.
     """
     parent, name = os.path.split(os.path.abspath(target))
     try:
@@ -92,22 +93,30 @@ def referenced_beside(target: str) -> bool:
     except OSError:
         return False
     for entry in entries:
-        if entry == name or fmt.side_entry_kind(entry) is not None:
-            continue
-        try:
-            with open(os.path.join(parent, entry, fmt.MANIFEST_NAME), "rb") as f:
-                raw = f.read()
-        except OSError:  # not a directory checkpoint (an archive holds no references tddist writes)
-            continue
-        if b'"holders"' not in raw:
-            continue
-        try:
-            holders = fmt.loads(raw).get("holders", [])
-        except ValueError:
-            continue
-        if isinstance(holders, list) and any(isinstance(h, dict) and h.get("name") == name for h in holders):
+        if entry != name and fmt.side_entry_kind(entry) is None and name in _holders_of(os.path.join(parent, entry)):
             return True
     return False
+
+
+#: How much of a manifest ``referenced_beside`` reads: its members before ``index``, ``holders`` among them.
+HEAD = 1 << 20
+
+
+def _holders_of(path: str) -> list[str]:
+    """The holders' names in the manifest of the directory checkpoint at ``path`` (none: not one, or none)."""
+    try:
+        with open(os.path.join(path, fmt.MANIFEST_NAME), "rb") as f:
+            head = f.read(HEAD)
+    except OSError:  # not a directory checkpoint (an archive holds no references tddist writes)
+        return []
+    at = head.find(b'"holders":')
+    if at < 0:
+        return []
+    try:
+        holders, _end = json.JSONDecoder().raw_decode(head[at + len(b'"holders":') :].decode("utf-8", "replace"))
+    except ValueError:
+        return []
+    return [str(h.get("name")) for h in holders if isinstance(h, dict)] if isinstance(holders, list) else []
 
 
 def held(target: str) -> bool:
