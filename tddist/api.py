@@ -137,12 +137,12 @@ def save(
             raises ``NonFiniteError`` and the target keeps its previous
             checkpoint.
         base: an incremental save: a committed checkpoint beside ``prefix``
-            (in the same directory) whose chunks this save references instead
-            of writing them when their content is unchanged (same leaf, same
-            rank, same size; compared by a 128-bit hash). A base that cannot
-            hold references (another directory, an archive, another layout,
-            a missing one) is ignored: every chunk is written. Packed
-            directories; see docs/parameters.md.
+            (in the same directory; a packed directory or a ``.tdz``) whose
+            chunks this save references instead of writing them when their
+            content is unchanged (same leaf, same rank, same size; compared by
+            a 128-bit hash). A base that cannot hold references (in another
+            directory, of packing "memmap", missing) is ignored: every chunk is
+            written. Saves to packed directories; see docs/parameters.md.
 
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the

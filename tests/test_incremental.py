@@ -102,11 +102,10 @@ def test_a_save_without_a_base_records_nothing_more(tmp_path):
     assert m.holders is None and all(leaf.refs is None for leaf in m.leaves.values())
 
 
-@pytest.mark.parametrize("why", ["elsewhere", "changed", "archive", "itself", "missing"])
+@pytest.mark.parametrize("why", ["elsewhere", "changed", "itself", "missing"])
 def test_bases_that_hold_no_references_are_written_in_full(tmp_path, why):
     (tmp_path / "a").mkdir()
     base = str(tmp_path / ("a/base" if why == "elsewhere" else "base"))
-    base = base + ".tdz" if why == "archive" else base
     if why != "missing":
         save_all(base, 1)
     target = base if why == "itself" else str(tmp_path / "new")
@@ -333,3 +332,30 @@ def test_return_early_saves_are_incremental_too(tmp_path):
     assert [h.name for h in m3.referenced()] == ["s1"]
     assert m3.leaves[("adapter",)].refs.holders.tolist() == [0]
     assert (tddist.load(s3, verify=True)["adapter"] == 2).all()
+
+
+def test_an_archive_base_holds_references_read_through_its_entries(tmp_path):
+    """A .tdz beside the target is a base like a directory: its equal chunks (compared byte by byte: an archive
+    records no identities) are referenced and read from its zip entries, by every reader; the next save
+    against the incremental directory references the archive, the holder, directly."""
+    base, s2, s3 = str(tmp_path / "s1.tdz"), str(tmp_path / "s2"), str(tmp_path / "s3")
+    save_all(base, 1, compression="deflate")
+    save_all(s2, 2, base=base)
+    save_all(s3, 3, base=s2)
+    for path, step in ((s2, 2), (s3, 3)):
+        m = tddist.read_manifest(path)
+        assert [h.name for h in m.referenced()] == ["s1.tdz"]
+        assert m.leaves[("frozen",)].refs.holders.tolist() == [1]
+        assert m.leaves[("base", "w")].refs.holders.tolist() == [1, 1]
+        assert allocated(path) < 64 * 1024
+        for size in (1, 2, 3):
+            for got in load_all(path, size, shard=None, verify=True):
+                assert (got == expected(step)).all()
+        assert verify(path).ok
+    whole = str(tmp_path / "whole")
+    from tddist.tools.pack import materialize
+
+    materialize(s3, whole)
+    os.remove(base)
+    assert not verify(s3).ok
+    assert (tddist.load(whole, verify=True) == expected(3)).all()

@@ -45,6 +45,7 @@ class ChunkSource:
         self._verified: set[tuple[Key, int]] = set()
         self._rank_files: dict[tuple[int, int], torch.Tensor] = {}  # packed: (holder, rank)'s data file, mapped once
         self._holders: dict[int, OpenedCheckpoint] = {}  # an incremental checkpoint's holders, opened once
+        self._holder_files: dict[int, ChunkFiles] = {}  # and their readers
         self._placed: FileOffsets | None = None  # packed: every rank's offsets, once a whole read needed them
         self._positions: dict[Key, int] | None = None
 
@@ -103,10 +104,29 @@ class ChunkSource:
         """
         if holder == 0:
             return self.files
+        files = self._holder_files.get(holder)
+        if files is None:
+            files = self._holder_files[holder] = self.holder(holder).files()
+        return files
+
+    def holder(self, holder: int) -> OpenedCheckpoint:
+        """The manifest's holder ``holder`` (>= 1), opened once at the generation the manifest recorded.
+
+        Raises:
+            CorruptCheckpointError: it is missing, damaged or another checkpoint now (replaced).
+        """
         opened = self._holders.get(holder)
         if opened is None:
             opened = self._holders[holder] = open_holder(self.root, self.manifest, holder)
-        return opened.files()
+        return opened
+
+    def held_span(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
+        """The bytes of ``chunk`` of ``leaf`` wherever they lie: here, or in the holder the manifest names."""
+        index = leaf.table.index_of_rank(chunk.rank) if leaf.refs is not None else None
+        h = 0 if index is None else leaf.holder_of(index)
+        own = self.location(leaf, chunk)
+        loc = own if h == 0 else held_location(self.holder(h), leaf, chunk, own)
+        return self.holder_files(h).span(loc)
 
     def release(self, leaf: Leaf) -> None:
         """Forget the leaf's chunks, and have the files drop the pages this process mapped of them.
@@ -156,9 +176,8 @@ class ChunkSource:
         return t
 
     def _array(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
-        index = leaf.table.index_of_rank(chunk.rank) if leaf.refs is not None else None
         try:
-            return self.holder_files(0 if index is None else leaf.holder_of(index)).span(self.location(leaf, chunk))
+            return self.held_span(leaf, chunk)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {chunk.rank}): {e}") from None
 
@@ -179,6 +198,27 @@ class ChunkSource:
                 f"another checkpoint"
             )
         self._verified.add((leaf.key, chunk.rank))
+
+
+def held_location(holder: OpenedCheckpoint, leaf: Leaf, chunk: Chunk, own: Location) -> Location:
+    """Where a referenced chunk's bytes lie in its holder: a packed directory's data file of the same rank at
+    the same offset (``own``: the holder's layout is this checkpoint's), else the holder's file or archive entry
+    of the same leaf and rank.
+
+    Raises:
+        CorruptCheckpointError: the holder has no such chunk, or one of another size.
+    """
+    m = holder.manifest
+    if m.layout == "directory" and m.packing == "packed":
+        return own
+    held = m.leaves.get(leaf.key)
+    i = None if held is None else held.table.index_of_rank(chunk.rank)
+    if held is None or i is None or held.table.chunk(i).nbytes != chunk.nbytes:
+        raise CorruptCheckpointError(
+            f"{holder.path!r} holds no chunk of leaf {leaf.key!r} of rank {chunk.rank} of {chunk.nbytes} bytes, "
+            f"which a checkpoint beside it references; the referencing checkpoint is damaged"
+        )
+    return Locator(m).locate(held, held.table.chunk(i))
 
 
 def open_holder(root: str, manifest: Manifest, holder: int) -> OpenedCheckpoint:

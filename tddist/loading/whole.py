@@ -91,22 +91,36 @@ def _piece_holders(leaves: list[Leaf], plan: WholePieces) -> np.ndarray | None:
     return out
 
 
-def _held_sources(source: ChunkSource, plan: WholePieces, held: np.ndarray) -> Sources:
-    """Packing "packed" with references: each (holder, rank) data file mapped once (a holder's file of a rank
-    has this checkpoint's layout), and each piece's address in it."""
+def _held_sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces, held: np.ndarray) -> Sources:
+    """Packing "packed" with references: each (holder, rank) data file of a packed holder mapped once (its
+    layout is this checkpoint's: the same offsets), each piece of another holder (an archive) its own span."""
     sizes = dict(zip(plan.files.tolist(), plan.file_sizes.tolist()))
     world = source.manifest.world_size
-    files, owner = np.unique(held * world + plan.ranks.astype(np.int64), return_inverse=True)
+    apart = np.zeros(len(plan), dtype=bool)  # the pieces of holders that are not packed directories
+    for h in np.unique(held[held > 0]).tolist():
+        m = source.holder(h).manifest
+        if not (m.layout == "directory" and m.packing == "packed"):
+            apart |= held == h
+    mapped = np.where(apart, -1, held * world + plan.ranks.astype(np.int64))
+    files, owner = np.unique(mapped[~apart], return_inverse=True)
     tensors = [source.rank_file(r, sizes[r], h) for h, r in (divmod(int(f), world) for f in files)]
+    owners = np.zeros(len(plan), np.int64)
+    owners[~apart] = owner
+    for j, leaf in enumerate(leaves):
+        rows = plan.rows(j)
+        for i in [i for i in range(rows.start, rows.stop) if apart[i]]:
+            owners[i] = len(tensors)
+            tensors.append(source.held_span(leaf, leaf.table.chunk(int(plan.chunks[i]))))
     bases = np.array([t.data_ptr() for t in tensors], np.int64)
-    return Sources(tensors, owner.astype(np.int64), bases[owner] + plan.offsets)
+    offsets = np.where(apart, 0, plan.offsets)
+    return Sources(tensors, owners, bases[owners] + offsets)
 
 
 def _rank_sources(source: ChunkSource, plan: WholePieces, leaves: list[Leaf]) -> Sources:
     """Packing "packed": each rank's data file mapped once, and each piece's address in it."""
     held = _piece_holders(leaves, plan)
     if held is not None:
-        return _held_sources(source, plan, held)
+        return _held_sources(source, leaves, plan, held)
     tensors = [source.rank_file(r, n) for r, n in zip(plan.files.tolist(), plan.file_sizes.tolist())]  # one map each
     bases = np.array([t.data_ptr() for t in tensors], np.int64)
     owner = np.searchsorted(plan.files, plan.ranks)

@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,8 +33,8 @@ from ..checksum import EMPTY, identify, tensor_bytes
 from ..core.finite import counter_for
 from ..core.types import Holder, Key, SaveItem, StoredBytes
 from ..errors import TargetError, TddistError
-from ..manifest.locate import packed_offsets
-from ..manifest.model import Manifest
+from ..manifest.locate import Location, packed_offsets
+from ..manifest.model import Leaf, Manifest
 from ..manifest.refs import id_pair
 from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .pinned import open_local
@@ -99,8 +100,8 @@ def eligible_base(base: str, target: str) -> str | None:
         return "it is the target itself, which this save replaces"
     if os.path.dirname(b) != os.path.dirname(t):
         return "it does not lie beside the target (in the same directory)"
-    if b.endswith(fmt.ARCHIVE_SUFFIX) or not os.path.isdir(b):
-        return "it is not a directory checkpoint"
+    if not (os.path.isdir(b) or (b.endswith(fmt.ARCHIVE_SUFFIX) and os.path.isfile(b))):
+        return "it is not a directory checkpoint or an archive"
     return None
 
 
@@ -126,11 +127,42 @@ def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> R
     except TddistError as e:
         logger.warning("rank %d: cannot read base %s (%s); every chunk is written", rank, base, e)
         return None
-    if m.layout != "directory" or m.packing != "packed":
-        logger.info("rank %d: base %s is not a packed directory; every chunk is written", rank, base)
+    if m.layout == "directory" and m.packing != "packed":
+        logger.info("rank %d: base %s is a directory of packing memmap; every chunk is written", rank, base)
         return None
     table = (Holder(os.path.basename(os.path.abspath(base)), generation), *m.referenced())
-    return RankBase(base, table, _same_layout(m, rank, items))
+    chunks = _same_layout(m, rank, items) if m.layout == "directory" else _same_chunks(m, rank, items)
+    return RankBase(base, table, chunks)
+
+
+def _same_chunks(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key, BaseChunk]:
+    """An archive base: this rank's chunks of ``m`` by key, each of the same leaf, dtype and size (a DTensor's
+    the same box): a reader finds it in the archive's entry of that leaf and rank."""
+    out: dict[Key, BaseChunk] = {}
+    if rank >= m.world_size:
+        return out
+    for item in items:
+        leaf = m.leaves.get(item.key)
+        nbytes = item.tensor.numel() * item.tensor.element_size()
+        i = None if leaf is None else leaf.table.index_of_rank(rank)
+        if not item.writes or not nbytes or leaf is None or i is None:
+            continue
+        chunk = leaf.table.chunk(i)
+        if leaf.dtype_name != fmt.dtype_name(item.tensor.dtype) or chunk.nbytes != nbytes:
+            continue
+        if item.dtensor is not None and tuple(map(tuple, chunk.box)) != tuple(map(tuple, item.dtensor.box)):
+            continue
+        out[item.key] = _base_chunk(leaf, i, int(chunk.checksum, 16))
+    return out
+
+
+def _base_chunk(leaf: Leaf, i: int, checksum: int) -> BaseChunk:
+    """Chunk ``i`` of the base's ``leaf``: its holder in the new table, its checksum and identity."""
+    ident = None
+    if leaf.refs is not None:
+        lo, hi = (int(x) for x in leaf.refs.ids[i])
+        ident = lo | (hi << 64)
+    return BaseChunk(leaf.holder_of(i) + 1, checksum, ident)
 
 
 def _same_layout(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key, BaseChunk]:
@@ -149,12 +181,7 @@ def _same_layout(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key,
         chunk = leaf.table.chunk(i)
         if item.dtensor is not None and tuple(map(tuple, chunk.box)) != tuple(map(tuple, item.dtensor.box)):
             return {}
-        held = leaf.holder_of(i)
-        ident = None
-        if leaf.refs is not None:
-            lo, hi = (int(x) for x in leaf.refs.ids[i])
-            ident = lo | (hi << 64)
-        out[item.key] = BaseChunk(held + 1, int(chunk.checksum, 16), ident)
+        out[item.key] = _base_chunk(leaf, i, int(chunk.checksum, 16))
     return out
 
 
@@ -248,62 +275,86 @@ def _identify(
     if known is not None and data.size and known.checksum == int(checksum, 16):
         if known.identity is not None:
             held = known.holder if known.identity == ident else 0
-        elif holders.same_bytes(known.holder, offset, data):
+        elif holders.same_bytes(known.holder, item.key, offset, data):
             held = known.holder
     out.holders[item.key] = held
     return held
 
 
 class _HolderFiles:
-    """This rank's data file in each holder, opened once (pinned at its recorded generation) when a base
-    without identities makes a comparison of bytes necessary."""
+    """This rank's chunks in each holder, opened once (at its recorded generation) when a base without
+    identities makes a comparison of bytes necessary: a packed directory's data file of this rank, or an
+    archive's entries."""
 
     def __init__(self, base: RankBase | None, rank: int) -> None:
         self.base, self.rank = base, rank
-        self.fds: dict[int, int] = {}
+        self.opened: dict[int, _Holder | None] = {}
 
     def known(self, key: Key) -> BaseChunk | None:
         return None if self.base is None else self.base.chunks.get(key)
 
-    def same_bytes(self, holder: int, offset: int, data: np.ndarray) -> bool:
-        """Whether holder ``holder``'s bytes at ``offset`` of this rank's data file equal ``data``."""
-        fd = self._fd(holder)
-        if fd is None:
-            return False
-        view = memoryview(data.data).cast("B")
-        for lo in range(0, len(view), fmt.CHECKSUM_BLOCK):
-            block = view[lo : lo + fmt.CHECKSUM_BLOCK]
-            if os.pread(fd, len(block), offset + lo) != block:
-                return False
-        return True
+    def same_bytes(self, holder: int, key: Key, offset: int, data: np.ndarray) -> bool:
+        """Whether holder ``holder``'s bytes of this rank's chunk of ``key`` (at ``offset`` of a packed data
+        file of this checkpoint's layout) equal ``data``."""
+        if holder not in self.opened:
+            self.opened[holder] = self._open(holder)
+        found = self.opened[holder]
+        return found is not None and found.equal(key, self.rank, offset, data)
 
-    def _fd(self, holder: int) -> int | None:
-        if holder not in self.fds:
-            self.fds[holder] = self._open(holder)
-        fd = self.fds[holder]
-        return None if fd < 0 else fd
-
-    def _open(self, holder: int) -> int:
-        from .pinned import PinnedCheckpoint
-
+    def _open(self, holder: int) -> _Holder | None:
         assert self.base is not None
         h = self.base.table[holder - 1]
         path = os.path.join(os.path.dirname(os.path.abspath(self.base.path)), h.name)
         try:
-            with open_manifest(path) as opened:
-                pin = opened.pin
-                if opened.generation != h.generation or not isinstance(pin, PinnedCheckpoint):
-                    return -1
-                fd = pin.open_file(fmt.rank_data_name(self.rank))
+            return _Holder.open(path, h.generation, self.rank)
         except (TddistError, OSError) as e:
             logger.warning("rank %d: cannot read holder %s (%s); its chunks are written", self.rank, path, e)
-            return -1
-        return -1 if fd is None else fd
+            return None
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            if fd >= 0:
-                os.close(fd)
+        for found in self.opened.values():
+            if found is not None:
+                found.close()
+
+
+@dataclass
+class _Holder:
+    """One holder, opened for comparisons: a packed directory's data file (``fd``) or an archive's entries."""
+
+    manifest: Manifest
+    fd: int = -1
+    archive: Any = None  # ``archive.ArchiveFiles``
+
+    @staticmethod
+    def open(path: str, generation: str, rank: int) -> _Holder | None:
+        from .archive import ArchiveFiles
+        from .pinned import PinnedCheckpoint
+
+        with open_manifest(path) as opened:
+            pin, m = opened.pin, opened.manifest
+            if opened.generation != generation:
+                return None
+            if m.layout == "archive":
+                return _Holder(m, archive=ArchiveFiles(path))
+            fd = pin.open_file(fmt.rank_data_name(rank)) if isinstance(pin, PinnedCheckpoint) else None
+        return None if fd is None else _Holder(m, fd=fd)
+
+    def equal(self, key: Key, rank: int, offset: int, data: np.ndarray) -> bool:
+        view = memoryview(data.data).cast("B")
+        if self.archive is not None:
+            rel = fmt.leaf_relpath(rank, key, self.manifest.robust_key)
+            held = self.archive.span(Location(rel, 0, len(view), len(view))).numpy()
+            return bool(np.array_equal(held, data))
+        for lo in range(0, len(view), fmt.CHECKSUM_BLOCK):
+            block = view[lo : lo + fmt.CHECKSUM_BLOCK]
+            if os.pread(self.fd, len(block), offset + lo) != block:
+                return False
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def identity_columns(ids: list[int]) -> bytes:

@@ -23,9 +23,9 @@ from ..checksum import combine_digests, hash_blocks
 from ..core.sharding import PerRank
 from ..core.types import EncodedObject, Key
 from ..errors import CorruptCheckpointError
-from ..loading.read import open_holder
-from ..manifest.locate import Locator
-from ..manifest.model import Manifest
+from ..loading.read import held_location, open_holder
+from ..manifest.locate import Location, Locator
+from ..manifest.model import Chunk, Leaf, Manifest
 from ..manifest.v2 import encode
 from ..storage.archive import ArchiveFiles, check_archive_target
 from ..storage.backends import local_files, open_checkpoint
@@ -59,7 +59,7 @@ def _files(manifest: Manifest, src: OpenedCheckpoint) -> tuple[dict[str, bytes],
     for leaf in manifest.leaves.values():
         for i, c in enumerate(leaf.chunks):
             if c.nbytes:
-                data = held.of(leaf.holder_of(i)).span(locator.locate(leaf, c))
+                data = held.span(leaf, i, c, locator.locate(leaf, c))
                 leaves[fmt.leaf_relpath(c.rank, leaf.key, manifest.robust_key)] = (data, c.checksum)
     if manifest.packing != "memmap":  # a packed directory has no meta.json: write what each rank's would be
         return {
@@ -76,18 +76,23 @@ class HeldFiles:
     copy of it holds every byte itself."""
 
     def __init__(self, path: str, manifest: Manifest, own: Any) -> None:
-        self.path, self.manifest = path, manifest
-        self.opened: dict[int, Any] = {0: own}
+        self.path, self.manifest, self.own = path, manifest, own
+        self.opened: dict[int, tuple[OpenedCheckpoint, Any]] = {}
 
-    def of(self, holder: int) -> Any:
-        """The reader of holder ``holder`` (0: the checkpoint's own files).
+    def span(self, leaf: Leaf, i: int, chunk: Chunk, own: Location) -> torch.Tensor:
+        """Chunk ``i`` of ``leaf`` (``own``: where it would lie here), from the checkpoint that holds it.
 
         Raises:
-            CorruptCheckpointError: the holder is missing, damaged or replaced.
+            CorruptCheckpointError: its holder is missing, damaged or replaced.
         """
-        if holder not in self.opened:
-            self.opened[holder] = open_holder(self.path, self.manifest, holder).files()
-        return self.opened[holder]
+        h = leaf.holder_of(i)
+        if not h:
+            return self.own.span(own)
+        if h not in self.opened:
+            opened = open_holder(self.path, self.manifest, h)
+            self.opened[h] = (opened, opened.files())
+        opened, files = self.opened[h]
+        return files.span(held_location(opened, leaf, chunk, own))
 
 
 def _rank_meta_files(m: Manifest, rank: int) -> dict[str, bytes]:

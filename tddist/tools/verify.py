@@ -232,6 +232,14 @@ def _where(leaf: Leaf, chunk: Chunk) -> str:
     return f"leaf {list(leaf.key)} (written by rank {chunk.rank})"
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A holder of an incremental checkpoint, opened: its manifest and pin, and its chunks' reader."""
+
+    opened: Any
+    files: Any
+
+
 class _Check:
     """One run of ``verify``: the checks of each packing, and the problems found."""
 
@@ -264,6 +272,7 @@ class _Check:
         placed = self.locator.every_rank()  # every chunk by rank: each file is mapped once, then unmapped
         found_in_chunks = [(li, i, p) for li, i, p in self._empty_chunk_problems() if p.rank not in bad]
         leaves = list(m.leaves.values())
+        from ..loading.read import held_location
         from ..storage.backends import local_files  # imports torch
 
         for rank in np.unique(placed.ranks).tolist():
@@ -278,31 +287,31 @@ class _Check:
             ):
                 leaf = leaves[li]
                 chunk, h = leaf.table.chunk(i), leaf.holder_of(i)
-                files = own if not h else holders.get(h)
-                if files is None:  # its holder is reported already
+                loc = Location(name, at, chunk.nbytes, size)
+                if h and h not in holders:  # its holder is reported already
                     continue
-                problem = self._check_chunk_bytes(files, leaf, chunk, Location(name, at, chunk.nbytes, size))
+                files = own if not h else holders[h].files
+                loc = loc if not h else held_location(holders[h].opened, leaf, chunk, loc)
+                problem = self._check_chunk_bytes(files, leaf, chunk, loc)
                 if problem is not None:
                     found_in_chunks.append((li, i, problem))
             del own
         found_in_chunks.sort(key=lambda t: (t[0], t[1]))
         self.problems.extend(p for _li, _i, p in found_in_chunks)
 
-    def _holders(self) -> dict[int, Any]:
-        """An incremental checkpoint's holders, opened at the generations it recorded: their chunk readers by
-        number; each one missing, unreadable or replaced is a problem (its chunks are not read)."""
+    def _holders(self) -> dict[int, _Held]:
+        """An incremental checkpoint's holders, opened at the generations it recorded, by number; each one
+        missing, unreadable or replaced is a problem (its chunks are not read)."""
         from ..loading.read import open_holder  # imports torch
 
-        out: dict[int, Any] = {}
+        out: dict[int, _Held] = {}
         for h, holder in enumerate(self.manifest.referenced(), start=1):
             try:
                 opened = open_holder(self.root, self.manifest, h)
             except CorruptCheckpointError as e:
                 self.problems.append(Problem(HOLDER, None, None, holder.name, f"{e}"))
                 continue
-            out[h] = opened.files()
-            held = sum(int((leaf.refs.holders == h).sum()) for leaf in self.manifest.leaves.values() if leaf.refs)
-            logger.debug("%s holds %d chunk(s) of %s", holder.name, held, self.root)
+            out[h] = _Held(opened, opened.files())
         return out
 
     def _check_world(self) -> None:
