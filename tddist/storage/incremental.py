@@ -8,10 +8,13 @@ referenced chunk's range of the data file is left unwritten (a hole): every
 offset stays the one section 2.3 derives, and a reader takes those bytes
 from the holder's data file of the same rank, at the same offset.
 
-A chunk may be referenced only when this rank's data file in the base has
-exactly the layout of its data file now (the same leaves, in the same order,
-each with a chunk of the same size here; a DTensor chunk the same box):
-the holder's offsets are then this checkpoint's. Anything else is written.
+A packed directory's chunk may be referenced only when this rank's data file
+in the base has exactly the layout of its data file now (the same leaves, in
+the same order, each with a chunk of the same size here; a DTensor chunk the
+same box): the holder's offsets are then this checkpoint's. An archive's
+chunk may be referenced when it is of the same leaf, dtype and size (a
+DTensor chunk the same box): a reader finds it in the archive's entry.
+Anything else is written.
 """
 
 from __future__ import annotations
