@@ -359,3 +359,31 @@ def test_an_archive_base_holds_references_read_through_its_entries(tmp_path):
     os.remove(base)
     assert not verify(s3).ok
     assert (tddist.load(whole, verify=True) == expected(3)).all()
+
+
+def test_info_and_verify_commands_report_the_references(tmp_path):
+    """``tddist info --json`` lists the holders with the bytes each holds; ``tddist verify --json`` names a lost
+    holder as a ``holder`` problem (exit status 1)."""
+    import subprocess
+    import sys
+
+    s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    save_all(s1, 1)
+    save_all(s2, 2, base=s1)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+
+    def cli(*args: str) -> tuple[int, dict]:
+        done = subprocess.run([sys.executable, "-m", "tddist.cli", *args], env=env, capture_output=True, text=True)
+        return done.returncode, json.loads(done.stdout)
+
+    rc, info = cli("info", "--json", s2)
+    m = tddist.read_manifest(s2)
+    own = sum(int(leaf.table.columns().nbytes.sum()) for leaf in m.leaves.values()) - info["references"][0]["bytes"]
+    assert rc == 0 and [r["name"] for r in info["references"]] == ["s1"] and own == 8 * 8 * 4 + 8
+    rc, full = cli("info", "--json", s1)
+    assert full["references"] is None
+    import shutil
+
+    shutil.rmtree(s1)
+    rc, report = cli("verify", "--json", s2)
+    assert rc == 1 and [(p["kind"], p["file"]) for p in report["problems"]] == [("holder", "s1")]
