@@ -88,8 +88,9 @@ def build_fragments(ranks: int, leaves: int) -> tuple[Structure, list[Fragment],
     frags, pickled = [], 0
     for r in range(ranks):
         sums = rng.integers(1, 2**63, size=leaves, dtype=np.int64).astype("<u8").tobytes()
-        largest = rng.random(leaves).astype("<f8").tobytes()  # each float leaf's largest finite magnitude
-        frag = Fragment(r, structure.digest, node_rows, lengths, sums, b"", largest=largest)
+        # A clean state's counts: no chunk with NaN or Inf, the rank's largest finite magnitude and its leaf.
+        largest, at = float(rng.random()), int(rng.integers(leaves))
+        frag = Fragment(r, structure.digest, node_rows, lengths, sums, b"", largest=largest, largest_leaf=at)
         blob = pickle.dumps(frag, protocol=pickle.HIGHEST_PROTOCOL)
         pickled += len(blob)
         frags.append(pickle.loads(blob))

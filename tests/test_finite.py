@@ -23,6 +23,7 @@ from tensordict import TensorDict
 import tddist
 from tddist.checksum import tensor_bytes
 from tddist.core.finite import PIECE, ChunkStats, buffer_stats, is_floating
+from tddist.manifest.model import LargestMagnitude
 
 FLOATING = [
     torch.float64,
@@ -155,9 +156,12 @@ def test_every_writer_records_the_counts(tmp_path, how, bad):
     assert m.leaves[("i",)].stats is None
     expected = _state(bad)
     for key in (("w",), ("h",), ("model", "emb")):
-        assert m.leaves[key].stats.total() == _truth(expected[key]), key
-    found = [(b.key, b.stats.nan, b.stats.inf) for b in m.non_finite()]
+        truth = _truth(expected[key])
+        assert m.leaves[key].stats.total() == (truth.nan, truth.inf), key
+        assert m.leaves[key].stats.finite == truth.finite, key
+    found = [(b.key, b.nan, b.inf) for b in m.non_finite()]
     assert found == ([(("w",), 1, 0), (("h",), 0, 1)] if bad else [])
+    assert m.largest_magnitude() == LargestMagnitude(7.5, ("model", "emb"), 0)  # emb's -7.5
 
 
 def test_each_ranks_chunk_is_counted_on_thread_ranks(tmp_path):
@@ -175,9 +179,14 @@ def test_each_ranks_chunk_is_counted_on_thread_ranks(tmp_path):
     assert tddist.run_threads(3, rank_main) == ["ok"] * 3
     m = tddist.read_manifest(tmp_path / "c")
     x = m.leaves[("b", "x")].stats
-    assert x.inf.tolist() == [0, 0, 1] and x.max_abs.tolist() == [1.0, 2.0, 3.0]
-    assert m.leaves[("r",)].stats.total() == ChunkStats(0, 0, 4.0)
+    assert (x.chunks.tolist(), x.nan.tolist(), x.inf.tolist()) == ([2], [0], [1])  # only the chunk that holds it
+    assert m.leaves[("r",)].stats.finite and m.leaves[("r",)].stats.total() == (0, 0)
     assert [(b.key, b.ranks) for b in m.non_finite()] == [(("b", "x"), (2,))]
+    # each rank's largest finite magnitude and its leaf: x's value (rank 2: its Inf is not finite), or r's 4.0
+    writer, at = m.leaves[("r",)].table.writer, list(m.leaves).index
+    expected = [(4.0, at(("r",))) if r == writer else (float(r + 1), at(("b", "x"))) for r in range(3)]
+    assert list(zip(m.largest.values.tolist(), m.largest.leaves.tolist())) == expected
+    assert m.largest_magnitude() == LargestMagnitude(4.0, ("r",), writer)
 
 
 # --- save(require_finite=True) ------------------------------------------------------------------------------------
@@ -232,9 +241,12 @@ def test_info_and_verify_report_non_finite_leaves_as_findings(tmp_path):
         (["w"], 1, 0, [0]),
         (["h"], 0, 1, [0]),
     ]
-    assert json.loads(_cli("info", "--json", str(tmp_path / "good")).stdout)["finite"] is True
+    good = json.loads(_cli("info", "--json", str(tmp_path / "good")).stdout)
+    assert good["finite"] is True and good["non_finite"] == []
+    assert info["largest_magnitude"] == good["largest_magnitude"] == {"value": 7.5, "key": ["model", "emb"], "rank": 0}
     text = _cli("info", str(tmp_path / "bad")).stdout
     assert "2 tensor(s) hold NaN or Inf values" in text and "non-finite: w: 1 NaN, 0 Inf" in text
+    assert "largest finite magnitude: 7.5 (model/emb, rank 0)" in text
     verify = _cli("verify", "--json", str(tmp_path / "bad"))
     doc = json.loads(verify.stdout)
     assert verify.returncode == 0 and doc["ok"] and [b["key"] for b in doc["non_finite"]] == [["w"], ["h"]]

@@ -481,7 +481,7 @@ def test_v3_golden_manifest_checksum(name):
             assert b"manifest_checksum" not in _files(old / name)["tddist.json"]
 
 
-# --- version 4: counts of non-finite values per floating chunk ----------------------------------
+# --- version 4: counts of non-finite values, sparse, and each rank's largest finite magnitude --------------
 
 
 def _expected_counts(t: torch.Tensor) -> tuple[int, int, float]:
@@ -492,61 +492,77 @@ def _expected_counts(t: torch.Tensor) -> tuple[int, int, float]:
     return int(torch.isnan(v).sum()), int(torch.isinf(v).sum()), float(finite.abs().max()) if finite.numel() else 0.0
 
 
-def _section5(path: Path) -> dict[tuple[str, ...], list[tuple[int, int, float]]]:
-    """Each counted leaf's (NaN, Inf, largest finite magnitude) per chunk, read from the index's last section as
-    docs/format.md section 5.4 lays it out (not through tddist's parser)."""
+def _sections_5_and_6(path: Path) -> tuple[set, dict, list[tuple[float, int]]]:
+    """The counted leaves (``"finite_stats": true``), each leaf's non-finite chunks (chunk index, NaN, Inf) from
+    the index's section 5, and each rank's (largest finite magnitude, leaf position) from its section 6, read as
+    docs/format.md section 5.4 lays them out (not through tddist's parser)."""
     files = _files(path)
     obj = json.loads(files["tddist.json"])
     index = files["tddist.idx"]
-    counted = [e for e in obj["leaves"] if e.get("finite_stats")]
     world = obj["world_size"]
-
-    def chunks(e: dict) -> int:
-        kind = e["placement"]["type"]
-        return world if kind in ("shard", "per_rank") else 1 if kind == "replicate" else e["chunks"]
-
-    total = sum(3 * chunks(e) for e in counted)
-    pos = len(index) - 8 * total
-    out = {}
-    for e in counted:
-        n = chunks(e)
-        nan = struct.unpack_from(f"<{n}Q", index, pos)
-        inf = struct.unpack_from(f"<{n}Q", index, pos + 8 * n)
-        top = struct.unpack_from(f"<{n}d", index, pos + 16 * n)
-        pos += 24 * n
-        out[tuple(e["key"])] = list(zip(nan, inf, top))
-    return out
+    counted = {tuple(e["key"]) for e in obj["leaves"] if e.get("finite_stats")}
+    sparse = [e for e in obj["leaves"] if e.get("non_finite_chunks")]
+    assert obj["rank_magnitudes"] is True
+    pos = len(index) - 8 * (sum(3 * e["non_finite_chunks"] for e in sparse) + 2 * world)
+    chunks = {}
+    for e in sparse:
+        k = e["non_finite_chunks"]
+        at, nan, inf = (struct.unpack_from(f"<{k}q", index, pos + 8 * k * j) for j in range(3))
+        pos += 24 * k
+        chunks[tuple(e["key"])] = list(zip(at, nan, inf))
+    values = struct.unpack_from(f"<{world}d", index, pos)
+    leaves = struct.unpack_from(f"<{world}q", index, pos + 8 * world)
+    return counted, chunks, list(zip(values, leaves))
 
 
 @pytest.mark.parametrize("name", [recipe.SINGLE, recipe.SINGLE_MEMMAP, recipe.EXTENDED_ARCHIVE])
 def test_v4_golden_counts_non_finite_values(name):
-    """Every floating leaf of a version-4 golden checkpoint is counted, and its counts are those of the
-    recipe's values (checkpoint (a) holds one NaN and one -Inf in batch/obs); older versions count nothing."""
+    """Every floating leaf of a version-4 golden checkpoint is counted; only the chunks that hold NaN or Inf
+    are listed, with the recipe's counts (checkpoint (a) holds one NaN and one -Inf in batch/obs), and the
+    rank's largest finite magnitude is that of the recipe's values, in the leaf named; older versions count
+    nothing."""
     path = V4 / name
-    counts = _section5(path)
+    counted, chunks, ranks = _sections_5_and_6(path)
     whole = tddist.load(path, shard=None, verify=True)
     floating = {k for k, v in whole.items(True, True) if isinstance(v, torch.Tensor) and v.is_floating_point()}
     floating |= {k for k, v in whole.items(True, True) if isinstance(v, torch.Tensor) and v.is_complex()}
-    assert {tuple(k) if isinstance(k, tuple) else (k,) for k in floating} == set(counts)
-    for key, per_chunk in counts.items():  # the whole leaf's: each rank's chunk summed up
-        nan, inf, top = sum(c[0] for c in per_chunk), sum(c[1] for c in per_chunk), max(c[2] for c in per_chunk)
-        assert (nan, inf, top) == pytest.approx(_expected_counts(whole[key])), key
+    assert {tuple(k) if isinstance(k, tuple) else (k,) for k in floating} == counted
+    expected = {key: _expected_counts(whole[key]) for key in counted}
+    assert {k: (sum(c[1] for c in v), sum(c[2] for c in v)) for k, v in chunks.items()} == {
+        k: (nan, inf) for k, (nan, inf, _top) in expected.items() if nan or inf
+    }
+    value, at = max(ranks)  # the largest of the ranks' (each rank's own is checked on three_ranks below)
+    obj = json.loads(_files(path)["tddist.json"])
+    assert value == max(top for _n, _i, top in expected.values())
+    assert expected[tuple(obj["leaves"][at]["key"])][2] == value
     m = tddist.read_manifest(path)
     if name != recipe.EXTENDED_ARCHIVE:
-        assert [(b.key, b.stats.nan, b.stats.inf) for b in m.non_finite()] == [(("batch", "obs"), 1, 1)]
-    assert not m.uncounted()
+        assert [(b.key, b.nan, b.inf) for b in m.non_finite()] == [(("batch", "obs"), 1, 1)]
+    assert not m.uncounted() and m.largest_magnitude().value == value
     assert all(leaf.stats is None for leaf in tddist.read_manifest(V3 / name).leaves.values())
+    assert tddist.read_manifest(V3 / name).largest is None
 
 
-def test_v4_golden_three_ranks_counts_each_ranks_chunk():
-    """A sharded leaf has one count per rank (rank 1's chunk is empty: all zeros); a replicated leaf one."""
+def test_v4_golden_three_ranks_records_each_ranks_largest_magnitude():
+    """Clean: no chunk listed; each rank's largest finite magnitude is the largest among the chunks it stored
+    (rank 1's sharded chunks are empty; replicated leaves count on their writer only)."""
     m = tddist.read_manifest(V4 / recipe.MULTI)
     g = recipe.multi_rank_global()
+    top = [0.0] * m.world_size
     for key, leaf in m.leaves.items():
         if leaf.stats is None:
             continue
-        assert len(leaf.stats.nan) == len(leaf.table)
-        assert leaf.stats.total().max_abs == pytest.approx(_expected_counts(g[key])[2])
+        assert leaf.stats.finite
+        for c in leaf.chunks:
+            offsets, sizes = c.box
+            piece = g[key][tuple(slice(o, o + z) for o, z in zip(offsets, sizes))]
+            if piece.numel():
+                top[c.rank] = max(top[c.rank], _expected_counts(piece)[2])
+    assert m.largest.values.tolist() == pytest.approx(top)
+    g_top = {key: _expected_counts(g[key])[2] for key in m.leaves if m.leaves[key].stats is not None}
+    for rank, at in enumerate(m.largest.leaves.tolist()):
+        assert (at == -1) == (top[rank] == 0.0), rank
+        assert at == -1 or g_top[list(m.leaves)[at]] >= top[rank], rank  # a leaf that holds that magnitude
     assert not m.non_finite()
 
 

@@ -21,6 +21,7 @@ from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
 from tddist.saving.prepare import prepare_shard
 from tddist.storage.base import WriterBase
+from tddist.storage.writer import stored_bytes
 
 CS = "0123456789abcdef"  # a well-formed checksum
 
@@ -39,7 +40,7 @@ def vote(rank: int, shard: LocalShard, check_replicas: bool = False, cache: Merg
     options = SaveOptions("/t", "directory", {}, True, 0, check_replicas, True, False, False)
     w = WriterBase(options, rank, shard, cache)
     plan = w.make_plan()
-    stored = {i.key: StoredBytes(i.tensor.numel() * i.tensor.element_size(), checksum_bytes(tensor_bytes(i.tensor)))
+    stored = {i.key: stored_bytes(tensor_bytes(i.tensor), fmt.dtype_name(i.tensor.dtype))
               for i in shard.items if i.writes}  # fmt: skip
     return plan, w.fragment(stored)
 
@@ -180,6 +181,47 @@ def test_dtensor_boxes_must_tile_and_take_the_cached_path():
         merge(gap, cache=MergeCache())
 
 
+def test_counts_of_a_dtensor_name_the_chunk_of_the_rank_that_stored_it():
+    """Rank 1 holds a replica of rank 0's box and stores nothing; rank 2's box (chunk 1, not 2) holds an Inf
+    and a NaN: the merge lists chunk 1 only, and each rank's largest finite magnitude (rank 1's: none)."""
+
+    def box(b, writes, fill):
+        t = torch.full(b[1], fill)
+        if fill == 3.0:
+            t[0, 0], t[1, 1] = float("inf"), float("nan")
+        item = SaveItem(("d",), t, Boxes(), writes, DTensorBox(b, (4, 2)))
+        return LocalShard({(): ()}, (item,), {})
+
+    m = merge([box(((0, 0), (2, 2)), True, -2.0), box(((0, 0), (2, 2)), False, -2.0), box(((2, 0), (2, 2)), True, 3.0)])
+    d = m.leaves[("d",)]
+    assert d.table.columns().ranks.tolist() == [0, 2]
+    assert (d.stats.chunks.tolist(), d.stats.nan.tolist(), d.stats.inf.tolist()) == ([1], [1], [1])
+    assert [(b.key, b.nan, b.inf, b.ranks) for b in m.non_finite()] == [(("d",), 1, 1, (2,))]
+    assert m.largest.values.tolist() == [2.0, 0.0, 3.0] and m.largest.leaves.tolist() == [0, -1, 0]
+
+
+def test_a_leaf_some_rank_did_not_count_is_uncounted_not_finite():
+    """A vote that stored a floating leaf without counts (no tddist writer does) makes the merged leaf
+    uncounted (``stats`` None: of unknown finiteness), never finite."""
+    shards = three_ranks()
+    votes = [vote(r, s) for r, s in enumerate(shards)]
+    plain = WriterBase(SaveOptions("/t", "directory", {}, True, 0, False, True, False, False), 1, shards[1])
+    plain.make_plan()
+    stored = {
+        i.key: StoredBytes(i.tensor.numel() * 4, checksum_bytes(tensor_bytes(i.tensor)))
+        for i in shards[1].items
+        if i.writes
+    }
+    frags = [votes[0][1], plain.fragment(stored), votes[2][1]]
+    assert frags[1].uncounted and not frags[0].uncounted
+    m = merge_fragments(
+        frags, votes[0][0].structure, metadata={}, robust_key=True, version="test", container="directory",
+        packing="packed",
+    )  # fmt: skip
+    assert m.leaves[("b", "x")].stats is None and m.uncounted() == [("b", "x")]
+    assert not m.non_finite()
+
+
 def test_a_failed_save_does_not_feed_the_next_merge():
     """What rank 0 merged for a save that never committed is not reused by the next save."""
     cache = MergeCache()
@@ -206,14 +248,16 @@ def test_cached_path_switches_back_on_any_change():
     assert cache.full_merges == 3
 
 
-def test_fragment_is_24_bytes_per_leaf():
-    """A rank's vote carries 24 bytes per sharded floating leaf (its rows, checksum and largest finite magnitude;
-    counts of NaN and Inf only for the chunks that hold any) plus a constant."""
+def test_fragment_is_16_bytes_per_leaf():
+    """A rank's vote carries 16 bytes per sharded leaf (its rows and checksum) plus a constant: the counts of a
+    clean floating state add nothing per leaf (NaN and Inf counts only for the chunks that hold any, one
+    largest finite magnitude per rank)."""
     n = 1000
     shard = shard_of(1, TensorDict({f"leaf{i:04d}": torch.zeros(8, 4) for i in range(n)}, [8]))
     plan, frag = vote(1, shard)
     size = len(pickle.dumps(frag, protocol=pickle.HIGHEST_PROTOCOL))
-    assert size <= 24 * n + 1024, size
+    assert size <= 16 * n + 1024, size
+    assert frag.non_finite == frag.uncounted == b"" and (frag.largest, frag.largest_leaf) == (0.0, -1)
     assert plan.structure is None  # only rank 0's plan carries its structure
 
 

@@ -33,6 +33,7 @@ import tddist.loading.read
 from tddist import CorruptCheckpointError, ManifestError
 from tddist import format as fmt
 from tddist.manifest.checksum import seal
+from tddist.manifest.model import LargestMagnitude
 from tddist.manifest.parse import parse_manifest
 from tddist.manifest.v2 import encode
 from tddist.tools.verify import verify as verify_checkpoint
@@ -57,8 +58,8 @@ def _chunk_count(leaf: dict, world: int) -> int:
 
 
 def decode_index(obj: dict, data: bytes) -> dict:
-    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes, counts (version 4); each by
-    key, in order."""
+    """The sections of ``data`` (docs/format.md): node rows, own rows, checksums, boxes, non-finite chunks and the
+    ranks' largest magnitudes (version 4); each by key, in order."""
     world = obj["world_size"]
     pos = 0
 
@@ -83,11 +84,13 @@ def decode_index(obj: dict, data: bytes) -> dict:
             n, d = e["chunks"], len(e["shape"])
             ranks, offsets, sizes = take("<i8", n), take("<i8", n * d), take("<i8", n * d)
             sections["boxes"][tuple(e["key"])] = (ranks, offsets, sizes)
-    sections["counts"] = {}
+    sections["non_finite"] = {}
     for e in obj["leaves"]:
-        if obj["version"] >= 4 and e.get("finite_stats"):
-            n = _chunk_count(e, world)
-            sections["counts"][tuple(e["key"])] = (take("<u8", n), take("<u8", n), take("<f8", n))
+        if obj["version"] >= 4 and e.get("non_finite_chunks"):
+            k = e["non_finite_chunks"]
+            sections["non_finite"][tuple(e["key"])] = (take("<i8", k), take("<u8", k), take("<u8", k))
+    if obj["version"] >= 4 and obj.get("rank_magnitudes"):
+        sections["magnitudes"] = (take("<f8", world), take("<i8", world))
     assert pos == len(data), "the index has bytes its JSON does not account for"
     return sections
 
@@ -99,9 +102,12 @@ def encode_index(sections: dict) -> bytes:
     parts += [np.asarray(v, dtype="<u8").tobytes() for v in sections["checksums"].values()]
     for ranks, offsets, sizes in sections["boxes"].values():
         parts += [np.asarray(a, dtype="<i8").tobytes() for a in (ranks, offsets, sizes)]
-    for nan, inf, largest in sections.get("counts", {}).values():
+    for chunks, nan, inf in sections.get("non_finite", {}).values():
+        parts += [np.asarray(chunks, dtype="<i8").tobytes()]
         parts += [np.asarray(nan, dtype="<u8").tobytes(), np.asarray(inf, dtype="<u8").tobytes()]
-        parts.append(np.asarray(largest, dtype="<f8").tobytes())
+    if "magnitudes" in sections:
+        values, leaves = sections["magnitudes"]
+        parts += [np.asarray(values, dtype="<f8").tobytes(), np.asarray(leaves, dtype="<i8").tobytes()]
     return b"".join(parts)
 
 
@@ -198,10 +204,7 @@ def _as_boxes(path: Path, ranks: list[int], offsets: list[tuple], sizes: list[tu
     x = leaf(obj, "batch", "x")
     x["placement"], x["chunks"] = {"type": "boxes"}, len(ranks)
     del x["rows"]
-    if x.pop("finite_stats", False):  # its counts, one per chunk, for the new chunks
-        nan, inf, largest = s["counts"][("batch", "x")]
-        s["counts"][("batch", "x")] = ([0] * len(ranks), [0] * len(ranks), ([max(largest)] * len(ranks)))
-        x["finite_stats"] = True
+    assert "non_finite_chunks" not in x  # clean: its counts (none) hold for any chunks
     s["checksums"][("batch", "x")] = (s["checksums"][("batch", "x")] * 2)[: len(ranks)]
     s["boxes"][("batch", "x")] = (ranks, [v for o in offsets for v in o], [v for z in sizes for v in z])
     write(path, obj, encode_index(s))
@@ -492,7 +495,7 @@ def test_boxes_leaf_of_zero_chunks_loads_as_an_empty_tensor(tmp_path):
     e.pop("writer", None)
     s["checksums"][("e",)] = []
     s["boxes"][("e",)] = ([], [], [])
-    s["counts"][("e",)] = ([], [], [])  # no chunks, no counts
+    assert "non_finite_chunks" not in e  # no chunks, no counts
     write(path, obj, encode_index(s))
     got = tddist.load(path, shard=None, verify=True)
     assert got["e"].shape == (0, 3) and got["e"].dtype == torch.float64
@@ -594,7 +597,7 @@ def test_archive_without_its_index_is_refused(archive, monkeypatch):
 
 def test_archive_with_a_damaged_index_is_refused(archive, monkeypatch):
     _rewrite_archive(archive, lambda name, data: data[:-8] if name == "tddist.idx" else data)
-    refused(archive, r"entry 'tddist.idx' declares 32 bytes \(32 stored\), its manifest implies 40", monkeypatch)
+    refused(archive, r"entry 'tddist.idx' declares 24 bytes \(24 stored\), its manifest implies 32", monkeypatch)
 
 
 # --- packed data files ------------------------------------------------------------------------------------------
@@ -921,3 +924,101 @@ def test_whole_load_finds_a_flipped_byte_in_any_rank(tmp_path, layout):
     with pytest.raises(CorruptCheckpointError, match=r"leaf \('c',\), rank 3\)"):
         tddist.load(target, shard=None, verify=True)
     assert not torch.equal(tddist.load(target, shard=None)["c"], _whole_state()["c"])
+
+
+# --- version 4: the sparse counts of non-finite values and the ranks' largest magnitudes ----------------------
+
+
+@pytest.fixture
+def diverged(tmp_path) -> Path:
+    """Two ranks: batch/x (4, 3) sharded, rank 1's chunk holding a NaN and an Inf; w (6,) replicated, clean."""
+
+    def rank_main(comm):
+        r = comm.rank
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 6 * r
+        if r == 1:
+            x[0, 0], x[1, 2] = float("nan"), float("-inf")
+        td = TensorDict({"batch": TensorDict({"x": x}, [2]), "w": torch.arange(6.0) - 20}, [])
+        tddist.save(td, tmp_path / "d", comm=comm)
+        return "ok"
+
+    assert tddist.run_threads(2, rank_main) == ["ok", "ok"]
+    return tmp_path / "d"
+
+
+def test_non_finite_chunks_and_magnitudes_as_specified(diverged):
+    """Only rank 1's chunk of batch/x is listed (section 5); each rank's largest finite magnitude and its leaf
+    (section 6): rank 0's 5.0 in batch/x, rank 1's 10.0, or 20.0 in w on w's writer; the manifest encodes back the same."""
+    obj, index = read(diverged)
+    s = decode_index(obj, index)
+    assert leaf(obj, "batch", "x")["non_finite_chunks"] == 1 and "non_finite_chunks" not in leaf(obj, "w")
+    assert s["non_finite"] == {("batch", "x"): ([1], [1], [1])}
+    writer = leaf(obj, "w")["writer"]
+    x_top = [5.0, 10.0]  # rank 1: 6..11 without its NaN (6) and Inf (11)
+    assert s["magnitudes"] == (
+        [20.0 if r == writer else x_top[r] for r in range(2)],
+        [1 if r == writer else 0 for r in range(2)],
+    )
+    m = tddist.read_manifest(diverged)
+    assert [(b.key, b.nan, b.inf, b.ranks) for b in m.non_finite()] == [(("batch", "x"), 1, 1, (1,))]
+    assert m.largest_magnitude() == LargestMagnitude(20.0, ("w",), writer)
+    _round_trip(diverged)
+
+
+def _tamper_section5(i: int, value: int):
+    def change(obj, s):
+        chunks, nan, inf = (list(a) for a in s["non_finite"][("batch", "x")])
+        (chunks, nan, inf)[i][0] = value
+        s["non_finite"][("batch", "x")] = (chunks, nan, inf)
+
+    return change
+
+
+def _tamper_section6(i: int, value):
+    def change(obj, s):
+        values, leaves = (list(a) for a in s["magnitudes"])
+        (values, leaves)[i][0] = value
+        s["magnitudes"] = (values, leaves)
+
+    return change
+
+
+def _more_chunks(obj, s):
+    leaf(obj, "batch", "x")["non_finite_chunks"] = 3  # of 2 chunks
+    s["non_finite"][("batch", "x")] = ([0, 1, 2], [1, 1, 1], [0, 0, 0])
+
+
+def _uncounted_but_listed(obj, s):
+    del leaf(obj, "batch", "x")["finite_stats"]
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_tamper_section5(0, 2), "invalid counts of non-finite values"),  # chunk 2 of 2
+        (_tamper_section5(0, -1), "invalid counts of non-finite values"),
+        (_tamper_section5(1, 6), "invalid counts of non-finite values"),  # 6 NaN + 1 Inf in 6 values
+        (_tamper_section5(1, 0), None),  # control: 0 NaN + 1 Inf still counts one
+        (lambda obj, s: s.update(non_finite={("batch", "x"): ([1], [0], [0])}), "invalid counts of non-finite"),
+        (_more_chunks, "invalid non_finite_chunks 3"),
+        (_uncounted_but_listed, "invalid finite_stats"),
+        (_tamper_section6(0, -1.0), "invalid largest magnitudes"),
+        (_tamper_section6(0, float("nan")), "invalid largest magnitudes"),
+        (_tamper_section6(0, float("inf")), "invalid largest magnitudes"),
+        (_tamper_section6(1, -1), "invalid largest magnitudes"),  # -1 with a nonzero magnitude
+        (_tamper_section6(1, 2), "invalid largest magnitudes"),  # no third leaf
+        (lambda obj, s: obj.update(rank_magnitudes="yes"), "invalid rank_magnitudes"),
+        (lambda obj, s: obj.update(rank_magnitudes=False), "its structure needs"),  # section 6 left over
+    ],
+)
+def test_tampered_counts_are_refused(diverged, monkeypatch, change, match):
+    """Sections 5 and 6 are checked (docs/format.md section 5.7, rule 13) with the index re-encoded and its size
+    and checksum recomputed, so each refusal comes from the tampered numbers."""
+    obj, index = read(diverged)
+    s = decode_index(obj, index)
+    change(obj, s)
+    write(diverged, obj, encode_index(s))
+    if match is None:
+        assert [b.nan for b in tddist.read_manifest(diverged).non_finite()] == [0]
+    else:
+        refused(diverged, match, monkeypatch)

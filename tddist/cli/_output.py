@@ -56,20 +56,23 @@ def non_finite_json(leaf: Any) -> dict:
     """A leaf with NaN or infinite values (``manifest.model.NonFiniteLeaf``) as a ``--json`` member."""
     return {
         "key": list(leaf.key),
-        "nan": leaf.stats.nan,
-        "inf": leaf.stats.inf,
-        "max_abs": leaf.stats.max_abs,
+        "nan": leaf.nan,
+        "inf": leaf.inf,
         "ranks": list(leaf.ranks),
     }
 
 
 def non_finite_lines(leaves: Iterable[Any]) -> list[str]:
     """Lines naming each leaf with NaN or infinite values (a finding about the data, not damage)."""
-    return [
-        f"  non-finite: {key_text(b.key)}: {b.stats.nan} NaN, {b.stats.inf} Inf (ranks {list(b.ranks)[:8]}; largest "
-        f"finite magnitude {b.stats.max_abs:.6g})"
-        for b in leaves
-    ]
+    return [f"  non-finite: {key_text(b.key)}: {b.nan} NaN, {b.inf} Inf (ranks {list(b.ranks)[:8]})" for b in leaves]
+
+
+def largest_json(largest: Any) -> dict | None:
+    """The checkpoint's largest finite magnitude (``manifest.model.LargestMagnitude`` or None) as a ``--json``
+    member."""
+    if largest is None:
+        return None
+    return {"value": largest.value, "key": list(largest.key), "rank": largest.rank}
 
 
 def value_text(enc: object, limit: int = 60) -> str:

@@ -22,6 +22,7 @@ from ._output import (
     human_age,
     human_bytes,
     key_text,
+    largest_json,
     non_finite_json,
     non_finite_lines,
     table,
@@ -183,6 +184,7 @@ def _info_json(path: str, m: Manifest, total: int, left: list[dict]) -> dict:
         "finite": _finite_state(m),
         "non_finite": [non_finite_json(b) for b in m.non_finite()],
         "references": _references_json(m),
+        "largest_magnitude": largest_json(m.largest_magnitude()),
     }
 
 
@@ -235,6 +237,9 @@ def _print_finite(m: Manifest) -> None:
         print(f"  values: not counted ({len(m.uncounted())} floating tensor(s) saved before format version 4)")
     else:
         print("  values: every floating-point value is finite (counted at save)")
+    top = m.largest_magnitude()
+    if top is not None:
+        print(f"  largest finite magnitude: {top.value:.6g} ({key_text(top.key)}, rank {top.rank})")
 
 
 def _leaf_json(leaf: Leaf) -> dict:

@@ -299,7 +299,8 @@ class Fragment:
     The arrays follow the order of the rank's ``Structure``; every rank of a
     save has the same one (equal ``digest``), so rank 0 merges them column
     by column. 16 bytes per leaf and rank, plus the boxes of DTensor leaves
-    when they changed since this rank's previous save.
+    when they changed since this rank's previous save; the counts of
+    non-finite values add nothing per leaf for a clean state.
     """
 
     rank: int
@@ -310,8 +311,11 @@ class Fragment:
     boxes: bytes | None = None  # int64 per Boxes leaf: writes (0/1), offsets, sizes; None: as last time
     objects: tuple[FragmentObject, ...] = ()
     entries: tuple[ArchiveEntryRow, ...] = ()
-    largest: bytes = b""  # float64 per leaf: its chunk's largest finite magnitude here (NaN: not counted here)
+    # Counts of non-finite values (format version 4), sparse: nothing per leaf for a clean state.
     non_finite: bytes = b""  # uint64 triples (leaf index, NaN count, Inf count), only for chunks that hold any
+    uncounted: bytes = b""  # int64 leaf indices: floating leaves stored here without counts (none by tddist's writers)
+    largest: float = 0.0  # the largest finite magnitude among the values of every counted chunk stored here
+    largest_leaf: int = -1  # the leaf index of the chunk that holds it; -1: no counted value here is nonzero
     # An incremental save (``base=``) only: per leaf, which holder of ``base`` holds this rank's chunk (int64,
     # 0: written here, ``h``: ``base[h - 1]``) and its chunk's XXH3-128 (two uint64); ``base``: the holders this
     # rank's numbering refers to (None: it read no base).

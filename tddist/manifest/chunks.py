@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.finite import ChunkStats
 from ..core.sharding import Box, full_box, shard_box
 
 
@@ -52,30 +51,32 @@ class ChunkColumns:
 
 @dataclass(frozen=True, slots=True)
 class LeafStats:
-    """A floating leaf's counts of non-finite values per chunk, in chunk order (format version 4).
+    """A counted floating leaf's non-finite values (format version 4), sparse: only the chunks that hold any,
+    so a clean leaf costs nothing however many chunks it has.
 
     Attributes:
-        nan: each chunk's NaN count (uint64[n]).
-        inf: each chunk's count of infinite values (uint64[n]).
-        max_abs: each chunk's largest finite magnitude (float64[n]).
+        chunks: the indices (in chunk order) of the chunks that hold a NaN or an infinite value, increasing
+            (int64[k]; empty for a leaf whose values are all finite).
+        nan: each of those chunks' NaN count (uint64[k]).
+        inf: each of those chunks' count of infinite values (uint64[k]).
     """
 
+    chunks: np.ndarray
     nan: np.ndarray
     inf: np.ndarray
-    max_abs: np.ndarray
 
-    def chunk(self, i: int) -> ChunkStats:
-        """Chunk ``i``'s stats."""
-        return ChunkStats(int(self.nan[i]), int(self.inf[i]), float(self.max_abs[i]))
+    @property
+    def finite(self) -> bool:
+        """Every value of the leaf is finite."""
+        return len(self.chunks) == 0
 
-    def total(self) -> ChunkStats:
-        """The whole leaf's stats."""
-        top = float(self.max_abs.max()) if len(self.max_abs) else 0.0
-        return ChunkStats(int(self.nan.sum(dtype=np.uint64)), int(self.inf.sum(dtype=np.uint64)), top)
+    def total(self) -> tuple[int, int]:
+        """The whole leaf's NaN and Inf counts."""
+        return int(self.nan.sum(dtype=np.uint64)), int(self.inf.sum(dtype=np.uint64))
 
-    def nonfinite_chunks(self) -> list[int]:
-        """The chunks that hold a NaN or an infinite value."""
-        return [int(i) for i in np.nonzero((self.nan > 0) | (self.inf > 0))[0]]
+
+#: The counts of a leaf whose values are all finite.
+FINITE = LeafStats(np.zeros(0, dtype="<i8"), np.zeros(0, dtype="<u8"), np.zeros(0, dtype="<u8"))
 
 
 def hex_checksum(value: int) -> str:

@@ -24,8 +24,8 @@ from ..core.finite import is_floating
 from ..core.sharding import Box, Boxes, PerRank, Replicate, Shard, box_tiling_problems, replica_writers
 from ..core.types import Fragment, Key, LeafSpec, Structure
 from ..errors import ShardingError
-from .chunks import BoxChunks, ChunkTable, LeafStats, ReplicaChunks, ShardChunks
-from .model import Leaf, Manifest, ObjectLeaf
+from .chunks import FINITE, BoxChunks, ChunkTable, LeafStats, ReplicaChunks, ShardChunks
+from .model import Leaf, Manifest, ObjectLeaf, RankMagnitudes
 from .refs import RefColumns, merge_leaf_refs, used_holders
 
 logger = logging.getLogger(__name__)
@@ -83,16 +83,11 @@ class _Columns:
         node_rows: each batched node's rows per rank.
         lengths: each leaf's length along its shard dim per rank.
         checksums: each leaf's chunk checksum per rank.
-        nan, inf: each leaf's counts of NaN and infinite values per rank (uint64).
-        largest: each leaf's largest finite magnitude per rank (float64; NaN: that rank did not count it).
     """
 
     node_rows: np.ndarray
     lengths: np.ndarray
     checksums: np.ndarray
-    nan: np.ndarray
-    inf: np.ndarray
-    largest: np.ndarray
 
     @classmethod
     def stack(cls, fragments: list[Fragment]) -> _Columns:
@@ -102,24 +97,41 @@ class _Columns:
             node_rows=np.stack([np.frombuffer(f.node_rows, dtype=_I8) for f in fragments]).reshape(world, -1),
             lengths=np.stack([np.frombuffer(f.lengths, dtype=_I8) for f in fragments]).reshape(world, -1),
             checksums=np.stack([np.frombuffer(f.checksums, dtype=_U8) for f in fragments]).reshape(world, -1),
-            **_stats_columns(fragments),
         )
 
 
-def _stats_columns(fragments: list[Fragment]) -> dict[str, np.ndarray]:
-    """Every rank's counts per leaf (ranks x leaves: ``nan``, ``inf``, ``largest``) from the votes' dense
-    magnitudes and sparse counts."""
-    leaves = len(fragments[0].checksums) // 8
-    largest = np.full((len(fragments), leaves), np.nan, dtype="<f8")  # a vote without them counted nothing
-    for r, f in enumerate(fragments):
-        if f.largest:
-            largest[r] = np.frombuffer(f.largest, dtype="<f8")
-    nan, inf = np.zeros(largest.shape, dtype=_U8), np.zeros(largest.shape, dtype=_U8)
-    for r, f in enumerate(fragments):
-        triples = np.frombuffer(f.non_finite, dtype=_U8).reshape(-1, 3)
-        at = triples[:, 0].astype(np.int64)
-        nan[r, at], inf[r, at] = triples[:, 1], triples[:, 2]
-    return {"nan": nan, "inf": inf, "largest": largest}
+@dataclass(frozen=True)
+class _Counts:
+    """The votes' counts of non-finite values (sparse: nothing for a clean save).
+
+    Attributes:
+        by_leaf: for each leaf index with chunks that hold a NaN or an Inf: the ranks that stored them and
+            their NaN and Inf counts (int64, uint64, uint64 arrays, in rank order).
+        uncounted: the leaf indices some rank stored without counting them.
+        largest: each rank's largest finite magnitude and the index of the leaf that holds it.
+    """
+
+    by_leaf: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    uncounted: frozenset[int]
+    largest: RankMagnitudes
+
+    @classmethod
+    def gather(cls, fragments: list[Fragment]) -> _Counts:
+        """The counts of every rank's vote (``storage.base.encode_stats``)."""
+        rows = [(f.rank, np.frombuffer(f.non_finite, dtype=_U8).reshape(-1, 3)) for f in fragments if f.non_finite]
+        by_leaf: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        if rows:
+            ranks = np.concatenate([np.full(len(t), r, dtype=_I8) for r, t in rows])
+            triples = np.concatenate([t for _r, t in rows])
+            order = np.lexsort((ranks, triples[:, 0]))  # by leaf, then rank
+            ranks, triples = ranks[order], triples[order]
+            leaves, starts = np.unique(triples[:, 0], return_index=True)
+            for leaf, lo, hi in zip(leaves.tolist(), starts.tolist(), [*starts[1:].tolist(), len(ranks)]):
+                by_leaf[int(leaf)] = (ranks[lo:hi], triples[lo:hi, 1], triples[lo:hi, 2])
+        uncounted = frozenset(int(i) for f in fragments if f.uncounted for i in np.frombuffer(f.uncounted, _I8))
+        values = np.array([f.largest for f in fragments], dtype="<f8")
+        at = np.array([f.largest_leaf for f in fragments], dtype=_I8)
+        return cls(by_leaf, uncounted, RankMagnitudes(values, at))
 
 
 @dataclass(frozen=True)
@@ -179,7 +191,9 @@ def merge_fragments(
         structure_digest=reference.digest,
     )
     _merge_nodes(m, reference, columns.node_rows)
-    _merge_leaves(m, reference, columns, boxes)
+    counts = _Counts.gather(fragments)
+    _merge_leaves(m, reference, columns, counts, boxes)
+    m.largest = counts.largest
     _merge_refs(m, fragments)
     m.objects = _merge_objects(fragments, reference)
     if cache is not None:
@@ -222,7 +236,7 @@ def _merge_nodes(m: Manifest, reference: Structure, node_rows: np.ndarray) -> No
             m.nodes[node.key] = ()
 
 
-def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, boxes: _MergedBoxes) -> None:
+def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, counts: _Counts, boxes: _MergedBoxes) -> None:
     """Every tensor leaf into ``m``, with its chunk table read from its column of the ranks' numbers."""
     writers = replica_writers(
         {
@@ -237,7 +251,7 @@ def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, boxes: _
         sums_i = np.ascontiguousarray(columns.checksums[:, i])
         table = _table(spec, lengths_i, sums_i, boxes.by_key, boxes.cached, writers.get(spec.key, 0))
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
-        stats = _leaf_stats(table, columns, i) if is_floating(spec.dtype) else None
+        stats = _leaf_stats(table, counts, i) if is_floating(spec.dtype) else None
         m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table, stats)
 
 
@@ -273,14 +287,22 @@ def _merge_refs(m: Manifest, fragments: list[Fragment]) -> None:
         m.leaves[leaf.key] = dataclasses.replace(leaf, refs=r)
 
 
-def _leaf_stats(table: ChunkTable, columns: _Columns, i: int) -> LeafStats | None:
-    """Leaf ``i``'s stats in chunk order, from the ranks that stored its chunks; None when one of them did not
-    count its chunk (its largest magnitude is NaN)."""
-    pick = _stored_by(table)
-    largest = np.ascontiguousarray(columns.largest[pick, i])
-    if np.isnan(largest).any():
+def _leaf_stats(table: ChunkTable, counts: _Counts, i: int) -> LeafStats | None:
+    """Leaf ``i``'s counts: its chunks that hold non-finite values, in chunk order, from the ranks that stored
+    them; None when one of its ranks did not count it."""
+    if i in counts.uncounted:
         return None
-    return LeafStats(np.ascontiguousarray(columns.nan[pick, i]), np.ascontiguousarray(columns.inf[pick, i]), largest)
+    found = counts.by_leaf.get(i)
+    if found is None:
+        return FINITE
+    ranks, nan, inf = found
+    if isinstance(table, ShardChunks):  # chunk r is rank r's
+        chunks = ranks
+    else:
+        chunks = np.array([-1 if (c := table.index_of_rank(int(r))) is None else c for r in ranks], dtype=_I8)
+    keep = chunks >= 0  # a rank that stored no chunk of the leaf reports none (a guard, not a case)
+    order = np.argsort(chunks[keep], kind="stable")
+    return LeafStats(chunks[keep][order], nan[keep][order], inf[keep][order])
 
 
 def _remember(cache: MergeCache, m: Manifest, reference: Structure, boxes: _MergedBoxes) -> None:

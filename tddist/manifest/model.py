@@ -16,8 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+import numpy as np
+
 from .. import format as fmt
-from ..core.finite import ChunkStats, is_floating
+from ..core.finite import is_floating
 from ..core.sharding import Box, Placement
 from ..core.types import Holder, Key
 from ..errors import ManifestError
@@ -27,7 +29,7 @@ from .refs import LeafRefs
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Chunk", "Leaf", "Manifest", "NonFiniteLeaf", "ObjectLeaf"]
+__all__ = ["Chunk", "LargestMagnitude", "Leaf", "Manifest", "NonFiniteLeaf", "ObjectLeaf", "RankMagnitudes"]
 
 MAX_ELEMENTS = 1 << 56
 #: The newest format version this tddist reads.
@@ -101,8 +103,8 @@ class Leaf:
         shape: The global shape (all ranks' pieces together).
         placement: How the ranks' pieces make up the global tensor.
         table: The stored pieces, in columns; together they tile ``shape`` exactly.
-        stats: For a floating leaf, each chunk's counts of non-finite values (format version 4); None when
-            they were not recorded (other dtypes, older versions).
+        stats: For a floating leaf, its chunks' counts of non-finite values (format version 4; only the
+            chunks that hold any); None when they were not recorded (other dtypes, older versions).
         refs: In an incremental checkpoint, which checkpoint holds each chunk's bytes and each chunk's
             identity (``refs.LeafRefs``); None in any other.
     """
@@ -164,13 +166,42 @@ class NonFiniteLeaf:
 
     Attributes:
         key: the leaf's key.
-        stats: the whole leaf's counts and its largest finite magnitude.
+        nan: how many of its values are NaN (complex: components); inf: how many are infinite.
         ranks: the ranks that stored the chunks holding them, in chunk order.
     """
 
     key: Key
-    stats: ChunkStats
+    nan: int
+    inf: int
     ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RankMagnitudes:
+    """Each rank's largest finite magnitude among the values of the counted chunks it stored (format version 4):
+    one number per rank, not per chunk, so a manifest at thousands of ranks stays small.
+
+    Attributes:
+        values: float64[world_size], in rank order (0.0: the rank stored no nonzero counted value).
+        leaves: int64[world_size]: the position, in ``Manifest.leaves``, of the leaf whose chunk holds it (-1
+            where the value is 0.0).
+    """
+
+    values: np.ndarray
+    leaves: np.ndarray
+
+
+@dataclass(frozen=True)
+class LargestMagnitude:
+    """The checkpoint's largest finite magnitude, where it is (``Manifest.largest_magnitude``).
+
+    Attributes:
+        value: the magnitude; key: the leaf that holds it; rank: the rank that stored that chunk.
+    """
+
+    value: float
+    key: Key
+    rank: int
 
 
 @dataclass
@@ -194,6 +225,7 @@ class Manifest:
         node_rows: For each batched node, the dim-0 rows each rank saved, in rank order.
         packing: "packed" (one data file per rank) or "memmap" (one file per leaf and rank).
         structure_digest: The digest of the saved structure (version 2; "" before).
+        largest: Each rank's largest finite magnitude and its leaf (version 4; None when not recorded).
         holders: An incremental checkpoint's holders: the checkpoints beside it that hold the bytes of the
             chunks it references (version 4); None for a checkpoint saved without a base.
     """
@@ -211,6 +243,7 @@ class Manifest:
     node_rows: dict[Key, list[int]] = field(default_factory=dict)  # batched node -> its dim-0 rows per rank
     packing: str = "memmap"
     structure_digest: str = ""
+    largest: RankMagnitudes | None = None
     holders: tuple[Holder, ...] | None = None
 
     def referenced(self) -> tuple[Holder, ...]:
@@ -221,14 +254,26 @@ class Manifest:
         """Every leaf whose recorded counts show a NaN or an infinite value, in leaf order."""
         out = []
         for leaf in self.leaves.values():
-            if leaf.stats is not None and not (total := leaf.stats.total()).finite:
-                ranks = leaf.table.columns().ranks
-                out.append(NonFiniteLeaf(leaf.key, total, tuple(int(ranks[i]) for i in leaf.stats.nonfinite_chunks())))
+            if leaf.stats is not None and not leaf.stats.finite:
+                ranks = leaf.table.columns().ranks[leaf.stats.chunks]
+                nan, inf = leaf.stats.total()
+                out.append(NonFiniteLeaf(leaf.key, nan, inf, tuple(int(r) for r in ranks)))
         return out
 
     def uncounted(self) -> list[Key]:
         """The floating leaves without recorded counts (checkpoints of format versions before 4)."""
         return [k for k, leaf in self.leaves.items() if leaf.stats is None and is_floating(leaf.dtype_name)]
+
+    def largest_magnitude(self) -> LargestMagnitude | None:
+        """The largest finite magnitude the ranks recorded, its leaf and rank; None when none was recorded
+        (format versions before 4) or every counted value is zero."""
+        if self.largest is None or not len(self.largest.values):
+            return None
+        rank = int(np.argmax(self.largest.values))
+        at = int(self.largest.leaves[rank])
+        if at < 0:
+            return None
+        return LargestMagnitude(float(self.largest.values[rank]), list(self.leaves)[at], rank)
 
     def rows_of(self, node_key: Key) -> list[int] | None:
         """The dim-0 rows each rank saved of a batched node: recorded, or (manifests of version 1 written

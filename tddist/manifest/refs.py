@@ -10,7 +10,7 @@ hashes instead of bytes. A manifest saved without a base has none of this:
 no member in the JSON, no section in the index (docs/format.md 5.10).
 
 Here: the model (``Holder``, ``LeafRefs``), the JSON member and the index's
-section 6 (written and parsed), and rank 0's merge of the ranks' columns.
+section 7 (written and parsed), and rank 0's merge of the ranks' columns.
 No torch, no file.
 """
 
@@ -62,7 +62,7 @@ def holders_member(holders: tuple[Holder, ...]) -> list[dict[str, str]]:
 
 
 def leaf_section(refs: LeafRefs) -> list[bytes]:
-    """A leaf's part of the index's section 6: its chunks' holders, then their identities."""
+    """A leaf's part of the index's section 7: its chunks' holders, then their identities."""
     return [np.ascontiguousarray(refs.holders, dtype=_I8).tobytes(), np.ascontiguousarray(refs.ids, _U8).tobytes()]
 
 
@@ -87,12 +87,12 @@ def parse_holders(obj: dict[str, Any], fail: Any) -> tuple[Holder, ...] | None:
 
 
 def refs_index_size(chunks: int) -> int:
-    """The numbers section 6 adds for ``chunks`` chunks in all: a holder and two halves of an identity each."""
+    """The numbers section 7 adds for ``chunks`` chunks in all: a holder and two halves of an identity each."""
     return 3 * chunks
 
 
 def read_leaf_refs(take: Any, n: int, holders: int, fail: Any) -> LeafRefs:
-    """A leaf's part of section 6 (``take(dtype, count)`` reads the index), its holders checked."""
+    """A leaf's part of section 7 (``take(dtype, count)`` reads the index), its holders checked."""
     h = take(_I8, n)
     ids = take(_U8, 2 * n).reshape(n, 2)
     if n and not bool(((h >= 0) & (h <= holders)).all()):

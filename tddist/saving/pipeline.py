@@ -181,9 +181,7 @@ def refuse_non_finite(m: Manifest, target: str) -> None:
     bad = m.non_finite()
     if not bad:
         return
-    shown = "; ".join(
-        f"{list(b.key)}: {b.stats.nan} NaN and {b.stats.inf} Inf values (ranks {list(b.ranks)[:8]})" for b in bad[:8]
-    )
+    shown = "; ".join(f"{list(b.key)}: {b.nan} NaN and {b.inf} Inf values (ranks {list(b.ranks)[:8]})" for b in bad[:8])
     more = f"; and {len(bad) - 8} more leaves" if len(bad) > 8 else ""
     raise NonFiniteError(
         f"the save to {target!r} was refused (require_finite=True): {len(bad)} leaves hold non-finite values: "
