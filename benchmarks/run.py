@@ -37,7 +37,20 @@ SCALE = HERE / "scale_manifest.py"
 DEFERRED = HERE / "deferred.py"
 REPLICAS = HERE / "replicas.py"
 CERTIFY = HERE / "certify.py"
-SCENARIOS = ["save", "async", "load", "reshard", "small", "commit", "manifest", "deferred", "replicas", "certify"]
+INCREMENTAL = HERE / "incremental.py"
+SCENARIOS = [
+    "save",
+    "async",
+    "load",
+    "reshard",
+    "small",
+    "commit",
+    "manifest",
+    "deferred",
+    "replicas",
+    "certify",
+    "incremental",
+]
 LEAVES, COLS = 4, 1024  # the payload: 4 float32 leaves of 4 KiB rows, sharded by rows
 
 QUICK = dict(
@@ -603,7 +616,40 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
         8.0,
     )
     certify_targets(med, records, check)
+    incremental_targets(med, records, check)
     return out
+
+
+def incremental_targets(med, records: list[dict], check) -> None:
+    """Incremental checkpoints (``incremental.py``): what a save against its base writes and takes, and its load."""
+    full, inc = (
+        med("incremental save", 1, "full", launcher="single"),
+        med("incremental save", 1, "incremental", launcher="single"),
+    )
+    written = {
+        impl: sorted(r["extra"]["written"] for r in records if (r.get("scenario"), r.get("impl")) == ("incremental save", impl))
+        for impl in ("full", "incremental")
+    }  # fmt: skip
+    wfull, winc = (w[len(w) // 2] if w else None for w in (written["full"], written["incremental"]))
+    check(
+        "incremental save (95% frozen): writes <= 6% of a full save's bytes",
+        None if None in (wfull, winc) else winc <= 0.06 * wfull,
+        None if None in (wfull, winc) else f"{100 * winc / wfull:.1f}%",
+    )
+    check(
+        "incremental save (95% frozen): <= 0.15x a full save's time",
+        None if None in (full, inc) else inc <= 0.15 * full,
+        None if None in (full, inc) else f"{inc / full:.3f}x ({C.fmt_seconds(inc)} vs {C.fmt_seconds(full)})",
+    )
+    lfull, linc = (
+        med("incremental load", 1, "full", launcher="single"),
+        med("incremental load", 1, "incremental", launcher="single"),
+    )
+    check(
+        "load of an incremental checkpoint: <= 1.1x a full one's",
+        None if None in (lfull, linc) else linc <= 1.1 * lfull,
+        None if None in (lfull, linc) else f"{linc / lfull:.3f}x ({C.fmt_seconds(linc)} vs {C.fmt_seconds(lfull)})",
+    )
 
 
 def certify_targets(med, records: list[dict], check) -> None:
@@ -659,7 +705,9 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         "small_tensors": args.small_tensors,
         "small_elems": small_elems,
         "commit_reps": args.commit_reps,
-        "scenarios": [s for s in args.scenarios if s not in ("manifest", "deferred", "replicas", "certify")],
+        "scenarios": [
+            s for s in args.scenarios if s not in ("manifest", "deferred", "replicas", "certify", "incremental")
+        ],
         "mpi_scenarios": ["commit"],
         "archive": args.archive,
     }
@@ -781,6 +829,20 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         cmd = [sys.executable, str(CERTIFY), "--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
         cmd += ["--clean-saves", str(args.clean_saves), "--dir", str(work), "--json", str(res_path)]
         jobs.append(run_job(cmd, args.job_timeout, "certification"))
+        got, n = read_records(res_path)
+        records += got
+    if "incremental" in args.scenarios:
+        res_path = work / "result-incremental.json"
+        cmd = [
+            sys.executable,
+            str(INCREMENTAL),
+            "--size-mib",
+            str(args.size_mib),
+            "--repeats",
+            str(max(3, args.repeats)),
+        ]
+        cmd += ["--dir", str(work), "--json", str(res_path)]
+        jobs.append(run_job(cmd, args.job_timeout, "incremental checkpoints"))
         got, n = read_records(res_path)
         records += got
     total = time.perf_counter() - t_start

@@ -56,6 +56,7 @@ def save(
     compression: Any = None,
     layout: str | None = None,
     require_finite: bool = False,
+    base: str | os.PathLike | None = None,
 ) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint ``prefix``.
 
@@ -137,6 +138,13 @@ def save(
             how many each chunk holds, counted while it is hashed): every rank
             raises ``NonFiniteError`` and the target keeps its previous
             checkpoint.
+        base: an incremental save: a committed checkpoint beside ``prefix``
+            (in the same directory; a packed directory or a ``.tdz``) whose
+            chunks this save references instead of writing them when their
+            content is unchanged (same leaf, same rank, same size; compared by
+            a 128-bit hash). A base that cannot hold references (in another
+            directory, of packing "memmap", missing) is ignored: every chunk is
+            written. Saves to packed directories; see docs/parameters.md.
 
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the
@@ -183,6 +191,7 @@ def save(
         compression=compression,
         layout=layout,
         require_finite=require_finite,
+        base=base,
     )
     return saving.save(data, request)
 

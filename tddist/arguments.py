@@ -47,6 +47,7 @@ def save_request(
     compression: Any,
     layout: str | None,
     require_finite: bool = False,
+    base: Any = None,
 ) -> SaveRequest:
     """``save``'s keyword arguments (tensordict's, plus tddist's), checked and normalised; every rank
     refuses a bad argument the same way, before any collective."""
@@ -73,10 +74,28 @@ def save_request(
         compression=resolve_compression(compression) if store.archive else None,
         packing="memmap" if store.archive or layout == "memmap" else "packed",
         require_finite=bool(require_finite),
+        base=check_base(base),
+        reuse_hashes=base is not None and not return_early,
     )
     deferred, optimizers = check_snapshot(snapshot, guard, return_early, snapshot_budget, async_writer)
     early = EarlyReturn(snapshot_budget, cast(Any, async_writer), deferred, optimizers) if return_early else None
     return SaveRequest(options, comm, timeout, placements, copy_existing, wait_for_pending, early)
+
+
+def check_base(base: Any) -> str | None:
+    """``base=``: the checkpoint an incremental save references (a path or ``s3://`` URL), or None.
+
+    Raises:
+        InvalidArgumentError: not a path.
+    """
+    if base is None:
+        return None
+    if not isinstance(base, (str, os.PathLike)) or not os.fspath(base):
+        raise InvalidArgumentError(f"base must be a checkpoint path (str or os.PathLike), got {base!r}")
+    text = os.fspath(base)
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"base must be a str path, got bytes {base!r}")
+    return text if text.startswith("s3://") else os.path.abspath(text)
 
 
 def check_snapshot(

@@ -98,6 +98,11 @@ class InjectedFault(TddistError):
     """Raised by the fault-injection hook (tests only, see ``tddist._faults``)."""
 
 
+class CheckpointPinnedError(TddistError, OSError):
+    """A checkpoint was not deleted: an incremental save in progress pins it (it holds chunks the save is
+    about to reference); the clean-up leaves it for a later pass."""
+
+
 def wrap_transport_error(rank: int, op: str, exc: BaseException, elapsed: float, timeout: float) -> CommError:
     """Turn a transport exception into CommError/CommTimeoutError with advice."""
     text = str(exc)
@@ -135,5 +140,6 @@ BY_NAME: dict[str, type[TddistError]] = {
         RootLockedError,
         SnapshotChangedError,
         InjectedFault,
+        CheckpointPinnedError,
     )
 }

@@ -43,6 +43,8 @@ CHECKSUM_BLOCK = 32 * 1024 * 1024
 _STAGING_TAG = ".tddist-staging-"
 _TRASH_TAG = ".tddist-trash-"
 _BACKUP_TAG = ".tddist-backup-"
+_PIN_TAG = ".tddist-pin-"
+_PIN_RE = re.compile(r"^\.(?P<base>.+)\.tddist-pin-[0-9a-f]{32}$")
 _SIDE_RE = re.compile(r"^\.(?P<base>.+)\.tddist-(?P<kind>staging|trash|backup)-(?P<uid>[0-9a-f]{32})$")
 
 #: Top-level names of tensordict's meta.json; a key with one of these names
@@ -319,3 +321,26 @@ def side_entries(target: str) -> list[tuple[str, str]]:
         if m and m.group("base") == base:
             found.append((m.group("kind"), os.path.join(parent, name)))
     return sorted(found)
+
+
+def holder_path(checkpoint: str, name: str) -> str:
+    """Where the holder ``name`` of an incremental checkpoint lies: beside ``checkpoint`` (the same
+    directory, or the same parent prefix of an ``s3://`` URL)."""
+    if checkpoint.startswith("s3://"):
+        return checkpoint.rstrip("/").rsplit("/", 1)[0] + "/" + name
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoint)), name)
+
+
+def pin_path(target: str) -> str:
+    """A fresh name for a pin of ``target`` (a file beside it): an incremental save in progress references it."""
+    return _side_name(target, _PIN_TAG)
+
+
+def pin_entries(target: str) -> list[str]:
+    """The pins of ``target`` beside it."""
+    parent, base = os.path.split(os.path.abspath(target))
+    try:
+        names = os.listdir(parent)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(os.path.join(parent, n) for n in names if (m := _PIN_RE.match(n)) and m.group("base") == base)

@@ -38,16 +38,19 @@ ROWS = 12
 
 
 def expected(step: int) -> TensorDict:
-    """The global state after ``step`` training steps."""
+    """The global state after ``step`` training steps (``frozen`` never changes: incremental saves reference it)."""
     w = torch.arange(ROWS * 4, dtype=torch.float32).view(ROWS, 4) + step
-    return TensorDict(rows=TensorDict(w=w, batch_size=[ROWS]), count=torch.tensor(step), batch_size=[])
+    frozen = torch.arange(64, dtype=torch.float32)
+    return TensorDict(rows=TensorDict(w=w, batch_size=[ROWS]), frozen=frozen, count=torch.tensor(step), batch_size=[])
 
 
 def local_state(rank: int, world: int, step: int) -> TensorDict:
     """This rank's even share of ``expected(step)`` (the layout ``load`` resumes into)."""
     full = expected(step)
     part = torch.tensor_split(torch.arange(ROWS), world)[rank]
-    return TensorDict(rows=full["rows"][part].clone(), count=full["count"].clone(), batch_size=[])
+    return TensorDict(
+        rows=full["rows"][part].clone(), frozen=full["frozen"].clone(), count=full["count"].clone(), batch_size=[]
+    )
 
 
 def train(state: TensorDict) -> None:
@@ -115,7 +118,9 @@ def main() -> None:
     rank, world = comm.rank, comm.size
     roles = {
         "crash-write": lambda: run(work, rank, world, last=8, crash=(6, "write:1:kill")),
-        "crash-publish": lambda: run(work, rank, world, last=9, crash=(7, "publish:0:kill"), async_save=True),
+        "crash-publish": lambda: run(
+            work, rank, world, last=9, crash=(7, "publish:0:kill"), async_save=True, incremental=True
+        ),
         "finish": lambda: run(work, rank, world, last=9),
         "signal": lambda: role_signal(work, rank, world),
     }

@@ -728,6 +728,11 @@ def test_crashes_retention_and_resume_on_other_world_sizes(tmp_path: Path) -> No
     assert steps_in(root) == [5, 6, 7], "step 7 was published before the crash; retention had not run yet"
     for step in (5, 6, 7):
         assert_checkpoint(root, step)
+    # incremental=True: step 7 (3 ranks, as step 6) references step 6's unchanged chunk; the 1-rank job below
+    # resumes from it through the reference
+    inc = tddist.read_manifest(root / step_name(7))
+    assert [h.name for h in inc.referenced()] == [step_name(6)]
+    assert inc.leaves[("frozen",)].refs.holders.tolist() == [1]
 
     job = run_job("spawn", 1, SCRIPT, [str(tmp_path), "finish"], tmp_path / "r3", timeout=120)
     job.assert_ok(1)

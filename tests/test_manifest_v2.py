@@ -675,7 +675,9 @@ def _round_trip(path: Path) -> None:
 @pytest.mark.parametrize("version", [2, 3, 4])
 def test_encode_parse_reproduces_the_golden_files(name, version):
     """sharded (dim 0 and dim 1, node and own rows), replicated, DTensor boxes, non-tensor values, memmap
-    packing, an archive: the parsed manifest encodes back to the same bytes."""
+    packing, an archive, references (version 4): the parsed manifest encodes back to the same bytes."""
+    if not (GOLDEN / f"v{version}" / name).exists():
+        pytest.skip(f"{name} is new in a later format version")
     _round_trip(GOLDEN / f"v{version}" / name)
 
 

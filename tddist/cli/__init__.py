@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "recover": ("recover", "remove leftovers of interrupted saves beside a checkpoint (or restore its backup)"),
     "pack": ("pack", "pack a directory checkpoint into one .tdz archive"),
     "unpack": ("pack", "unpack a .tdz archive into a directory checkpoint"),
+    "materialize": ("pack", "copy a checkpoint with the chunks it references into a self-contained directory"),
     "convert": ("convert", "convert between tddist, DCP, torch.save and safetensors checkpoints"),
 }
 #: The commands that take an ``s3://`` path (the others work on files).

@@ -7,6 +7,8 @@ import datetime
 import json
 import os
 
+import numpy as np
+
 from .. import format as fmt
 from ..core.sharding import PerRank, Replicate, Shard
 from ..errors import CheckpointNotFoundError
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json("info", _info_json(args.path, m, total, left))
         return 0
     _print_header(args.path, m, total)
+    _print_references(m)
     _print_finite(m)
     if m.metadata:
         print(f"  metadata: {value_text({'json': m.metadata}, 200)}")
@@ -180,8 +183,39 @@ def _info_json(path: str, m: Manifest, total: int, left: list[dict]) -> dict:
         "leftovers": left,
         "finite": _finite_state(m),
         "non_finite": [non_finite_json(b) for b in m.non_finite()],
+        "references": _references_json(m),
         "largest_magnitude": largest_json(m.largest_magnitude()),
     }
+
+
+def _held_bytes(m: Manifest) -> dict[int, int]:
+    """An incremental checkpoint's referenced bytes by holder number (0: those it holds itself)."""
+    out: dict[int, int] = {}
+    for leaf in m.leaves.values():
+        if leaf.refs is None:
+            continue
+        nbytes = leaf.table.columns().nbytes
+        for h in np.unique(leaf.refs.holders).tolist():
+            out[h] = out.get(h, 0) + int(nbytes[leaf.refs.holders == h].sum())
+    return out
+
+
+def _references_json(m: Manifest) -> list[dict] | None:
+    """The holders of an incremental checkpoint (None: saved without a base) with the bytes each holds."""
+    if m.holders is None:
+        return None
+    held = _held_bytes(m)
+    return [{"name": h.name, "generation": h.generation, "bytes": held.get(i, 0)} for i, h in enumerate(m.holders, 1)]
+
+
+def _print_references(m: Manifest) -> None:
+    """An incremental checkpoint: which checkpoints beside it hold the chunks it references."""
+    if m.holders is None:
+        return
+    held = _held_bytes(m)
+    print(f"  incremental: holds {human_bytes(held.get(0, 0))} itself, references {len(m.holders)} checkpoint(s)")
+    for i, h in enumerate(m.holders, 1):
+        print(f"    {h.name} (generation {h.generation}): {human_bytes(held.get(i, 0))}")
 
 
 def _finite_state(m: Manifest) -> bool | None:

@@ -20,6 +20,13 @@ checksum on the way; DST appears complete or not at all. An existing DST is
 replaced only with --force. A directory as SRC, or a file or a name ending in
 .tdz as DST, is refused: that is what 'tddist pack' takes."""
 
+MATERIALIZE_DESCRIPTION = """\
+Write the committed checkpoint SRC as the directory checkpoint DST that holds
+every byte itself: the chunks an incremental checkpoint references are read from
+the checkpoints that hold them (beside SRC) and written into DST, so DST stays
+loadable after they are deleted. Every checksum is verified on the way; DST
+appears complete or not at all. An existing DST is replaced only with --force."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     fmt = argparse.RawDescriptionHelpFormatter
@@ -49,6 +56,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("dst", metavar="DST", help="the directory checkpoint to write")
     _common(s, "unpack")
     s.set_defaults(run=run_unpack)
+    s = sub.add_parser(
+        "materialize",
+        help="copy a checkpoint with the chunks it references into a self-contained directory",
+        description=MATERIALIZE_DESCRIPTION,
+        formatter_class=fmt,
+    )
+    s.add_argument("src", metavar="SRC", help="a committed checkpoint (an incremental one's holders beside it)")
+    s.add_argument("dst", metavar="DST", help="the directory checkpoint to write")
+    _common(s, "materialize")
+    s.set_defaults(run=run_materialize)
 
 
 def _common(s: argparse.ArgumentParser, name: str) -> None:
@@ -121,7 +138,7 @@ def _done(args: argparse.Namespace, name: str) -> int:
     if args.json:
         emit_json(name, {"src": args.src, "dst": args.dst, "bytes": _total(args.dst)})
     else:
-        print(f"{name}ed {args.src} into {args.dst}")
+        print(f"{name.removesuffix('e')}ed {args.src} into {args.dst}")
     return 0
 
 
@@ -143,3 +160,14 @@ def run_unpack(args: argparse.Namespace) -> int:
     with written_bytes_progress(_total(args.src), "unpack"):
         unpack(args.src, args.dst, num_threads=args.threads)
     return _done(args, "unpack")
+
+
+def run_materialize(args: argparse.Namespace) -> int:
+    if os.path.isfile(args.dst) or args.dst.rstrip(os.sep).endswith(fmt.ARCHIVE_SUFFIX):
+        raise TargetError(f"{args.dst!r} names a file or an archive: 'tddist materialize' writes a directory")
+    _refuse_existing(args)
+    from ..tools.pack import materialize
+
+    with written_bytes_progress(_total(args.src), "materialize"):
+        materialize(args.src, args.dst)
+    return _done(args, "materialize")

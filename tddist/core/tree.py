@@ -137,6 +137,14 @@ def local_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+def local_bytes_source(t: torch.Tensor) -> int:
+    """The address of the storage ``local_bytes(t)`` starts from (a DTensor's local shard's): equal to the
+    result's when ``local_bytes`` made no copy."""
+    if is_dtensor(t):
+        t = dtensor_local(t)
+    return int(t.untyped_storage().data_ptr())
+
+
 def resolve_placements(
     nodes: dict[Key, tuple[int, ...]], leaves: dict[Key, torch.Tensor], overrides: Mapping[Any, Any] | None
 ) -> dict[Key, Placement]:

@@ -80,6 +80,7 @@ class SaveItem:
     placement: Placement
     writes: bool
     dtensor: DTensorBox | None = None
+    own_memory: bool = False  # ``tensor`` views the caller's memory (not a copy made for the save)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,10 @@ class SaveOptions:
     compression: Compression | None = None
     packing: Literal["packed", "memmap"] = "packed"  # directories: one data file per rank, or per leaf
     require_finite: bool = False  # refuse to publish a checkpoint that holds NaN or Inf values
+    base: str | None = None  # an incremental save: the checkpoint whose equal chunks are referenced, not written
+    # an incremental synchronous save: a leaf whose storage and version counter are those it had when this process
+    # last hashed it is not hashed again (asynchronous saves write snapshot buffers, reused without a new version)
+    reuse_hashes: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +281,19 @@ class ArchiveEntryRow:
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """A checkpoint that holds the bytes of chunks an incremental checkpoint references (docs/format.md 5.10).
+
+    Attributes:
+        name: its name beside the referencing checkpoint: one path component.
+        generation: its manifest's checksum when the reference was made.
+    """
+
+    name: str
+    generation: str
+
+
+@dataclass(frozen=True, slots=True)
 class Fragment:
     """What one rank reports after writing its shard (its vote), as compact arrays.
 
@@ -299,6 +317,12 @@ class Fragment:
     uncounted: bytes = b""  # int64 leaf indices: floating leaves stored here without counts (none by tddist's writers)
     largest: float = 0.0  # the largest finite magnitude among the values of every counted chunk stored here
     largest_leaf: int = -1  # the leaf index of the chunk that holds it; -1: no counted value here is nonzero
+    # An incremental save (``base=``) only: per leaf, which holder of ``base`` holds this rank's chunk (int64,
+    # 0: written here, ``h``: ``base[h - 1]``) and its chunk's XXH3-128 (two uint64); ``base``: the holders this
+    # rank's numbering refers to (None: it read no base).
+    holders: bytes = b""
+    ids: bytes = b""
+    base: tuple[Holder, ...] | None = None
 
 
 @dataclass(frozen=True)

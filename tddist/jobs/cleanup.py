@@ -20,12 +20,12 @@ import shlex
 from dataclasses import dataclass
 
 from .. import format as fmt
-from ..errors import CheckpointNotFoundError, TddistError
+from ..errors import CheckpointNotFoundError, CheckpointPinnedError, TddistError
 from ..storage.backends import read_manifest, root_for, store_for
 from ..storage.recovery import is_committed, is_tddist_dir, recover
 from ..storage.roots import Root
 from .inventory import BACKUP, STAGING, TRASH, disk_usage
-from .retention import committed_steps, delete_checkpoint, parse_step, step_entries
+from .retention import committed_steps, delete_checkpoint, parse_step, referenced, step_entries
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +121,23 @@ def plan_gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Actio
                 actions.append(Action(KEEP, target, "not a committed checkpoint and holds foreign files; left alone"))
         committed[target] = target_ok
     if keep_last is not None:
-        for path in _retired(root, keep_last, committed, restored):
-            actions.append(Action(DELETE, path, f"beyond the {keep_last} newest checkpoint(s)", disk_usage(path)))
+        actions += _retirements(root, keep_last, committed, restored)
     return actions
+
+
+def _retirements(root: str, keep_last: int, committed: dict[str, bool], restored: dict[str, str]) -> list[Action]:
+    """The deletions of retention, less the checkpoints a kept one references (kept, saying why)."""
+    doomed = _retired(root, keep_last, committed, restored)
+    kept = [restored.get(p, p) for _s, p in step_entries(root) if p not in doomed and is_committed(p)]
+    kept += [b for t, b in restored.items() if t not in doomed]
+    needed = referenced(kept)
+    out = []
+    for path in doomed:
+        if os.path.abspath(path) in needed:
+            out.append(Action(KEEP, path, "beyond the newest, but a kept incremental checkpoint references it"))
+        else:
+            out.append(Action(DELETE, path, f"beyond the {keep_last} newest checkpoint(s)", disk_usage(path)))
+    return out
 
 
 _SIDE_REASON = {
@@ -189,7 +203,10 @@ def gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Action]:
                 if os.path.lexists(a.path) and not is_committed(a.path):
                     delete_checkpoint(a.path)
         elif a.action == DELETE:
-            delete_checkpoint(a.path)
+            try:
+                delete_checkpoint(a.path)
+            except CheckpointPinnedError as e:  # an incremental save is about to reference it
+                a = Action(KEEP, a.path, f"pinned: {e}")
         done.append(a)
     return done
 

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..api import save
 from ..comm.base import Communicator
@@ -166,6 +166,10 @@ class CheckpointManager:
             the MPI processor name, else the host name.
         restore: "newest" (the default) or "finite": ``restore`` skips
             checkpoints that hold NaN or Inf values.
+        incremental: each save references the chunks it shares with the
+            newest committed checkpoint instead of writing them
+            (``tddist.save(..., base=...)``); retention keeps every checkpoint
+            that a kept one references. Not with ``local_dir``.
 
     Attributes:
         should_stop: True once a requested preemption has been saved; the
@@ -203,6 +207,7 @@ class CheckpointManager:
         replicas: int = 0,
         node: str | None = None,
         restore: str = "newest",
+        incremental: bool = False,
     ) -> None:
         options = check_options(
             root,
@@ -219,16 +224,16 @@ class CheckpointManager:
             replicas=replicas,
             node=node,
             restore=restore,
+            incremental=incremental,
         )
         self.retention, self._restore_finite = options.retention, options.restore_finite
-        self.save_kwargs = options.save_kwargs
-        self._root = options.root
+        self._incremental, self._saved = options.incremental, cast("str | None", None)  # _saved: the next base
+        self.save_kwargs, self._root = options.save_kwargs, options.root
         self.root = self._root.target
         self.keep_last, self.every, self.async_save = options.keep_last, options.every, options.async_save
         self._deferred = options.deferred
         self.comm = resolve(comm, self.save_kwargs.get("timeout"))
-        self.should_stop = False
-        self._requested = False
+        self.should_stop, self._requested = False, False
         self._pending: InFlight | None = None
         self._locked = False
         self._schedule = SaveSchedule(options.interval)
@@ -472,6 +477,8 @@ class CheckpointManager:
         if encoded:
             metadata[METRICS_KEY] = encoded
         path, start = self.path(step), time.monotonic()
+        if self._incremental:
+            kwargs["base"] = self._base_for(path)
         self._schedule.saved()
         self._root_retention.note_metric(step, path, metadata, self.retention.metric)
         if self._tiered is not None:
@@ -479,6 +486,7 @@ class CheckpointManager:
             return
         if self._deferred:
             kwargs.update(snapshot="deferred", guard=optimizers_of(state) or None)
+        self._saved = path
         if self.async_save:
             fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
             self._pending = InFlight(step, fut, start, threading.Event())
@@ -576,6 +584,14 @@ class CheckpointManager:
         p = self._pending
         if p is not None and p.retained.is_set() and p.future.exception() is None:
             self.wait()
+
+    def _base_for(self, path: str) -> str | None:
+        """The base of an incremental save to ``path``: the last checkpoint this manager saved, else the newest
+        committed one in the root (rank 0 finds it, every rank gets the same)."""
+        if self._saved is not None and self._saved != path:
+            return self._saved
+        found = self._on_rank0("finding the base in " + self.root, lambda: newest_checkpoint(self.root))
+        return None if found is None or found[0] == path else found[0]
 
     def _retain(self, newest: int) -> None:
         """Rank 0: apply the retention rules after the save of ``newest`` (``root_retention.RootRetention``)."""

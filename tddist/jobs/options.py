@@ -41,6 +41,7 @@ class ManagerOptions:
         replicas: copies of each rank's local part kept on other nodes (0 or 1).
         node: this rank's node as given (None: detected, see ``nodes.node_name``).
         restore_finite: ``restore="finite"``: restore skips checkpoints that hold NaN or Inf values.
+        incremental: each save references what it shares with the last checkpoint (``save(base=...)``).
     """
 
     root: Root
@@ -55,6 +56,7 @@ class ManagerOptions:
     replicas: int = 0
     node: str | None = None
     restore_finite: bool = False
+    incremental: bool = False
 
 
 def check_options(
@@ -73,6 +75,7 @@ def check_options(
     replicas: int = 0,
     node: str | None = None,
     restore: str = "newest",
+    incremental: bool = False,
 ) -> ManagerOptions:
     """The manager's options, checked in the order the manager has always checked them.
 
@@ -113,6 +116,7 @@ def check_options(
         replicas=replicas,
         node=node,
         restore_finite=restore == "finite",
+        incremental=_check_incremental(incremental, local_dir),
     )
 
 
@@ -174,3 +178,9 @@ def _check_storage(root: Root, save_kwargs: Mapping[str, Any]) -> None:
         )
     except InvalidArgumentError as e:
         raise InvalidArgumentError(f"save_kwargs of a manager of {root.target!r}: {e}") from None
+
+
+def _check_incremental(incremental: object, local_dir: object) -> bool:
+    if type(incremental) is not bool or (incremental and local_dir is not None):
+        raise InvalidArgumentError(f"incremental must be True or False (and False with local_dir), got {incremental!r}")
+    return incremental

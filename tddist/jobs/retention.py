@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -161,12 +162,23 @@ def clean_root(root: str) -> list[str]:
         path = r.join(name)
         store = store_for(path)
         done += store.recover()
+        done += _unpin(path) if r.local else []
         ours = r.partial(name)
         if ours:
             store.delete()
             done.append(f"removed torn checkpoint {path}")
         elif ours is not None:
             logger.warning("%s is not a committed checkpoint and holds foreign files; left alone", path)
+    return done
+
+
+def _unpin(path: str) -> list[str]:
+    """Remove every pin of ``path``: no save into the root runs while it is cleaned (the manager holds its lock),
+    so each was left by an incremental save that died."""
+    done = []
+    for pin in fmt.pin_entries(path):
+        os.unlink(pin)
+        done.append(f"removed the pin {pin} of a save that died")
     return done
 
 
@@ -279,7 +291,37 @@ def retire(
     committed = committed_steps(root)
     kept = rules.kept(committed, metric_of or (lambda p: stored_metric(p, rules.metric)))
     kept |= set(keep)
-    return [(s, p) for s, p in committed if s not in kept and not being_read(p)]
+    needed = referenced([p for s, p in committed if s in kept])
+    return [(s, p) for s, p in committed if s not in kept and not being_read(p) and _target(p) not in needed]
+
+
+def holders_of(path: str) -> list[str]:
+    """The checkpoints that the committed checkpoint at ``path`` references (an incremental one's holders),
+    by path; none when its manifest cannot be read (it references nothing a reader could follow)."""
+    try:
+        m = read_manifest(path)
+    except TddistError:
+        return []
+    return [fmt.holder_path(path, h.name) for h in m.referenced()]
+
+
+def referenced(kept: Iterable[str]) -> set[str]:
+    """Mark: the targets of every checkpoint that one of ``kept`` references, transitively (a reference names
+    the holder itself, so one step suffices for what tddist writes; a longer chain costs nothing more).
+    A clean-up never deletes them (the sweep)."""
+    seen: set[str] = set()
+    todo = list(kept)
+    while todo:
+        for holder in holders_of(todo.pop()):
+            t = _target(holder)
+            if t not in seen:
+                seen.add(t)
+                todo.append(holder)
+    return seen
+
+
+def _target(path: str) -> str:
+    return store_for(path).target
 
 
 # --- metrics ---------------------------------------------------------------------------------

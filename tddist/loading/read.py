@@ -21,12 +21,12 @@ from .. import format as fmt
 from ..checksum import EMPTY, combine_digests, hash_blocks
 from ..core.sharding import Box, ReadPiece, full_box, plan_reads
 from ..core.types import Key
-from ..errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError, TddistError
 from ..manifest.locate import ChunkRange, Location, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
 from ..manifest.parse import paused_gc
 from ..manifest.whole import FileOffsets, WholePieces, file_offsets, needed_ranks, plan_whole
-from ..storage.backends import local_files
+from ..storage.backends import local_files, store_for
 from ..storage.opened import ChunkFiles, OpenedCheckpoint
 from ..storage.pinned import storage_failed
 from . import whole
@@ -43,7 +43,9 @@ class ChunkSource:
         self.locator = Locator(manifest)
         self._maps: dict[tuple[Key, int], torch.Tensor] = {}
         self._verified: set[tuple[Key, int]] = set()
-        self._rank_files: dict[int, torch.Tensor] = {}  # packed: each rank's data file, mapped once
+        self._rank_files: dict[tuple[int, int], torch.Tensor] = {}  # packed: (holder, rank)'s data file, mapped once
+        self._holders: dict[int, OpenedCheckpoint] = {}  # an incremental checkpoint's holders, opened once
+        self._holder_files: dict[int, ChunkFiles] = {}  # and their readers
         self._placed: FileOffsets | None = None  # packed: every rank's offsets, once a whole read needed them
         self._positions: dict[Key, int] | None = None
 
@@ -80,17 +82,51 @@ class ChunkSource:
         positions = [self.position(leaf.key) for leaf in leaves]
         return plan_whole(self.manifest, positions, placed if placed is not None else self.placed(leaves))
 
-    def rank_file(self, rank: int, size: int) -> torch.Tensor:
+    def rank_file(self, rank: int, size: int, holder: int = 0) -> torch.Tensor:
         """``rank``'s data file (of ``size`` bytes) as a uint8 tensor: mapped (or fetched) once, through the
-        pinned ``ChunkFiles``."""
-        t = self._rank_files.get(rank)
+        pinned ``ChunkFiles``; of the manifest's holder ``holder`` (0: this checkpoint), whose file of an
+        incremental checkpoint's rank has the same layout."""
+        t = self._rank_files.get((holder, rank))
         if t is None:
             try:
-                t = self.files.span(Location(fmt.rank_data_name(rank), 0, size, size))
+                t = self.holder_files(holder).span(Location(fmt.rank_data_name(rank), 0, size, size))
             except CorruptCheckpointError as e:
                 raise CorruptCheckpointError(f"the data file of rank {rank}: {e}") from None
-            self._rank_files[rank] = t
+            self._rank_files[(holder, rank)] = t
         return t
+
+    def holder_files(self, holder: int) -> ChunkFiles:
+        """The chunks of the manifest's holder ``holder`` (0: this checkpoint's own), opened once at the
+        generation the manifest recorded.
+
+        Raises:
+            CorruptCheckpointError: the holder is missing, damaged or another checkpoint now (replaced).
+        """
+        if holder == 0:
+            return self.files
+        files = self._holder_files.get(holder)
+        if files is None:
+            files = self._holder_files[holder] = self.holder(holder).files()
+        return files
+
+    def holder(self, holder: int) -> OpenedCheckpoint:
+        """The manifest's holder ``holder`` (>= 1), opened once at the generation the manifest recorded.
+
+        Raises:
+            CorruptCheckpointError: it is missing, damaged or another checkpoint now (replaced).
+        """
+        opened = self._holders.get(holder)
+        if opened is None:
+            opened = self._holders[holder] = open_holder(self.root, self.manifest, holder)
+        return opened
+
+    def held_span(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
+        """The bytes of ``chunk`` of ``leaf`` wherever they lie: here, or in the holder the manifest names."""
+        index = leaf.table.index_of_rank(chunk.rank) if leaf.refs is not None else None
+        h = 0 if index is None else leaf.holder_of(index)
+        own = self.location(leaf, chunk)
+        loc = own if h == 0 else held_location(self.holder(h), leaf, chunk, own)
+        return self.holder_files(h).span(loc)
 
     def release(self, leaf: Leaf) -> None:
         """Forget the leaf's chunks, and have the files drop the pages this process mapped of them.
@@ -108,7 +144,7 @@ class ChunkSource:
             return
         pieces = self.whole_pieces([leaf])
         for rank, offset, nbytes in zip(pieces.ranks.tolist(), pieces.offsets.tolist(), pieces.nbytes.tolist()):
-            mapped = self._rank_files.get(rank)
+            mapped = self._rank_files.get((0, rank))
             if mapped is not None:  # one advice per chunk: the pages of a leaf's chunks are not contiguous
                 self._verified.discard((leaf.key, rank))
                 self.files.release(mapped[offset : offset + nbytes])
@@ -141,7 +177,7 @@ class ChunkSource:
 
     def _array(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         try:
-            return self.files.span(self.location(leaf, chunk))
+            return self.held_span(leaf, chunk)
         except CorruptCheckpointError as e:
             raise CorruptCheckpointError(f"leaf {leaf.key!r} (written by rank {chunk.rank}): {e}") from None
 
@@ -162,6 +198,51 @@ class ChunkSource:
                 f"another checkpoint"
             )
         self._verified.add((leaf.key, chunk.rank))
+
+
+def held_location(holder: OpenedCheckpoint, leaf: Leaf, chunk: Chunk, own: Location) -> Location:
+    """Where a referenced chunk's bytes lie in its holder: a packed directory's data file of the same rank at
+    the same offset (``own``: the holder's layout is this checkpoint's), else the holder's file or archive entry
+    of the same leaf and rank.
+
+    Raises:
+        CorruptCheckpointError: the holder has no such chunk, or one of another size.
+    """
+    m = holder.manifest
+    if m.layout == "directory" and m.packing == "packed":
+        return own
+    held = m.leaves.get(leaf.key)
+    i = None if held is None else held.table.index_of_rank(chunk.rank)
+    if held is None or i is None or held.table.chunk(i).nbytes != chunk.nbytes:
+        raise CorruptCheckpointError(
+            f"{holder.path!r} holds no chunk of leaf {leaf.key!r} of rank {chunk.rank} of {chunk.nbytes} bytes, "
+            f"which a checkpoint beside it references; the referencing checkpoint is damaged"
+        )
+    return Locator(m).locate(held, held.table.chunk(i))
+
+
+def open_holder(root: str, manifest: Manifest, holder: int) -> OpenedCheckpoint:
+    """The manifest's holder ``holder`` of the checkpoint at ``root``, opened, at the generation recorded.
+
+    Raises:
+        CorruptCheckpointError: it is missing, unreadable, or another checkpoint than the one referenced.
+    """
+    h = manifest.referenced()[holder - 1]
+    path = fmt.holder_path(root, h.name)
+    try:
+        opened = store_for(path).open()
+    except TddistError as e:
+        raise CorruptCheckpointError(
+            f"{root!r} references chunks held by {path!r}, which cannot be read ({e}); the checkpoint is damaged: "
+            f"restore the holder, or load another checkpoint"
+        ) from None
+    if opened.generation != h.generation:
+        opened.close()
+        raise CorruptCheckpointError(
+            f"{root!r} references chunks held by {path!r} at generation {h.generation}, but it holds generation "
+            f"{opened.generation} now (it was replaced); the checkpoint is damaged: load another checkpoint"
+        )
+    return opened
 
 
 def _whole(leaf: Leaf, box: Box) -> bool:

@@ -79,8 +79,48 @@ class Sources:
         return owner[start : start + int(plan.nbytes[i])]
 
 
-def _rank_sources(source: ChunkSource, plan: WholePieces) -> Sources:
+def _piece_holders(leaves: list[Leaf], plan: WholePieces) -> np.ndarray | None:
+    """Which holder has each piece's bytes (an incremental checkpoint), or None when this one has them all."""
+    if not any(leaf.refs is not None and leaf.refs.holders.any() for leaf in leaves):
+        return None
+    out = np.zeros(len(plan), np.int64)
+    for j, leaf in enumerate(leaves):
+        if leaf.refs is not None:
+            rows = plan.rows(j)
+            out[rows] = leaf.refs.holders[plan.chunks[rows]]
+    return out
+
+
+def _held_sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces, held: np.ndarray) -> Sources:
+    """Packing "packed" with references: each (holder, rank) data file of a packed holder mapped once (its
+    layout is this checkpoint's: the same offsets), each piece of another holder (an archive) its own span."""
+    sizes = dict(zip(plan.files.tolist(), plan.file_sizes.tolist()))
+    world = source.manifest.world_size
+    apart = np.zeros(len(plan), dtype=bool)  # the pieces of holders that are not packed directories
+    for h in np.unique(held[held > 0]).tolist():
+        m = source.holder(h).manifest
+        if not (m.layout == "directory" and m.packing == "packed"):
+            apart |= held == h
+    mapped = np.where(apart, -1, held * world + plan.ranks.astype(np.int64))
+    files, owner = np.unique(mapped[~apart], return_inverse=True)
+    tensors = [source.rank_file(r, sizes[r], h) for h, r in (divmod(int(f), world) for f in files)]
+    owners = np.zeros(len(plan), np.int64)
+    owners[~apart] = owner
+    for j, leaf in enumerate(leaves):
+        rows = plan.rows(j)
+        for i in [i for i in range(rows.start, rows.stop) if apart[i]]:
+            owners[i] = len(tensors)
+            tensors.append(source.held_span(leaf, leaf.table.chunk(int(plan.chunks[i]))))
+    bases = np.array([t.data_ptr() for t in tensors], np.int64)
+    offsets = np.where(apart, 0, plan.offsets)
+    return Sources(tensors, owners, bases[owners] + offsets)
+
+
+def _rank_sources(source: ChunkSource, plan: WholePieces, leaves: list[Leaf]) -> Sources:
     """Packing "packed": each rank's data file mapped once, and each piece's address in it."""
+    held = _piece_holders(leaves, plan)
+    if held is not None:
+        return _held_sources(source, leaves, plan, held)
     tensors = [source.rank_file(r, n) for r, n in zip(plan.files.tolist(), plan.file_sizes.tolist())]  # one map each
     bases = np.array([t.data_ptr() for t in tensors], np.int64)
     owner = np.searchsorted(plan.files, plan.ranks)
@@ -121,7 +161,7 @@ def sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces, fetched:
         return _chunk_sources(source, leaves, plan)
     if source.files.fetches_ahead and not fetched:
         return _piece_sources(source, plan)
-    return _rank_sources(source, plan)
+    return _rank_sources(source, plan, leaves)
 
 
 def needed(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> list[ChunkRange]:

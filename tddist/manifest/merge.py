@@ -11,6 +11,7 @@ communicator takes the cached path: the ranks leave their boxes out and rank
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -25,6 +26,7 @@ from ..core.types import Fragment, Key, LeafSpec, Structure
 from ..errors import ShardingError
 from .chunks import FINITE, BoxChunks, ChunkTable, LeafStats, ReplicaChunks, ShardChunks
 from .model import Leaf, Manifest, ObjectLeaf, RankMagnitudes
+from .refs import RefColumns, merge_leaf_refs, used_holders
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +194,7 @@ def merge_fragments(
     counts = _Counts.gather(fragments)
     _merge_leaves(m, reference, columns, counts, boxes)
     m.largest = counts.largest
+    _merge_refs(m, fragments)
     m.objects = _merge_objects(fragments, reference)
     if cache is not None:
         _remember(cache, m, reference, boxes)
@@ -250,6 +253,38 @@ def _merge_leaves(m: Manifest, reference: Structure, columns: _Columns, counts: 
         shape = table.shape if isinstance(table, (ShardChunks, ReplicaChunks)) else spec.global_shape or ()
         stats = _leaf_stats(table, counts, i) if is_floating(spec.dtype) else None
         m.leaves[spec.key] = Leaf(spec.key, spec.dtype, tuple(shape), spec.placement, table, stats)
+
+
+def _stored_by(table: ChunkTable) -> slice | list[int] | np.ndarray:
+    """The ranks that stored a leaf's chunks, in chunk order (which rows of a ranks x leaves column to read)."""
+    if isinstance(table, ShardChunks):
+        return slice(None)
+    if isinstance(table, ReplicaChunks):
+        return [table.writer]
+    return table.ranks
+
+
+def _merge_refs(m: Manifest, fragments: list[Fragment]) -> None:
+    """An incremental save (the votes carry identities): every leaf's holders and identities into ``m``, and
+    the holders the chunks name (numbered in the base's table, which every rank that read a base shares).
+
+    Raises:
+        ShardingError: two ranks read different generations of the base (it was replaced during the save).
+    """
+    if not any(f.ids for f in fragments):
+        return
+    tables = {f.base for f in fragments if f.base is not None}
+    if len(tables) > 1:
+        raise ShardingError(
+            "the ranks read different generations of the base checkpoint (it was replaced during this save); "
+            "nothing was committed: save again"
+        )
+    table = tables.pop() if tables else ()
+    columns = RefColumns.stack(fragments)
+    refs = [merge_leaf_refs(columns, i, _stored_by(leaf.table)) for i, leaf in enumerate(m.leaves.values())]
+    m.holders, refs = used_holders(table, refs)
+    for leaf, r in zip(list(m.leaves.values()), refs):
+        m.leaves[leaf.key] = dataclasses.replace(leaf, refs=r)
 
 
 def _leaf_stats(table: ChunkTable, counts: _Counts, i: int) -> LeafStats | None:

@@ -21,9 +21,10 @@ import numpy as np
 from .. import format as fmt
 from ..core.finite import is_floating
 from ..core.sharding import Box, Placement
-from ..core.types import Key
+from ..core.types import Holder, Key
 from ..errors import ManifestError
 from .chunks import Chunk, ChunkTable, LeafStats, ShardChunks
+from .refs import LeafRefs
 
 if TYPE_CHECKING:
     import torch
@@ -104,6 +105,8 @@ class Leaf:
         table: The stored pieces, in columns; together they tile ``shape`` exactly.
         stats: For a floating leaf, its chunks' counts of non-finite values (format version 4; only the
             chunks that hold any); None when they were not recorded (other dtypes, older versions).
+        refs: In an incremental checkpoint, which checkpoint holds each chunk's bytes and each chunk's
+            identity (``refs.LeafRefs``); None in any other.
     """
 
     key: Key
@@ -112,6 +115,11 @@ class Leaf:
     placement: Placement
     table: ChunkTable
     stats: LeafStats | None = None
+    refs: LeafRefs | None = None
+
+    def holder_of(self, i: int) -> int:
+        """Which checkpoint holds chunk ``i``'s bytes: 0 this one, ``h`` the manifest's ``holders[h - 1]``."""
+        return 0 if self.refs is None else int(self.refs.holders[i])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -218,6 +226,8 @@ class Manifest:
         packing: "packed" (one data file per rank) or "memmap" (one file per leaf and rank).
         structure_digest: The digest of the saved structure (version 2; "" before).
         largest: Each rank's largest finite magnitude and its leaf (version 4; None when not recorded).
+        holders: An incremental checkpoint's holders: the checkpoints beside it that hold the bytes of the
+            chunks it references (version 4); None for a checkpoint saved without a base.
     """
 
     world_size: int
@@ -234,6 +244,11 @@ class Manifest:
     packing: str = "memmap"
     structure_digest: str = ""
     largest: RankMagnitudes | None = None
+    holders: tuple[Holder, ...] | None = None
+
+    def referenced(self) -> tuple[Holder, ...]:
+        """The checkpoints this one references (empty when it references none)."""
+        return self.holders or ()
 
     def non_finite(self) -> list[NonFiniteLeaf]:
         """Every leaf whose recorded counts show a NaN or an infinite value, in leaf order."""

@@ -44,6 +44,7 @@ from .model import (
     add_leaf,
     parse_nodes,
 )
+from .refs import LeafRefs, holders_member, leaf_section, parse_holders, read_leaf_refs, refs_index_size
 
 _I8 = np.dtype("<i8")
 _U8 = np.dtype("<u8")
@@ -88,7 +89,7 @@ def encode(m: Manifest) -> ManifestFiles:
         stats += _counts_of(leaf, entry)
         leaves.append(entry)
     stats += _magnitudes_of(m)
-    index = b"".join(rows + own_rows + sums + boxes + stats)
+    index = b"".join(rows + own_rows + sums + boxes + stats + _refs_section(m))
     obj: dict[str, Any] = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,
@@ -101,6 +102,7 @@ def encode(m: Manifest) -> ManifestFiles:
         "checksum": {"algorithm": fmt.CHECKSUM_ALGORITHM, "block_size": fmt.CHECKSUM_BLOCK},
         "structure_digest": m.structure_digest,
         **({"rank_magnitudes": True} if m.largest is not None else {}),
+        **_holders_member(m),
         "index": {"size": len(index), "checksum": xxhash.xxh3_64_hexdigest(index)},
         "metadata": m.metadata,
         "nodes": [{"key": list(k), "batch_size": list(b)} for k, b in m.nodes.items()],
@@ -110,6 +112,24 @@ def encode(m: Manifest) -> ManifestFiles:
     raw = seal(fmt.dumps(obj))  # version 3: the checksum of its own bytes first
     _check_writable(raw, obj)
     return ManifestFiles(raw, index)
+
+
+def _holders_member(m: Manifest) -> dict[str, Any]:
+    """An incremental checkpoint's ``holders`` (section 5.10), early in the JSON: a clean-up finds them in the
+    first bytes of a manifest, whatever its size."""
+    return {} if m.holders is None else {"holders": holders_member(m.holders)}
+
+
+def _refs_section(m: Manifest) -> list[bytes]:
+    """The index's section 7 (an incremental checkpoint only): every leaf's chunks' holders and identities."""
+    if m.holders is None:
+        return []
+    out: list[bytes] = []
+    for leaf in m.leaves.values():
+        n = len(leaf.table)
+        refs = leaf.refs or LeafRefs(np.zeros(n, dtype=_I8), np.zeros((n, 2), dtype=_U8))
+        out += leaf_section(refs)
+    return out
 
 
 def _magnitudes_of(m: Manifest) -> list[bytes]:
@@ -213,7 +233,9 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) 
     magnitudes = _has_magnitudes(p, obj, m.version)
     batched = [k for k, b in m.nodes.items() if b]
     own = [e for e in entries if e.own_rows]
-    data = _checked_index(p, obj, index, _index_size(entries, len(batched), world, magnitudes))
+    m.holders = parse_holders(obj, p.fail) if m.version >= 4 else None
+    extra = 0 if m.holders is None else 8 * refs_index_size(sum(_chunk_count(e, world) for e in entries))
+    data = _checked_index(p, obj, index, _index_size(entries, len(batched), world, magnitudes) + extra)
     cursor = _Cursor(data)
     node_block = cursor.take(_I8, world * len(batched)).reshape(len(batched), world)  # the index's sections
     own_block = cursor.take(_I8, world * len(own)).reshape(len(own), world)
@@ -229,7 +251,19 @@ def parse_body(p: Parser, obj: dict[str, Any], m: Manifest, index: IndexSource) 
         add_leaf(p, m, Leaf(e.key, e.dtype, e.shape, e.placement, table, _stats(p, e, table, cursor)))
     if magnitudes:  # section 6
         m.largest = _magnitudes(p, entries, cursor.take(_F8, world), cursor.take(_I8, world))
+    if m.holders is not None:  # section 7
+        for (e, table), r in zip(built, _refs(p, [t for _e, t in built], m, cursor)):
+            leaf = m.leaves[e.key]
+            m.leaves[e.key] = Leaf(e.key, e.dtype, e.shape, e.placement, table, leaf.stats, r)
     p.check(cursor.pos == len(data), "has bytes left over at the end of its index")
+
+
+def _refs(p: Parser, tables: list[ChunkTable], m: Manifest, cursor: _Cursor) -> list[LeafRefs | None]:
+    """Every leaf's part of section 7 (an incremental checkpoint), or None for each leaf of any other."""
+    if m.holders is None:
+        return [None] * len(tables)
+    n = len(m.holders)
+    return [read_leaf_refs(cursor.take, len(t), n, p.fail) for t in tables]
 
 
 def _with_stats(p: Parser, raw: Any, e: _LeafEntry, version: int, world: int) -> _LeafEntry:

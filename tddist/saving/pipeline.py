@@ -324,13 +324,16 @@ def streams(options: SaveOptions) -> bool:
 
     Only the packed directory of a store that ``streams`` can write a
     slot before the whole state is copied (``stream.py``); an archive,
-    ``layout="memmap"``, object storage and ``check_replicas`` (which
-    compares the replicas' snapshots) copy the whole state first.
+    ``layout="memmap"``, object storage, ``check_replicas`` (which
+    compares the replicas' snapshots) and an incremental save (``base``: each
+    chunk is compared with the base's before it is written or not) copy the
+    whole state first.
     """
     return (
         options.container == "directory"
         and options.packing == "packed"
         and not options.check_replicas
+        and options.base is None
         and store_of(options).streams
     )
 

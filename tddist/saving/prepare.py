@@ -18,7 +18,7 @@ import torch
 from .. import format as fmt
 from .._compat import dtensor_local, dtensor_signature
 from ..core.sharding import Boxes, PerRank, Placement, Replicate, Shard, replica_writers
-from ..core.tree import dtensor_box, flatten, is_dtensor, local_bytes, resolve_placements
+from ..core.tree import dtensor_box, flatten, is_dtensor, local_bytes, local_bytes_source, resolve_placements
 from ..core.types import DTensorBox, EncodedObject, Key, LocalShard, SaveItem
 from ..errors import InvalidDataError
 from ..loading.per_rank import check_marked_keys, covered, normalize_overrides, refuse_dtensor, refuse_stack
@@ -188,7 +188,8 @@ def prepare_shard(
         items = []
         for (k, t), leaf in zip(leaves.items(), derived.leaves):
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
-            items.append(SaveItem(k, local, leaf.placement, leaf.writes, leaf.dtensor))
+            own = buffers is None and local.untyped_storage().data_ptr() == local_bytes_source(t)
+            items.append(SaveItem(k, local, leaf.placement, leaf.writes, leaf.dtensor, own))
         if buffers is not None:
             buffers.synchronize()
             buffers.retain_only(set(leaves))

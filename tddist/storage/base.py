@@ -155,6 +155,7 @@ class WriterBase:
         self.structure: Structure | None = None
         self.boxes = b""
         self.replaced: str | None = None  # rank 0, after publish: where the replaced checkpoint now lies
+        self.pins: list[str] = []  # rank 0 of an incremental save: the pins of its holders, until it commits
 
     @property
     def stages_alone(self) -> bool:

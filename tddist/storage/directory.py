@@ -10,11 +10,14 @@ that readers refuse instead of misread.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import stat
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .. import format as fmt
@@ -32,10 +35,14 @@ from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ..errors import CorruptCheckpointError, TargetError
 from ..manifest.locate import ChunkRange, Location
 from .base import WriterBase, map_copy_on_write
+from .incremental import check_holders, eligible_base, identity_columns, read_base, write_packed_incremental
 from .pinned import PinnedCheckpoint
+from .pins import pin, unpin
 from .publish import discard, swap_in
 from .recovery import is_tddist_dir
 from .writer import write_packed, write_shard
+
+logger = logging.getLogger(__name__)
 
 
 def check_target(target: str) -> bool:
@@ -108,6 +115,8 @@ class DirectoryWriter(WriterBase):
     def write(self, staging: Staging) -> Fragment:
         self.check_reference(staging)
         o, shard = self.options, self.local_shard()
+        if o.packing == "packed" and o.base is not None:
+            return self.write_incremental(staging, o.base)
         if o.packing == "packed":
             data = os.path.join(staging.path, fmt.rank_data_name(self.rank))
             stored = write_packed(data, shard.items, o.num_threads, self.rank)
@@ -115,7 +124,28 @@ class DirectoryWriter(WriterBase):
             stored = write_shard(staging.path, self.rank, shard, o.robust_key, o.num_threads)
         return self.fragment(stored)
 
+    def write_incremental(self, staging: Staging, base: str) -> Fragment:
+        """An incremental save's write: the chunks equal to the base's are referenced, the others written."""
+        items = self.local_shard().items
+        if self.rank == 0 and eligible_base(base, self.target) is None:
+            self.pins.append(pin(base))  # before this rank decides; checked again before the commit
+        view = read_base(base, self.target, self.rank, items)
+        if self.rank == 0 and view is not None:
+            self.pins += [pin(fmt.holder_path(self.target, h.name)) for h in view.table[1:]]
+        data = os.path.join(staging.path, fmt.rank_data_name(self.rank))
+        done = write_packed_incremental(data, items, self.rank, view, self.options.reuse_hashes)
+        logger.debug("rank %d: wrote %d bytes, referenced the rest of %s", self.rank, done.written, base)
+        fragment = self.fragment(done.stored)
+        return dataclasses.replace(
+            fragment,
+            holders=np.asarray([done.holders.get(i.key, 0) for i in items], dtype="<i8").tobytes(),
+            ids=identity_columns([done.ids.get(i.key, 0) for i in items]),
+            base=None if view is None else view.table,
+        )
+
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
+        for table in {f.base for f in fragments if f.base is not None}:
+            check_holders(self.target, table)  # pinned: what is there now stays until the commit
         index, manifest_path = (os.path.join(staging.path, name) for name in (fmt.INDEX_NAME, fmt.MANIFEST_NAME))
         write_durable(index, manifest.index, sync=False)
         write_durable(manifest_path, manifest.manifest, sync=False)
@@ -126,8 +156,12 @@ class DirectoryWriter(WriterBase):
             self.replaced = swap_in(staging.path, self.target)
         else:
             fsync_path(os.path.dirname(os.path.abspath(self.target)))
+        unpin(self.pins)  # committed: the manifest references the holders now
+        self.pins = []
 
     def abort(self, staging: Staging) -> None:
+        unpin(self.pins)
+        self.pins = []
         # A torn non-atomic target has no manifest: readers refuse it. A staging area can be absent: another
         # rank of a one-round save removed it first, or this rank never created it.
         if self.options.atomic and os.path.lexists(staging.path):

@@ -12,6 +12,7 @@ import zipfile
 
 from .. import format as fmt
 from .._fs import fsync_path, remove_tree
+from .pins import expired_pins
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,9 @@ def recover(target: str) -> list[str]:
     Staging and trash directories are removed. A backup of a replaced
     checkpoint is moved back to the target if the target lost its manifest
     (a crash in the middle of a replace without RENAME_EXCHANGE), otherwise
-    removed. Committed checkpoints and foreign files are never touched. Call
+    removed. Pins of ``target`` that expired (an incremental save that died
+    left them, ``pins.PIN_LEASE``) are removed, live ones kept. Committed
+    checkpoints and foreign files are never touched. Call
     it only when no save to ``target`` is running.
 
     Args:
@@ -106,4 +109,7 @@ def recover(target: str) -> list[str]:
         remove_tree(path)
         done.append(f"removed {path}")
         logger.info("recover: removed %s", path)
+    for pin in expired_pins(target):  # left by an incremental save that died; a live one's are kept
+        os.unlink(pin)
+        done.append(f"removed expired pin {pin}")
     return done

@@ -30,7 +30,8 @@ from typing import Protocol
 
 from .. import format as fmt
 from .._fs import fsync_path, remove_tree
-from ..errors import RootLockedError
+from ..errors import CheckpointPinnedError, RootLockedError
+from .pins import held, pinned
 from .recovery import is_committed, is_tddist_dir
 
 logger = logging.getLogger(__name__)
@@ -170,8 +171,15 @@ def remove_checkpoint(path: str) -> None:
     Raises:
         OSError: ``path`` could not be renamed or removed.
     """
+    if pinned(path):
+        raise CheckpointPinnedError(f"{path} is pinned by an incremental save in progress; not deleted")
     trash = fmt.trash_path(path)
     os.rename(path, trash)
+    if held(path):  # a save pinned it, or committed a reference to it, since this deletion was decided
+        os.rename(trash, path)
+        raise CheckpointPinnedError(
+            f"{path} is pinned by an incremental save in progress, or referenced by a checkpoint beside it; not deleted"
+        )
     fsync_path(os.path.dirname(trash))
     remove_tree(trash)
     logger.info("deleted checkpoint %s", path)

@@ -23,8 +23,9 @@ from ..checksum import combine_digests, hash_blocks
 from ..core.sharding import PerRank
 from ..core.types import EncodedObject, Key
 from ..errors import CorruptCheckpointError
-from ..manifest.locate import Locator
-from ..manifest.model import Manifest
+from ..loading.read import held_location, open_holder
+from ..manifest.locate import Location, Locator
+from ..manifest.model import Chunk, Leaf, Manifest
 from ..manifest.v2 import encode
 from ..storage.archive import ArchiveFiles, check_archive_target
 from ..storage.backends import local_files, open_checkpoint
@@ -52,12 +53,13 @@ def _files(manifest: Manifest, src: OpenedCheckpoint) -> tuple[dict[str, bytes],
     read through ``src``'s pinned descriptor: the generation its manifest describes.
     """
     files = local_files(src)
+    held = HeldFiles(src.path, manifest, files)
     locator = Locator(manifest)
     leaves = {}
     for leaf in manifest.leaves.values():
-        for c in leaf.chunks:
+        for i, c in enumerate(leaf.chunks):
             if c.nbytes:
-                data = files.span(locator.locate(leaf, c))
+                data = held.span(leaf, i, c, locator.locate(leaf, c))
                 leaves[fmt.leaf_relpath(c.rank, leaf.key, manifest.robust_key)] = (data, c.checksum)
     if manifest.packing != "memmap":  # a packed directory has no meta.json: write what each rank's would be
         return {
@@ -67,6 +69,30 @@ def _files(manifest: Manifest, src: OpenedCheckpoint) -> tuple[dict[str, bytes],
     for name in _meta_names(manifest, files):
         metas[name] = bytes(files.array(name, _size(files, name)).numpy())
     return metas, leaves
+
+
+class HeldFiles:
+    """The chunk readers of a checkpoint and of its holders (an incremental checkpoint's), each opened once, so a
+    copy of it holds every byte itself."""
+
+    def __init__(self, path: str, manifest: Manifest, own: Any) -> None:
+        self.path, self.manifest, self.own = path, manifest, own
+        self.opened: dict[int, tuple[OpenedCheckpoint, Any]] = {}
+
+    def span(self, leaf: Leaf, i: int, chunk: Chunk, own: Location) -> torch.Tensor:
+        """Chunk ``i`` of ``leaf`` (``own``: where it would lie here), from the checkpoint that holds it.
+
+        Raises:
+            CorruptCheckpointError: its holder is missing, damaged or replaced.
+        """
+        h = leaf.holder_of(i)
+        if not h:
+            return self.own.span(own)
+        if h not in self.opened:
+            opened = open_holder(self.path, self.manifest, h)
+            self.opened[h] = (opened, opened.files())
+        opened, files = self.opened[h]
+        return files.span(held_location(opened, leaf, chunk, own))
 
 
 def _rank_meta_files(m: Manifest, rank: int) -> dict[str, bytes]:
@@ -167,7 +193,9 @@ def _pack(opened: OpenedCheckpoint, dst: str, compression: Any, num_threads: int
         os.close(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         end = place_entries(entries, 0)
         write_region(staging, entries, num_threads)
-        as_archive = encode(replace(manifest, layout="archive", packing="memmap", version=fmt.FORMAT_VERSION))
+        as_archive = encode(
+            replace(manifest, layout="archive", packing="memmap", version=fmt.FORMAT_VERSION, holders=None)
+        )
         tail = {fmt.INDEX_NAME: as_archive.index, fmt.MANIFEST_NAME: as_archive.manifest}
         write_tail_and_directory(staging, end, tail, list(entry_rows(entries)))
     logger.info("packed %s into %s", src, dst)
@@ -214,12 +242,35 @@ def _unpack(opened: OpenedCheckpoint, dst: str) -> str:
             array = chunk.numpy()
             _check(name, hash_blocks(array), checksum, src)
             _write(staging, name, memoryview(array.data))
-        as_directory = encode(replace(manifest, layout="directory", packing="memmap", version=fmt.FORMAT_VERSION))
+        as_directory = encode(
+            replace(manifest, layout="directory", packing="memmap", version=fmt.FORMAT_VERSION, holders=None)
+        )
         write_durable(os.path.join(staging, fmt.INDEX_NAME), as_directory.index)
         write_durable(os.path.join(staging, fmt.MANIFEST_NAME), as_directory.manifest)
         fsync_tree_dirs(staging)
     logger.info("unpacked %s into %s", src, dst)
     return dst
+
+
+def materialize(src: str | os.PathLike, dst: str | os.PathLike) -> str:
+    """Write the committed checkpoint ``src`` as the self-contained directory checkpoint ``dst``; returns ``dst``.
+
+    An incremental checkpoint's referenced chunks are read from their holders
+    and written into ``dst``, which references nothing: it stays loadable
+    after its holders are deleted, and can be moved or copied alone. Every
+    chunk's checksum is verified on the way; ``dst`` (packing "memmap", the
+    layout ``unpack`` writes) appears complete or not at all; ``src`` is never
+    modified. Any checkpoint may be materialized (one that references
+    nothing is copied). Runs in one process.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed is at ``src``.
+        CorruptCheckpointError: a chunk of ``src`` or of a holder is missing or damaged, or a holder was replaced.
+        TargetError: ``dst`` is a file, a symbolic link or a directory that is not a tddist checkpoint.
+    """
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    with open_checkpoint(src) as opened:
+        return _unpack(opened, dst)
 
 
 @contextlib.contextmanager

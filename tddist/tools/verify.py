@@ -16,6 +16,7 @@ listing all of them.
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import os
 import stat
@@ -36,6 +37,8 @@ from ..manifest.model import Chunk, Leaf, Manifest, NonFiniteLeaf
 from ..manifest.whole import file_offsets
 from ..storage.backends import read_manifest
 
+logger = logging.getLogger(__name__)
+
 #: Kinds of ``Problem``.
 MISSING = "missing"  # the chunk's file (a rank's data file) or archive entry is not there
 SIZE = "size"  # it has another size than the manifest says
@@ -43,6 +46,7 @@ NOT_A_FILE = "not-a-file"  # a symbolic link, a directory, or a path resolving o
 CHECKSUM = "checksum"  # its bytes do not match the checksum
 UNREADABLE = "unreadable"  # reading or decompressing it failed
 STRUCTURE = "structure"  # the checkpoint as a whole: an archive that is not a valid zip, a missing rank directory
+HOLDER = "holder"  # a checkpoint that holds referenced chunks (an incremental one's) is missing, damaged or replaced
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,14 @@ def _where(leaf: Leaf, chunk: Chunk) -> str:
     return f"leaf {list(leaf.key)} (written by rank {chunk.rank})"
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A holder of an incremental checkpoint, opened: its manifest and pin, and its chunks' reader."""
+
+    opened: Any
+    files: Any
+
+
 class _Check:
     """One run of ``verify``: the checks of each packing, and the problems found."""
 
@@ -254,17 +266,19 @@ class _Check:
             if found is not None:
                 self.problems.append(found)
                 bad.add(rank)
+        holders = self._holders()
         if self.quick:
             return
         placed = self.locator.every_rank()  # every chunk by rank: each file is mapped once, then unmapped
         found_in_chunks = [(li, i, p) for li, i, p in self._empty_chunk_problems() if p.rank not in bad]
         leaves = list(m.leaves.values())
+        from ..loading.read import held_location
         from ..storage.backends import local_files  # imports torch
 
         for rank in np.unique(placed.ranks).tolist():
             if rank in bad:
                 continue
-            files = local_files(self.root)  # this rank's file is mapped once, and unmapped after it
+            own = local_files(self.root)  # this rank's file is mapped once, and unmapped after it
             rows = placed.rows_of(rank)
             name, size = fmt.rank_data_name(rank), sizes[rank]
             # each chunk's offset from the placement's column: no table of the rank's leaves is built per rank
@@ -272,13 +286,33 @@ class _Check:
                 placed.leaves[rows].tolist(), placed.chunks[rows].tolist(), placed.offsets[rows].tolist()
             ):
                 leaf = leaves[li]
-                chunk = leaf.table.chunk(i)
-                problem = self._check_chunk_bytes(files, leaf, chunk, Location(name, at, chunk.nbytes, size))
+                chunk, h = leaf.table.chunk(i), leaf.holder_of(i)
+                loc = Location(name, at, chunk.nbytes, size)
+                if h and h not in holders:  # its holder is reported already
+                    continue
+                files = own if not h else holders[h].files
+                loc = loc if not h else held_location(holders[h].opened, leaf, chunk, loc)
+                problem = self._check_chunk_bytes(files, leaf, chunk, loc)
                 if problem is not None:
                     found_in_chunks.append((li, i, problem))
-            del files
+            del own
         found_in_chunks.sort(key=lambda t: (t[0], t[1]))
         self.problems.extend(p for _li, _i, p in found_in_chunks)
+
+    def _holders(self) -> dict[int, _Held]:
+        """An incremental checkpoint's holders, opened at the generations it recorded, by number; each one
+        missing, unreadable or replaced is a problem (its chunks are not read)."""
+        from ..loading.read import open_holder  # imports torch
+
+        out: dict[int, _Held] = {}
+        for h, holder in enumerate(self.manifest.referenced(), start=1):
+            try:
+                opened = open_holder(self.root, self.manifest, h)
+            except CorruptCheckpointError as e:
+                self.problems.append(Problem(HOLDER, None, None, holder.name, f"{e}"))
+                continue
+            out[h] = _Held(opened, opened.files())
+        return out
 
     def _check_world(self) -> None:
         """Refuse a world size the directory cannot hold before checking it rank by rank.

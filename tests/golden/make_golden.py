@@ -219,6 +219,38 @@ def write_dtensor(path) -> None:
             dist.destroy_process_group()
 
 
+#: checkpoints (e) and (e'): two thread ranks save a frozen part and an adapter, then save again with the
+#: adapter changed and the first as ``base``: (e') references (e)'s unchanged chunks (format version 4)
+INCREMENTAL_BASE = "incremental_base"
+INCREMENTAL = "incremental"
+INCREMENTAL_ROWS = (2, 3)
+
+
+def incremental_shard(rank: int, step: int) -> TensorDict:
+    """What rank ``rank`` saves for checkpoint (e) (``step`` 1) and (e') (``step`` 2)."""
+    n, start = INCREMENTAL_ROWS[rank], sum(INCREMENTAL_ROWS[:rank])
+    return TensorDict(
+        {
+            "frozen": TensorDict({"w": _ramp((n, 4), torch.float32, 0.25, 4.0 * start)}, [n]),
+            "embed": _ramp((3, 2), torch.bfloat16, 0.5),
+            "adapter": _ramp((2, 2), torch.float32, 1.0, 100.0 * step),
+        },
+        [],
+    )
+
+
+def write_incremental(path, step: int) -> None:
+    base = Path(path).parent / INCREMENTAL_BASE if step == 2 else None
+
+    def rank_main(comm):
+        tddist.save(incremental_shard(comm.rank, step), path, comm=comm, base=base, metadata={"step": step})
+        return "ok"
+
+    errors = [r for r in tddist.run_threads(len(INCREMENTAL_ROWS), rank_main) if r != "ok"]
+    if errors:
+        raise errors[0]
+
+
 BUILDERS = {
     SINGLE: write_single,
     SINGLE_MEMMAP: write_single_memmap,
@@ -226,6 +258,8 @@ BUILDERS = {
     EXTENDED: write_extended,
     EXTENDED_ARCHIVE: lambda path: write_extended(path, archive=True),
     DTENSOR: write_dtensor,
+    INCREMENTAL_BASE: lambda path: write_incremental(path, 1),
+    INCREMENTAL: lambda path: write_incremental(path, 2),
 }
 
 
