@@ -57,6 +57,7 @@ def save(
     layout: str | None = None,
     require_finite: bool = False,
     base: str | os.PathLike | None = None,
+    trust_versions: bool = False,
 ) -> TensorDict | Future:
     """Save ``data`` (this rank's shard) collectively to the checkpoint ``prefix``.
 
@@ -145,6 +146,15 @@ def save(
             a 128-bit hash). A base that cannot hold references (in another
             directory, of packing "memmap", missing) is ignored: every chunk is
             written. Saves to packed directories; see docs/parameters.md.
+        trust_versions: with ``base``, a leaf whose memory and version
+            counter (``Tensor._version``) are unchanged since this process's
+            last incremental save is not hashed again (its earlier hash is
+            taken as its content's). Only for states that change only through
+            PyTorch operations: a write through ``tensor.data``, NumPy, or an
+            extension that writes through raw pointers (some fused or 8-bit
+            optimizers) does not move the version counter, and the save would
+            then reference the base's stale bytes. False (the default) hashes
+            every chunk.
 
     Returns:
         This rank's saved shard, memory-mapped copy-on-write from the
@@ -192,6 +202,7 @@ def save(
         layout=layout,
         require_finite=require_finite,
         base=base,
+        trust_versions=trust_versions,
     )
     return saving.save(data, request)
 

@@ -48,6 +48,7 @@ def save_request(
     layout: str | None,
     require_finite: bool = False,
     base: Any = None,
+    trust_versions: bool = False,
 ) -> SaveRequest:
     """``save``'s keyword arguments (tensordict's, plus tddist's), checked and normalised; every rank
     refuses a bad argument the same way, before any collective."""
@@ -75,11 +76,22 @@ def save_request(
         packing="memmap" if store.archive or layout == "memmap" else "packed",
         require_finite=bool(require_finite),
         base=check_base(base),
-        reuse_hashes=base is not None and not return_early,
+        reuse_hashes=check_trust_versions(trust_versions, base) and not return_early,
     )
     deferred, optimizers = check_snapshot(snapshot, guard, return_early, snapshot_budget, async_writer)
     early = EarlyReturn(snapshot_budget, cast(Any, async_writer), deferred, optimizers) if return_early else None
     return SaveRequest(options, comm, timeout, placements, copy_existing, wait_for_pending, early)
+
+
+def check_trust_versions(trust_versions: Any, base: Any) -> bool:
+    """``trust_versions=``: a bool, and only with ``base=`` (it skips the hashing of an incremental save)."""
+    if not isinstance(trust_versions, bool):
+        raise InvalidArgumentError(f"trust_versions must be True or False, got {trust_versions!r}")
+    if trust_versions and base is None:
+        raise InvalidArgumentError(
+            "trust_versions=True reuses the hashes of an incremental save's unchanged leaves; pass base= with it"
+        )
+    return trust_versions
 
 
 def check_base(base: Any) -> str | None:

@@ -291,25 +291,25 @@ def test_pack_convert_and_materialize_write_self_contained_copies(tmp_path):
     assert torch.equal(saved["frozen"], expected(2)["frozen"])
 
 
-def test_a_synchronous_save_hashes_again_what_changed_since_it_last_hashed_it(tmp_path):
-    """Unchanged leaves (same memory, same version counter) are not hashed again; a leaf changed in place, or
-    replaced by another tensor, is, and is written."""
+def test_with_trust_versions_a_save_hashes_again_what_changed_since_it_last_hashed_it(tmp_path):
+    """trust_versions=True: unchanged leaves (same memory, same version counter) are not hashed again; a leaf
+    changed in place, or replaced by another tensor, is, and is written."""
     from tddist.storage import incremental
 
     state = lora(1)
     s1, s2, s3, s4 = (str(tmp_path / f"s{i}") for i in range(1, 5))
     tddist.save(state, s1)
-    tddist.save(state, s2, base=s1)  # hashes everything once: identities recorded
+    tddist.save(state, s2, base=s1, trust_versions=True)  # hashes everything once: identities recorded
     seen = {k[1]: v for k, v in incremental._SEEN.items() if k[0] == 0}
     assert set(seen) >= {("frozen",), ("adapter",)}
     state["adapter"].add_(1)  # in place: its version counter moves
-    tddist.save(state, s3, base=s2)
+    tddist.save(state, s3, base=s2, trust_versions=True)
     m3 = tddist.read_manifest(s3)
     assert m3.leaves[("adapter",)].refs.holders.tolist() == [0]
     assert m3.leaves[("frozen",)].refs.holders.tolist() == [1] and m3.referenced()[0].name == "s1"
     state["frozen"] = state["frozen"].clone()
     state["frozen"][0] = -1.0  # another tensor, other bytes
-    tddist.save(state, s4, base=s3)
+    tddist.save(state, s4, base=s3, trust_versions=True)
     m4 = tddist.read_manifest(s4)
     assert m4.leaves[("frozen",)].refs.holders.tolist() == [0]
     for path, want in ((s3, 2.0), (s4, 2.0)):
@@ -317,6 +317,36 @@ def test_a_synchronous_save_hashes_again_what_changed_since_it_last_hashed_it(tm
         assert (got["adapter"] == want).all()
     assert tddist.load(s4)["frozen"][0] == -1.0 and tddist.load(s3)["frozen"][0] == 0.0
     assert verify(s4).ok and verify(s3).ok
+
+
+def test_by_default_a_change_the_version_counter_misses_is_still_written(tmp_path):
+    """Without trust_versions every chunk is hashed: leaves changed through ``.data`` and through NumPy (the
+    version counter does not move) are written, never referenced as the base's stale bytes; with it, the
+    documented limit: such a change is missed."""
+    state = lora(1)
+    s1, s2, s3, s4 = (str(tmp_path / f"s{i}") for i in range(1, 5))
+    tddist.save(state, s1)
+    tddist.save(state, s2, base=s1)
+    version = state["adapter"]._version
+    state["adapter"].data.add_(1)  # a write the version counter does not see
+    state["frozen"].numpy()[0] = -5.0  # nor this one
+    assert state["adapter"]._version == version
+    tddist.save(state, s3, base=s2)
+    m3 = tddist.read_manifest(s3)
+    assert m3.leaves[("adapter",)].refs.holders.tolist() == [0]
+    got = tddist.load(s3, verify=True)
+    assert torch.equal(got["adapter"], state["adapter"]) and torch.equal(got["frozen"], state["frozen"])
+    tddist.save(state, s4, base=s3, trust_versions=True)  # hashes everything once, remembered
+    state["adapter"].data.add_(1)
+    tddist.save(state, str(tmp_path / "s5"), base=s4, trust_versions=True)
+    stale = tddist.load(str(tmp_path / "s5"))
+    assert not torch.equal(stale["adapter"], state["adapter"]), "trust_versions saw a change it cannot see"
+
+
+@pytest.mark.parametrize("kwargs", [{"trust_versions": True}, {"trust_versions": 1, "base": "b"}])
+def test_trust_versions_needs_a_base_and_a_bool(tmp_path, kwargs):
+    with pytest.raises(tddist.InvalidArgumentError, match="trust_versions"):
+        tddist.save({"x": torch.ones(2)}, str(tmp_path / "c"), **kwargs)
 
 
 def test_return_early_saves_are_incremental_too(tmp_path):
