@@ -671,13 +671,14 @@ def _round_trip(path: Path) -> None:
     assert files.index == index
 
 
-@pytest.mark.parametrize("name", sorted(recipe.BUILDERS))
-@pytest.mark.parametrize("version", [2, 3, 4])
+@pytest.mark.parametrize(
+    ("version", "name"),
+    [(v, n) for v in (2, 3, 4) for n in sorted(recipe.BUILDERS) if (GOLDEN / f"v{v}" / n).exists()],
+)
 def test_encode_parse_reproduces_the_golden_files(name, version):
     """sharded (dim 0 and dim 1, node and own rows), replicated, DTensor boxes, non-tensor values, memmap
-    packing, an archive, references (version 4): the parsed manifest encodes back to the same bytes."""
-    if not (GOLDEN / f"v{version}" / name).exists():
-        pytest.skip(f"{name} is new in a later format version")
+    packing, an archive, references (version 4): the parsed manifest encodes back to the same bytes (each
+    golden checkpoint of each version; a case new in a later version has none in the older ones)."""
     _round_trip(GOLDEN / f"v{version}" / name)
 
 
