@@ -86,7 +86,7 @@ def role_signal(work: Path, rank: int, world: int) -> dict:
     signalled = work / "signalled"
     for s in range(1000):
         train(state)
-        pending = mgr._pending
+        pending = mgr._direct.pending
         in_flight.append(pending is not None and not pending.future.done())
         started = mgr.step(s + 1, state)
         if started and not signalled.exists():

@@ -27,13 +27,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
-from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..api import save
 from ..comm.base import Communicator
 from ..comm.collective import decide_on_rank0
 from ..comm.resolve import resolve
@@ -43,10 +40,11 @@ from .options import ManagerOptions, check_options, step_path
 from .preemption import PreemptionSignals, parse_signals
 from .restore import Restored, Restorer, RestoreRequest
 from .retention import METRICS_KEY, clean_root, committed_steps, encode_metrics, newest_checkpoint
-from .root_retention import InFlight, RootRetention, retain_after
+from .root_retention import RootRetention
+from .root_saves import RootSaves
 from .schedule import Decision, SaveSchedule, StepVote
 from .tiered import Replication, SharedRoot, TieredSaves
-from .train_state import data_to_save, optimizers_of, state_of
+from .train_state import data_to_save, state_of
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -227,17 +225,16 @@ class CheckpointManager:
             incremental=incremental,
         )
         self.retention, self._restore_finite = options.retention, options.restore_finite
-        self._incremental, self._saved = options.incremental, cast("str | None", None)  # _saved: the next base
         self.save_kwargs, self._root = options.save_kwargs, options.root
         self.root = self._root.target
         self.keep_last, self.every, self.async_save = options.keep_last, options.every, options.async_save
-        self._deferred = options.deferred
         self.comm = resolve(comm, self.save_kwargs.get("timeout"))
         self.should_stop, self._requested = False, False
-        self._pending: InFlight | None = None
         self._locked = False
         self._schedule = SaveSchedule(options.interval)
         self._root_retention = RootRetention(self.root, self.comm.rank)
+        self._direct = RootSaves(self.comm, self.root, self._retain, async_save=bool(options.async_save),
+                                 deferred=options.deferred, incremental=options.incremental)  # fmt: skip
         self._tiered = self._make_tiered(options)
         self._signals = PreemptionSignals(parse_signals(preempt_signal), self.request_preemption)
         try:
@@ -269,15 +266,7 @@ class CheckpointManager:
 
     def _ensure_root(self) -> None:
         """Before the first save into a root that did not exist: create it and take its lock (collective)."""
-        if self._locked:
-            return
-
-        def make() -> None:
-            self._root.create()
-            root_lock.acquire(self.root)
-
-        self._on_rank0("creating and locking " + self.root, make)
-        self._locked = True
+        self._prepare_root(self.comm)
 
     # --- where checkpoints are -----------------------------------------------------
 
@@ -404,7 +393,7 @@ class CheckpointManager:
         if decided is not None:
             return decided
         if self._tiered is None:
-            self._retire_finished()
+            self._direct.retire_finished()
         done = self._tiered.promotion_done() if self._tiered is not None else False
         votes: list[StepVote] = self.comm.allgather(self._schedule.vote(self._requested, done))
         if self._tiered is not None and all(v.promotion_done for v in votes):
@@ -477,24 +466,12 @@ class CheckpointManager:
         if encoded:
             metadata[METRICS_KEY] = encoded
         path, start = self.path(step), time.monotonic()
-        if self._incremental:
-            kwargs["base"] = self._base_for(path)
         self._schedule.saved()
         self._root_retention.note_metric(step, path, metadata, self.retention.metric)
         if self._tiered is not None:
             self._tiered.save(step, data, metadata, kwargs, start)
             return
-        if self._deferred:
-            kwargs.update(snapshot="deferred", guard=optimizers_of(state) or None)
-        self._saved = path
-        if self.async_save:
-            fut = save(data, path, comm=self.comm, return_early=True, metadata=metadata, **kwargs)
-            self._pending = InFlight(step, fut, start, threading.Event())
-            fut.add_done_callback(partial(retain_after, self._pending, self._retain))
-            return
-        save(data, path, comm=self.comm, metadata=metadata, **kwargs)
-        logger.info("rank %d: saved step %d in %.2fs", self.comm.rank, step, time.monotonic() - start)
-        self._retain(step)
+        self._direct.save(step, path, data, state, metadata, kwargs, start)
 
     def _prepare_root(self, comm: Communicator) -> None:
         """(promotion worker, on every rank) Create and lock the root before the first promotion into it."""
@@ -520,16 +497,8 @@ class CheckpointManager:
         """
         if self._tiered is not None:
             self._tiered.wait()
-            return
-        pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        try:
-            pending.future.result()
-        finally:
-            pending.retained.wait()  # the save's worker applies retention once the save resolved
-        took = time.monotonic() - pending.started
-        logger.info("rank %d: saved step %d %.2fs after it started", self.comm.rank, pending.step, took)
+        else:
+            self._direct.wait()
 
     def wait_snapshot(self) -> None:
         """Wait until the save in flight has copied the state (``async_save="deferred"``), not for its commit.
@@ -538,9 +507,7 @@ class CheckpointManager:
         call this before changing the state any other way. Returns at once when
         no save is in flight or its state was copied before ``save`` returned.
         """
-        wait = getattr(self._pending.future, "wait_snapshot", None) if self._pending is not None else None
-        if wait is not None:  # a tddist save's Future (``saving.background.SaveFuture``)
-            wait()
+        self._direct.wait_snapshot()
 
     def request_preemption(self) -> None:
         """Ask the ranks to save and stop at the next ``step()``, as the preemption signal does."""
@@ -577,21 +544,6 @@ class CheckpointManager:
             self._signals.uninstall()
 
     # --- internals ---------------------------------------------------------------------
-
-    def _retire_finished(self) -> None:
-        """Forget a background save that succeeded and whose retention is done (its errors wait for
-        ``wait()``; a retention still running is not waited for)."""
-        p = self._pending
-        if p is not None and p.retained.is_set() and p.future.exception() is None:
-            self.wait()
-
-    def _base_for(self, path: str) -> str | None:
-        """The base of an incremental save to ``path``: the last checkpoint this manager saved, else the newest
-        committed one in the root (rank 0 finds it, every rank gets the same)."""
-        if self._saved is not None and self._saved != path:
-            return self._saved
-        found = self._on_rank0("finding the base in " + self.root, lambda: newest_checkpoint(self.root))
-        return None if found is None or found[0] == path else found[0]
 
     def _retain(self, newest: int) -> None:
         """Rank 0: apply the retention rules after the save of ``newest`` (``root_retention.RootRetention``)."""
