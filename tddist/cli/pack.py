@@ -29,43 +29,41 @@ appears complete or not at all. An existing DST is replaced only with --force.""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    fmt = argparse.RawDescriptionHelpFormatter
-    s = sub.add_parser(
-        "pack",
-        help="pack a directory checkpoint into one .tdz archive",
-        description=PACK_DESCRIPTION,
-        formatter_class=fmt,
-    )
-    s.add_argument("src", metavar="SRC", help="a committed directory checkpoint")
-    s.add_argument("dst", metavar="DST", help="the archive to write (conventionally NAME.tdz)")
+    s = _copy_command(
+        sub, "pack", "pack a directory checkpoint into one .tdz archive", PACK_DESCRIPTION,
+        "a committed directory checkpoint", "the archive to write (conventionally NAME.tdz)",
+    )  # fmt: skip
     s.add_argument(
         "--compression",
         default=None,
         metavar="METHOD",
         help="compress tensor data: deflate, bzip2, lzma or zstd, optionally METHOD:LEVEL (default: stored)",
     )
-    _common(s, "pack")
     s.set_defaults(run=run_pack)
-    s = sub.add_parser(
-        "unpack",
-        help="unpack a .tdz archive into a directory checkpoint",
-        description=UNPACK_DESCRIPTION,
-        formatter_class=fmt,
-    )
-    s.add_argument("src", metavar="SRC", help="a committed .tdz archive")
-    s.add_argument("dst", metavar="DST", help="the directory checkpoint to write")
-    _common(s, "unpack")
+    s = _copy_command(
+        sub, "unpack", "unpack a .tdz archive into a directory checkpoint", UNPACK_DESCRIPTION,
+        "a committed .tdz archive", "the directory checkpoint to write",
+    )  # fmt: skip
     s.set_defaults(run=run_unpack)
-    s = sub.add_parser(
-        "materialize",
-        help="copy a checkpoint with the chunks it references into a self-contained directory",
-        description=MATERIALIZE_DESCRIPTION,
-        formatter_class=fmt,
-    )
-    s.add_argument("src", metavar="SRC", help="a committed checkpoint (an incremental one's holders beside it)")
-    s.add_argument("dst", metavar="DST", help="the directory checkpoint to write")
-    _common(s, "materialize")
+    s = _copy_command(
+        sub, "materialize", "copy a checkpoint with the chunks it references into a self-contained directory",
+        MATERIALIZE_DESCRIPTION, "a committed checkpoint (an incremental one's holders beside it)",
+        "the directory checkpoint to write",
+    )  # fmt: skip
     s.set_defaults(run=run_materialize)
+
+
+def _copy_command(
+    sub: argparse._SubParsersAction, name: str, summary: str, description: str, src: str, dst: str
+) -> argparse.ArgumentParser:
+    """A subcommand that copies the checkpoint SRC to DST, with the options every copy takes (``_common``)."""
+    s = sub.add_parser(
+        name, help=summary, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    s.add_argument("src", metavar="SRC", help=src)
+    s.add_argument("dst", metavar="DST", help=dst)
+    _common(s, name)
+    return s
 
 
 def _common(s: argparse.ArgumentParser, name: str) -> None:
