@@ -317,6 +317,10 @@ def test_with_trust_versions_a_save_hashes_again_what_changed_since_it_last_hash
         assert (got["adapter"] == want).all()
     assert tddist.load(s4)["frozen"][0] == -1.0 and tddist.load(s3)["frozen"][0] == 0.0
     assert verify(s4).ok and verify(s3).ok
+    # only the last save's chunks are remembered: a leaf no longer saved is not kept alive
+    del state["adapter"]
+    tddist.save(state, str(tmp_path / "s5"), base=s4, trust_versions=True)
+    assert ("adapter",) not in {k[1] for k in incremental._SEEN if k[0] == 0}
 
 
 def test_by_default_a_change_the_version_counter_misses_is_still_written(tmp_path):

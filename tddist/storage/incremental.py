@@ -275,8 +275,17 @@ class _Seen:
 #: Per rank and key, each chunk of the last incremental save of this process (``SaveOptions.reuse_hashes``): a
 #: frozen leaf (the same memory, its version counter unchanged) is not hashed again. A change the version
 #: counter does not see (through ``.data``, by another process) is not seen either, as with deferred snapshots.
+#: Only the chunks of a rank's last such save are kept (``_forget_others``): what they keep alive is that save's
+#: state, which its caller holds anyway.
 _SEEN: dict[tuple[int, Key], _Seen] = {}
 _SEEN_LOCK = threading.Lock()
+
+
+def _forget_others(rank: int, keys: set[Key]) -> None:
+    """Forget what rank ``rank`` remembered of chunks other than ``keys`` (those of its save now)."""
+    with _SEEN_LOCK:
+        for k in [k for k in _SEEN if k[0] == rank and k[1] not in keys]:
+            del _SEEN[k]
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +330,8 @@ def write_packed_incremental(
     finally:
         os.close(fd)
         holders.close()
+    if reuse:
+        _forget_others(rank, {i.key for i in written if i.own_memory})
     done = [o for o in outcomes if o is not None]
     chunks = _exact_largest(written, datas, done, 0.0 if base is None else base.largest)
     return IncrementalStored(
