@@ -15,7 +15,8 @@ step is saved
   memory and version counter did not change since this process hashed it is
   not hashed again), beside it, not judged (an opt-in with a documented limit);
 
-each durable (the save's own fsyncs), and the bytes it wrote counted from the
+each durable (the save's own fsyncs), each with ``--num-threads`` writer
+threads (2, as every tddist save of ``worker.py``), and the bytes it wrote counted from the
 data files' allocated blocks (a referenced chunk's range is a hole). Then
 both are loaded cold (the page cache dropped before each load where the
 script may: root) and every byte touched (``load full``, ``load
@@ -99,7 +100,7 @@ def _record(scenario: str, impl: str, rep: int, seconds: float, nbytes: int, col
     }
 
 
-def save_records(size_mib: int, repeats: int, directory: str) -> list[dict]:
+def save_records(size_mib: int, repeats: int, directory: str, num_threads: int = 2) -> list[dict]:
     """The base (a full save, then an incremental one, as a job with ``incremental=True`` has after its first
     steps), then per repeat a full and an incremental save of the next step, alternating."""
     td = state(size_mib)
@@ -120,7 +121,7 @@ def save_records(size_mib: int, repeats: int, directory: str) -> list[dict]:
             cold = False  # the state is in memory; the page cache is dropped before loads only
             t0 = time.perf_counter()
             kwargs = {} if impl == "full" else {"base": base, "trust_versions": impl == "incremental trusted"}
-            tddist.save(td, target, **kwargs)
+            tddist.save(td, target, num_threads=num_threads, **kwargs)
             seconds = time.perf_counter() - t0
             written = allocated(target)
             out.append(_record("incremental save", impl, rep, seconds, nbytes, cold, written))
@@ -189,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", help="where to save (default: a temporary directory)")
     ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--num-threads", type=int, default=2, help="threads every save writes and hashes with")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        records = save_records(args.size_mib, args.repeats, tmp)
+        records = save_records(args.size_mib, args.repeats, tmp, args.num_threads)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"records": records}, f)

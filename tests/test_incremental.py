@@ -317,6 +317,10 @@ def test_with_trust_versions_a_save_hashes_again_what_changed_since_it_last_hash
         assert (got["adapter"] == want).all()
     assert tddist.load(s4)["frozen"][0] == -1.0 and tddist.load(s3)["frozen"][0] == 0.0
     assert verify(s4).ok and verify(s3).ok
+    # only the last save's chunks are remembered: a leaf no longer saved is not kept alive
+    del state["adapter"]
+    tddist.save(state, str(tmp_path / "s5"), base=s4, trust_versions=True)
+    assert ("adapter",) not in {k[1] for k in incremental._SEEN if k[0] == 0}
 
 
 def test_by_default_a_change_the_version_counter_misses_is_still_written(tmp_path):
@@ -417,3 +421,55 @@ def test_info_and_verify_commands_report_the_references(tmp_path):
     shutil.rmtree(s1)
     rc, report = cli("verify", "--json", s2)
     assert rc == 1 and [(p["kind"], p["file"]) for p in report["problems"]] == [("holder", "s1")]
+
+
+@pytest.mark.parametrize("num_threads", [1, 4])
+def test_referenced_chunks_inherit_their_counts_and_the_largest_magnitude_stays_exact(tmp_path, num_threads):
+    """A chunk found equal to its base's by identity alone takes the base's checksum and counts; the rank's
+    largest magnitude and the non-finite leaves are those of a full save of the same state, also when the
+    base's largest leaf changes (then the referenced chunks are counted again)."""
+    g = torch.Generator().manual_seed(7)
+    bad = torch.randn(4096, generator=g) * 0.1
+    bad[[3, 70]], bad[9] = float("nan"), float("inf")
+    td = TensorDict(
+        {
+            "big": torch.randn(8192, generator=g) * 10,  # the largest magnitude, frozen at first
+            "bad": bad,  # frozen, with a NaN and an Inf
+            "mid": torch.randn(8192, generator=g),
+            "ints": torch.arange(100),
+            "adapter": torch.zeros(256),
+        },
+        [],
+    )
+    td["big"][5] = 100.0
+
+    def save_pair(step: int, base: str | None) -> tuple[object, object]:
+        td["adapter"].fill_(float(step))
+        inc, full = str(tmp_path / f"inc{step}"), str(tmp_path / f"full{step}")
+        kw = {} if base is None else {"base": base}
+        tddist.save(td, inc, num_threads=num_threads, **kw)
+        tddist.save(td, full, num_threads=num_threads)
+        mi, mf = tddist.read_manifest(inc), tddist.read_manifest(full)
+        assert mi.largest_magnitude() == mf.largest_magnitude()
+        assert mi.non_finite() == mf.non_finite()
+        for key, leaf in mf.leaves.items():
+            assert mi.leaves[key].table.chunk(0).checksum == leaf.table.chunk(0).checksum
+        got = tddist.load(inc, verify=True)
+        for key in td.keys():  # bit for bit (NaN != NaN)
+            assert torch.equal(got[key].view(torch.uint8), td[key].view(torch.uint8))
+        return mi, mf
+
+    save_pair(0, None)
+    save_pair(1, str(tmp_path / "inc0"))  # a base without identities: bytes compared
+    m2, _ = save_pair(2, str(tmp_path / "inc1"))  # identities: the referenced chunks hashed once
+    assert m2.leaves[("big",)].refs.holders.tolist() == [1] and m2.leaves[("bad",)].refs.holders.tolist() == [1]
+    assert m2.largest_magnitude().key == ("big",) and m2.largest_magnitude().value == 100.0
+    td["big"].mul_(0.001)  # the base's largest leaf changes: "mid", referenced, holds the rank's largest now
+    m3, _ = save_pair(3, str(tmp_path / "inc2"))
+    assert m3.leaves[("mid",)].refs.holders.tolist() == [1] and m3.leaves[("big",)].refs.holders.tolist() == [0]
+    assert m3.largest_magnitude().key == ("mid",)
+    td["mid"].mul_(0.5)  # the largest is now in a chunk written here, above the bound: nothing counted again
+    td["big"].mul_(1e6)
+    m4, _ = save_pair(4, str(tmp_path / "inc3"))
+    assert m4.largest_magnitude().key == ("big",)
+    assert [leaf.key for leaf in m4.non_finite()] == [("bad",)]

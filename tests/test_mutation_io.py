@@ -318,7 +318,7 @@ def test_run_all_runs_in_order_here_or_on_named_threads_and_raises_the_first_err
     here = threading.current_thread().name
     for num_threads, ntasks in ((0, 3), (1, 3), (4, 1)):
         ran: list[tuple[int, str]] = []
-        writer._run_all(
+        writer.run_all(
             [partial(lambda i: ran.append((i, threading.current_thread().name)), i) for i in range(ntasks)], num_threads
         )
         assert ran == [(i, here) for i in range(ntasks)]
@@ -329,7 +329,7 @@ def test_run_all_runs_in_order_here_or_on_named_threads_and_raises_the_first_err
         barrier.wait()
         names.append(threading.current_thread().name)
 
-    writer._run_all([meet, meet], 2)
+    writer.run_all([meet, meet], 2)
     assert len(names) == 2 and all(n.startswith("tddist-write") for n in names) and names[0] != names[1], names
 
     first, second = ValueError("first"), KeyError("second")
@@ -344,11 +344,11 @@ def test_run_all_runs_in_order_here_or_on_named_threads_and_raises_the_first_err
         raise second
 
     with pytest.raises(ValueError) as e:  # the first task's error, though the second one's came first
-        writer._run_all([slow_first, quick_second], 2)
+        writer.run_all([slow_first, quick_second], 2)
     assert e.value is first
     ran = []
     with pytest.raises(KeyError):  # serially, the tasks after the failing one never run
-        writer._run_all([lambda: ran.append(0), quick_second, lambda: ran.append(2)], 1)
+        writer.run_all([lambda: ran.append(0), quick_second, lambda: ran.append(2)], 1)
     assert ran == [0]
 
 

@@ -133,7 +133,9 @@ class DirectoryWriter(WriterBase):
         if self.rank == 0 and view is not None:
             self.pins += [pin(fmt.holder_path(self.target, h.name)) for h in view.table[1:]]
         data = os.path.join(staging.path, fmt.rank_data_name(self.rank))
-        done = write_packed_incremental(data, items, self.rank, view, self.options.reuse_hashes)
+        done = write_packed_incremental(
+            data, items, self.rank, view, self.options.reuse_hashes, self.options.num_threads
+        )
         logger.debug("rank %d: wrote %d bytes, referenced the rest of %s", self.rank, done.written, base)
         fragment = self.fragment(done.stored)
         return dataclasses.replace(

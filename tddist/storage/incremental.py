@@ -1,9 +1,12 @@
 """One rank's side of an incremental save (``save(..., base=...)``) to a packed directory.
 
 The rank reads its base's manifest, decides which of its chunks it may
-reference (``read_base``), hashes every chunk it stores once for its checksum,
-its counts and its identity (XXH3-128), and writes only the chunks whose
-identity differs from the base's (``write_packed_incremental``). A
+reference (``read_base``), and writes only the chunks whose identity
+(XXH3-128) differs from the base's (``write_packed_incremental``). A chunk
+whose base recorded an identity and counts is first hashed for its identity
+alone, one pass: when it equals the base's, its checksum and counts are the
+base's (the same bytes), so the checksum and the counts are computed only for
+the chunks written. Chunks are hashed and written on ``num_threads`` threads. A
 referenced chunk's range of the data file is left unwritten (a hole): every
 offset stays the one section 2.3 derives, and a reader takes those bytes
 from the holder's data file of the same rank, at the same offset.
@@ -19,6 +22,7 @@ Anything else is written.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -28,19 +32,22 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from .. import format as fmt
 from .._faults import fault_point
 from .._fs import WRITE_STEP, write_and_start_writeback
 from ..checksum import EMPTY, identify, tensor_bytes
-from ..core.finite import counter_for
+from ..core.finite import ChunkStats, counter_for, is_floating
 from ..core.types import Holder, Key, SaveItem, StoredBytes
 from ..errors import TargetError, TddistError
+from ..manifest.chunks import hex_checksum
 from ..manifest.locate import Location, packed_offsets
 from ..manifest.model import Leaf, Manifest
 from ..manifest.refs import id_pair
 from .opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .pinned import open_local
+from .writer import run_all
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +68,19 @@ class BaseChunk:
     holder: int
     checksum: int
     identity: int | None
+    stats: Inherited | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Inherited:
+    """What a referenced chunk takes from its base without reading its bytes again: the counts of its
+    non-finite values, recorded per chunk, and its largest finite magnitude where the base recorded it (only
+    one chunk a rank: the one holding the rank's largest, ``exact``; any other chunk's is at most
+    ``RankBase.largest``, and is counted again only when that bound matters, ``rank_largest``).
+    ``stats`` is None for a leaf that is not floating (nothing counted)."""
+
+    stats: ChunkStats | None
+    exact: bool
 
 
 @dataclass(frozen=True)
@@ -71,11 +91,14 @@ class RankBase:
         path: the base checkpoint (a directory beside the target).
         table: the holders a reference may name, numbered from 1: the base, then the base's own holders.
         chunks: this rank's chunks that may be referenced, by key.
+        largest: this rank's largest finite magnitude in the base (0.0: none recorded), a bound of every
+            inherited chunk's.
     """
 
     path: str
     table: tuple[Holder, ...]
     chunks: dict[Key, BaseChunk]
+    largest: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,7 +158,7 @@ def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> R
         return None
     table = (Holder(os.path.basename(os.path.abspath(base)), generation), *m.referenced())
     chunks = _same_layout(m, rank, items) if m.layout == "directory" else _same_chunks(m, rank, items)
-    return RankBase(base, table, chunks)
+    return RankBase(base, table, chunks, _RankLargest.of(m, rank).value)
 
 
 def _same_chunks(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key, BaseChunk]:
@@ -144,6 +167,7 @@ def _same_chunks(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key,
     out: dict[Key, BaseChunk] = {}
     if rank >= m.world_size:
         return out
+    top = _RankLargest.of(m, rank)
     for item in items:
         leaf = m.leaves.get(item.key)
         nbytes = item.tensor.numel() * item.tensor.element_size()
@@ -155,23 +179,52 @@ def _same_chunks(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key,
             continue
         if item.dtensor is not None and tuple(map(tuple, chunk.box)) != tuple(map(tuple, item.dtensor.box)):
             continue
-        out[item.key] = _base_chunk(leaf, i, int(chunk.checksum, 16))
+        out[item.key] = _base_chunk(m, top, leaf, i, int(chunk.checksum, 16))
     return out
 
 
-def _base_chunk(leaf: Leaf, i: int, checksum: int) -> BaseChunk:
-    """Chunk ``i`` of the base's ``leaf``: its holder in the new table, its checksum and identity."""
+@dataclass(frozen=True, slots=True)
+class _RankLargest:
+    """A rank's largest finite magnitude in the base and the leaf holding it (None: none recorded)."""
+
+    value: float
+    key: Key | None
+
+    @staticmethod
+    def of(m: Manifest, rank: int) -> _RankLargest:
+        if m.largest is None or rank >= len(m.largest.values) or int(m.largest.leaves[rank]) < 0:
+            return _RankLargest(0.0, None)
+        return _RankLargest(float(m.largest.values[rank]), list(m.leaves)[int(m.largest.leaves[rank])])
+
+
+def _base_chunk(m: Manifest, top: _RankLargest, leaf: Leaf, i: int, checksum: int) -> BaseChunk:
+    """Chunk ``i`` of the base ``m``'s ``leaf`` (``top``: its rank's largest): its holder in the new table, its
+    checksum, identity and what it may inherit of its counts."""
     ident = None
     if leaf.refs is not None:
         lo, hi = (int(x) for x in leaf.refs.ids[i])
         ident = lo | (hi << 64)
-    return BaseChunk(leaf.holder_of(i) + 1, checksum, ident)
+    return BaseChunk(leaf.holder_of(i) + 1, checksum, ident, _inherited(m, top, leaf, i))
+
+
+def _inherited(m: Manifest, top: _RankLargest, leaf: Leaf, i: int) -> Inherited | None:
+    """What chunk ``i`` of ``leaf`` inherits of its counts; None: they were not recorded (a floating leaf of a
+    base without counts), so a save counts them."""
+    if not is_floating(leaf.dtype_name):
+        return Inherited(None, True)
+    if leaf.stats is None or m.largest is None:
+        return None
+    hit = np.flatnonzero(leaf.stats.chunks == i)
+    nan, inf = (int(leaf.stats.nan[hit[0]]), int(leaf.stats.inf[hit[0]])) if len(hit) else (0, 0)
+    exact = top.key == leaf.key
+    return Inherited(ChunkStats(nan, inf, top.value if exact else 0.0), exact)
 
 
 def _same_layout(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key, BaseChunk]:
     """This rank's chunks of ``m`` by key, when its data file there has the layout it has now; else none."""
     if rank >= m.world_size or list(m.leaves) != [i.key for i in items]:
         return {}
+    top = _RankLargest.of(m, rank)
     out: dict[Key, BaseChunk] = {}
     for item in items:
         leaf = m.leaves[item.key]
@@ -184,8 +237,19 @@ def _same_layout(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key,
         chunk = leaf.table.chunk(i)
         if item.dtensor is not None and tuple(map(tuple, chunk.box)) != tuple(map(tuple, item.dtensor.box)):
             return {}
-        out[item.key] = _base_chunk(leaf, i, int(chunk.checksum, 16))
+        out[item.key] = _base_chunk(m, top, leaf, i, int(chunk.checksum, 16))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """What hashing one chunk gave: its record (size, checksum, counts), its identity, and whether the counts'
+    largest magnitude is the chunk's own (``exact``) or a placeholder of 0.0 for an inherited chunk whose
+    largest is bounded by its base's (``Inherited``)."""
+
+    stored: StoredBytes
+    identity: int
+    exact: bool = True
 
 
 @dataclass(frozen=True)
@@ -196,14 +260,13 @@ class _Seen:
     tensor: torch.Tensor
     version: int
     address: int
-    stored: StoredBytes
-    identity: int
+    chunk: _Chunk
 
     def unchanged(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is this chunk's memory, changed by no in-place operation since it was hashed."""
         return (
             t.data_ptr() == self.address
-            and t.numel() * t.element_size() == self.stored.nbytes
+            and t.numel() * t.element_size() == self.chunk.stored.nbytes
             and int(t._version) == self.version == int(self.tensor._version)
             and t.untyped_storage().data_ptr() == self.tensor.untyped_storage().data_ptr()
         )
@@ -212,76 +275,132 @@ class _Seen:
 #: Per rank and key, each chunk of the last incremental save of this process (``SaveOptions.reuse_hashes``): a
 #: frozen leaf (the same memory, its version counter unchanged) is not hashed again. A change the version
 #: counter does not see (through ``.data``, by another process) is not seen either, as with deferred snapshots.
+#: Only the chunks of a rank's last such save are kept (``_forget_others``): what they keep alive is that save's
+#: state, which its caller holds anyway.
 _SEEN: dict[tuple[int, Key], _Seen] = {}
 _SEEN_LOCK = threading.Lock()
 
 
+def _forget_others(rank: int, keys: set[Key]) -> None:
+    """Forget what rank ``rank`` remembered of chunks other than ``keys`` (those of its save now)."""
+    with _SEEN_LOCK:
+        for k in [k for k in _SEEN if k[0] == rank and k[1] not in keys]:
+            del _SEEN[k]
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """One chunk of an incremental write: what hashing gave, its holder (0: written here), the bytes written."""
+
+    chunk: _Chunk
+    holder: int
+    written: int
+
+
 def write_packed_incremental(
-    path: str, items: Sequence[SaveItem], rank: int, base: RankBase | None, reuse: bool = False
+    path: str, items: Sequence[SaveItem], rank: int, base: RankBase | None, reuse: bool = False, num_threads: int = 1
 ) -> IncrementalStored:
     """Write this rank's data file (packing "packed"), durably, leaving out the chunks the base holds.
 
-    Every chunk is hashed once (checksum, counts, identity); one equal to its
-    base chunk (equal identities, or equal bytes where the base recorded no
-    identity) is not written and is recorded as the base's holder's.
+    A chunk equal to its base chunk (equal identities, or equal bytes where
+    the base recorded no identity) is not written and is recorded as the
+    base's holder's; chunks are hashed and written on ``num_threads`` threads
+    (the hashes and the positioned writes release the GIL). Chunks changed in
+    place since they were made (a version counter above 0: trained leaves,
+    optimizer state) go first, a guess of what is written, so that their
+    writeback overlaps the hashing of the rest; the order changes no result.
     """
     written = [i for i in items if i.writes]
     datas = [tensor_bytes(i.tensor) for i in written]
     offsets, end = packed_offsets(np.array([a.size for a in datas], dtype=np.int64))
-    result = IncrementalStored({}, {}, {}, 0)
+    outcomes: list[_Outcome | None] = [None] * len(written)
     holders = _HolderFiles(base, rank)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def one(n: int, offset: int) -> None:
+        if n == len(written) // 2:
+            fault_point("midwrite", rank)
+        outcomes[n] = _store(written[n], datas[n], holders, fd, int(offset), rank if reuse else None)
+
     try:
         os.ftruncate(fd, int(end))  # referenced ranges stay holes
-        total = 0
-        for n, (item, data, offset) in enumerate(zip(written, datas, offsets.tolist())):
-            if n == len(written) // 2:
-                fault_point("midwrite", rank)
-            if not _identify(item, data, holders, offset, result, rank if reuse else None) and data.size:
-                os.posix_fallocate(fd, offset, int(data.size))
-                write_and_start_writeback(fd, memoryview(data.data).cast("B"), offset, WRITE_STEP)
-                total += int(data.size)
+        order = sorted(range(len(written)), key=lambda n: written[n].tensor._version == 0)
+        run_all([functools.partial(one, n, offsets[n]) for n in order], num_threads)
         os.fsync(fd)
     finally:
         os.close(fd)
         holders.close()
-    return IncrementalStored(result.stored, result.holders, result.ids, total)
+    if reuse:
+        _forget_others(rank, {i.key for i in written if i.own_memory})
+    done = [o for o in outcomes if o is not None]
+    chunks = _exact_largest(written, datas, done, 0.0 if base is None else base.largest)
+    return IncrementalStored(
+        {i.key: c.stored for i, c in zip(written, chunks)},
+        {i.key: o.holder for i, o in zip(written, done)},
+        {i.key: c.identity for i, c in zip(written, chunks)},
+        sum(o.written for o in done),
+    )
 
 
-def _hashed(item: SaveItem, data: np.ndarray, rank: int | None) -> tuple[StoredBytes, int]:
-    """``item``'s chunk's record and identity: hashed, or remembered from this process's last incremental save
-    of rank ``rank`` (None: not remembered) when the tensor is unchanged since."""
+def _store(item: SaveItem, data: np.ndarray, holders: _HolderFiles, fd: int, offset: int, rank: int | None) -> _Outcome:
+    """Hash ``item``'s chunk and write it at ``offset`` of ``fd`` unless the base holds equal bytes."""
+    known = holders.known(item.key)
+    chunk = _hashed(item, data, known, rank)
+    held = 0
+    if known is not None and data.size and known.checksum == int(chunk.stored.checksum, 16):
+        if known.identity is not None:
+            held = known.holder if known.identity == chunk.identity else 0
+        elif holders.same_bytes(known.holder, item.key, offset, data):
+            held = known.holder
+    if held or not data.size:
+        return _Outcome(chunk, held, 0)
+    if not chunk.exact:  # remembered as the base's chunk, which this is no longer: counted now
+        chunk = _counted(item, data)
+    os.posix_fallocate(fd, offset, int(data.size))
+    write_and_start_writeback(fd, memoryview(data.data).cast("B"), offset, WRITE_STEP)
+    return _Outcome(chunk, 0, int(data.size))
+
+
+def _hashed(item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int | None) -> _Chunk:
+    """``item``'s chunk's record and identity: remembered from this process's last incremental save of rank
+    ``rank`` (None: not remembered) when the tensor is unchanged since; else its identity alone, when its base
+    chunk recorded an identity and counts to inherit (one pass); else hashed and counted in full."""
     rank = rank if item.own_memory else None  # a copy made for this save is new every time: never kept
     seen = None if rank is None else _SEEN.get((rank, item.key))
     if seen is not None and seen.unchanged(item.tensor):
-        return seen.stored, seen.identity
+        return seen.chunk
     version = int(item.tensor._version)
-    counter = counter_for(fmt.dtype_name(item.tensor.dtype))
-    checksum, ident = identify(data, counter) if data.size else (EMPTY, 0)
-    stored = StoredBytes(int(data.size), checksum, None if counter is None else counter.result())
+    chunk = None
+    if known is not None and known.identity is not None and known.stats is not None and data.size:
+        ident = xxhash.xxh3_128_intdigest(data.data)
+        if ident == known.identity:
+            chunk = _Chunk(StoredBytes(int(data.size), hex_checksum(known.checksum), known.stats.stats), ident,
+                           known.stats.exact)  # fmt: skip
+    chunk = chunk or _counted(item, data)
     if rank is not None and data.size:
         with _SEEN_LOCK:
-            _SEEN[(rank, item.key)] = _Seen(item.tensor, version, item.tensor.data_ptr(), stored, ident)
-    return stored, ident
+            _SEEN[(rank, item.key)] = _Seen(item.tensor, version, item.tensor.data_ptr(), chunk)
+    return chunk
 
 
-def _identify(
-    item: SaveItem, data: np.ndarray, holders: _HolderFiles, offset: int, out: IncrementalStored, rank: int | None
-) -> int:
-    """Hash ``item``'s chunk into ``out``; return its holder when the base holds equal bytes (else 0)."""
-    stored, ident = _hashed(item, data, rank)
-    checksum = stored.checksum
-    out.stored[item.key] = stored
-    out.ids[item.key] = ident
-    known = holders.known(item.key)
-    held = 0
-    if known is not None and data.size and known.checksum == int(checksum, 16):
-        if known.identity is not None:
-            held = known.holder if known.identity == ident else 0
-        elif holders.same_bytes(known.holder, item.key, offset, data):
-            held = known.holder
-    out.holders[item.key] = held
-    return held
+def _counted(item: SaveItem, data: np.ndarray) -> _Chunk:
+    """``item``'s chunk hashed (checksum and identity) and counted, in one pass."""
+    counter = counter_for(fmt.dtype_name(item.tensor.dtype))
+    checksum, ident = identify(data, counter) if data.size else (EMPTY, 0)
+    return _Chunk(StoredBytes(int(data.size), checksum, None if counter is None else counter.result()), ident)
+
+
+def _exact_largest(
+    items: Sequence[SaveItem], datas: Sequence[np.ndarray], done: Sequence[_Outcome], bound: float
+) -> list[_Chunk]:
+    """Each chunk's record with the rank's largest magnitude exact: an inherited chunk's largest is at most
+    ``bound`` (its base's rank's), so when a chunk counted here reaches ``bound`` it is the rank's largest
+    whatever the inherited ones hold; only otherwise are those counted (one more pass over them)."""
+    chunks = [o.chunk for o in done]
+    top = max((c.stored.stats.max_abs for c in chunks if c.exact and c.stored.stats is not None), default=0.0)
+    if top >= bound or all(c.exact for c in chunks):
+        return chunks
+    return [c if c.exact else _counted(i, d) for i, d, c in zip(items, datas, chunks)]
 
 
 class _HolderFiles:
@@ -292,6 +411,7 @@ class _HolderFiles:
     def __init__(self, base: RankBase | None, rank: int) -> None:
         self.base, self.rank = base, rank
         self.opened: dict[int, _Holder | None] = {}
+        self.lock = threading.Lock()  # chunks are compared from several threads
 
     def known(self, key: Key) -> BaseChunk | None:
         return None if self.base is None else self.base.chunks.get(key)
@@ -299,9 +419,10 @@ class _HolderFiles:
     def same_bytes(self, holder: int, key: Key, offset: int, data: np.ndarray) -> bool:
         """Whether holder ``holder``'s bytes of this rank's chunk of ``key`` (at ``offset`` of a packed data
         file of this checkpoint's layout) equal ``data``."""
-        if holder not in self.opened:
-            self.opened[holder] = self._open(holder)
-        found = self.opened[holder]
+        with self.lock:
+            if holder not in self.opened:
+                self.opened[holder] = self._open(holder)
+            found = self.opened[holder]
         return found is not None and found.equal(key, self.rank, offset, data)
 
     def _open(self, holder: int) -> _Holder | None:

@@ -107,7 +107,7 @@ def write_leaves(
             os.makedirs(os.path.dirname(path), exist_ok=True)
             jobs.append(_FileJob(path, data, sync_each, counter))
         tasks: list[Callable[[], None]] = [functools.partial(j.write_block, i) for j in jobs for i in range(j.nblocks)]
-        _run_all(tasks, num_threads)
+        run_all(tasks, num_threads)
     finally:
         for j in jobs:
             j.close()
@@ -118,7 +118,7 @@ def write_leaves(
     return results
 
 
-def _run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
+def run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
     """Run tasks in order on ``num_threads`` threads (0 or 1: this thread); re-raise the first error."""
     if num_threads <= 1 or len(tasks) <= 1:
         for t in tasks:
@@ -231,7 +231,7 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
         if batch:
             tasks.append(partial(_put_batch, fd, batch))
         tasks.insert(len(tasks) // 2, partial(fault_point, "midwrite", rank))
-        _run_all(tasks, num_threads)
+        run_all(tasks, num_threads)
         os.fsync(fd)
     finally:
         os.close(fd)
