@@ -481,3 +481,98 @@ def test_a_save_returns_what_it_committed_while_another_process_saves_to_the_sam
 
     _client, bucket = s3
     race_two_savers({url(bucket, layout): {} for layout in ("directory", "archive")}, saves=25)
+
+
+# --- incremental saves (docs/format.md 13.3) ------------------------------------------------------------
+
+
+class Uploads:
+    """The bytes of every PUT and part this process sends, by key (tddist's client is shared in a process)."""
+
+    def __init__(self, client):
+        self.client, self.by_key = client, {}
+
+    def __enter__(self):
+        for op in ("PutObject", "UploadPart"):
+            self.client.meta.events.register(f"before-parameter-build.s3.{op}", self.count)
+        return self
+
+    def __exit__(self, *exc):
+        for op in ("PutObject", "UploadPart"):
+            self.client.meta.events.unregister(f"before-parameter-build.s3.{op}", self.count)
+
+    def count(self, params, **_kw):
+        body = params.get("Body", b"")
+        self.by_key[params["Key"]] = self.by_key.get(params["Key"], 0) + len(body)
+
+    def data(self) -> int:
+        """The bytes of data objects (every rank's), not the index or the manifest."""
+        return sum(n for k, n in self.by_key.items() if k.endswith(".data"))
+
+
+def lora_shard(rank: int, step: int) -> TensorDict:
+    """A frozen part (sharded rows and a replicated matrix) that never changes, and an adapter that does."""
+    g = torch.Generator().manual_seed(rank)
+    return TensorDict(
+        {
+            "base": TensorDict({"w": torch.randn(64, 256, generator=g)}, [64]),
+            "frozen": torch.arange(4096, dtype=torch.float32).reshape(64, 64),
+            "adapter": torch.full((8, 8), float(step)),
+        },
+        [],
+    )
+
+
+def lora_whole(step: int) -> TensorDict:
+    parts = [lora_shard(r, step) for r in range(2)]
+    out = parts[0].clone()
+    out["base"] = torch.cat([p["base"] for p in parts])
+    return out
+
+
+def save_lora(target: str, step: int, **kwargs) -> None:
+    got = tddist.run_threads(2, lambda c: tddist.save(lora_shard(c.rank, step), target, comm=c, **kwargs), timeout=60)
+    assert not any(isinstance(r, BaseException) for r in got), got
+
+
+def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3):
+    """A save with base= uploads only the chunks whose bytes changed (the base's compared by bytes the first
+    time, by identity after); its data objects keep only those; loads on 1, 2 and 3 ranks follow the references
+    to the holder (one hop: the third names the first, which holds the frozen part); verify finds a deleted
+    holder; a base in another bucket is refused."""
+    from tddist.tools.verify import verify
+
+    client, bucket = s3
+    s1, s2, s3_ = (url(bucket, "directory", f"step{i}") for i in (1, 2, 3))
+    save_lora(s1, 1)
+    with Uploads(client) as up2:
+        save_lora(s2, 2, base=s1)
+    with Uploads(client) as up3:
+        save_lora(s3_, 3, base=s2)
+    adapter = 8 * 8 * 4  # one chunk of 256 bytes, a multiple of 64: nothing else changed
+    assert up2.data() == adapter and up3.data() == adapter, (up2.by_key, up3.by_key)
+    assert sum(n for k, n in sizes(client, bucket).items() if k.startswith("run/step3/") and k.endswith(".data")) == adapter
+    m3 = tddist.read_manifest(s3_)
+    assert [h.name for h in m3.referenced()] == ["step1"]
+    for target, step in ((s2, 2), (s3_, 3)):
+        assert_td_equal(tddist.load(target, shard=None, verify=True), lora_whole(step), f"step {step}")
+        for world in (2, 3):
+            got = tddist.run_threads(world, lambda c, t=target: tddist.load(t, comm=c, shard=None, verify=True))
+            assert not any(isinstance(r, BaseException) for r in got), got
+            for r in got:
+                assert_td_equal(r, lora_whole(step), f"step {step} on {world} ranks")
+        mine = tddist.run_threads(2, lambda c, t=target: tddist.load(t, comm=c, shard="saved", verify=True))
+        assert torch.equal(mine[1]["base", "w"], lora_shard(1, step)["base", "w"])
+    assert verify(s3_).ok and verify(s2, quick=True).ok
+    tddist.tools.verify  # noqa: B018
+    from tddist.jobs.retention import delete_checkpoint
+
+    delete_checkpoint(s1)
+    report = verify(s3_)
+    assert [p.kind for p in report.problems] == ["holder"] and "step1" in report.problems[0].message, report
+    with pytest.raises(tddist.CorruptCheckpointError, match="step1"):
+        tddist.load(s3_, shard=None)
+    other = f"s3://another-bucket/run/step1"
+    for base in (other, "/tmp/step1"):
+        with pytest.raises(tddist.InvalidArgumentError, match="same bucket"):
+            tddist.save(lora_shard(0, 4), url(bucket, "directory", "step4"), base=base)

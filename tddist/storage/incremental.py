@@ -130,10 +130,18 @@ def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> R
     except TddistError as e:
         logger.warning("rank %d: cannot read base %s (%s); every chunk is written", rank, base, e)
         return None
+    return base_view(m, generation, base, os.path.basename(os.path.abspath(base)), rank, items)
+
+
+def base_view(
+    m: Manifest, generation: str, base: str, name: str, rank: int, items: Sequence[SaveItem]
+) -> RankBase | None:
+    """What this rank may reference of the base ``m`` (at ``generation``, named ``name`` beside the target):
+    a packed directory's chunks where this rank's data file has its layout, an archive's of the same size."""
     if m.layout == "directory" and m.packing != "packed":
         logger.info("rank %d: base %s is a directory of packing memmap; every chunk is written", rank, base)
         return None
-    table = (Holder(os.path.basename(os.path.abspath(base)), generation), *m.referenced())
+    table = (Holder(name, generation), *m.referenced())
     chunks = _same_layout(m, rank, items) if m.layout == "directory" else _same_chunks(m, rank, items)
     return RankBase(base, table, chunks)
 
@@ -248,7 +256,7 @@ def write_packed_incremental(
     return IncrementalStored(result.stored, result.holders, result.ids, total)
 
 
-def _hashed(item: SaveItem, data: np.ndarray, rank: int | None) -> tuple[StoredBytes, int]:
+def hashed(item: SaveItem, data: np.ndarray, rank: int | None) -> tuple[StoredBytes, int]:
     """``item``'s chunk's record and identity: hashed, or remembered from this process's last incremental save
     of rank ``rank`` (None: not remembered) when the tensor is unchanged since."""
     rank = rank if item.own_memory else None  # a copy made for this save is new every time: never kept
@@ -269,7 +277,7 @@ def _identify(
     item: SaveItem, data: np.ndarray, holders: _HolderFiles, offset: int, out: IncrementalStored, rank: int | None
 ) -> int:
     """Hash ``item``'s chunk into ``out``; return its holder when the base holds equal bytes (else 0)."""
-    stored, ident = _hashed(item, data, rank)
+    stored, ident = hashed(item, data, rank)
     checksum = stored.checksum
     out.stored[item.key] = stored
     out.ids[item.key] = ident
