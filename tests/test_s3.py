@@ -445,8 +445,9 @@ def test_cli_info_and_recover_on_s3_file_commands_refuse(s3, capsys):
         assert f"tddist checkpoint, {layout}" in capsys.readouterr().out
         assert main(["recover", url(bucket, layout)]) == 0
         assert "nothing to recover" in capsys.readouterr().out
-    assert main(["verify", url(bucket, "directory")]) == 1
-    assert "'tddist info', 'tddist gc' and 'tddist recover' support" in capsys.readouterr().err
+    assert main(["verify", url(bucket, "directory")]) == 0
+    assert main(["pack", url(bucket, "directory"), "copy.tdz"]) == 1
+    assert "'tddist verify' and 'tddist materialize' (from it) support" in capsys.readouterr().err
 
 
 def test_an_archive_completed_whose_answer_was_lost_is_committed(s3):
@@ -551,7 +552,10 @@ def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3)
         save_lora(s3_, 3, base=s2)
     adapter = 8 * 8 * 4  # one chunk of 256 bytes, a multiple of 64: nothing else changed
     assert up2.data() == adapter and up3.data() == adapter, (up2.by_key, up3.by_key)
-    assert sum(n for k, n in sizes(client, bucket).items() if k.startswith("run/step3/") and k.endswith(".data")) == adapter
+    assert (
+        sum(n for k, n in sizes(client, bucket).items() if k.startswith("run/step3/") and k.endswith(".data"))
+        == adapter
+    )
     m3 = tddist.read_manifest(s3_)
     assert [h.name for h in m3.referenced()] == ["step1"]
     for target, step in ((s2, 2), (s3_, 3)):
@@ -564,7 +568,6 @@ def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3)
         mine = tddist.run_threads(2, lambda c, t=target: tddist.load(t, comm=c, shard="saved", verify=True))
         assert torch.equal(mine[1]["base", "w"], lora_shard(1, step)["base", "w"])
     assert verify(s3_).ok and verify(s2, quick=True).ok
-    tddist.tools.verify  # noqa: B018
     from tddist.jobs.retention import delete_checkpoint
 
     delete_checkpoint(s1)
@@ -572,7 +575,44 @@ def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3)
     assert [p.kind for p in report.problems] == ["holder"] and "step1" in report.problems[0].message, report
     with pytest.raises(tddist.CorruptCheckpointError, match="step1"):
         tddist.load(s3_, shard=None)
-    other = f"s3://another-bucket/run/step1"
+    other = "s3://another-bucket/run/step1"
     for base in (other, "/tmp/step1"):
         with pytest.raises(tddist.InvalidArgumentError, match="same bucket"):
             tddist.save(lora_shard(0, 4), url(bucket, "directory", "step4"), base=base)
+
+
+def test_manager_incremental_on_s3_keeps_what_it_references_and_materializes(s3, tmp_path):
+    """CheckpointManager(incremental=True) on an s3:// root saves against the last checkpoint; retention and
+    'tddist gc' keep the checkpoint a kept one references (the first, which holds the frozen part); verify
+    and materialize follow the references; the copy references nothing and loads alone."""
+    from tddist import CheckpointManager
+    from tddist.cli import main
+    from tddist.jobs.cleanup import plan_gc
+
+    client, bucket = s3
+    root = f"s3://{bucket}/mgr"
+
+    def state(step: int) -> TensorDict:
+        return TensorDict({"frozen": torch.arange(65536, dtype=torch.float32), "adapter": torch.full((16,), step)})
+
+    with Uploads(client) as up, CheckpointManager(root, keep_last=1, incremental=True) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state(step))
+        mgr.wait()
+    saved = [
+        sum(n for k, n in up.by_key.items() if f"step-00000000{s}/" in k and k.endswith(".data")) for s in range(1, 5)
+    ]
+    assert saved[0] >= 65536 * 4 and saved[1:] == [128, 128, 128], saved  # the int64 adapter alone
+    names = sorted({k.split("/")[1] for k in keys(client, bucket) if k.startswith("mgr/step-")})
+    assert names == ["step-000000001", "step-000000004"], names
+    newest = f"{root}/step-000000004"
+    assert [h.name for h in tddist.read_manifest(newest).referenced()] == ["step-000000001"]
+    assert [(a.action, a.path.rsplit("/", 1)[1]) for a in plan_gc(root, keep_last=1)] == [("keep", "step-000000001")]
+    assert main(["gc", root, "--keep-last", "1"]) == 0
+    assert tddist.read_manifest(f"{root}/step-000000001").world_size == 1
+    assert main(["verify", newest]) == 0
+    copy = tmp_path / "copy"
+    assert main(["materialize", newest, str(copy)]) == 0
+    assert tddist.read_manifest(copy).referenced() == ()
+    assert_td_equal(tddist.load(copy, shard=None, verify=True), state(4), "materialized")
+    assert_td_equal(tddist.load(newest, shard=None, verify=True), state(4), "from S3")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -25,9 +26,9 @@ from ...core.types import Holder, Key, SaveItem, StoredBytes
 from ...errors import TargetError, TddistError
 from ...manifest.locate import Location, Locator, packed_offsets
 from ..incremental import RankBase, base_view, hashed
-from ..opened import OpenedCheckpoint, validate
+from ..opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .files import S3Files
-from .pin import open_s3, place_kept
+from .pin import S3Pin, open_s3, place_kept
 from .url import parse
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,11 @@ logger = logging.getLogger(__name__)
 
 def open_object(prefix: str) -> OpenedCheckpoint:
     """The committed checkpoint at ``prefix`` on object storage, opened with its chunks' reader."""
-    return place_kept(validate(open_s3(prefix), S3Files))
+    return place_kept(validate(open_s3(prefix), _reader))
+
+
+def _reader(pin: Pin) -> ChunkFiles:
+    return S3Files(cast(S3Pin, pin))
 
 
 def eligible(base: str, target: str) -> str | None:
@@ -152,7 +157,7 @@ class _Holders:
                 opened.close()
                 opened = None
             if opened is not None:
-                self.files[h] = S3Files(opened.pin)  # type: ignore[arg-type]
+                self.files[h] = S3Files(cast(S3Pin, opened.pin))
             self.opened[h] = opened
         return self.opened[h]
 
