@@ -568,8 +568,17 @@ def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3)
         mine = tddist.run_threads(2, lambda c, t=target: tddist.load(t, comm=c, shard="saved", verify=True))
         assert torch.equal(mine[1]["base", "w"], lora_shard(1, step)["base", "w"])
     assert verify(s3_).ok and verify(s2, quick=True).ok
+    archive, a2 = url(bucket, "archive", "arch1"), url(bucket, "directory", "arch2")
+    save_lora(archive, 1)
+    with Uploads(client) as up:
+        save_lora(a2, 2, base=archive)  # an archive beside it holds the references: read through its entries
+    assert up.data() == adapter and [h.name for h in tddist.read_manifest(a2).referenced()] == ["arch1.tdz"]
+    assert_td_equal(tddist.load(a2, shard=None, verify=True), lora_whole(2), "an archive's references")
     from tddist.jobs.retention import delete_checkpoint
 
+    save_lora(s1, 9)  # replaced: another generation than the one referenced
+    replaced = verify(s3_)
+    assert [p.kind for p in replaced.problems] == ["holder"] and "generation" in replaced.problems[0].message
     delete_checkpoint(s1)
     report = verify(s3_)
     assert [p.kind for p in report.problems] == ["holder"] and "step1" in report.problems[0].message, report
