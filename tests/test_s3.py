@@ -619,7 +619,8 @@ def test_manager_incremental_on_s3_keeps_what_it_references_and_materializes(s3,
     assert [(a.action, a.path.rsplit("/", 1)[1]) for a in plan_gc(root, keep_last=1)] == [("keep", "step-000000001")]
     assert main(["gc", root, "--keep-last", "1"]) == 0
     assert tddist.read_manifest(f"{root}/step-000000001").world_size == 1
-    assert main(["verify", newest]) == 0
+    assert main(["verify", newest]) == 0 and main(["verify", "--quick", "--json", newest]) == 0
+    assert main(["info", newest]) == 0
     copy = tmp_path / "copy"
     assert main(["materialize", newest, str(copy)]) == 0
     assert tddist.read_manifest(copy).referenced() == ()
