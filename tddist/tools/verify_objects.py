@@ -13,11 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from ..errors import CorruptCheckpointError
 from ..manifest.model import Leaf
 from ..storage.backends import open_checkpoint
 from .report import CHECKSUM, HOLDER, UNREADABLE, Problem, VerifyReport, chunk_count, stored_bytes
+
+if TYPE_CHECKING:
+    from ..loading.read import ChunkSource
 
 
 def verify_objects(path: str, *, quick: bool, num_threads: int, progress: Callable[[int], None] | None) -> VerifyReport:
@@ -58,12 +62,9 @@ def verify_objects(path: str, *, quick: bool, num_threads: int, progress: Callab
 
 
 def _leaf_problems(
-    source: object, leaf: Leaf, bad: set[int], pool: ThreadPoolExecutor | None, tick: Callable[[int], None]
+    source: ChunkSource, leaf: Leaf, bad: set[int], pool: ThreadPoolExecutor | None, tick: Callable[[int], None]
 ) -> list[Problem]:
     """The problems of ``leaf``'s chunks: each read (from its holder) and hashed, unless its holder is bad."""
-    from ..loading.read import ChunkSource
-
-    assert isinstance(source, ChunkSource)
     out = []
     for i, chunk in enumerate(leaf.chunks):
         if leaf.holder_of(i) in bad:

@@ -24,7 +24,7 @@ from ... import format as fmt
 from ...checksum import tensor_bytes
 from ...core.types import Holder, Key, SaveItem, StoredBytes
 from ...errors import TargetError, TddistError
-from ...manifest.locate import Location, Locator, packed_offsets
+from ...manifest.locate import Location, Locator, kept_offsets, packed_offsets
 from ..incremental import RankBase, base_view, hashed
 from ..opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .files import S3Files
@@ -69,42 +69,41 @@ def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> R
     return base_view(m, generation, base, parse(base).key.rsplit("/", 1)[-1], rank, items)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Decided:
-    """What an incremental rank stores: per written chunk its bytes, record, holder (0: uploaded) and identity,
-    and where it lies in the data file of section 2.3 and in the data object."""
+    """What an incremental rank stores, per chunk it writes (in leaf order): its key and bytes, and where it
+    lies in the data file of section 2.3 (``full``) and in the data object (``kept``); per key its record,
+    its holder (0: uploaded) and its identity; and the data object's size.
+    """
 
-    keys: list[Key] = field(default_factory=list)
-    datas: list[np.ndarray] = field(default_factory=list)
+    keys: list[Key]
+    datas: list[np.ndarray]
+    full: np.ndarray
+    kept: np.ndarray
+    size: int
     stored: dict[Key, StoredBytes] = field(default_factory=dict)
     holders: dict[Key, int] = field(default_factory=dict)
     ids: dict[Key, int] = field(default_factory=dict)
-    full: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    kept: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    size: int = 0
 
 
 def decide(items: Sequence[SaveItem], rank: int, target: str, view: RankBase | None, reuse: bool) -> Decided:
     """Hash every chunk this rank writes and decide which its base's holders have (equal identities, or equal
     bytes where the base recorded none); place the others in the data object."""
-    out = Decided()
     written = [i for i in items if i.writes]
-    out.keys = [i.key for i in written]
-    out.datas = [tensor_bytes(i.tensor) for i in written]
-    nbytes = np.array([a.size for a in out.datas], dtype=np.int64)
-    out.full, full_size = packed_offsets(nbytes)
+    datas = [tensor_bytes(i.tensor) for i in written]
+    nbytes = np.array([a.size for a in datas], dtype=np.int64)
+    full, full_size = packed_offsets(nbytes)
+    stored, holders, ids = {}, {}, {}
     compare = _Holders(target, view, rank, int(full_size))
     try:
-        for item, data, offset in zip(written, out.datas, out.full.tolist()):
-            stored, ident = hashed(item, data, rank if reuse else None)
-            out.stored[item.key], out.ids[item.key] = stored, ident
-            out.holders[item.key] = compare.holder(item.key, data, offset, int(stored.checksum, 16), ident)
+        for item, data, offset in zip(written, datas, full.tolist()):
+            record, ident = hashed(item, data, rank if reuse else None)
+            stored[item.key], ids[item.key] = record, ident
+            holders[item.key] = compare.holder(item.key, data, offset, int(record.checksum, 16), ident)
     finally:
         compare.close()
-    held = np.array([out.holders[k] for k in out.keys], dtype=np.int64)
-    out.kept, size = packed_offsets(np.where(held == 0, nbytes, 0))
-    out.size = int(size)
-    return out
+    kept, size = kept_offsets(nbytes, np.array([holders[i.key] for i in written], dtype=np.int64))
+    return Decided([i.key for i in written], datas, full, kept, int(size), stored, holders, ids)
 
 
 class _Holders:
