@@ -19,7 +19,7 @@ from . import format as fmt
 from .core.types import EarlyReturn, SaveOptions, SaveRequest
 from .errors import InvalidArgumentError
 from .saving.stream import MIN_BUDGET
-from .storage.backends import store_for
+from .storage.backends import S3_SCHEME, store_for
 from .storage.zipcodec import resolve_compression
 
 
@@ -75,7 +75,7 @@ def save_request(
         compression=resolve_compression(compression) if store.archive else None,
         packing="memmap" if store.archive or layout == "memmap" else "packed",
         require_finite=bool(require_finite),
-        base=check_base(base),
+        base=check_base(base, store.target),
         reuse_hashes=check_trust_versions(trust_versions, base) and not return_early,
     )
     deferred, optimizers = check_snapshot(snapshot, guard, return_early, snapshot_budget, async_writer)
@@ -94,11 +94,12 @@ def check_trust_versions(trust_versions: Any, base: Any) -> bool:
     return trust_versions
 
 
-def check_base(base: Any) -> str | None:
-    """``base=``: the checkpoint an incremental save references (a path or ``s3://`` URL), or None.
+def check_base(base: Any, target: str) -> str | None:
+    """``base=``: the checkpoint an incremental save to ``target`` references (a path or ``s3://`` URL), or None.
 
     Raises:
-        InvalidArgumentError: not a path.
+        InvalidArgumentError: not a path; or, for a target on object storage, a base that is not in its bucket
+            (a reference names its holder beside the referencing checkpoint, in the same bucket).
     """
     if base is None:
         return None
@@ -107,7 +108,21 @@ def check_base(base: Any) -> str | None:
     text = os.fspath(base)
     if not isinstance(text, str):
         raise InvalidArgumentError(f"base must be a str path, got bytes {base!r}")
-    return text if text.startswith("s3://") else os.path.abspath(text)
+    if target.startswith(S3_SCHEME):
+        _same_bucket(text, target)
+    return text.rstrip("/") if text.startswith(S3_SCHEME) else os.path.abspath(text)
+
+
+def _same_bucket(base: str, target: str) -> None:
+    """Refuse the base of a save to object storage that lies elsewhere than the target's bucket."""
+    bucket = target[len(S3_SCHEME) :].split("/", 1)[0]
+    if not base.startswith(S3_SCHEME) or base[len(S3_SCHEME) :].split("/", 1)[0] != bucket:
+        where = "on a file system" if not base.startswith(S3_SCHEME) else "in another bucket"
+        raise InvalidArgumentError(
+            f"base {base!r} is {where}, but {target!r} is in bucket {bucket!r}: an incremental checkpoint on object "
+            f"storage references chunks of a checkpoint beside it in the same bucket (docs/format.md 13.3); save "
+            f"the base under the same prefix of {bucket!r} first, or save without base="
+        )
 
 
 def check_snapshot(

@@ -147,6 +147,11 @@ def rank_data_name(rank: int) -> str:
     return rank_dir(rank) + DATA_SUFFIX
 
 
+def data_file_rank(name: str) -> int | None:
+    """The rank whose packed data file ``name`` is (``rank-NNNNN.data``), or None for any other name."""
+    return int(name[len("rank-") : -len(DATA_SUFFIX)]) if _RANK_DATA_RE.match(name) else None
+
+
 def is_checkpoint_entry_name(name: str) -> bool:
     """True if ``name`` is something tddist writes at the top of a checkpoint directory."""
     return (

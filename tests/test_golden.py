@@ -48,7 +48,7 @@ CONTENTS = {
     1: [recipe.SINGLE, recipe.MULTI, recipe.EXTENDED, recipe.EXTENDED_ARCHIVE, recipe.DTENSOR],
     2: BEFORE_V4,
     3: [*BEFORE_V4, "per_rank"],  # per_rank: written and tested by tests/test_per_rank_golden.py
-    4: list(recipe.BUILDERS),
+    4: [*recipe.BUILDERS, recipe.S3_INCREMENTAL],  # s3_incremental: objects, tested against the S3 server
 }
 #: the checkpoints of the single-rank data (a): each version's, and version 2's memmap packing
 SINGLES = [
@@ -128,7 +128,9 @@ def test_golden_files_are_present_and_small(version):
                 assert "tddist.json" in zf.namelist(), target
             total += target.stat().st_size
             continue
-        assert (target / "tddist.json").is_file(), target
+        inside = [target / n for n in (recipe.INCREMENTAL_BASE, recipe.INCREMENTAL)]  # objects, by key
+        for t in inside if name == recipe.S3_INCREMENTAL else [target]:
+            assert (t / "tddist.json").is_file(), t
         for dirpath, _dirs, files in os.walk(target):
             total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files)
     assert 0 < total < 200_000
@@ -592,3 +594,45 @@ def test_v4_golden_incremental_references_its_base_and_loads_through_it():
     for world in (1, 2, 3):
         for got in _ok(tddist.run_threads(world, lambda c: tddist.load(inc, comm=c, shard=None, verify=True))):
             assert_td_equal(got, expected_incremental(2))
+
+
+def upload_golden_objects(client, bucket: str, root: Path) -> str:
+    """Upload the golden objects under ``root`` (files named by their keys) under ``bucket`` ("BUCKET/PREFIX");
+    each manifest's metadata names the one generation beside it. Returns the prefix as an ``s3://`` URL."""
+    name, prefix = bucket.split("/")
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = f.relative_to(root).as_posix()
+        extra = {}
+        if f.name == "tddist.json":
+            (gen,) = [d.name for d in f.parent.iterdir() if d.is_dir()]
+            extra = {"Metadata": {"tddist-generation": gen}}
+        client.put_object(Bucket=name, Key=f"{prefix}/{rel}", Body=f.read_bytes(), **extra)
+    return f"s3://{bucket}"
+
+
+def test_v4_golden_s3_incremental_loads_through_its_holder(s3):
+    """(e) and (e') as saved to object storage (docs/format.md 13.3): (e')'s data objects keep only the chunks it
+    holds (the adapter: 64 bytes on rank 0, none on rank 1, where section 2.3 gives 192 and 128), so its
+    offsets are those of the kept chunks; loads whole, resharded and on the saving ranks, verified, read the
+    other chunks from (e) at its offsets of section 2.3."""
+    from tddist.tools.verify import verify
+
+    client, bucket = s3
+    root = V4 / recipe.S3_INCREMENTAL
+    sizes = {p.name: p.stat().st_size for p in (root / recipe.INCREMENTAL).rglob("rank-*.data")}
+    assert sizes == {"rank-00000.data": 64, "rank-00001.data": 0}
+    url = upload_golden_objects(client, bucket, root)
+    base, inc = f"{url}/{recipe.INCREMENTAL_BASE}", f"{url}/{recipe.INCREMENTAL}"
+    mi = tddist.read_manifest(inc)
+    assert [h.name for h in mi.referenced()] == [recipe.INCREMENTAL_BASE]
+    assert {k: leaf.refs.holders.tolist() for k, leaf in mi.leaves.items()} == {
+        ("frozen", "w"): [1, 1],
+        ("embed",): [1],
+        ("adapter",): [0],
+    }
+    assert_td_equal(tddist.load(inc, shard=None, verify=True), expected_incremental(2))
+    assert_td_equal(tddist.load(base, shard=None, verify=True), expected_incremental(1))
+    for world in (2, 3):
+        for got in _ok(tddist.run_threads(world, lambda c: tddist.load(inc, comm=c, shard=None, verify=True))):
+            assert_td_equal(got, expected_incremental(2))
+    assert verify(inc).ok

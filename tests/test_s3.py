@@ -445,8 +445,9 @@ def test_cli_info_and_recover_on_s3_file_commands_refuse(s3, capsys):
         assert f"tddist checkpoint, {layout}" in capsys.readouterr().out
         assert main(["recover", url(bucket, layout)]) == 0
         assert "nothing to recover" in capsys.readouterr().out
-    assert main(["verify", url(bucket, "directory")]) == 1
-    assert "'tddist info', 'tddist gc' and 'tddist recover' support" in capsys.readouterr().err
+    assert main(["verify", url(bucket, "directory")]) == 0
+    assert main(["pack", url(bucket, "directory"), "copy.tdz"]) == 1
+    assert "'tddist verify' and 'tddist materialize' (from it) support" in capsys.readouterr().err
 
 
 def test_an_archive_completed_whose_answer_was_lost_is_committed(s3):
@@ -481,3 +482,147 @@ def test_a_save_returns_what_it_committed_while_another_process_saves_to_the_sam
 
     _client, bucket = s3
     race_two_savers({url(bucket, layout): {} for layout in ("directory", "archive")}, saves=25)
+
+
+# --- incremental saves (docs/format.md 13.3) ------------------------------------------------------------
+
+
+class Uploads:
+    """The bytes of every PUT and part this process sends, by key (tddist's client is shared in a process)."""
+
+    def __init__(self, client):
+        self.client, self.by_key = client, {}
+
+    def __enter__(self):
+        for op in ("PutObject", "UploadPart"):
+            self.client.meta.events.register(f"before-parameter-build.s3.{op}", self.count)
+        return self
+
+    def __exit__(self, *exc):
+        for op in ("PutObject", "UploadPart"):
+            self.client.meta.events.unregister(f"before-parameter-build.s3.{op}", self.count)
+
+    def count(self, params, **_kw):
+        body = params.get("Body", b"")
+        self.by_key[params["Key"]] = self.by_key.get(params["Key"], 0) + len(body)
+
+    def data(self) -> int:
+        """The bytes of data objects (every rank's), not the index or the manifest."""
+        return sum(n for k, n in self.by_key.items() if k.endswith(".data"))
+
+
+def lora_shard(rank: int, step: int) -> TensorDict:
+    """A frozen part (sharded rows and a replicated matrix) that never changes, and an adapter that does."""
+    g = torch.Generator().manual_seed(rank)
+    return TensorDict(
+        {
+            "base": TensorDict({"w": torch.randn(64, 256, generator=g)}, [64]),
+            "frozen": torch.arange(4096, dtype=torch.float32).reshape(64, 64),
+            "adapter": torch.full((8, 8), float(step)),
+        },
+        [],
+    )
+
+
+def lora_whole(step: int) -> TensorDict:
+    parts = [lora_shard(r, step) for r in range(2)]
+    out = parts[0].clone()
+    out["base"] = torch.cat([p["base"] for p in parts])
+    return out
+
+
+def save_lora(target: str, step: int, **kwargs) -> None:
+    got = tddist.run_threads(2, lambda c: tddist.save(lora_shard(c.rank, step), target, comm=c, **kwargs), timeout=60)
+    assert not any(isinstance(r, BaseException) for r in got), got
+
+
+def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3):
+    """A save with base= uploads only the chunks whose bytes changed (the base's compared by bytes the first
+    time, by identity after); its data objects keep only those; loads on 1, 2 and 3 ranks follow the references
+    to the holder (one hop: the third names the first, which holds the frozen part); verify finds a deleted
+    holder; a base in another bucket is refused."""
+    from tddist.tools.verify import verify
+
+    client, bucket = s3
+    s1, s2, s3_ = (url(bucket, "directory", f"step{i}") for i in (1, 2, 3))
+    save_lora(s1, 1)
+    with Uploads(client) as up2:
+        save_lora(s2, 2, base=s1)
+    with Uploads(client) as up3:
+        save_lora(s3_, 3, base=s2)
+    adapter = 8 * 8 * 4  # one chunk of 256 bytes, a multiple of 64: nothing else changed
+    assert up2.data() == adapter and up3.data() == adapter, (up2.by_key, up3.by_key)
+    assert (
+        sum(n for k, n in sizes(client, bucket).items() if k.startswith("run/step3/") and k.endswith(".data"))
+        == adapter
+    )
+    m3 = tddist.read_manifest(s3_)
+    assert [h.name for h in m3.referenced()] == ["step1"]
+    for target, step in ((s2, 2), (s3_, 3)):
+        assert_td_equal(tddist.load(target, shard=None, verify=True), lora_whole(step), f"step {step}")
+        for world in (2, 3):
+            got = tddist.run_threads(world, lambda c, t=target: tddist.load(t, comm=c, shard=None, verify=True))
+            assert not any(isinstance(r, BaseException) for r in got), got
+            for r in got:
+                assert_td_equal(r, lora_whole(step), f"step {step} on {world} ranks")
+        mine = tddist.run_threads(2, lambda c, t=target: tddist.load(t, comm=c, shard="saved", verify=True))
+        assert torch.equal(mine[1]["base", "w"], lora_shard(1, step)["base", "w"])
+    assert verify(s3_).ok and verify(s2, quick=True).ok
+    archive, a2 = url(bucket, "archive", "arch1"), url(bucket, "directory", "arch2")
+    save_lora(archive, 1)
+    with Uploads(client) as up:
+        save_lora(a2, 2, base=archive)  # an archive beside it holds the references: read through its entries
+    assert up.data() == adapter and [h.name for h in tddist.read_manifest(a2).referenced()] == ["arch1.tdz"]
+    assert_td_equal(tddist.load(a2, shard=None, verify=True), lora_whole(2), "an archive's references")
+    from tddist.jobs.retention import delete_checkpoint
+
+    save_lora(s1, 9)  # replaced: another generation than the one referenced
+    replaced = verify(s3_)
+    assert [p.kind for p in replaced.problems] == ["holder"] and "generation" in replaced.problems[0].message
+    delete_checkpoint(s1)
+    report = verify(s3_)
+    assert [p.kind for p in report.problems] == ["holder"] and "step1" in report.problems[0].message, report
+    with pytest.raises(tddist.CorruptCheckpointError, match="step1"):
+        tddist.load(s3_, shard=None)
+    other = "s3://another-bucket/run/step1"
+    for base in (other, "local/step1"):  # a path: on this file system
+        with pytest.raises(tddist.InvalidArgumentError, match="same bucket"):
+            tddist.save(lora_shard(0, 4), url(bucket, "directory", "step4"), base=base)
+
+
+def test_manager_incremental_on_s3_keeps_what_it_references_and_materializes(s3, tmp_path):
+    """CheckpointManager(incremental=True) on an s3:// root saves against the last checkpoint; retention and
+    'tddist gc' keep the checkpoint a kept one references (the first, which holds the frozen part); verify
+    and materialize follow the references; the copy references nothing and loads alone."""
+    from tddist import CheckpointManager
+    from tddist.cli import main
+    from tddist.jobs.cleanup import plan_gc
+
+    client, bucket = s3
+    root = f"s3://{bucket}/mgr"
+
+    def state(step: int) -> TensorDict:
+        return TensorDict({"frozen": torch.arange(65536, dtype=torch.float32), "adapter": torch.full((16,), step)})
+
+    with Uploads(client) as up, CheckpointManager(root, keep_last=1, incremental=True) as mgr:
+        for step in range(1, 5):
+            mgr.save(step, state(step))
+        mgr.wait()
+    saved = [
+        sum(n for k, n in up.by_key.items() if f"step-00000000{s}/" in k and k.endswith(".data")) for s in range(1, 5)
+    ]
+    assert saved[0] >= 65536 * 4 and saved[1:] == [128, 128, 128], saved  # the int64 adapter alone
+    names = sorted({k.split("/")[1] for k in keys(client, bucket) if k.startswith("mgr/step-")})
+    assert names == ["step-000000001", "step-000000004"], names
+    newest = f"{root}/step-000000004"
+    assert [h.name for h in tddist.read_manifest(newest).referenced()] == ["step-000000001"]
+    assert [(a.action, a.path.rsplit("/", 1)[1]) for a in plan_gc(root, keep_last=1)] == [("keep", "step-000000001")]
+    assert main(["gc", root, "--keep-last", "1"]) == 0
+    assert tddist.read_manifest(f"{root}/step-000000001").world_size == 1
+    assert main(["verify", newest]) == 0 and main(["verify", "--quick", "--json", newest]) == 0
+    assert main(["info", newest]) == 0
+    copy = tmp_path / "copy"
+    assert main(["materialize", newest, str(copy)]) == 0
+    assert tddist.read_manifest(copy).referenced() == ()
+    assert_td_equal(tddist.load(copy, shard=None, verify=True), state(4), "materialized")
+    assert_td_equal(tddist.load(newest, shard=None, verify=True), state(4), "from S3")

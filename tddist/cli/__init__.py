@@ -46,7 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("convert", "convert between tddist, DCP, torch.save and safetensors checkpoints"),
 }
 #: The commands that take an ``s3://`` path (the others work on files).
-_ON_OBJECT_STORAGE = ("ls", "latest", "info", "gc", "recover")
+_ON_OBJECT_STORAGE = ("ls", "latest", "info", "gc", "recover", "verify", "materialize")
 
 EPILOG = """\
 exit status: 0 ok; 1 a problem was found (a bad chunk, no checkpoint, a difference) or an error;
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     if remote and args.command not in _ON_OBJECT_STORAGE:
         sys.stderr.write(
             f"tddist {args.command}: {remote[0]} is on object storage, which only 'tddist ls', 'tddist latest', "
-            f"'tddist info', 'tddist gc' and 'tddist recover' support; verify a checkpoint there with "
-            f"tddist.load(path, shard=None, verify=True)\n"
+            f"'tddist info', 'tddist gc', 'tddist recover', 'tddist verify' and 'tddist materialize' (from it) "
+            f"support; copy it with 'tddist materialize' first\n"
         )
         return EXIT_PROBLEM
     try:

@@ -161,6 +161,8 @@ def run_unpack(args: argparse.Namespace) -> int:
 
 
 def run_materialize(args: argparse.Namespace) -> int:
+    if args.dst.startswith("s3://"):
+        raise TargetError(f"{args.dst!r} is on object storage: 'tddist materialize' writes a local directory")
     if os.path.isfile(args.dst) or args.dst.rstrip(os.sep).endswith(fmt.ARCHIVE_SUFFIX):
         raise TargetError(f"{args.dst!r} names a file or an archive: 'tddist materialize' writes a directory")
     _refuse_existing(args)

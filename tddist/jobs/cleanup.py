@@ -239,11 +239,16 @@ def _plan_gc_objects(root: Root, keep_last: int | None) -> list[Action]:
     if keep_last is not None:
         committed = committed_steps(root.target)
         newest = next((s for s, p in committed if _readable(p)), None)
+        needed = referenced([p for s, p in committed[:keep_last]] + [p for s, p in committed if s == newest])
         for s, p in committed[keep_last:]:
-            if s != newest:
-                name = p[len(root.target) + 1 :]
-                reason = f"beyond the {keep_last} newest checkpoint(s)"
-                actions.append(Action(DELETE, p, reason, root.usage(name).nbytes))
+            if s == newest:
+                continue
+            if store_for(p).target in needed:
+                actions.append(Action(KEEP, p, "beyond the newest, but a kept incremental checkpoint references it"))
+                continue
+            name = p[len(root.target) + 1 :]
+            reason = f"beyond the {keep_last} newest checkpoint(s)"
+            actions.append(Action(DELETE, p, reason, root.usage(name).nbytes))
     return actions
 
 

@@ -120,6 +120,12 @@ class ChunkSource:
             opened = self._holders[holder] = open_holder(self.root, self.manifest, holder)
         return opened
 
+    def packed_holder(self, holder: int) -> bool:
+        """Whether the manifest's holder ``holder`` (>= 1) is a packed directory: its chunks lie at this
+        checkpoint's offsets, in its data file of the same rank."""
+        m = self.holder(holder).manifest
+        return m.layout == "directory" and m.packing == "packed"
+
     def held_span(self, leaf: Leaf, chunk: Chunk) -> torch.Tensor:
         """The bytes of ``chunk`` of ``leaf`` wherever they lie: here, or in the holder the manifest names."""
         index = leaf.table.index_of_rank(chunk.rank) if leaf.refs is not None else None
@@ -284,18 +290,24 @@ def read_box(source: ChunkSource, leaf: Leaf, box: Box, pool: ThreadPoolExecutor
 
 def _needed(
     source: ChunkSource, requests: list[tuple[Leaf, Box]], verify: bool, plan: WholePieces | None = None
-) -> list[ChunkRange]:
-    """The bytes of each chunk that the requests read (``read_box`` asks for those chunks): the span from
-    the first to the last byte of each piece, or the whole chunk when it is verified. Whole boxes are read
-    through ``plan`` (their pieces, in columns): whole chunks, in runs of each rank's data file."""
+) -> dict[int, list[ChunkRange]]:
+    """The bytes of each chunk that the requests read (``read_box`` asks for those chunks), by the holder whose
+    files hold them (``whole.needed``): the span from the first to the last byte of each piece, or the whole
+    chunk when it is verified. Whole boxes are read through ``plan`` (their pieces, in columns): whole
+    chunks, in runs of each rank's data file."""
     wholes = [leaf for leaf, box in requests if _whole(leaf, box)]
-    out = whole.needed(source, wholes, plan or source.whole_pieces(wholes)) if wholes else []
+    by_holder = whole.needed(source, wholes, plan or source.whole_pieces(wholes)) if wholes else {}
     for leaf, box in requests:
         if _whole(leaf, box):
             continue
         chunks = leaf.overlapping(box)
         for p in plan_reads(box, [c.box for c in chunks]):
             chunk = chunks[p.chunk_index]
+            index = leaf.table.index_of_rank(chunk.rank) if leaf.refs is not None else None
+            h = 0 if index is None else leaf.holder_of(index)
+            if h and not source.packed_holder(h):
+                continue  # an archive holder's entry: read when it is asked for
+            out = by_holder.setdefault(h, [])
             loc = source.location(leaf, chunk)
             if verify or not loc.nbytes:
                 out.append(ChunkRange(loc, 0, loc.nbytes))
@@ -305,7 +317,7 @@ def _needed(
             first = sum(s.start * st for s, st in zip(p.src, strides))
             last = sum((s.stop - 1) * st for s, st in zip(p.src, strides)) + item
             out.append(ChunkRange(loc, first, last))
-    return out
+    return by_holder
 
 
 def read_leaves(
@@ -358,7 +370,8 @@ def _read(source: ChunkSource, requests: list[tuple[Leaf, Box]], num_threads: in
     """Whole boxes through one plan in columns (``loading.whole``), the others box by box."""
     wholes = plan_wholes(source, requests)
     if source.files.fetches_ahead:  # a store that pays per request: every range this load reads, in parallel
-        source.files.prefetch(_needed(source, requests, verify, wholes.plan), num_threads)
+        for h, ranges in _needed(source, requests, verify, wholes.plan).items():
+            source.holder_files(h).prefetch(ranges, num_threads)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-read") if num_threads > 1 else None
     try:
         out: list[torch.Tensor | None] = [None] * len(requests)

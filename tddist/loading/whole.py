@@ -98,8 +98,7 @@ def _held_sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces, he
     world = source.manifest.world_size
     apart = np.zeros(len(plan), dtype=bool)  # the pieces of holders that are not packed directories
     for h in np.unique(held[held > 0]).tolist():
-        m = source.holder(h).manifest
-        if not (m.layout == "directory" and m.packing == "packed"):
+        if not source.packed_holder(h):
             apart |= held == h
     mapped = np.where(apart, -1, held * world + plan.ranks.astype(np.int64))
     files, owner = np.unique(mapped[~apart], return_inverse=True)
@@ -164,27 +163,42 @@ def sources(source: ChunkSource, leaves: list[Leaf], plan: WholePieces, fetched:
     return _rank_sources(source, plan, leaves)
 
 
-def needed(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> list[ChunkRange]:
-    """The byte ranges a whole read of ``leaves`` fetches: per rank's data file, its runs of consecutive
-    chunks (each chunk up to the next one's aligned start), so a whole file is a single range; per chunk's
-    own file with packing "memmap"."""
-    if source.manifest.packing != "packed":
+def needed(source: ChunkSource, leaves: list[Leaf], plan: WholePieces) -> dict[int, list[ChunkRange]]:
+    """The byte ranges a whole read of ``leaves`` fetches, by the holder whose files hold them (0: this
+    checkpoint; an incremental one's packed directory holders have the same offsets; an archive holder's
+    chunks are read entry by entry, not fetched ahead): per rank's data file, its runs of consecutive chunks
+    (each chunk up to the next one's aligned start), so a whole file is a single range; per chunk's own file
+    with packing "memmap"."""
+    if source.manifest.packing != "packed":  # never holds references
         out = []
         for j, leaf in enumerate(leaves):
             rows = plan.rows(j)
             for rank, n in zip(plan.ranks[rows].tolist(), plan.nbytes[rows].tolist()):
                 loc = Location(source.locator.relpath(leaf.key, rank), 0, n, n)
                 out.append(ChunkRange(loc, 0, n))
-        return out
-    order = np.lexsort((plan.offsets, plan.ranks))
-    ranks, starts = plan.ranks[order].astype(np.int64), plan.offsets[order]
-    stops = starts + plan.nbytes[order]
+        return {0: out}
+    sizes = dict(zip(plan.files.tolist(), plan.file_sizes.tolist()))
+    held = _piece_holders(leaves, plan)
+    if held is None:
+        return {0: _runs(plan.ranks, plan.offsets, plan.nbytes, sizes)}
+    by_holder = {}
+    for h in np.unique(held).tolist():
+        if h == 0 or source.packed_holder(h):
+            mask = held == h
+            by_holder[h] = _runs(plan.ranks[mask], plan.offsets[mask], plan.nbytes[mask], sizes)
+    return by_holder
+
+
+def _runs(ranks: np.ndarray, offsets: np.ndarray, nbytes: np.ndarray, sizes: dict[int, int]) -> list[ChunkRange]:
+    """The runs of consecutive chunks of each rank's data file (``sizes``: each file's size), as ranges."""
+    order = np.lexsort((offsets, ranks))
+    ranks, starts = ranks[order].astype(np.int64), offsets[order]
+    stops = starts + nbytes[order]
     ends = -(-stops // fmt.PACK_ALIGN) * fmt.PACK_ALIGN
     breaks = np.flatnonzero((np.diff(ranks) != 0) | (starts[1:] != ends[:-1])) + 1
     first = np.concatenate(([0], breaks)).astype(np.int64)
     last = np.concatenate((breaks - 1, [len(order) - 1])).astype(np.int64)
     out = []
-    sizes = dict(zip(plan.files.tolist(), plan.file_sizes.tolist()))
     for r, lo, hi in zip(ranks[first].tolist(), starts[first].tolist(), stops[last].tolist()):
         size = sizes[r]
         out.append(ChunkRange(Location(fmt.rank_data_name(r), 0, size, size), lo, hi))

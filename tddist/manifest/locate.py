@@ -193,3 +193,75 @@ class ChunkRange:
     location: Location
     start: int
     stop: int
+
+
+def kept_offsets(nbytes: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's data object on object storage with references (docs/format.md 13.3): where each of its chunks
+    starts in it, and its size: ``packed_offsets`` with 0 for every referenced chunk (``held``: its holder,
+    0 for a chunk this checkpoint holds), so only the chunks it holds take space, in leaf order."""
+    return packed_offsets(np.where(np.asarray(held) == 0, nbytes, 0))
+
+
+@dataclass(frozen=True)
+class CutFiles:
+    """The data objects of a checkpoint with references on object storage (docs/format.md 13.3): each rank's
+    data file of section 2.3 without the ranges of its referenced chunks. Readers keep placing chunks at the
+    offsets of section 2.3; ``pieces`` says where those bytes lie in the object.
+
+    Attributes:
+        ranks: each kept chunk's rank (int32[n], sorted, then by offset).
+        starts: where it starts in the data file of section 2.3 (int64[n]).
+        spans: its size rounded up to the alignment (int64[n]).
+        at: where it starts in the object (int64[n]).
+        sizes: each object's size, by rank (0 where absent).
+    """
+
+    ranks: np.ndarray
+    starts: np.ndarray
+    spans: np.ndarray
+    at: np.ndarray
+    sizes: dict[int, int]
+
+    @staticmethod
+    def of(manifest: Manifest) -> CutFiles:
+        """Every kept chunk of ``manifest`` (one with at least one byte, held by this checkpoint), in columns."""
+        placed = PackedChunks.of(manifest)
+        n = len(placed.ranks)
+        ends = np.empty(n, np.int64)
+        ends[:-1] = placed.offsets[1:]
+        last = np.flatnonzero(np.diff(placed.ranks, append=np.int32(-1)))  # each rank's last chunk
+        ends[last] = [placed.sizes[int(r)] for r in placed.ranks[last].tolist()]
+        spans = ends - placed.offsets
+        held = np.zeros(n, dtype=bool)
+        order = np.argsort(placed.leaves, kind="stable")
+        bounds = np.searchsorted(placed.leaves[order], np.arange(len(manifest.leaves) + 1))
+        for li, leaf in enumerate(manifest.leaves.values()):
+            if leaf.refs is not None and bounds[li] < bounds[li + 1]:
+                rows = order[bounds[li] : bounds[li + 1]]
+                held[rows] = leaf.refs.holders[placed.chunks[rows]] != 0
+        keep = ~held
+        ranks, starts, spans = placed.ranks[keep], placed.offsets[keep], spans[keep]
+        at = np.cumsum(spans, dtype=np.int64) - spans
+        first = np.flatnonzero(np.diff(ranks, prepend=np.int32(-1)))
+        counts = np.diff(np.append(first, len(ranks)))
+        at -= np.repeat(at[first], counts)
+        sizes = dict(zip(ranks[first].tolist(), (at[first + counts - 1] + spans[first + counts - 1]).tolist()))
+        return CutFiles(ranks, starts, spans, at, sizes)
+
+    def pieces(self, rank: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Bytes ``[lo, hi)`` of ``rank``'s data file of section 2.3, as (start, stop) ranges of its object and
+        where each lands from ``lo``; the ranges of referenced chunks are in none (they read as zeros)."""
+        a, b = int(np.searchsorted(self.ranks, rank, "left")), int(np.searchsorted(self.ranks, rank, "right"))
+        starts, spans, at = self.starts[a:b], self.spans[a:b], self.at[a:b]
+        i = max(int(np.searchsorted(starts, lo, "right")) - 1, 0)
+        out: list[tuple[int, int, int]] = []
+        while i < len(starts) and int(starts[i]) < hi:
+            s, e = max(lo, int(starts[i])), min(hi, int(starts[i] + spans[i]))
+            if s < e:
+                o = int(at[i]) + s - int(starts[i])
+                if out and out[-1][1] == o and out[-1][2] + (out[-1][1] - out[-1][0]) == s - lo:
+                    out[-1] = (out[-1][0], o + e - s, out[-1][2])
+                else:
+                    out.append((o, o + e - s, s - lo))
+            i += 1
+        return out

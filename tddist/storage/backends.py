@@ -224,9 +224,9 @@ class ObjectStore:
         return S3DirectoryWriter(options, rank, shard, cache)
 
     def open(self) -> OpenedCheckpoint:
-        from .s3.pin import open_s3
+        from .s3.pin import open_s3, place_kept
 
-        return validate(open_s3(self.target), self.files)
+        return place_kept(validate(open_s3(self.target), self.files))
 
     def files(self, pin: Pin) -> ChunkFiles:
         """Ranged GETs of the pinned generation's objects, in parallel (``s3.files.S3Files``)."""

@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,10 +153,18 @@ def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> R
     except TddistError as e:
         logger.warning("rank %d: cannot read base %s (%s); every chunk is written", rank, base, e)
         return None
+    return base_view(m, generation, base, os.path.basename(os.path.abspath(base)), rank, items)
+
+
+def base_view(
+    m: Manifest, generation: str, base: str, name: str, rank: int, items: Sequence[SaveItem]
+) -> RankBase | None:
+    """What this rank may reference of the base ``m`` (at ``generation``, named ``name`` beside the target):
+    a packed directory's chunks where this rank's data file has its layout, an archive's of the same size."""
     if m.layout == "directory" and m.packing != "packed":
         logger.info("rank %d: base %s is a directory of packing memmap; every chunk is written", rank, base)
         return None
-    table = (Holder(os.path.basename(os.path.abspath(base)), generation), *m.referenced())
+    table = (Holder(name, generation), *m.referenced())
     chunks = _same_layout(m, rank, items) if m.layout == "directory" else _same_chunks(m, rank, items)
     return RankBase(base, table, chunks, _RankLargest.of(m, rank).value)
 
@@ -242,7 +250,7 @@ def _same_layout(m: Manifest, rank: int, items: Sequence[SaveItem]) -> dict[Key,
 
 
 @dataclass(frozen=True, slots=True)
-class _Chunk:
+class HashedChunk:
     """What hashing one chunk gave: its record (size, checksum, counts), its identity, and whether the counts'
     largest magnitude is the chunk's own (``exact``) or a placeholder of 0.0 for an inherited chunk whose
     largest is bounded by its base's (``Inherited``)."""
@@ -260,7 +268,7 @@ class _Seen:
     tensor: torch.Tensor
     version: int
     address: int
-    chunk: _Chunk
+    chunk: HashedChunk
 
     def unchanged(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is this chunk's memory, changed by no in-place operation since it was hashed."""
@@ -292,7 +300,7 @@ def _forget_others(rank: int, keys: set[Key]) -> None:
 class _Outcome:
     """One chunk of an incremental write: what hashing gave, its holder (0: written here), the bytes written."""
 
-    chunk: _Chunk
+    chunk: HashedChunk
     holder: int
     written: int
 
@@ -333,7 +341,7 @@ def write_packed_incremental(
     if reuse:
         _forget_others(rank, {i.key for i in written if i.own_memory})
     done = [o for o in outcomes if o is not None]
-    chunks = _exact_largest(written, datas, done, 0.0 if base is None else base.largest)
+    chunks = exact_largest(written, datas, [o.chunk for o in done], 0.0 if base is None else base.largest)
     return IncrementalStored(
         {i.key: c.stored for i, c in zip(written, chunks)},
         {i.key: o.holder for i, o in zip(written, done)},
@@ -344,24 +352,35 @@ def write_packed_incremental(
 
 def _store(item: SaveItem, data: np.ndarray, holders: _HolderFiles, fd: int, offset: int, rank: int | None) -> _Outcome:
     """Hash ``item``'s chunk and write it at ``offset`` of ``fd`` unless the base holds equal bytes."""
-    known = holders.known(item.key)
-    chunk = _hashed(item, data, known, rank)
-    held = 0
-    if known is not None and data.size and known.checksum == int(chunk.stored.checksum, 16):
-        if known.identity is not None:
-            held = known.holder if known.identity == chunk.identity else 0
-        elif holders.same_bytes(known.holder, item.key, offset, data):
-            held = known.holder
+    chunk, held = judged(
+        item, data, holders.known(item.key), rank, lambda h: holders.same_bytes(h, item.key, offset, data)
+    )
     if held or not data.size:
         return _Outcome(chunk, held, 0)
-    if not chunk.exact:  # remembered as the base's chunk, which this is no longer: counted now
-        chunk = _counted(item, data)
     os.posix_fallocate(fd, offset, int(data.size))
     write_and_start_writeback(fd, memoryview(data.data).cast("B"), offset, WRITE_STEP)
     return _Outcome(chunk, 0, int(data.size))
 
 
-def _hashed(item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int | None) -> _Chunk:
+def judged(
+    item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int | None, same_bytes: Callable[[int], bool]
+) -> tuple[HashedChunk, int]:
+    """``item``'s chunk hashed (``hashed``) and the holder of equal bytes in its base (0: none, it is written):
+    equal identities, or, where the base recorded none, equal bytes in holder ``h`` (``same_bytes(h)``). A chunk
+    written is counted exactly (a remembered one may carry its base's bound)."""
+    chunk = hashed(item, data, known, rank)
+    held = 0
+    if known is not None and data.size and known.checksum == int(chunk.stored.checksum, 16):
+        if known.identity is not None:
+            held = known.holder if known.identity == chunk.identity else 0
+        elif same_bytes(known.holder):
+            held = known.holder
+    if not held and not chunk.exact:  # remembered as the base's chunk, which this is no longer: counted now
+        chunk = _counted(item, data)
+    return chunk, held
+
+
+def hashed(item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int | None) -> HashedChunk:
     """``item``'s chunk's record and identity: remembered from this process's last incremental save of rank
     ``rank`` (None: not remembered) when the tensor is unchanged since; else its identity alone, when its base
     chunk recorded an identity and counts to inherit (one pass); else hashed and counted in full."""
@@ -374,7 +393,7 @@ def _hashed(item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int
     if known is not None and known.identity is not None and known.stats is not None and data.size:
         ident = xxhash.xxh3_128_intdigest(data.data)
         if ident == known.identity:
-            chunk = _Chunk(StoredBytes(int(data.size), hex_checksum(known.checksum), known.stats.stats), ident,
+            chunk = HashedChunk(StoredBytes(int(data.size), hex_checksum(known.checksum), known.stats.stats), ident,
                            known.stats.exact)  # fmt: skip
     chunk = chunk or _counted(item, data)
     if rank is not None and data.size:
@@ -383,23 +402,22 @@ def _hashed(item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int
     return chunk
 
 
-def _counted(item: SaveItem, data: np.ndarray) -> _Chunk:
+def _counted(item: SaveItem, data: np.ndarray) -> HashedChunk:
     """``item``'s chunk hashed (checksum and identity) and counted, in one pass."""
     counter = counter_for(fmt.dtype_name(item.tensor.dtype))
     checksum, ident = identify(data, counter) if data.size else (EMPTY, 0)
-    return _Chunk(StoredBytes(int(data.size), checksum, None if counter is None else counter.result()), ident)
+    return HashedChunk(StoredBytes(int(data.size), checksum, None if counter is None else counter.result()), ident)
 
 
-def _exact_largest(
-    items: Sequence[SaveItem], datas: Sequence[np.ndarray], done: Sequence[_Outcome], bound: float
-) -> list[_Chunk]:
+def exact_largest(
+    items: Sequence[SaveItem], datas: Sequence[np.ndarray], chunks: Sequence[HashedChunk], bound: float
+) -> list[HashedChunk]:
     """Each chunk's record with the rank's largest magnitude exact: an inherited chunk's largest is at most
     ``bound`` (its base's rank's), so when a chunk counted here reaches ``bound`` it is the rank's largest
     whatever the inherited ones hold; only otherwise are those counted (one more pass over them)."""
-    chunks = [o.chunk for o in done]
     top = max((c.stored.stats.max_abs for c in chunks if c.exact and c.stored.stats is not None), default=0.0)
     if top >= bound or all(c.exact for c in chunks):
-        return chunks
+        return list(chunks)
     return [c if c.exact else _counted(i, d) for i, d, c in zip(items, datas, chunks)]
 
 

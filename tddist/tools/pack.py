@@ -28,7 +28,7 @@ from ..manifest.locate import Location, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
 from ..manifest.v2 import encode
 from ..storage.archive import ArchiveFiles, check_archive_target
-from ..storage.backends import local_files, open_checkpoint
+from ..storage.backends import local_files, open_checkpoint, target_of
 from ..storage.directory import DirectoryFiles, check_target
 from ..storage.opened import OpenedCheckpoint
 from ..storage.publish import publish
@@ -52,8 +52,8 @@ def _files(manifest: Manifest, src: OpenedCheckpoint) -> tuple[dict[str, bytes],
     the source's packing: an archive always holds that tree. The files are
     read through ``src``'s pinned descriptor: the generation its manifest describes.
     """
-    files = local_files(src)
-    held = HeldFiles(src.path, manifest, files)
+    held = HeldFiles(src.path, manifest, src.files())  # any store: a packed checkpoint is read in spans
+    files = local_files(src) if manifest.packing == "memmap" else None
     locator = Locator(manifest)
     leaves = {}
     for leaf in manifest.leaves.values():
@@ -66,6 +66,7 @@ def _files(manifest: Manifest, src: OpenedCheckpoint) -> tuple[dict[str, bytes],
             name: data for r in range(manifest.world_size) for name, data in _rank_meta_files(manifest, r).items()
         }, leaves
     metas = {}
+    assert files is not None
     for name in _meta_names(manifest, files):
         metas[name] = bytes(files.array(name, _size(files, name)).numpy())
     return metas, leaves
@@ -268,7 +269,7 @@ def materialize(src: str | os.PathLike, dst: str | os.PathLike) -> str:
         CorruptCheckpointError: a chunk of ``src`` or of a holder is missing or damaged, or a holder was replaced.
         TargetError: ``dst`` is a file, a symbolic link or a directory that is not a tddist checkpoint.
     """
-    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    src, dst = target_of(src), os.path.abspath(os.fspath(dst))
     with open_checkpoint(src) as opened:
         return _unpack(opened, dst)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import stat
 from collections.abc import Callable, Iterator
@@ -33,96 +32,25 @@ from ..checksum import EMPTY, block_digest, blocks, combine_digests
 from ..errors import CorruptCheckpointError, InvalidArgumentError, ManifestError, StorageError
 from ..manifest.chunks import ChunkColumns, ReplicaChunks, int_checksum
 from ..manifest.locate import Location, Locator
-from ..manifest.model import Chunk, Leaf, Manifest, NonFiniteLeaf
+from ..manifest.model import Chunk, Leaf, Manifest
 from ..manifest.whole import file_offsets
-from ..storage.backends import read_manifest
+from ..storage.backends import S3_SCHEME, read_manifest, target_of
+from .report import (  # noqa: F401  (re-exported: the public names of verify)
+    CHECKSUM,
+    HOLDER,
+    MISSING,
+    NOT_A_FILE,
+    SIZE,
+    STRUCTURE,
+    UNREADABLE,
+    Problem,
+    VerifyReport,
+    chunk_count,
+    leaf_nbytes,
+    stored_bytes,
+)
 
 logger = logging.getLogger(__name__)
-
-#: Kinds of ``Problem``.
-MISSING = "missing"  # the chunk's file (a rank's data file) or archive entry is not there
-SIZE = "size"  # it has another size than the manifest says
-NOT_A_FILE = "not-a-file"  # a symbolic link, a directory, or a path resolving outside the checkpoint
-CHECKSUM = "checksum"  # its bytes do not match the checksum
-UNREADABLE = "unreadable"  # reading or decompressing it failed
-STRUCTURE = "structure"  # the checkpoint as a whole: an archive that is not a valid zip, a missing rank directory
-HOLDER = "holder"  # a checkpoint that holds referenced chunks (an incremental one's) is missing, damaged or replaced
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a checkpoint.
-
-    Attributes:
-        kind: ``"missing"``, ``"size"``, ``"not-a-file"``, ``"checksum"``,
-            ``"unreadable"`` or ``"structure"``.
-        key: the leaf the chunk belongs to, or None for a problem of a whole
-            file (a rank's data file) or of the whole checkpoint.
-        rank: the rank that wrote the chunk (or the file), or None.
-        file: the file relative to the checkpoint (a rank's data file, the
-            chunk's own file, its archive entry's name), or None.
-        message: what is wrong and what to do, in words.
-        offset: where the chunk starts in ``file`` (a rank's data file), or
-            None when the chunk is the whole file or the problem is not a chunk's.
-    """
-
-    kind: str
-    key: tuple[str, ...] | None
-    rank: int | None
-    file: str | None
-    message: str
-    offset: int | None = None
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """The outcome of ``verify``.
-
-    Attributes:
-        path: the checkpoint checked.
-        mode: ``"quick"`` (sizes and structure) or ``"full"`` (checksums too).
-        layout: ``"directory"`` or ``"archive"``.
-        world_size: the number of ranks that saved it.
-        chunks: the number of chunks checked.
-        nbytes: the bytes those chunks hold (what a full check reads).
-        problems: every problem found: those of whole files and of the
-            checkpoint first (by rank), then the chunks' in manifest order.
-        packing: ``"packed"`` (one data file per rank) or ``"memmap"`` (one file
-            or archive entry per chunk).
-        non_finite: the leaves whose recorded counts show NaN or infinite
-            values (format version 4): a finding about the data, not damage,
-            so ``ok`` does not depend on it.
-    """
-
-    path: str
-    mode: str
-    layout: str
-    world_size: int
-    chunks: int
-    nbytes: int
-    problems: tuple[Problem, ...]
-    packing: str = "memmap"
-    non_finite: tuple[NonFiniteLeaf, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        """True when no problem was found."""
-        return not self.problems
-
-
-def leaf_nbytes(leaf: Leaf) -> int:
-    """The bytes a leaf's chunks hold together (its chunks tile its shape exactly); builds no chunk."""
-    return math.prod(leaf.shape) * fmt.dtype_itemsize(leaf.dtype_name)
-
-
-def stored_bytes(manifest: Manifest) -> int:
-    """The bytes of tensor data a checkpoint holds (what a full ``verify`` reads), from its manifest alone."""
-    return sum(leaf_nbytes(leaf) for leaf in manifest.leaves.values())
-
-
-def chunk_count(manifest: Manifest) -> int:
-    """The number of chunks a checkpoint stores (empty ones included), without building them."""
-    return sum(len(leaf.table) for leaf in manifest.leaves.values())
 
 
 def data_file_sizes(manifest: Manifest) -> np.ndarray:
@@ -140,7 +68,8 @@ def verify(
     """Check every chunk of the committed checkpoint at ``path``; return all problems found.
 
     Args:
-        path: a checkpoint directory or ``.tdz`` archive.
+        path: a checkpoint directory or ``.tdz`` archive, or one on object storage (``s3://``: its chunks are
+            read back through the store; ``quick`` then checks the manifest and the holders).
         quick: check only that every file (a rank's data file, a chunk's file,
             an archive entry) exists with the size the manifest implies, and the
             archive's structure; read no data.
@@ -157,7 +86,7 @@ def verify(
             directory of more than ``CHEAP_WORLD`` ranks holds entries.
         InvalidArgumentError: ``num_threads`` is not a positive int.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = target_of(path)
     _check_threads(num_threads)
     return verify_manifest(path, read_manifest(path), quick=quick, num_threads=num_threads, progress=progress)
 
@@ -180,8 +109,12 @@ def verify_manifest(
     Returns:
         A ``VerifyReport``, as ``verify``.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = target_of(path)
     _check_threads(num_threads)
+    if path.startswith(S3_SCHEME):  # no files: every chunk read back through the store (``verify_objects``)
+        from .verify_objects import verify_objects
+
+        return verify_objects(path, quick=quick, num_threads=num_threads, progress=progress)
     archive = os.path.isfile(path)
     check = _Check(path, manifest, quick, progress)
     pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-verify") if num_threads > 1 else None

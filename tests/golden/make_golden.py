@@ -263,6 +263,39 @@ BUILDERS = {
 }
 
 
+#: checkpoints (e) and (e') saved to object storage (docs/format.md 13.3), as files: every object of the two
+#: checkpoints, named by its key under their parent prefix; a manifest object's metadata
+#: (``tddist-generation``) is the name of the one generation beside it. Written only against an S3 server
+#: (``AWS_ENDPOINT_URL`` and credentials in the environment, ``TDDIST_GOLDEN_BUCKET`` an existing bucket).
+S3_INCREMENTAL = "s3_incremental"
+
+
+def write_s3_incremental(path) -> None:
+    """Save (e) and (e') under a fresh prefix of the bucket, then download every object under it into ``path``."""
+    import uuid
+
+    from tddist.storage.s3.client import s3_client
+
+    bucket, prefix = os.environ["TDDIST_GOLDEN_BUCKET"], f"golden-{uuid.uuid4().hex}"
+    for name, step in ((INCREMENTAL_BASE, 1), (INCREMENTAL, 2)):
+        target, base = f"s3://{bucket}/{prefix}/{name}", f"s3://{bucket}/{prefix}/{INCREMENTAL_BASE}"
+
+        def rank_main(comm, target=target, base=base, step=step):
+            tddist.save(incremental_shard(comm.rank, step), target, comm=comm, metadata={"step": step},
+                        base=base if step == 2 else None)  # fmt: skip
+            return "ok"
+
+        errors = [r for r in tddist.run_threads(len(INCREMENTAL_ROWS), rank_main) if r != "ok"]
+        if errors:
+            raise errors[0]
+    client = s3_client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for o in page.get("Contents", []):
+            out = Path(path) / o["Key"][len(prefix) + 1 :]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read())
+
+
 def main(argv: list[str]) -> int:
     out = Path(argv[0]) if argv else VERSION_DIR
     if tddist_format.FORMAT_VERSION != VERSION:
@@ -279,6 +312,14 @@ def main(argv: list[str]) -> int:
             print(f"{target} exists; golden checkpoints are never regenerated (see README.md)", file=sys.stderr)
             continue
         write(target)
+        print(f"wrote {target}")
+    target = out / S3_INCREMENTAL
+    if os.path.lexists(target):
+        print(f"{target} exists; golden checkpoints are never regenerated (see README.md)", file=sys.stderr)
+    elif "TDDIST_GOLDEN_BUCKET" not in os.environ:
+        print(f"{target} needs an S3 server: set AWS_ENDPOINT_URL, credentials and TDDIST_GOLDEN_BUCKET", file=sys.stderr)
+    else:
+        write_s3_incremental(target)
         print(f"wrote {target}")
     return 0
 

@@ -18,6 +18,7 @@ committed manifest names is invisible to readers and removed by ``abort`` or
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
@@ -33,9 +34,11 @@ from ...core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ...errors import TargetError, TddistError
 from ...manifest.locate import packed_offsets
 from ..base import Retirement, WriterBase
+from ..incremental import RankBase, identity_columns
 from ..tdmeta import node_meta_files
 from ..writer import stored_bytes
 from .client import bucket_missing, client_errors, no_bucket, s3_client, s3_failed
+from .incremental import Decided, check_holders, decide, read_base
 from .pin import GENERATION_META, GENERATION_PREFIX, is_generation
 from .root import committed_generation, delete_prefix
 from .upload import Segment, run, upload_object
@@ -75,6 +78,7 @@ class S3DirectoryWriter(WriterBase):
         self.old_generation: str | None = None  # rank 0: what the commit replaces
         self.uploaded: dict[tuple[str, int], memoryview] = {}  # (file, offset) -> bytes, see ``S3Pin.local``
         self.manifest = b""
+        self.view: RankBase | None = None  # an incremental save: what this rank may reference of its base
 
     def _failed(self, what: str, e: BaseException) -> TddistError:
         return s3_failed(what, self.url.url, e, self.rank, TargetError)
@@ -98,7 +102,12 @@ class S3DirectoryWriter(WriterBase):
         prefix = self.url.child(staging.path)
         stored: dict = {}
         objects: list[tuple[str, list[Segment], int]] = []
-        if o.packing == "packed":
+        decided: Decided | None = None
+        if o.packing == "packed" and o.base is not None:
+            decided = self.decide_incremental(o.base)
+            stored = decided.stored
+            objects.append((fmt.rank_data_name(self.rank), self.kept_segments(decided), decided.size))
+        elif o.packing == "packed":
             written = [(i.key, tensor_bytes(i.tensor), fmt.dtype_name(i.tensor.dtype)) for i in shard.items if i.writes]
             offsets, end = packed_offsets(np.array([a.size for _k, a, _d in written], dtype=np.int64))
             segments = []
@@ -128,10 +137,41 @@ class S3DirectoryWriter(WriterBase):
             run(tasks, min(threads, len(tasks)))
         except client_errors() as e:
             raise self._failed("uploading to", e) from e
-        return self.fragment(stored)
+        return self.fragment(stored) if decided is None else self.incremental_fragment(decided)
+
+    def decide_incremental(self, base: str) -> Decided:
+        """An incremental save: which of this rank's chunks its base's holders have (docs/format.md 13.3)."""
+        items = self.local_shard().items
+        self.view = read_base(base, self.target, self.rank, items)
+        return decide(items, self.rank, self.target, self.view, self.options.reuse_hashes)
+
+    def kept_segments(self, decided: Decided) -> list[Segment]:
+        """The data object of an incremental save: the chunks no holder has, at their kept offsets; each also
+        remembered at its offset of section 2.3, where a load of what was saved looks for it."""
+        segments = []
+        name = fmt.rank_data_name(self.rank)
+        for key, data, full, kept in zip(decided.keys, decided.datas, decided.full.tolist(), decided.kept.tolist()):
+            if data.size and not decided.holders[key]:
+                segments.append(Segment(int(kept), memoryview(data.data).cast("B")))
+                self.uploaded[(name, int(full))] = segments[-1].data
+        written = sum(len(s.data) for s in segments)
+        logger.debug("rank %d: uploads %d bytes, references the rest of %s", self.rank, written, self.options.base)
+        return segments
+
+    def incremental_fragment(self, decided: Decided) -> Fragment:
+        """This rank's vote with each leaf's holder and identity (a leaf it stores no bytes of: 0 and 0)."""
+        items = self.local_shard().items
+        return dataclasses.replace(
+            self.fragment(decided.stored),
+            holders=np.asarray([decided.holders.get(i.key, 0) for i in items], dtype="<i8").tobytes(),
+            ids=identity_columns([decided.ids.get(i.key, 0) for i in items]),
+            base=None if self.view is None else self.view.table,
+        )
 
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
         """(rank 0) Upload the index into the generation; keep the manifest for ``publish``."""
+        for table in {f.base for f in fragments if f.base is not None}:
+            check_holders(self.target, table)  # an incremental save: its holders are still what it read
         key = self.url.child(f"{staging.path}/{fmt.INDEX_NAME}")
         try:
             s3_client().put_object(Bucket=self.url.bucket, Key=key, Body=manifest.index)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ... import format as fmt
 from ...errors import CorruptCheckpointError
 from ...manifest.locate import ChunkRange, Location
 from ..zipcodec import ALIGN, LOCAL_FMT, LOCAL_SIZE, check_compressed_entry, inflate_into
@@ -36,12 +37,14 @@ EXTRA_SLACK = 256
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Bytes ``[start, stop)`` of one object, and the object's size (None: not known in advance)."""
+    """Bytes ``[start, stop)`` of one object, and the object's size (None: not known in advance); of a
+    directory's data object, ``rank`` names it (its bytes at the offsets of docs/format.md section 2.3)."""
 
     key: str
     start: int
     stop: int
     size: int | None
+    rank: int = -1
 
 
 class S3Files:
@@ -104,7 +107,7 @@ class S3Files:
             for loc, rs in parts.items():
                 s = data_spans[loc] if self.pin.archive else self._dir_span(loc)
                 for lo, hi in _merged(rs):
-                    sub[Span(s.key, s.start + lo, s.start + hi, s.size)] = (loc, lo)
+                    sub[Span(s.key, s.start + lo, s.start + hi, s.size, s.rank)] = (loc, lo)
             got = self._fetch(spans + list(sub), pool)
         for (loc, lo), data in zip(sub.values(), got[len(spans) :]):
             buf = self._partial.get(loc)
@@ -154,7 +157,9 @@ class S3Files:
         return self._archive_span(loc) if self.pin.archive else self._dir_span(loc)
 
     def _dir_span(self, loc: Location) -> Span:
-        return Span(self.pin.data_key(loc.relpath), loc.offset, loc.offset + loc.nbytes, loc.file_size)
+        rank = fmt.data_file_rank(loc.relpath) if self.pin.cuts is not None else None
+        key = self.pin.data_key(loc.relpath)
+        return Span(key, loc.offset, loc.offset + loc.nbytes, loc.file_size, -1 if rank is None else rank)
 
     def _archive_span(self, loc: Location) -> Span:
         zi = self._info(loc)
@@ -172,6 +177,9 @@ class S3Files:
 
         def get(piece: tuple[Span, int, int]) -> None:
             s, lo, hi = piece
+            if s.rank >= 0:
+                self._get_kept(s, lo, hi, outs[s])
+                return
             data, total = self.pin.get(s.key, lo, hi)
             if s.size is not None and total != s.size:
                 raise CorruptCheckpointError(
@@ -187,6 +195,23 @@ class S3Files:
                 get(p)
         self._got.update(outs)
         return [self._got[s] for s in spans]
+
+    def _get_kept(self, s: Span, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Bytes ``[lo, hi)`` of a data file of a checkpoint with references (docs/format.md 13.3) into ``out``
+        (which holds ``s``): the ranges its object keeps, fetched; those of referenced chunks, zeros."""
+        cuts = self.pin.cuts
+        assert cuts is not None
+        view = out.numpy()[lo - s.start : hi - s.start]
+        view[:] = 0
+        expected = cuts.sizes.get(s.rank, 0)
+        for start, stop, at in cuts.pieces(s.rank, lo, hi):
+            data, total = self.pin.get(s.key, start, stop)
+            if total != expected:
+                raise CorruptCheckpointError(
+                    f"object s3://{self.pin.url.bucket}/{s.key} has {total} bytes, the manifest says {expected} (the "
+                    f"chunks it holds itself); the checkpoint is damaged or truncated"
+                )
+            view[at : at + stop - start] = np.frombuffer(data, dtype=np.uint8)
 
     def _info(self, loc: Location) -> zipfile.ZipInfo:
         zi = self.pin.entries.get(loc.relpath)

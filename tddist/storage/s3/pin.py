@@ -20,8 +20,9 @@ from typing import Any
 
 from ... import format as fmt
 from ...errors import CheckpointChangedError, CheckpointNotFoundError, CorruptCheckpointError, ManifestError
+from ...manifest.locate import CutFiles
 from ...manifest.parse import check_manifest_size, paused_gc
-from ..opened import ManifestBytes
+from ..opened import ManifestBytes, OpenedCheckpoint
 from ..pinned import read_stored_entry
 from .client import bucket_missing, client_errors, error_code, is_missing, no_bucket, s3_client, s3_failed
 from .url import S3Url, parse
@@ -55,6 +56,9 @@ class S3Pin:
     #: bytes this process uploaded to this generation, by (file or entry name, offset): a save reads its own
     #: shard back from them instead of downloading what it just uploaded
     local: dict[tuple[str, int], memoryview] = field(default_factory=dict)
+    #: a directory checkpoint with references: where its data objects keep the chunks it holds itself
+    #: (docs/format.md 13.3); None: each data object is the data file of section 2.3
+    cuts: CutFiles | None = None
 
     @property
     def path(self) -> str:
@@ -299,3 +303,12 @@ class _ArchiveIndex:
         if self.entry is None:
             return None
         return read_stored_entry(self.pin.read_at, self.entry, size, f"archive {self.pin.url.url!r}")
+
+
+def place_kept(opened: OpenedCheckpoint) -> OpenedCheckpoint:
+    """``opened``, whose pin knows where its data objects keep its chunks when it references others' (a packed
+    directory with ``holders``, docs/format.md 13.3: only the chunks it holds itself are in its objects)."""
+    m, pin = opened.manifest, opened.pin
+    if isinstance(pin, S3Pin) and not pin.archive and m.holders is not None and m.packing == "packed":
+        pin.cuts = CutFiles.of(m)
+    return opened
