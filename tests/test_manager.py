@@ -624,6 +624,10 @@ def test_s3_root_lease_refuses_a_second_live_job_and_is_taken_over_after_a_crash
 
         messages = second_manager_refusals(root)
         assert messages[0] and messages[0] == messages[1] and f"pid {holder.pid}" in messages[0], messages
+        from tddist.jobs.cleanup import gc  # no pins on object storage: the clean-up waits for no live job
+
+        with pytest.raises(tddist.RootLockedError, match=f"pid {holder.pid}"):
+            gc(root, keep_last=1)
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=60)

@@ -24,6 +24,7 @@ from ..errors import CheckpointNotFoundError, CheckpointPinnedError, TddistError
 from ..storage.backends import read_manifest, root_for, store_for
 from ..storage.recovery import is_committed, is_tddist_dir, recover
 from ..storage.roots import Root
+from . import root_lock
 from .inventory import BACKUP, STAGING, TRASH, disk_usage
 from .retention import committed_steps, delete_checkpoint, parse_step, referenced, step_entries
 
@@ -183,11 +184,21 @@ def gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Action]:
     See ``plan_gc`` for the rules. Leftovers are handled by ``tddist.recover``
     on each step name, torn directories and retired checkpoints are deleted
     with ``retention.delete_checkpoint`` (renamed away first, then removed).
-    Run it only when no job is saving to ``root``.
+    Run it only when no job is saving to ``root``. On object storage it takes the root's lock
+    (``root_lock``) for its duration, so it is refused while a ``CheckpointManager`` of another process holds it.
+
+    Raises:
+        RootLockedError: (object storage) a live job holds the root's lock.
     """
     where = root_for(os.fspath(root))
     if not where.local:
-        return _gc_objects(where, plan_gc(where.target, keep_last))
+        # Object storage has no pins: the root's lease keeps a job's saves (and the bases they reference)
+        # and this clean-up apart; a live job's lease refuses it (RootLockedError).
+        root_lock.acquire(where.target)
+        try:
+            return _gc_objects(where, plan_gc(where.target, keep_last))
+        finally:
+            root_lock.release(where.target)
     root = os.path.abspath(os.fspath(root))
     actions = plan_gc(root, keep_last)
     recovered = set()
