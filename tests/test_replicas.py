@@ -168,7 +168,7 @@ def test_a_copy_received_into_memory_loads_like_its_files_and_a_flipped_bit_neve
 
 
 def test_leaves_received_straight_into_the_state_are_checked_loaded_and_kept_only_while_unchanged(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     part = tmp_path / "part"
     saved = local_state(0, 1, 3)
@@ -177,6 +177,9 @@ def test_leaves_received_straight_into_the_state_are_checked_loaded_and_kept_onl
     shipment = transfer.Shipment(0, 1, PartId(3, 0, 1), files, direct.leaf_spans(str(part)))
     state = saved.apply(torch.zeros_like)
     state["frozen"] = torch.zeros(128)[::2]  # not contiguous: loaded from the bytes received apart
+    assert direct.places(shipment, direct.targets(state, {})) == {}  # leaves under MIN_BYTES: received apart
+    monkeypatch.setattr(direct, "MIN_BYTES", 1)
+    assert direct.targets(state, {"keys": ["rows"]}) == {}  # a load with options is left to the load
     placed = direct.places(shipment, direct.targets(state, {}))
     assert {s.key for s in shipment.spans} == {("rows", "w"), ("frozen",), ("count",)}  # each stored whole
     data = tddist.format.rank_data_name(0)

@@ -38,6 +38,11 @@ from .copies import FileSum, LeafSpan, Shipment
 from .state import holds_objects
 from .train_state import model_pair, state_of
 
+#: The smallest leaf received straight into the state (1 MiB). A smaller one costs little to copy, and it is
+#: what a loop changes first (a step counter): kept apart, the part's own copy written after the restore
+#: (``keeping``) still matches while the first training step runs.
+MIN_BYTES = 1 << 20
+
 
 def leaf_spans(path: str) -> tuple[LeafSpan, ...]:
     """The leaves of the committed copy at ``path`` stored whole in one chunk of a packed data file (its
@@ -110,11 +115,12 @@ def targets(state: Any, load_kwargs: Mapping[str, Any]) -> dict[Key, torch.Tenso
 
 
 def places(shipment: Shipment, into: Mapping[Key, torch.Tensor]) -> dict[str, Regions]:
-    """Where the leaves of ``shipment`` that ``into`` holds with their dtype and shape are received, by file."""
+    """Where the leaves of ``shipment`` that ``into`` holds with their dtype and shape are received, by file
+    (those of at least ``MIN_BYTES``)."""
     out: dict[str, list[tuple[int, torch.Tensor]]] = {}
     for s in shipment.spans:
         t = into.get(s.key)
-        if t is None or tuple(t.shape) != s.shape or fmt.dtype_name(t.dtype) != s.dtype:
+        if t is None or s.nbytes < MIN_BYTES or tuple(t.shape) != s.shape or fmt.dtype_name(t.dtype) != s.dtype:
             continue
         if t.numel() * t.element_size() == s.nbytes:
             out.setdefault(s.name, []).append((s.offset, t.detach().reshape(-1).view(torch.uint8)))
