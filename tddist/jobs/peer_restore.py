@@ -10,7 +10,8 @@ leaf (and one part for the replicated leaves), and the parts whose DTensor
 shards intersect its own (``box_reshard``: their boxes are recorded in each
 part's metadata, the ranks' own boxes are pooled with one allgather). A part held by another rank
 is sent over the manager's communicator (``transfer.ship_to_memory``) as the
-sender's record describes it, received into memory and hashed as it arrives,
+sender's record describes it, received into memory (a rank's own part's
+large leaves straight into the state, ``direct``) and hashed as it arrives,
 while each rank checks the copies it reads on its own node against their
 records; a copy whose bytes do not match its record is reported, and the
 ranks choose again without it. A received part is loaded from memory, then
@@ -391,7 +392,7 @@ def _attempt_restore(
     laid = {k: v for _f, sp, _found in announced for k, v in sp.items()}
     shipments = [transfer.Shipment(c.holder, r, c.part, _small_first(sums[(c.part, c.holder)]), laid[(c.part, c.holder)])
                  for (r, _k), c in sorted(routes.items()) if c.holder != r]  # fmt: skip
-    placed = _placed(comm, choice, shipments, state, load_kwargs)
+    placed = _placed(comm, choice, [s for s in shipments if routes[(s.dst, s.part.rank)].recorded], state, load_kwargs)
     arriving = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes(), placed)
     found = [(c, why) for c in reading if (why := _check(c))]  # while the transfer runs
     fetch = _sources(comm, choice, routes, shipments, arriving)
@@ -412,7 +413,11 @@ def _attempt_restore(
 def _placed(
     comm: Communicator, choice: Choice, shipments: list[transfer.Shipment], state: Any, load_kwargs: dict[str, Any]
 ) -> dict[transfer.Shipment, dict[str, Regions]]:
-    """Where this rank receives the leaves of its own part straight into ``state`` (same world size; ``direct``)."""
+    """Where this rank receives the leaves of its own part straight into ``state`` (same world size; ``direct``).
+
+    ``shipments``: those of copies with a record. A copy without one is loaded with ``verify=True``
+    (its manifest's chunk checksums), which a leaf received in place would skip.
+    """
     mine = [s for s in shipments if s.dst == comm.rank and s.part.rank == comm.rank and s.spans]
     if choice.world != comm.size or not mine:
         return {}

@@ -98,7 +98,9 @@ class MemorySink:
 
     A round within one file is received in place; one that straddles files
     (the rounds of ``transfer._exchange``) goes through a buffer of its own
-    and is copied into them when it arrived.
+    and is copied into them when it arrived. Bytes of ``direct`` regions (a
+    restore's leaves placed in the state, ``jobs.direct``) are received there
+    instead, and the file's buffer keeps a hole in their place.
     """
 
     def __init__(
