@@ -20,7 +20,9 @@ targets:
   the shared root's data files renamed away, so that reading any byte of
   them fails: 0 bytes come from it (target: at most 1.3x the healthy one);
   the two alternate, from the same bytes (see ``restore_times``), and the
-  background write of the received part after the restore is reported;
+  background write of the received part after the restore is reported,
+  beside the floor: a raw gloo send of as many bytes as the lost part holds
+  (``loopback_floor``), what the transport alone costs on this machine;
 - corruption: random single-bit corruptions of the replicas' files, each
   checked against its record, and a few restores after the lost node from a
   replica with one bit flipped, which must fall back to the shared root with
@@ -52,6 +54,7 @@ from benchmarks._common import MIB
 from tddist.jobs.copies import file_names, mismatch, read_record
 from tddist.jobs.manager import CheckpointManager
 from tddist.jobs.replication import REPLICAS
+from tddist.jobs.transfer import chunk_bytes
 
 WORLD = 2
 
@@ -129,6 +132,29 @@ def restore_times(rank: int, work: Path, local: Path, rounds: int) -> dict:
     return out
 
 
+def loopback_floor(local: Path, rounds: int) -> dict:
+    """The transport's own time under a lost-node restore: rank 0 sends rank 1 as many bytes as rank 1's part
+    holds, over the same gloo group, in the restore's chunks, from memory into memory already touched (no
+    file, no hash, no state): the floor under what the restore adds to a healthy one, on this machine."""
+    box: list[object] = [None]
+    if dist.get_rank() == 0:
+        newest = sorted((local / "rep-0" / REPLICAS).glob("step-*"))[-1] / "rank-1-of-2"
+        box[0] = sum(p.stat().st_size for p in newest.iterdir() if p.is_file())
+    dist.broadcast_object_list(box, src=0)
+    nbytes, chunk = int(box[0]), chunk_bytes()  # type: ignore[call-overload]
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    times = []
+    for _r in range(rounds + 1):  # the first round warms up
+        dist.barrier()
+        start = time.perf_counter()
+        pieces = [buf[a : a + chunk] for a in range(0, nbytes, chunk)]
+        works = [dist.isend(p, 1) if dist.get_rank() == 0 else dist.irecv(p, 0) for p in pieces]
+        for w in works:
+            w.wait()
+        times.append(max(dist_all(time.perf_counter() - start)))
+    return {"bytes": nbytes, "times": times[1:]}
+
+
 def dist_all(value: float) -> list[float]:
     box: list[object] = [None] * WORLD
     dist.all_gather_object(box, value)
@@ -198,13 +224,14 @@ def worker(rank: int, args: argparse.Namespace, work: Path, local: Path) -> None
             p.rename(p.with_name(p.name + ".hidden"))
     dist.barrier()
     restores = restore_times(rank, work, local, args.rounds)
+    floor = loopback_floor(local, args.rounds)
     for p in (work / "rep").rglob("*.data.hidden"):  # the shared root is whole again: the restores fall back to it
         if rank == 0:
             p.rename(p.with_name(p.name.removesuffix(".hidden")))
     dist.barrier()
     network = corrupted_restores(rank, work, local, args.corrupted_restores)
     if rank == 0:
-        record = {"kind": "replicas", "mib": args.mib, "rounds": args.rounds, **saves, **restores}
+        record = {"kind": "replicas", "mib": args.mib, "rounds": args.rounds, **saves, **restores, "floor": floor}
         record["corruption"] = {**corruptions(local, args.corruptions), "restores": network}
         (work / "result.json").write_text(json.dumps(record))
     dist.barrier()
@@ -217,6 +244,8 @@ def report(record: dict) -> list[tuple[str, bool, str]]:
     rep_med = statistics.median(record["replication"]) if record["replication"] else float("nan")
     healthy, lost = statistics.median(record["healthy"]), statistics.median(record["lost"])
     kept = statistics.median(record["kept"]) if record.get("kept") else float("nan")
+    floor = record.get("floor", {"bytes": 0, "times": [float("nan")]})
+    raw = statistics.median(floor["times"])
     c = record["corruption"]
     r = c.get("restores", {"injected": 0, "detected": 0})
     return [
@@ -229,7 +258,8 @@ def report(record: dict) -> list[tuple[str, bool, str]]:
          lost <= 1.3 * healthy and "shared" not in record["tiers"] and len(set(record["steps"])) == 1,
          f"{lost / healthy:.2f}x ({lost * 1e3:.1f} ms vs {healthy * 1e3:.1f} ms; tiers {sorted(set(record['tiers']))}"
          f", step {sorted(set(record['steps']))}; close() then waited {kept * 1e3:.1f} ms for the received part's "
-         f"write)"),
+         f"write; the floor, a raw gloo send of the same {floor['bytes'] / MIB:.0f} MiB: {raw * 1e3:.1f} ms, "
+         f"{(healthy + raw) / healthy:.2f}x if added to the healthy one)"),
         ("replica checksums: 100% of injected corruptions detected",
          c["detected"] == c["injected"] and r["detected"] == r["injected"],
          f"{c['detected']}/{c['injected']} by the record check, {r['detected']}/{r['injected']} in restores over "

@@ -30,8 +30,9 @@ from tensordict import TensorDict
 import tddist
 from tddist.api import load_from
 from tddist.comm.base import LocalComm
-from tddist.jobs import box_reshard, local_shards, peer_restore, transfer
-from tddist.jobs.copies import PartId, digest_files, read_record
+from tddist.jobs import box_reshard, direct, local_shards, peer_restore, receiving, transfer
+from tddist.jobs.copies import CopyRecord, PartId, digest_files, read_record
+from tddist.jobs.keeping import write_in_place
 from tddist.jobs.local_tier import LocalTier
 from tddist.jobs.manager import CheckpointManager
 from tddist.jobs.nodes import node_name, replica_peers
@@ -164,6 +165,64 @@ def test_a_copy_received_into_memory_loads_like_its_files_and_a_flipped_bit_neve
         flip_byte(part / f.name, at=len(original) - 1)
         assert tddist.run_threads(2, send)[1] == ((shipment,), {}), f.name
         (part / f.name).write_bytes(original)
+
+
+def test_leaves_received_straight_into_the_state_are_checked_loaded_and_kept_only_while_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    part = tmp_path / "part"
+    saved = local_state(0, 1, 3)
+    tddist.save(saved, str(part))
+    files = peer_restore._small_first(digest_files(str(part)))
+    shipment = transfer.Shipment(0, 1, PartId(3, 0, 1), files, direct.leaf_spans(str(part)))
+    state = saved.apply(torch.zeros_like)
+    state["frozen"] = torch.zeros(128)[::2]  # not contiguous: loaded from the bytes received apart
+    assert direct.places(shipment, direct.targets(state, {})) == {}  # leaves under MIN_BYTES: received apart
+    monkeypatch.setattr(direct, "MIN_BYTES", 1)
+    assert direct.targets(state, {"keys": ["rows"]}) == {}  # a load with options is left to the load
+    placed = direct.places(shipment, direct.targets(state, {}))
+    assert {s.key for s in shipment.spans} == {("rows", "w"), ("frozen",), ("count",)}  # each stored whole
+    data = tddist.format.rank_data_name(0)
+
+    def receive(flip: int | None = None) -> tuple[receiving.MemorySink, list[transfer.Shipment]]:
+        """Every piece as ``Streaming`` posts it (100-byte chunks), ``flip``: one bit of the data file changed."""
+        sink = receiving.MemorySink([shipment], {shipment: placed})
+        for f in files:
+            raw = bytearray((part / f.name).read_bytes())
+            if flip is not None and f.name == data:
+                raw[flip] ^= 1
+            for a, b in direct.cuts(f, shipment.spans, 100):
+                sink.buffer(b - a).copy_(torch.frombuffer(raw[a:b], dtype=torch.uint8))
+                sink.arrived(b - a)
+        return sink, sink.finish()
+
+    sink, bad = receive()
+    assert bad == []
+    assert torch.equal(state["rows", "w"], saved["rows", "w"]) and torch.equal(state["count"], saved["count"])
+    assert not state["frozen"].any()  # the others wait for the load
+    state.apply_(torch.zeros_like)
+    sink, bad = receive(flip=(part / data).stat().st_size // 2)
+    assert bad == [shipment]  # a bit flipped in bytes received in the state is found as any other
+    sink, bad = receive()
+    store = MemoryStore("a peer", sink.files[shipment], direct=placed)
+    keys = direct.received_keys(store.open().manifest, shipment.spans, placed)
+    assert sorted(keys) == [("count",), ("rows", "w")]
+    report = load_from(store, shard=None, into=state, exclude=keys)  # as peer_restore loads a part received so
+    assert report.loaded == [("frozen",)] and report.skipped.keys() == set(keys)
+    assert_td_equal(state, saved)
+    with pytest.raises(tddist.CorruptCheckpointError, match="does not place there"):  # an announced layout that lies
+        direct.received_keys(store.open().manifest, shipment.spans[::-1][:1] * 2, {data: placed[data][:1]})
+
+    tier = LocalTier(str(tmp_path / "local"), 0, 1)  # the own copy is written from the state, and hashed again
+    record = CopyRecord(shipment.part, tuple(sorted(files, key=lambda f: f.name)), 0, "node-a")
+    kept = write_in_place(tier, record, sink.files[shipment], str(tmp_path / "local" / ".in" / "3" / "x"), placed)
+    assert kept == tier.part(3) and digest_files(kept) == record.files
+    train(state)  # the state changed before its copy was written: nothing is kept
+    shutil.rmtree(kept)
+    assert (
+        write_in_place(tier, record, sink.files[shipment], str(tmp_path / "local" / ".in" / "3" / "x"), placed) is None
+    )
+    assert not os.path.exists(tier.part(3)) and not (tmp_path / "local" / ".in").exists()
 
 
 def test_restore_from_peers_after_a_lost_node_same_and_fewer_ranks_and_bad_copies(

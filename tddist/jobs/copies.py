@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 
 from .._fs import fsync_path, write_durable
 from ..checksum import Hasher
+from ..core.types import Key
 
 #: What a copy's record is named after: ``<part>`` + this.
 RECORD_SUFFIX = ".copy.json"
@@ -49,13 +50,36 @@ class FileSum:
 
 
 @dataclass(frozen=True)
+class LeafSpan:
+    """A leaf stored whole as one chunk of a part: where its bytes lie, as the sender's manifest says.
+
+    Attributes:
+        name: the file (the part's data file).
+        offset: where its bytes begin in the file.
+        nbytes: how many.
+        key: the leaf's key.
+        dtype: its dtype's manifest name.
+        shape: its shape.
+    """
+
+    name: str
+    offset: int
+    nbytes: int
+    key: Key
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Shipment:
-    """One copy of a part sent from ``src`` to ``dst``: its files with their sizes and checksums."""
+    """One copy of a part sent from ``src`` to ``dst``: its files with their sizes and checksums, and (a
+    restore's) where its whole leaves lie in them (``direct``: the bounds its messages are cut at)."""
 
     src: int
     dst: int
     part: PartId
     files: tuple[FileSum, ...]
+    spans: tuple[LeafSpan, ...] = ()
 
     @property
     def size(self) -> int:

@@ -10,7 +10,8 @@ leaf (and one part for the replicated leaves), and the parts whose DTensor
 shards intersect its own (``box_reshard``: their boxes are recorded in each
 part's metadata, the ranks' own boxes are pooled with one allgather). A part held by another rank
 is sent over the manager's communicator (``transfer.ship_to_memory``) as the
-sender's record describes it, received into memory and hashed as it arrives,
+sender's record describes it, received into memory (a rank's own part's
+large leaves straight into the state, ``direct``) and hashed as it arrives,
 while each rank checks the copies it reads on its own node against their
 records; a copy whose bytes do not match its record is reported, and the
 ranks choose again without it. A received part is loaded from memory, then
@@ -40,9 +41,9 @@ from ..core.types import Key
 from ..errors import CorruptCheckpointError, IncompatibleCheckpointError, TddistError
 from ..loading.share import LoadReport
 from ..storage.backends import read_manifest
-from ..storage.memory import MemoryStore
-from . import box_reshard, local_shards, transfer
-from .copies import CopyRecord, FileSum, PartId, digest_files, mismatch, read_record
+from ..storage.memory import MemoryStore, Regions
+from . import box_reshard, direct, local_shards, transfer
+from .copies import CopyRecord, FileSum, LeafSpan, PartId, digest_files, mismatch, read_record
 from .keeping import Keeping
 from .local_tier import LocalTier
 from .replication import held_replicas, replica_path
@@ -260,6 +261,8 @@ class Arrived:
     files: Mapping[str, torch.Tensor]
     sums: tuple[FileSum, ...]
     ready: Callable[[str, int], None]  # waits for the first bytes of a file (``MemoryStore.ready``)
+    direct: Mapping[str, Regions] = field(default_factory=dict)  # bytes received in the state (``direct``)
+    spans: tuple[LeafSpan, ...] = ()  # where the sender announced its whole leaves
 
 
 def restore_from_copies(
@@ -379,28 +382,47 @@ def _attempt_restore(
     sending = sorted({c for (reader, _k), c in routes.items() if c.holder == me and reader != me}, key=_order)
     reading = sorted({c for (r, _k), c in routes.items() if c.holder == me and r == me}, key=_order)
     files: dict[tuple[PartId, int], tuple[FileSum, ...]] = {}
+    spans = {(c.part, c.holder): direct.leaf_spans(c.path) for c in sending}
     found = [(c, why) for c in sending if (why := _announce(c, files))]
-    announced = comm.allgather((files, found))
-    bad = _bad(announced, comm.rank)
+    announced = comm.allgather((files, spans, found))
+    bad = _bad([(f, fs) for f, _spans, fs in announced], comm.rank)
     if bad:
         return Retry(bad, touched=False)
-    sums = {k: v for f, _found in announced for k, v in f.items()}
-    shipments = [transfer.Shipment(c.holder, r, c.part, _small_first(sums[(c.part, c.holder)]))
+    sums = {k: v for f, _spans, _found in announced for k, v in f.items()}
+    laid = {k: v for _f, sp, _found in announced for k, v in sp.items()}
+    shipments = [transfer.Shipment(c.holder, r, c.part, _small_first(sums[(c.part, c.holder)]), laid[(c.part, c.holder)])
                  for (r, _k), c in sorted(routes.items()) if c.holder != r]  # fmt: skip
-    arriving = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes())
+    placed = _placed(comm, choice, [s for s in shipments if routes[(s.dst, s.part.rank)].recorded], state, load_kwargs)
+    arriving = transfer.ship_to_memory(comm, shipments, lambda s: _source(routes, s), transfer.chunk_bytes(), placed)
     found = [(c, why) for c in reading if (why := _check(c))]  # while the transfer runs
     fetch = _sources(comm, choice, routes, shipments, arriving)
     outcome = contribute(lambda: _fill(comm, state, fetch, load_kwargs)) if not found else None
     found += [(routes[(me, s.part.rank)], "it arrived with other checksums than its record's") for s in arriving.wait()]
-    agreed = comm.allgather((found, outcome is not None, outcome.failure if outcome is not None else None))
-    bad = _bad([({}, f) for f, _filled, _failure in agreed], comm.rank)
+    touched = outcome is not None or bool(arriving.direct)  # bytes received in the state changed it
+    agreed = comm.allgather((found, touched, outcome.failure if outcome is not None else None))
+    bad = _bad([({}, f) for f, _touched, _failure in agreed], comm.rank)
     if bad:
-        return Retry(bad, touched=any(filled for _f, filled, _failure in agreed))
-    failures = {r: f for r, (_found, _filled, f) in enumerate(agreed) if f is not None}
+        return Retry(bad, touched=any(t for _f, t, _failure in agreed))
+    failures = {r: f for r, (_found, _touched, f) in enumerate(agreed) if f is not None}
     if failures:
         raise collective_error(f"restoring step {choice.step} from the node-local copies", failures)
     assert outcome is not None and outcome.value is not None  # no rank found a bad copy, none failed
     return _restored(comm, tier, fetch, *outcome.value)
+
+
+def _placed(
+    comm: Communicator, choice: Choice, shipments: list[transfer.Shipment], state: Any, load_kwargs: dict[str, Any]
+) -> dict[transfer.Shipment, dict[str, Regions]]:
+    """Where this rank receives the leaves of its own part straight into ``state`` (same world size; ``direct``).
+
+    ``shipments``: those of copies with a record. A copy without one is loaded with ``verify=True``
+    (its manifest's chunk checksums), which a leaf received in place would skip.
+    """
+    mine = [s for s in shipments if s.dst == comm.rank and s.part.rank == comm.rank and s.spans]
+    if choice.world != comm.size or not mine:
+        return {}
+    into = direct.targets(state, load_kwargs)
+    return {s: regions for s in mine if (regions := direct.places(s, into))}
 
 
 def _small_first(files: tuple[FileSum, ...]) -> tuple[FileSum, ...]:
@@ -423,7 +445,8 @@ def _sources(
     for s in shipments:
         if s.dst == me:
             ready = partial(arriving.until, s)
-            received[s.part.rank] = Arrived(mine[s.part.rank], arriving.files[s], s.files, ready)
+            placed = arriving.direct.get(s, {})
+            received[s.part.rank] = Arrived(mine[s.part.rank], arriving.files[s], s.files, ready, placed, s.spans)
     paths = {k: c.path for k, c in mine.items() if c.holder == me}
     unrecorded = frozenset(k for k, c in mine.items() if not c.recorded)
     return Fetch(choice, paths, received, bool(shipments), unrecorded)
@@ -508,7 +531,8 @@ def _restored(
     if same and me in fetch.received:
         got = fetch.received[me]
         sums = tuple(sorted(got.sums, key=lambda f: f.name))  # a record lists its files by name
-        keeping = Keeping(tier, CopyRecord(got.copy.part, sums, got.copy.holder, got.copy.node), got.files)
+        record = CopyRecord(got.copy.part, sums, got.copy.holder, got.copy.node)
+        keeping = Keeping(tier, record, got.files, got.direct)
     path = tier.part(choice.step) if same else _where(fetch, min([*fetch.paths, *fetch.received]))
     tier_name = "peers" if fetch.shipped else "local"
     return PeerRestore(choice.step, path, report, layouts, tier_name, same, keeping)
@@ -519,7 +543,16 @@ def _read(fetch: Fetch, k: int, **kwargs: Any) -> TensorDict | LoadReport:
     got = fetch.received.get(k)
     if got is None:
         return load(fetch.paths[k], comm=LocalComm(), **kwargs)
-    return load_from(MemoryStore(_where(fetch, k), got.files, got.ready), comm=LocalComm(), **kwargs)
+    store = MemoryStore(_where(fetch, k), got.files, got.ready, got.direct)
+    if not got.direct:
+        return load_from(store, comm=LocalComm(), **kwargs)
+    placed = direct.received_keys(store.open().manifest, got.spans, got.direct)  # already in the state
+    report = load_from(store, comm=LocalComm(), exclude=placed, **kwargs)
+    assert isinstance(report, LoadReport)  # only the own part, loaded into the state, is received in it
+    for key in placed:
+        report.skipped.pop(key, None)
+        report.loaded.append(key)
+    return report
 
 
 def _where(fetch: Fetch, k: int) -> str:

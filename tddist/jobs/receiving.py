@@ -21,16 +21,19 @@ import bisect
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
 
 from .._fs import advise_huge_pages, fsync_path, makedirs_durable
 from ..checksum import Hasher
+from ..storage.memory import Regions, region_of
 from .copies import FileSum, Shipment
 
 logger = logging.getLogger(__name__)
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 class Sink(Protocol):
@@ -95,33 +98,45 @@ class MemorySink:
 
     A round within one file is received in place; one that straddles files
     (the rounds of ``transfer._exchange``) goes through a buffer of its own
-    and is copied into them when it arrived.
+    and is copied into them when it arrived. Bytes of ``direct`` regions (a
+    restore's leaves placed in the state, ``jobs.direct``) are received there
+    instead, and the file's buffer keeps a hole in their place.
     """
 
-    def __init__(self, shipments: list[Shipment]) -> None:
+    def __init__(
+        self, shipments: list[Shipment], direct: Mapping[Shipment, Mapping[str, Regions]] | None = None
+    ) -> None:
         self._files = _Files([(s, f) for s in shipments for f in s.files])
         self.files: dict[Shipment, dict[str, torch.Tensor]] = {s: {} for s in shipments}
+        self.direct = {s: dict(direct.get(s, {})) for s in shipments} if direct else {}  # received in the state
         self.offsets: dict[tuple[Shipment, str], int] = {}  # where each file begins in what this peer sends
-        self._spans: list[tuple[int, torch.Tensor]] = []  # (where it begins, its buffer), in order
+        self._spans: list[tuple[int, torch.Tensor, Regions]] = []  # (where it begins, its buffer, its regions)
         at = 0
         for s in shipments:
             for f in s.files:
                 self.files[s][f.name] = buf = torch.empty(f.size, dtype=torch.uint8)
-                advise_huge_pages(buf.data_ptr(), f.size)  # written once, at once: fewer page faults
+                regions = self.direct.get(s, {}).get(f.name, ())
+                if not regions:  # a file received in the state is mostly never touched here
+                    advise_huge_pages(buf.data_ptr(), f.size)  # written once, at once: fewer page faults
                 self.offsets[(s, f.name)] = at
-                self._spans.append((at, buf))
+                self._spans.append((at, buf, regions))
                 at += f.size
-        self._begins = [begin for begin, _buf in self._spans]
+        self._begins = [begin for begin, _buf, _regions in self._spans]
         self._handed = 0  # bytes handed out as buffers
         self._queue: deque[tuple[torch.Tensor, bool]] = deque()  # (buffer, whether it is a file's own bytes)
 
     def buffer(self, n: int) -> torch.Tensor:
+        """Where the next ``n`` bytes land: the state's tensor (``direct``) or the file's buffer they belong to,
+        when they lie in one, else a buffer of their own (copied into the files when they arrived)."""
         at, self._handed = self._handed, self._handed + n
         i = bisect.bisect_right(self._begins, at) - 1
         while 0 <= i < len(self._spans) and self._spans[i][1].numel() == 0:
             i += 1  # empty files begin where the next one does
-        begin, buf = self._spans[i] if 0 <= i < len(self._spans) else (at, torch.empty(0, dtype=torch.uint8))
-        if n and at + n <= begin + buf.numel():
+        begin, buf, regions = self._spans[i] if 0 <= i < len(self._spans) else (at, _EMPTY, ())
+        placed = region_of(regions, at - begin, at - begin + n) if n and regions else None
+        if placed is not None:
+            out, in_place = placed, True
+        elif n and at + n <= begin + buf.numel():
             out, in_place = buf[at - begin : at - begin + n], True
         else:
             out, in_place = torch.empty(n, dtype=torch.uint8), False
@@ -133,7 +148,7 @@ class MemorySink:
         files = self._files
 
         def copy(index: int, piece: memoryview) -> None:
-            if not in_place:
+            if not in_place:  # a round across files (replication's): never one received in the state
                 self._spans[index][1][files.written : files.written + len(piece)].numpy()[:] = piece
 
         files.take(buf[:n].numpy().data, copy)

@@ -10,8 +10,10 @@ the receiver's are the places in its ``receiving.MemorySink`` where the
 bytes belong. The transfer then runs in gloo's threads while this rank does
 other work (a sender checks and loads its own copy); ``Streaming.wait``
 hashes each chunk as it arrives and returns what came. Both sides cut the
-same chunks from the shipments they all know (each file in pieces of at most
-``chunk`` bytes, empty files none), and gloo delivers the messages between
+same chunks from the shipments they all know (each file cut at its whole
+leaves' bounds, then in pieces of at most ``chunk`` bytes, empty files none:
+``direct.cuts``; the pieces of a leaf the receiver's state holds are received
+straight into it, ``direct``), and gloo delivers the messages between
 two ranks in the order they were posted.
 
 A file a sender cannot map whole (unreadable, gone, of another size than
@@ -25,7 +27,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -33,7 +35,9 @@ import torch.distributed as dist
 from .._faults import fault_point
 from ..errors import CommError
 from ..storage.base import map_copy_on_write
+from ..storage.memory import Regions
 from .copies import FileSum, Shipment
+from .direct import cuts
 from .receiving import MemorySink
 
 logger = logging.getLogger(__name__)
@@ -47,8 +51,14 @@ class Arriving:
     is not gloo): every byte is there.
     """
 
-    def __init__(self, files: dict[Shipment, dict[str, torch.Tensor]], bad: tuple[Shipment, ...] = ()) -> None:
+    def __init__(
+        self,
+        files: dict[Shipment, dict[str, torch.Tensor]],
+        bad: tuple[Shipment, ...] = (),
+        direct: Mapping[Shipment, Mapping[str, Regions]] | None = None,
+    ) -> None:
         self.files = files
+        self.direct = dict(direct or {})  # the bytes of each shipment's files received in the state (``direct``)
         self._bad = bad
 
     def until(self, shipment: Shipment, name: str, end: int) -> None:
@@ -60,23 +70,24 @@ class Arriving:
         return self._bad
 
 
-def pieces(size: int, chunk: int) -> list[tuple[int, int]]:
-    """The ``(start, stop)`` byte ranges a file of ``size`` bytes is sent in."""
-    return [(a, min(a + chunk, size)) for a in range(0, size, chunk)]
-
-
 class Streaming(Arriving):
     """One restore's transfer in flight over a gloo group (see the module docstring)."""
 
     def __init__(
-        self, comm: object, shipments: Sequence[Shipment], source: Callable[[Shipment], str], chunk: int
+        self,
+        comm: object,
+        shipments: Sequence[Shipment],
+        source: Callable[[Shipment], str],
+        chunk: int,
+        direct: Mapping[Shipment, Mapping[str, Regions]] | None = None,
     ) -> None:
         self._group, self.rank = comm.group, comm.rank  # type: ignore[attr-defined]
         me = self.rank
         self._sinks = {
-            s: MemorySink([x for x in shipments if x.dst == me and x.src == s]) for s in _srcs(shipments, me)
+            s: MemorySink([x for x in shipments if x.dst == me and x.src == s], direct) for s in _srcs(shipments, me)
         }
-        super().__init__({s: f for sink in self._sinks.values() for s, f in sink.files.items()})
+        files = {s: f for sink in self._sinks.values() for s, f in sink.files.items()}
+        super().__init__(files, direct={s: r for sink in self._sinks.values() for s, r in sink.direct.items() if r})
         self._sends: list[tuple[dist.Work | None, torch.Tensor]] = []
         self._recvs: dict[int, deque[tuple[dist.Work | None, int]]] = {src: deque() for src in self._sinks}
         self._done = dict.fromkeys(self._sinks, 0)  # bytes arrived from each peer
@@ -85,14 +96,14 @@ class Streaming(Arriving):
             for src, sink in self._sinks.items():
                 for s in sink.files:
                     for f in s.files:
-                        for a, b in pieces(f.size, chunk):
+                        for a, b in cuts(f, s.spans, chunk):
                             work = dist.irecv(sink.buffer(b - a), group=self._group, group_src=src)
                             self._recvs[src].append((work, b - a))
             for s in shipments:
                 if s.src == me and s.dst != me:
                     for f in s.files:
                         data = _source_bytes(os.path.join(source(s), f.name), f)
-                        for a, b in pieces(f.size, chunk):
+                        for a, b in cuts(f, s.spans, chunk):
                             view = data[a:b]
                             self._sends.append((dist.isend(view, group=self._group, group_dst=s.dst), view))
         except Exception as e:

@@ -33,6 +33,7 @@ import torch
 from .._faults import fault_point
 from ..comm.base import Communicator
 from ..errors import CommError
+from ..storage.memory import Regions
 from .copies import Shipment
 from .receiving import FileSink, MemorySink, Sink
 from .streaming import Arriving, Streaming
@@ -73,7 +74,11 @@ def ship(
 
 
 def ship_to_memory(
-    comm: Communicator, shipments: Sequence[Shipment], source: Callable[[Shipment], str], chunk: int
+    comm: Communicator,
+    shipments: Sequence[Shipment],
+    source: Callable[[Shipment], str],
+    chunk: int,
+    direct: Mapping[Shipment, Mapping[str, Regions]] | None = None,
 ) -> Arriving:
     """Start ``ship``, except that the receiving rank keeps what it receives in memory (nothing is written):
     what arrives (``streaming.Arriving``: wait for part of it, or all).
@@ -82,12 +87,13 @@ def ship_to_memory(
     (``streaming.Streaming``); over another communicator it runs in rounds
     here, and has ended when this returns. Either way each chunk is received
     in place into its files' buffers and hashed as it arrives; a shipment any
-    of whose files does not match its checksum is bad.
+    of whose files does not match its checksum is bad. Over a gloo group, the
+    leaves ``direct`` places in the state are received there (``direct``).
     """
     from ..comm.gloo import TorchComm
 
     if isinstance(comm, TorchComm):
-        return Streaming(comm, shipments, source, chunk)
+        return Streaming(comm, shipments, source, chunk, direct)
     me = comm.rank
     sinks = {s: MemorySink([x for x in shipments if x.dst == me and x.src == s]) for s in _peers(shipments, me, "src")}
     _exchange(comm, shipments, source, dict(sinks), chunk)

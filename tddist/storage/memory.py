@@ -11,8 +11,9 @@ received (``MemoryFiles``), its size checked against the manifest's.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .. import format as fmt
@@ -26,8 +27,22 @@ if TYPE_CHECKING:
     from ..manifest.locate import ChunkRange, Location
 
 
+#: Bytes of a file received in place elsewhere (``jobs.direct``: the state's tensors), by file: ``(offset in the
+#: file, those bytes)``, by offset.
+Regions = tuple[tuple[int, "torch.Tensor"], ...]
+
 #: Called before a file's bytes are read: ``ready(name, end)`` returns once its first ``end`` bytes are there.
 Ready = Callable[[str, int], None]
+
+
+def region_of(regions: Regions, start: int, stop: int) -> torch.Tensor | None:
+    """The bytes ``[start, stop)`` of a file if they lie in one of its ``regions``, else None."""
+    i = bisect.bisect_right([r[0] for r in regions], start) - 1
+    if i >= 0:
+        offset, view = regions[i]
+        if stop <= offset + view.numel():
+            return view[start - offset : stop - offset]
+    return None
 
 
 def _there(_name: str, _end: int) -> None:
@@ -41,6 +56,7 @@ class MemoryPin:
     path: str
     files: Mapping[str, torch.Tensor]
     ready: Ready
+    direct: Mapping[str, Regions]
     archive = False
 
     def close(self) -> None:
@@ -59,11 +75,13 @@ class MemoryStore:
         target: what the checkpoint is called in messages (where its bytes came from).
         files: each file's bytes (a flat uint8 tensor), by its path relative to the checkpoint.
         ready: waits for the first bytes of a file (default: every byte is there).
+        direct: bytes of the files received elsewhere (read from there; ``files`` holds the rest).
     """
 
     target: str
     files: Mapping[str, torch.Tensor]
     ready: Ready = _there
+    direct: Mapping[str, Regions] = field(default_factory=dict)
 
     def open(self) -> OpenedCheckpoint:
         """Validate the manifest held in memory (its checksum, its index); the chunks are read from memory.
@@ -80,7 +98,7 @@ class MemoryStore:
         if index is not None:
             self.ready(fmt.INDEX_NAME, index.numel())
         found = ManifestBytes(
-            MemoryPin(self.target, self.files, self.ready),
+            MemoryPin(self.target, self.files, self.ready, self.direct),
             raw.numpy().tobytes(),
             IndexBytes(index.numpy().tobytes() if index is not None else None),
             f"manifest of the copy received from {self.target}",
@@ -91,7 +109,7 @@ class MemoryStore:
     def reader(pin: Pin) -> ChunkFiles:
         """The chunks of ``pin`` (a ``MemoryPin``)."""
         assert isinstance(pin, MemoryPin)
-        return MemoryFiles(pin.path, pin.files, pin.ready)
+        return MemoryFiles(pin.path, pin.files, pin.ready, pin.direct)
 
 
 class MemoryFiles:
@@ -99,10 +117,17 @@ class MemoryFiles:
 
     fetches_ahead = False
 
-    def __init__(self, root: str, files: Mapping[str, torch.Tensor], ready: Ready = _there) -> None:
+    def __init__(
+        self,
+        root: str,
+        files: Mapping[str, torch.Tensor],
+        ready: Ready = _there,
+        direct: Mapping[str, Regions] | None = None,
+    ) -> None:
         self.root = root
         self._files = files
         self._ready = ready
+        self._direct = direct or {}
 
     def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
         """Nothing to fetch: the bytes are in memory."""
@@ -117,8 +142,11 @@ class MemoryFiles:
                 f"{location.relpath!r} of the copy received from {self.root} has {data.numel()} bytes, the manifest "
                 f"says {location.file_size}; the copy is damaged"
             )
-        self._ready(location.relpath, location.offset + location.nbytes)
-        return data[location.offset : location.offset + location.nbytes]
+        start, stop = location.offset, location.offset + location.nbytes
+        self._ready(location.relpath, stop)
+        regions = self._direct.get(location.relpath)
+        placed = region_of(regions, start, stop) if regions and stop > start else None
+        return data[start:stop] if placed is None else placed  # a span over regions: their bytes are not read
 
     def release(self, span: torch.Tensor) -> None:
         """Nothing to drop: anonymous memory."""
