@@ -28,7 +28,7 @@ from .manifest.model import Manifest
 from .saving import pipeline as saving
 from .storage import backends
 from .storage.backends import store_for
-from .storage.opened import Readable
+from .storage.memory import MemoryStore as _HeldCheckpoint
 
 
 def save(
@@ -208,7 +208,7 @@ def save(
 
 
 def load(
-    prefix: str | os.PathLike,
+    prefix: str | os.PathLike | _HeldCheckpoint,
     *,
     comm: Any = None,
     shard: Any = "even",
@@ -233,7 +233,9 @@ def load(
     Args:
         prefix: the checkpoint directory or ``.tdz`` archive, or
             ``s3://bucket/key[.tdz]`` on object storage (ranged GETs of only
-            the bytes read, in parallel).
+            the bytes read, in parallel); or a checkpoint that no prefix
+            names, held in memory (``storage.memory.MemoryStore``: the
+            node-local tier loads a copy received from a peer this way).
         comm: as in ``save``; not needed for ``shard=None``.
         shard: ``"even"``, this rank's even share of the global rows (as
             ``torch.tensor_split`` splits them); ``"saved"``, exactly the rows
@@ -280,34 +282,7 @@ def load(
         InvalidArgumentError: an invalid ``shard``, ``keys``, ``exclude``,
             ``per_rank`` or ``device`` (CUDA asked for where it is not available).
     """
-    return load_from(
-        store_for(prefix), comm=comm, shard=shard, keys=keys, into=into, exclude=exclude, per_rank=per_rank,
-        strict=strict, device=device, verify=verify, num_threads=num_threads, allow_pickle=allow_pickle,
-        timeout=timeout,
-    )  # fmt: skip
-
-
-def load_from(
-    store: Readable,
-    *,
-    comm: Any = None,
-    shard: Any = "even",
-    keys: Sequence | str | None = None,
-    into: Any = None,
-    exclude: Sequence | str | None = None,
-    per_rank: Any = None,
-    strict: bool = True,
-    device: torch.device | str | None = None,
-    verify: bool = False,
-    num_threads: int = 0,
-    allow_pickle: bool = False,
-    timeout: float | None = None,
-) -> TensorDict | LoadReport:
-    """``load`` of a checkpoint that no prefix names: one held in memory (``storage.memory.MemoryStore``).
-
-    The node-local tier loads a copy received from a peer this way, before
-    it is written to its local directory. The arguments are ``load``'s.
-    """
+    store = prefix if isinstance(prefix, _HeldCheckpoint) else store_for(prefix)
     check_int("num_threads", num_threads)
     check_device(device)
     c = LocalComm() if shard is None and comm is None and into is None else resolve(comm, timeout)

@@ -28,7 +28,6 @@ import torch
 from tensordict import TensorDict
 
 import tddist
-from tddist.api import load_from
 from tddist.comm.base import LocalComm
 from tddist.jobs import box_reshard, direct, local_shards, peer_restore, receiving, transfer
 from tddist.jobs.copies import CopyRecord, PartId, digest_files, read_record
@@ -158,7 +157,7 @@ def test_a_copy_received_into_memory_loads_like_its_files_and_a_flipped_bit_neve
     bad, received = out[1]  # type: ignore[misc]
     assert bad == () and received == {f.name: (part / f.name).read_bytes() for f in files}
     tensors = {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in received.items()}
-    from_memory = load_from(MemoryStore("a peer", tensors), shard=None, verify=True)
+    from_memory = tddist.load(MemoryStore("a peer", tensors), shard=None, verify=True)
     assert_td_equal(from_memory, tddist.load(str(part), shard=None))
     for f in files:  # one bit of any file (data, manifest, index): the shipment arrives bad, its bytes are dropped
         original = (part / f.name).read_bytes()
@@ -207,7 +206,7 @@ def test_leaves_received_straight_into_the_state_are_checked_loaded_and_kept_onl
     store = MemoryStore("a peer", sink.files[shipment], direct=placed)
     keys = direct.received_keys(store.open().manifest, shipment.spans, placed)
     assert sorted(keys) == [("count",), ("rows", "w")]
-    report = load_from(store, shard=None, into=state, exclude=keys)  # as peer_restore loads a part received so
+    report = tddist.load(store, shard=None, into=state, exclude=keys)  # as peer_restore loads a part received so
     assert report.loaded == [("frozen",)] and report.skipped.keys() == set(keys)
     assert_td_equal(state, saved)
     with pytest.raises(tddist.CorruptCheckpointError, match="does not place there"):  # an announced layout that lies

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ..api import load, load_from
+from ..api import load
 from ..comm.base import Communicator, LocalComm
 from ..comm.collective import collective_error, contribute
 from ..core.sharding import Shard
@@ -545,9 +545,9 @@ def _read(fetch: Fetch, k: int, **kwargs: Any) -> TensorDict | LoadReport:
         return load(fetch.paths[k], comm=LocalComm(), **kwargs)
     store = MemoryStore(_where(fetch, k), got.files, got.ready, got.direct)
     if not got.direct:
-        return load_from(store, comm=LocalComm(), **kwargs)
+        return load(store, comm=LocalComm(), **kwargs)
     placed = direct.received_keys(store.open().manifest, got.spans, got.direct)  # already in the state
-    report = load_from(store, comm=LocalComm(), exclude=placed, **kwargs)
+    report = load(store, comm=LocalComm(), exclude=placed, **kwargs)
     assert isinstance(report, LoadReport)  # only the own part, loaded into the state, is received in it
     for key in placed:
         report.skipped.pop(key, None)

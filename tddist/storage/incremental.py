@@ -143,17 +143,31 @@ def _no_reader(pin: Pin) -> ChunkFiles:
 
 def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> RankBase | None:
     """This rank's view of ``base`` (None: nothing of it may be referenced, said in the log)."""
-    why = eligible_base(base, target)
+    name = os.path.basename(os.path.abspath(base))
+    return view_of(base, target, rank, items, eligible_base(base, target), open_manifest, name)
+
+
+def view_of(
+    base: str,
+    target: str,
+    rank: int,
+    items: Sequence[SaveItem],
+    why: str | None,
+    opener: Callable[[str], OpenedCheckpoint],
+    name: str,
+) -> RankBase | None:
+    """This rank's view of ``base``, opened by its store's ``opener`` and named ``name`` beside the target
+    (None: nothing of it may be referenced: ``why`` it is not eligible, or it cannot be read; said in the log)."""
     if why is not None:
         logger.info("rank %d: base %s holds no references of %s: %s; every chunk is written", rank, base, target, why)
         return None
     try:
-        with open_manifest(base) as opened:
+        with opener(base) as opened:
             m, generation = opened.manifest, opened.generation
     except TddistError as e:
         logger.warning("rank %d: cannot read base %s (%s); every chunk is written", rank, base, e)
         return None
-    return base_view(m, generation, base, os.path.basename(os.path.abspath(base)), rank, items)
+    return base_view(m, generation, base, name, rank, items)
 
 
 def base_view(

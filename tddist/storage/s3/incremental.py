@@ -26,7 +26,7 @@ from ...checksum import tensor_bytes
 from ...core.types import Holder, Key, SaveItem, StoredBytes
 from ...errors import TargetError, TddistError
 from ...manifest.locate import Location, Locator, kept_offsets, packed_offsets
-from ..incremental import RankBase, base_view, exact_largest, judged
+from ..incremental import RankBase, exact_largest, judged, view_of
 from ..opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .files import S3Files
 from .pin import S3Pin, open_s3, place_kept
@@ -57,17 +57,8 @@ def eligible(base: str, target: str) -> str | None:
 
 def read_base(base: str, target: str, rank: int, items: Sequence[SaveItem]) -> RankBase | None:
     """This rank's view of ``base`` on object storage (None: nothing of it may be referenced, said in the log)."""
-    why = eligible(base, target)
-    if why is not None:
-        logger.info("rank %d: base %s holds no references of %s: %s; every chunk is written", rank, base, target, why)
-        return None
-    try:
-        with open_object(base) as opened:
-            m, generation = opened.manifest, opened.generation
-    except TddistError as e:
-        logger.warning("rank %d: cannot read base %s (%s); every chunk is written", rank, base, e)
-        return None
-    return base_view(m, generation, base, parse(base).key.rsplit("/", 1)[-1], rank, items)
+    name = parse(base).key.rsplit("/", 1)[-1]
+    return view_of(base, target, rank, items, eligible(base, target), open_object, name)
 
 
 @dataclass(frozen=True)
