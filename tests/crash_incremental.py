@@ -14,7 +14,11 @@ lane's loop-mounted file system:
 - the clean-up: another process's retention (``keep_last=1``) over the root
   in a loop, as another job's would: it keeps the newest committed step and
   what kept steps reference, and deletes the rest, racing with the job's pins
-  and commits.
+  and commits. A slow one (``slow``, half of the random cases) pauses a
+  second in each deletion between its check of the pins and its rename (the
+  fault action ``delay`` at ``delete``), as a preempted process would: the job
+  goes on saving meanwhile (up to ``SLOW_RUN`` steps), so the deletion often
+  meets a pin or a new reference after its rename and renames back.
 
 The fault (``powercut``: ``FS_IOC_GOINGDOWN`` without log flush, then
 SIGKILL) is armed at a point of one process: in the job, for one save of the
@@ -50,8 +54,8 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-#: The steps a job saves after its full save of step 1.
-RUN = 6
+#: The steps a job saves after its full save of step 1; with a slow clean-up, at most ``SLOW_RUN`` (until a cut).
+RUN, SLOW_RUN = 6, 40
 #: Fault points of the job's saves (rank 0), in protocol order; a manager's retention also deletes.
 JOB_POINTS = ("pin", "begin", "midwrite", "write", "vote", "validate", "manifest", "renamed", "publish", "unpin",
               "announce")  # fmt: skip
@@ -101,12 +105,14 @@ class IncrementalCase:
     at: int
     fs: str  # "ext4" or "xfs"
     seed: int = 0  # the job's choice of bases (mode "save")
+    slow: bool = False  # the clean-up pauses 1 s in each deletion between its check of the pins and its rename
     action: str = "powercut"
     layout: str = "incremental"
 
     @property
     def id(self) -> str:
-        return f"{self.action}-{self.fs}-incremental-{self.mode}-{self.where}-{self.point}-at{self.at}-seed{self.seed}"
+        slow = "-slow" if self.slow else ""
+        return f"{self.action}-{self.fs}-incremental-{self.mode}-{self.where}-{self.point}-at{self.at}-seed{self.seed}{slow}"
 
     def processes(self, root: Path, work: Path) -> dict:
         """What the harness forks: key -> (function, args); key 0 is the job."""
@@ -144,12 +150,13 @@ class IncrementalCase:
 
 
 def random_incremental(rng: random.Random, fs: str) -> IncrementalCase:
-    """A random case: the job or (a third of them) the clean-up struck, at a random point and moment."""
-    mode = rng.choice(MODES)
+    """A random case: the job or (a third of them) the clean-up struck, at a random point and moment; half of
+    them with a slow clean-up."""
+    mode, seed, slow = rng.choice(MODES), rng.randrange(1000), rng.random() < 0.5
     if rng.random() < 1 / 3:
-        return IncrementalCase(rng.choice(CLEANUP_POINTS), "clean-up", mode, rng.randrange(3), fs, rng.randrange(1000))
+        return IncrementalCase(rng.choice(CLEANUP_POINTS), "clean-up", mode, rng.randrange(3), fs, seed, slow)
     points = JOB_POINTS + (CLEANUP_POINTS if mode == "manager" else ())
-    return IncrementalCase(rng.choice(points), "job", mode, rng.randrange(2, RUN + 2), fs, rng.randrange(1000))
+    return IncrementalCase(rng.choice(points), "job", mode, rng.randrange(2, RUN + 2), fs, seed, slow)
 
 
 def ci_cases(fs: str) -> list[IncrementalCase]:
@@ -222,12 +229,13 @@ def _run(c, case: IncrementalCase, root: str, arm) -> dict:
     import tddist
 
     rng = random.Random(case.seed)  # every rank draws the same bases: the outcomes agree
-    committed, failed = [1], []
+    committed, failed, seconds = [1], [], []
     mgr = tddist.CheckpointManager(root, comm=c, keep_last=2, incremental=True) if case.mode == "manager" else None
-    for step in range(2, RUN + 2):
+    for step in range(2, (SLOW_RUN if case.slow else RUN) + 2):
         if c.rank == 0:
             arm(step)
         base = committed[-1] if rng.random() < 0.5 else rng.choice(committed)
+        t0 = time.monotonic()
         try:
             if mgr is not None:
                 mgr.save(step, shard(c.rank, step))
@@ -237,10 +245,23 @@ def _run(c, case: IncrementalCase, root: str, arm) -> dict:
             committed.append(step)
         except tddist.TddistError:  # the clean-up removed the base under it, or the file system is down
             failed.append(step)
+            if _down(root):
+                break
+        finally:
+            seconds.append(round(time.monotonic() - t0, 3))
     if mgr is not None:
         with contextlib.suppress(tddist.TddistError):  # the file system may be down
             mgr.close()
-    return {"committed": committed, "failed": failed}
+    return {"committed": committed, "failed": failed, "seconds": seconds}
+
+
+def _down(root: str) -> bool:
+    """Whether the file system holding ``root`` was shut down (a cut: every access fails)."""
+    try:
+        os.listdir(root)
+    except OSError:
+        return True
+    return False
 
 
 def cleaner_main(case: IncrementalCase, root: str, work: Path, cut: str) -> None:
@@ -260,9 +281,13 @@ def cleaner_main(case: IncrementalCase, root: str, work: Path, cut: str) -> None
         except (OSError, TddistError):
             doomed = []
         deleting += bool(doomed)
+        faults = ["delete:0:delay"] if case.slow else []  # meanwhile the job may pin or reference a doomed one
         if case.where == "clean-up" and deleting > case.at:
-            os.environ[ENV] = f"{case.point}:0:powercut"
+            faults.append(f"{case.point}:0:powercut")
+        os.environ[ENV] = ",".join(faults)
         for _s, p in doomed:
+            if (work / "stop").exists():  # the job ended (a slow clean-up's list is long)
+                break
             try:
                 delete_checkpoint(p)
             except (OSError, TddistError):  # pinned, referenced, or gone meanwhile

@@ -174,6 +174,7 @@ def remove_checkpoint(path: str) -> None:
     """
     if pinned(path):
         raise CheckpointPinnedError(f"{path} is pinned by an incremental save in progress; not deleted")
+    fault_point("delete", 0)
     trash = fmt.trash_path(path)
     parent = os.path.dirname(trash)
     os.rename(path, trash)
