@@ -54,8 +54,9 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-#: The steps a job saves after its full save of step 1; with a slow clean-up, at most ``SLOW_RUN`` (until a cut).
-RUN, SLOW_RUN = 6, 40
+#: The steps a job saves after its full save of step 1; with a slow or a struck clean-up, at most ``SLOW_RUN``
+#: (it stops at the cut).
+RUN, SLOW_RUN = 6, 60
 #: Fault points of the job's saves (rank 0), in protocol order; a manager's retention also deletes.
 JOB_POINTS = ("pin", "begin", "midwrite", "write", "vote", "validate", "manifest", "renamed", "publish", "unpin",
               "announce")  # fmt: skip
@@ -154,7 +155,8 @@ def random_incremental(rng: random.Random, fs: str) -> IncrementalCase:
     them with a slow clean-up."""
     mode, seed, slow = rng.choice(MODES), rng.randrange(1000), rng.random() < 0.5
     if rng.random() < 1 / 3:
-        return IncrementalCase(rng.choice(CLEANUP_POINTS), "clean-up", mode, rng.randrange(3), fs, seed, slow)
+        point = rng.choice((*CLEANUP_POINTS, "untrash"))  # the rarest to reach, drawn twice as often
+        return IncrementalCase(point, "clean-up", mode, 0 if slow else rng.randrange(3), fs, seed, slow)
     points = JOB_POINTS + (CLEANUP_POINTS if mode == "manager" else ())
     return IncrementalCase(rng.choice(points), "job", mode, rng.randrange(2, RUN + 2), fs, seed, slow)
 
@@ -231,7 +233,7 @@ def _run(c, case: IncrementalCase, root: str, arm) -> dict:
     rng = random.Random(case.seed)  # every rank draws the same bases: the outcomes agree
     committed, failed, seconds = [1], [], []
     mgr = tddist.CheckpointManager(root, comm=c, keep_last=2, incremental=True) if case.mode == "manager" else None
-    for step in range(2, (SLOW_RUN if case.slow else RUN) + 2):
+    for step in range(2, (SLOW_RUN if case.slow or case.where == "clean-up" else RUN) + 2):
         if c.rank == 0:
             arm(step)
         base = committed[-1] if rng.random() < 0.5 else rng.choice(committed)
