@@ -227,7 +227,8 @@ def _run_threads(fn) -> list:
 
 
 def _run(c, case: IncrementalCase, root: str, arm) -> dict:
-    """(each thread rank) Save steps 2 .. RUN + 1 incrementally; rank 0 arms the fault before its save."""
+    """(each thread rank) Save steps 2, 3, ... incrementally (``RUN`` of them, or up to ``SLOW_RUN`` until a
+    cut); rank 0 arms the fault before its save."""
     import tddist
 
     rng = random.Random(case.seed)  # every rank draws the same bases: the outcomes agree
@@ -247,7 +248,7 @@ def _run(c, case: IncrementalCase, root: str, arm) -> dict:
             committed.append(step)
         except tddist.TddistError:  # the clean-up removed the base under it, or the file system is down
             failed.append(step)
-            if _down(root):
+            if any(c.allgather(_down(root))):  # every rank stops after the same save
                 break
         finally:
             seconds.append(round(time.monotonic() - t0, 3))
