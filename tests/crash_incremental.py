@@ -44,9 +44,11 @@ then runs ``tddist gc --keep-last 1`` and checks again:
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -187,6 +189,7 @@ def job_main(case: IncrementalCase, root: str, work: Path, cut: str) -> None:
     from tddist._fs import fsync_path
 
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(15, exit=False)  # a job still running then shows where it waits
     os.environ[POWERCUT_ENV] = cut
     os.makedirs(root)
     fsync_path(os.path.dirname(root))
@@ -239,23 +242,34 @@ def _run(c, case: IncrementalCase, root: str, arm) -> dict:
             arm(step)
         base = committed[-1] if rng.random() < 0.5 else rng.choice(committed)
         t0 = time.monotonic()
-        try:
-            if mgr is not None:
-                mgr.save(step, shard(c.rank, step))
-            else:
-                target = os.path.join(root, name(step))
-                tddist.save(shard(c.rank, step), target, comm=c, base=os.path.join(root, name(base)), timeout=20)
-            committed.append(step)
-        except tddist.TddistError:  # the clean-up removed the base under it, or the file system is down
-            failed.append(step)
-            if any(c.allgather(_down(root))):  # every rank stops after the same save
-                break
-        finally:
-            seconds.append(round(time.monotonic() - t0, 3))
+        ok = _save_step(c, mgr, root, step, base)
+        seconds.append(round(time.monotonic() - t0, 3))
+        # The ranks agree on the outcome: after a cut that follows the commit, a rank may fail to read the
+        # committed checkpoint back (a TargetError) where another one returned.
+        outcomes = c.allgather((ok, _down(root)))
+        (committed if any(o for o, _d in outcomes) else failed).append(step)
+        if any(d for _o, d in outcomes):
+            break
     if mgr is not None:
         with contextlib.suppress(tddist.TddistError):  # the file system may be down
             mgr.close()
     return {"committed": committed, "failed": failed, "seconds": seconds}
+
+
+def _save_step(c, mgr, root: str, step: int, base: int) -> bool:
+    """(each thread rank) Save ``step`` (with the manager, or against ``base``); whether it returned."""
+    import tddist
+
+    try:
+        if mgr is not None:
+            mgr.save(step, shard(c.rank, step))
+        else:
+            target, base_path = os.path.join(root, name(step)), os.path.join(root, name(base))
+            tddist.save(shard(c.rank, step), target, comm=c, base=base_path, timeout=20)
+    except tddist.TddistError as e:  # the clean-up removed the base under it, or the file system is down
+        print(f"rank {c.rank}: step {step}: {type(e).__name__}: {e}"[:300], file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _down(root: str) -> bool:
