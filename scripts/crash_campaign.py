@@ -12,6 +12,14 @@ every problem, and exits 1 on any torn or lost checkpoint, 0 otherwise.
 
     sudo .venv/bin/python scripts/crash_campaign.py --kills 1000 --cuts 200
     .venv/bin/python scripts/crash_campaign.py --kills 100 --cuts 0   # no root needed
+    sudo .venv/bin/python scripts/crash_campaign.py --kills 0 --cuts 0 --incremental 200
+
+``--incremental N`` adds N power cuts of ``tests/crash_incremental.py``: a
+run of incremental saves (``save(base=...)`` or an incremental
+``CheckpointManager``) while another process's retention cleans the root,
+cut at a random point of the pins, the commit or the clean-up's deletion;
+after the remount ``tddist gc`` and the checks, counted as torn checkpoints,
+dangling references and removed holders (all must be 0).
 
 Power cuts need root, loop devices, mkfs.ext4 and mkfs.xfs.
 """
@@ -28,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests import crash_harness as ch
+from tests import crash_incremental as ci
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=1000, help="random SIGKILL cases (default 1000)")
     p.add_argument(
         "--cuts", type=int, default=200, help="random power-cut cases, half on ext4, half on XFS (default 200)"
+    )
+    p.add_argument(
+        "--incremental",
+        type=int,
+        default=0,
+        help="random power cuts of incremental saves with a concurrent clean-up, half on ext4 (default 0)",
     )
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock, printed)")
     p.add_argument("--disk-lanes", type=int, default=2, help="kill cases run at once (default 2)")
@@ -47,13 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.cuts):
         fs = ch.FILE_SYSTEMS[i % len(ch.FILE_SYSTEMS)]
         plan.setdefault(fs, []).append(ch.random_case(rng, "powercut", fs))
-    if args.cuts:
+    for i in range(args.incremental):
+        fs = ch.FILE_SYSTEMS[i % len(ch.FILE_SYSTEMS)]
+        plan.setdefault(fs, []).append(ci.random_incremental(rng, fs))
+    if args.cuts or args.incremental:
         why = ch.mount_problem()
         if why:
             print(f"power cuts cannot run here: {why}", file=sys.stderr)
             return 2
     total = sum(len(v) for v in plan.values())
-    print(f"seed {seed}: {args.kills} kills, {args.cuts} power cuts", flush=True)
+    print(f"seed {seed}: {args.kills} kills, {args.cuts} power cuts, {args.incremental} incremental cuts", flush=True)
     done = [0]
     t0 = time.monotonic()
 
@@ -74,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in results if r.problems()]
     for r in bad:
         print(f"\nPROBLEM {r.case.id}:\n  " + "\n  ".join(r.problems()) + "\n  " + r.summary().replace("\n", "\n  "))
+    incremental = [r for r in results if isinstance(r.case, ci.IncrementalCase)]
+    if incremental:
+        print("\n" + ci.tally(incremental))
     print(f"\n{len(results)} cases in {wall:.0f}s, {len(bad)} with problems (seed {seed})")
     if args.json:
         Path(args.json).write_text(json.dumps([r.as_dict() for r in results], indent=1, default=str))

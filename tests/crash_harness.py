@@ -147,6 +147,15 @@ class Case:
             return "new" if self.action == "kill" else "either"
         return "old"
 
+    def processes(self, root: Path, work: Path) -> dict:
+        """What a case forks: key (a rank) -> (function, args), each given ``root`` (the lane's storage)."""
+        target, cut = str(root / LAYOUTS[self.layout]), str(root)
+        return {r: (rank_main, (r, self, target, work, cut)) for r in (0, 1)}
+
+    def checker(self, root: Path, work: Path) -> tuple:
+        """What a case forks once its processes ended (and the lane's file system was mounted again)."""
+        return check_main, (str(root / LAYOUTS[self.layout]), work)
+
 
 def all_cases(actions=ACTIONS, file_systems=FILE_SYSTEMS) -> list[Case]:
     """Every point on every rank that passes it, both layouts, with and without RENAME_EXCHANGE.
@@ -181,7 +190,7 @@ def random_case(rng: random.Random, action: str, fs: str) -> Case:
 # --- what the forked children run ----------------------------------------------------------
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, default=str))
     tmp.replace(path)
@@ -214,7 +223,7 @@ def rank_main(rank: int, case: Case, target: str, work: Path, cut_path: str) -> 
     os.environ[POWERCUT_ENV] = cut_path
     os.environ[NO_EXCHANGE_ENV] = "0" if case.exchange else "1"
     out = _outcome(lambda: tddist.save(shard("new", rank), target, timeout=SAVE_TIMEOUT))
-    _write_json(work / f"rank{rank}.json", out)
+    write_json(work / f"rank{rank}.json", out)
     if out["result"] == "ok" and case.point == "returned":
         dist.barrier()  # both returned
         fault_point("returned", rank)
@@ -256,7 +265,7 @@ def check_main(target: str, work: Path) -> None:
     for path in [target, *(p for _k, p in fmt.side_entries(target))]:
         remove_tree(path)
     fsync_path(os.path.dirname(target))
-    _write_json(work / "check.json", report)
+    write_json(work / "check.json", report)
 
 
 _warm: list[bool] = []
@@ -385,6 +394,7 @@ def lanes(work: Path, disk_lanes: int, file_systems: tuple[str, ...]) -> Iterato
     """``disk_lanes`` directories under ``work`` for kills, and one fresh loop-mounted file system per kind."""
     out: dict[str, list[Lane]] = {"disk": []}
     made: list[LoopFS] = []
+    work.mkdir(parents=True, exist_ok=True)
     try:
         for i in range(disk_lanes):
             root = work / f"disk{i}"
@@ -422,6 +432,8 @@ class Result:
         c, out = self.case, []
         if self.error:
             return [f"harness: {self.error}"]
+        if not isinstance(c, Case):  # another scenario (``crash_incremental``) checks itself
+            return c.problems(self)
         out += self.watchdog
         struck = c.rank
         if self.exits.get(struck) != -signal.SIGKILL:
@@ -462,6 +474,8 @@ class Result:
         """One word for tables: the state after recover, or "harness-error"."""
         if self.error or self.check is None:
             return "harness-error"
+        if not isinstance(self.case, Case):
+            return self.case.outcome(self)
         return self.check["after"].split(":")[0] + ("" if self.check["after"] == self.check["before"] else "*")
 
     def summary(self) -> str:
@@ -471,7 +485,9 @@ class Result:
             for r in (0, 1)
         }
         lines = [f"ranks (exit, outcome): {ranks}; {self.seconds:.1f}s"]
-        if self.check:
+        if self.check and not isinstance(self.case, Case):
+            lines.append(f"check: {json.dumps(self.check, default=str)[:3000]}")
+        elif self.check:
             ck = self.check
             lines.append(f"after the crash: {ck['before']}; side entries {ck['side']}; recover: {ck['recover']}")
             lines.append(f"after recover: {ck['after']}; left {ck['left']}")
@@ -483,29 +499,34 @@ class Result:
 
 
 class _Running:
-    """A lane's case in progress: the forked processes of its current stage."""
+    """A lane's case in progress: the forked processes of its current stage.
 
-    def __init__(self, lane: Lane, case: Case, work: Path):
+    A case (``Case``, or ``crash_incremental.IncrementalCase``) says what to
+    fork (``processes``: key -> function and arguments, then ``checker``);
+    once process 0 ended, a ``stop`` file in the case's work directory tells
+    the others (a clean-up running beside a job) to end.
+    """
+
+    def __init__(self, lane: Lane, case, work: Path):
         self.lane, self.case, self.work = lane, case, work
         self.result = Result(case)
         self.t0 = time.monotonic()
         self.stage = "ranks"
         self.pids: dict[int, int] = {}
         self.deadline = 0.0
-        self.target = str(lane.root / LAYOUTS[case.layout])
 
     def start_ranks(self) -> None:
         self.work.mkdir(parents=True)
-        cut = str(self.lane.root)
         self.pids = {
-            r: _fork(rank_main, r, self.case, self.target, self.work, cut, log=self.work / f"rank{r}.log")
-            for r in (0, 1)
+            key: _fork(fn, *args, log=self.work / f"rank{key}.log")
+            for key, (fn, args) in self.case.processes(self.lane.root, self.work).items()
         }
         self.deadline = time.monotonic() + RANK_DEADLINE
 
     def start_check(self) -> None:
         self.stage = "check"
-        self.pids = {-1: _fork(check_main, self.target, self.work, log=self.work / "check.log")}
+        fn, args = self.case.checker(self.lane.root, self.work)
+        self.pids = {-1: _fork(fn, *args, log=self.work / "check.log")}
         self.deadline = time.monotonic() + CHECK_DEADLINE
 
     def poll(self) -> bool:
@@ -520,11 +541,13 @@ class _Running:
             if done:
                 if key >= 0:
                     self.result.exits[key] = os.waitstatus_to_exitcode(status)
+                if key == 0:
+                    (self.work / "stop").touch()
                 del self.pids[key]
         if self.pids:
             return False
         if self.stage == "ranks":
-            for r in (0, 1):
+            for r in self.result.exits:
                 f = self.work / f"rank{r}.json"
                 if f.exists():
                     self.result.reports[r] = json.loads(f.read_text())
@@ -605,12 +628,13 @@ def table(results: list[Result]) -> str:
     rows: dict[tuple[str, str], dict[str, int]] = {}
     for res in results:
         c = res.case
-        key = (f"{c.point}" + ("" if c.exchange else " (backup path)"), f"{c.action} {c.fs} {c.layout}")
+        path = f" ({c.where}, {c.mode})" if not isinstance(c, Case) else "" if c.exchange else " (backup path)"
+        key = (f"{c.point}{path}", f"{c.action} {c.fs} {c.layout}")
         cell = rows.setdefault(key, {})
         word = "PROBLEM" if res.problems() else res.outcome()
         cell[word] = cell.get(word, 0) + 1
     order = {p: i for i, (p, _r) in enumerate(POINTS)}
     lines = [f"{'step':28} {'action fs layout':24} outcomes"]
-    for (step, where), cell in sorted(rows.items(), key=lambda kv: (order[kv[0][0].split()[0]], kv[0])):
+    for (step, where), cell in sorted(rows.items(), key=lambda kv: (order.get(kv[0][0].split()[0], -1), kv[0])):
         lines.append(f"{step:28} {where:24} " + ", ".join(f"{k}={v}" for k, v in sorted(cell.items())))
     return "\n".join(lines)

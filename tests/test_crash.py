@@ -21,6 +21,12 @@ in parallel lanes (two directories, one file system of each kind), the first
 time a test asks for their results. Power cuts need root and loop devices:
 elsewhere those tests skip, with the reason, unless ``CI`` is set, where they
 fail.
+
+The same lanes run a few cuts of ``tests/crash_incremental.py``: a run of
+incremental saves while another process's retention cleans the root, cut in
+the pin, the commit, the unpin and the clean-up's deletion; after the remount
+and ``tddist gc`` no checkpoint is torn, no reference dangles, no referenced
+holder was removed.
 """
 
 from __future__ import annotations
@@ -33,17 +39,19 @@ from pathlib import Path
 import pytest
 
 from tests import crash_harness as ch
+from tests import crash_incremental as ci
 
 CASES = ch.all_cases()
 CUT_FS = ch.FILE_SYSTEMS
+INCREMENTAL = [c for fs in CUT_FS for c in ci.ci_cases(fs)]
 
 
-def _selected(session: pytest.Session) -> list[ch.Case]:
+def _selected(session: pytest.Session) -> list:
     """The crash cases whose tests this session runs (so ``-k`` runs only those)."""
     out = []
     for item in session.items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if item.module.__name__ == __name__ and isinstance(params.get("case"), ch.Case):
+        if item.module.__name__ == __name__ and isinstance(params.get("case"), (ch.Case, ci.IncrementalCase)):
             out.append(params["case"])
     return out
 
@@ -90,6 +98,20 @@ def test_crash(case: ch.Case, results: dict[str, ch.Result | str]) -> None:
     assert isinstance(res, ch.Result)
     problems = res.problems()
     assert not problems, f"{case.id} (expected {case.expect!r}):\n" + "\n".join(problems) + f"\n{res.summary()}"
+
+
+@pytest.mark.parametrize("case", INCREMENTAL, ids=[c.id for c in INCREMENTAL])
+def test_power_cut_during_incremental_saves_and_clean_up(case: ci.IncrementalCase, results) -> None:
+    """A power cut in a run of incremental saves with another process's retention cleaning the root: after the
+    remount and ``tddist gc`` (then ``gc --keep-last 1``), no torn checkpoint, no dangling reference, no
+    referenced holder removed."""
+    res = results[case.id]
+    if isinstance(res, str):
+        _unavailable(res)
+    assert isinstance(res, ch.Result)
+    problems = res.problems()
+    assert not problems, f"{case.id}:\n" + "\n".join(problems) + f"\n{res.summary()}"
+    assert res.check is not None and res.check["checked"] > 0
 
 
 @pytest.mark.parametrize("kind", CUT_FS)

@@ -473,3 +473,38 @@ def test_referenced_chunks_inherit_their_counts_and_the_largest_magnitude_stays_
     m4, _ = save_pair(4, str(tmp_path / "inc3"))
     assert m4.largest_magnitude().key == ("big",)
     assert [leaf.key for leaf in m4.non_finite()] == [("bad",)]
+
+
+@pytest.mark.parametrize("clean", ["recover", "gc"])
+def test_a_deletion_killed_between_its_renames_leaves_a_referenced_holder_to_restore(tmp_path, clean):
+    """A deletion decided before a save committed a reference (here: called directly), killed once it renamed
+    the holder to its trash name: ``recover`` and ``tddist gc`` move it back (removing it would leave the
+    committed checkpoint's references dangling), and the referencing checkpoint verifies and loads."""
+    from tddist.jobs.cleanup import gc, plan_gc
+    from tddist.storage.recovery import recover
+    from tddist.storage.roots import remove_checkpoint
+
+    root = tmp_path / "root"
+    root.mkdir()
+    holder, incremental = str(root / "step-000000001"), str(root / "step-000000002")
+    tddist.save(lora(1), holder)
+    tddist.save(lora(2), incremental, base=holder)
+    pid = os.fork()
+    if pid == 0:  # the clean-up's process, SIGKILLed at the fault point
+        os.environ["TDDIST_FAULT"] = "trash:0:kill"
+        try:
+            remove_checkpoint(holder)
+        finally:
+            os._exit(3)
+    _pid, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -9
+    assert not os.path.exists(holder) and [k for k, _p in fmt.side_entries(holder)] == ["trash"]
+    assert not verify(incremental).ok  # dangling until the clean-up puts the holder back
+    if clean == "recover":
+        assert recover(holder)[0].startswith("restored")
+    else:
+        assert [(a.action, a.target) for a in plan_gc(str(root))] == [("restore", holder)]
+        assert [a.action for a in gc(str(root), keep_last=1)] == ["restore", "keep"]
+    assert sorted(os.listdir(root)) == ["step-000000001", "step-000000002"]
+    assert verify(incremental).ok
+    assert (tddist.load(incremental, verify=True) == lora(2)).all()

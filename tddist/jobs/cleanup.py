@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .. import format as fmt
 from ..errors import CheckpointNotFoundError, CheckpointPinnedError, TddistError
 from ..storage.backends import read_manifest, root_for, store_for
-from ..storage.recovery import is_committed, is_tddist_dir, recover
+from ..storage.recovery import is_committed, is_tddist_dir, recover, referenced_trash
 from ..storage.roots import Root
 from . import root_lock
 from .inventory import BACKUP, STAGING, TRASH, disk_usage
@@ -90,6 +90,11 @@ def plan_gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Actio
         target_ok = is_committed(target)
         target_gone = not os.path.lexists(target)
         for kind, path in fmt.side_entries(target):
+            if kind == TRASH and target_gone and referenced_trash(target, path):
+                actions.append(Action(RESTORE, path, "interrupted deletion of a referenced checkpoint", 0, target))
+                target_ok, target_gone = True, False
+                restored[target] = path
+                continue
             if kind == BACKUP and not target_ok and is_committed(path):
                 if os.path.isdir(target) and is_tddist_dir(target):
                     actions.append(

@@ -72,6 +72,14 @@ every rank, "0" on rank 0 only):
 ``announce``  all    the decision received; before ``save`` returns
 ============  =====  ==========================================================
 
+Beside the commit, an incremental save and a deletion (``storage/pins.py``)
+have theirs: ``pin`` (all; rank 0 pinned the base and its holders, before
+the rank reads the base), ``unpin`` (all; after ``publish``, the pins
+removed), and, in a deletion (``roots.remove_checkpoint``, as rank 0),
+``delete`` (the pins checked, before the rename), ``trash`` (the checkpoint
+renamed to its trash name, before the second check) and ``untrash``
+(renamed back, durably, for a pin or a reference).
+
 With ``atomic=False`` (directories only) the ranks write into the target
 itself and the manifest is still written last, so an interrupted save leaves
 a directory that readers refuse instead of misread.

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .. import format as fmt
+from .._faults import fault_point
 from .._fs import (
     drop_pages,
     fsync_path,
@@ -132,6 +133,7 @@ class DirectoryWriter(WriterBase):
         view = read_base(base, self.target, self.rank, items)
         if self.rank == 0 and view is not None:
             self.pins += [pin(fmt.holder_path(self.target, h.name)) for h in view.table[1:]]
+        fault_point("pin", self.rank)
         data = os.path.join(staging.path, fmt.rank_data_name(self.rank))
         done = write_packed_incremental(
             data, items, self.rank, view, self.options.reuse_hashes, self.options.num_threads
@@ -160,6 +162,7 @@ class DirectoryWriter(WriterBase):
             fsync_path(os.path.dirname(os.path.abspath(self.target)))
         unpin(self.pins)  # committed: the manifest references the holders now
         self.pins = []
+        fault_point("unpin", self.rank)
 
     def abort(self, staging: Staging) -> None:
         unpin(self.pins)

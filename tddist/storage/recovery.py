@@ -12,7 +12,7 @@ import zipfile
 
 from .. import format as fmt
 from .._fs import fsync_path, remove_tree
-from .pins import expired_pins
+from .pins import expired_pins, referenced_beside
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,10 @@ def is_tddist_archive(path: str) -> bool:
 def recover(target: str) -> list[str]:
     """Remove leftovers of interrupted saves beside ``target``; returns what was done.
 
-    Staging and trash directories are removed. A backup of a replaced
+    Staging and trash directories are removed, but for a trash entry that a
+    committed checkpoint beside it references (a deletion cut off between
+    renaming it away and back, ``roots.remove_checkpoint``): it is moved back
+    to the absent target. A backup of a replaced
     checkpoint is moved back to the target if the target lost its manifest
     (a crash in the middle of a replace without RENAME_EXCHANGE), otherwise
     removed. Pins of ``target`` that expired (an incremental save that died
@@ -106,6 +109,13 @@ def recover(target: str) -> list[str]:
             )
             logger.warning("recover: %s", done[-1])
             continue
+        if kind == "trash" and referenced_trash(target, path):
+            os.rename(path, target)
+            fsync_path(os.path.dirname(os.path.abspath(target)))
+            target_ok = True
+            done.append(f"restored {path} to {target}: a committed checkpoint beside it references it")
+            logger.warning("recover: %s", done[-1])
+            continue
         remove_tree(path)
         done.append(f"removed {path}")
         logger.info("recover: removed %s", path)
@@ -113,3 +123,13 @@ def recover(target: str) -> list[str]:
         os.unlink(pin)
         done.append(f"removed expired pin {pin}")
     return done
+
+
+def referenced_trash(target: str, trash: str) -> bool:
+    """Whether the trash entry ``trash`` of ``target`` must go back to ``target``: the target is absent, the
+    entry is a committed checkpoint, and a committed checkpoint beside it references it by name.
+
+    A deletion renames a checkpoint to a trash name, then renames it back when it finds such a reference (a
+    save committed one after the deletion was decided); a crash between the two renames leaves it here.
+    """
+    return not os.path.lexists(target) and is_committed(trash) and referenced_beside(target)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .. import format as fmt
+from .._faults import fault_point
 from .._fs import fsync_path, remove_tree
 from ..errors import CheckpointPinnedError, RootLockedError
 from .pins import held, pinned
@@ -173,14 +174,19 @@ def remove_checkpoint(path: str) -> None:
     """
     if pinned(path):
         raise CheckpointPinnedError(f"{path} is pinned by an incremental save in progress; not deleted")
+    fault_point("delete", 0)
     trash = fmt.trash_path(path)
+    parent = os.path.dirname(trash)
     os.rename(path, trash)
+    fault_point("trash", 0)
     if held(path):  # a save pinned it, or committed a reference to it, since this deletion was decided
         os.rename(trash, path)
+        fsync_path(parent)  # back for good (a crash before this leaves a trash entry that ``recover`` restores)
+        fault_point("untrash", 0)
         raise CheckpointPinnedError(
             f"{path} is pinned by an incremental save in progress, or referenced by a checkpoint beside it; not deleted"
         )
-    fsync_path(os.path.dirname(trash))
+    fsync_path(parent)
     remove_tree(trash)
     logger.info("deleted checkpoint %s", path)
 
