@@ -20,6 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from ..core.tree import flatten
 from ..errors import InvalidArgumentError, InvalidDataError
 from ..saving.deferred import remember_optimizer
+from .state_cache import cached_state
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -93,8 +94,15 @@ def _model_state(
     if optimizer is None:
         model_sd, optim_sd = get_model_state_dict(model, options=options), None
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         remember_optimizer(optimizer)
+        if options is None:
+            return cached_state(model, optimizer, lambda: _built(*get_state_dict(model, optimizer)), _jsonable)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return _built(model_sd, optim_sd)
+
+
+def _built(model_sd: Any, optim_sd: Any) -> TensorDict:
+    """The state of DCP's model and optimizer state dicts (None: no optimizer)."""
     state = TensorDict({"model": TensorDict(dict(model_sd), batch_size=[])}, batch_size=[])
     if optim_sd is not None:
         state.set("optim", _optim_node(cast("dict[str, Any]", optim_sd)))
