@@ -110,7 +110,7 @@ def cached_state(
     kept = _cache.get(model)
     if (
         kept is not None
-        and kept.optimizer() is optimizer
+        and id(kept.optimizer()) == id(optimizer)  # (not "is": it would narrow the type of optimizer)
         and fingerprint((model, *kept.descendants), optimizer).same(kept.fingerprint)
     ):
         out = _shallow_copy(kept.state)
