@@ -74,18 +74,19 @@ def fingerprint(modules: tuple[torch.nn.Module, ...], optimizer: Any) -> Fingerp
     Each sequence is preceded by its length, so two different structures never flatten to the same values."""
     objects: list[Any] = []
     values: list[Any] = []
-    tensors: list[torch.Tensor] = []
+    tensors: list[torch.Tensor | None] = []
     for m in modules:
         objects.append(type(m))
         for d in (m._parameters, m._buffers, m._modules):
             values.append(len(d))
             values.extend(d)
             objects.extend(d.values())
-        tensors.extend(t for t in m._parameters.values() if t is not None)
-        tensors.extend(t for t in m._buffers.values() if t is not None)
-        values.append(frozenset(m._non_persistent_buffers_set))
+        tensors.extend(m._parameters.values())
+        tensors.extend(m._buffers.values())
+        hidden = m._non_persistent_buffers_set
+        values.append(frozenset(hidden) if hidden else None)
         values.append(len(m._state_dict_hooks) + len(m._state_dict_pre_hooks))
-    values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+    values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors if t is not None)
     values.append(len(optimizer._optimizer_state_dict_pre_hooks) + len(optimizer._optimizer_state_dict_post_hooks))
     values.append(len(optimizer.param_groups))
     for group in optimizer.param_groups:
@@ -102,11 +103,11 @@ def fingerprint(modules: tuple[torch.nn.Module, ...], optimizer: Any) -> Fingerp
 
 
 def cached_state(
-    model: torch.nn.Module, optimizer: Any, build: Callable[[], TensorDict], groups: Callable[[list[Any]], Any]
+    model: torch.nn.Module, optimizer: Any, build: Callable[[], TensorDict], groups: Callable[[Any], Any]
 ) -> TensorDict:
     """``model``'s and ``optimizer``'s state: a shallow copy of the kept one while their fingerprint is the same,
-    else ``build()`` (``get_state_dict``), kept when it can be. ``groups`` turns DCP's param groups (names for
-    the parameters) into the state's value, refreshed at every call from the optimizer's own groups."""
+    else ``build()`` (``get_state_dict``), kept when it can be. ``groups`` turns a param group's hyper-parameters
+    into the state's values (JSON), refreshed at every call from the optimizer's own groups."""
     kept = _cache.get(model)
     if (
         kept is not None
@@ -114,11 +115,11 @@ def cached_state(
         and fingerprint((model, *kept.descendants), optimizer).same(kept.fingerprint)
     ):
         out = _shallow_copy(kept.state)
-        live = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+        live = [  # the names are JSON already: only the hyper-parameters are converted
+            {**groups({k: v for k, v in g.items() if k != "params"}), "params": list(names)}
             for g, names in zip(optimizer.param_groups, kept.group_names)
         ]
-        out.set_non_tensor(("optim", "param_groups"), groups(live))
+        out.set_non_tensor(("optim", "param_groups"), live)
         return out
     _cache.pop(model, None)
     state = build()
