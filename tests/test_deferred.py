@@ -267,6 +267,16 @@ def test_a_kept_plan_is_reused_only_for_the_same_leaves_and_still_proves_each_co
         save(td, f"e{i}", guard=[])
         assert (ch.deferred_plan is plan) == (i == 0), i
         plan = ch.deferred_plan
+    nested = {"w": torch.arange(50_000.0), "n": {"b": torch.ones(3)}, "note": "x"}  # compared through flatten
+    plans = []
+    for i in range(2):
+        tddist.save(nested, tmp_path / f"g{i}", comm=comm, return_early=True, snapshot="deferred", guard=[]).result(60)
+        back = tddist.load(tmp_path / f"g{i}", shard=None)
+        assert torch.equal(back["w"], nested["w"]) and back["note"] == nested["note"]
+        nested["w"].add_(1)
+        nested["note"] = "y"  # a value, not the structure: encoded again
+        plans.append(ch.deferred_plan)
+    assert plans[0] is plans[1] is not None
     with held_copy() as go:
         fut = tddist.save(td, tmp_path / "f", comm=comm, return_early=True, snapshot="deferred", guard=[])
         assert ch.deferred_plan is plan

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from tensordict import NonTensorData, TensorDict
 
 from ..core.types import Key, LocalShard
 from .deferred import Recorded
@@ -72,6 +73,7 @@ class DeferredPlan:
     layout: StreamLayout
     arena: Arena
     buffers_generation: int
+    tree: list[TreeNode] | None  # the state's nodes when it is TensorDicts only (``same_tree``)
 
     def matches(
         self,
@@ -97,9 +99,101 @@ class DeferredPlan:
             and tensor_meta(self.given) == self.meta
         )
 
+    def values_if_same(
+        self, settings: PlanSettings, seen: tuple[Any, ...], data: Any, arena: Arena | None, buffers: SnapshotBuffers
+    ) -> list[Any] | None:
+        """``matches`` without flattening ``data`` (a state of TensorDicts only: ``tree``): its non-tensor values
+        when it has this plan, else None (``matches`` then decides)."""
+        if self.tree is None or not (
+            settings == self.settings
+            and arena is self.arena
+            and buffers.generation == self.buffers_generation
+            and (settings.guard is not None or _same_objects(seen, self.seen))
+        ):
+            return None
+        values = same_tree(data, self.tree)
+        if values is None or tensor_meta(self.given) != self.meta:
+            return None
+        return values
+
+
+#: In a ``TreeNode``'s entries: a sub-node (visited next, depth first) or a non-tensor value (encoded again).
+NODE, VALUE = "node", "value"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeNode:
+    """One node of a state made only of TensorDicts, tensors and ``NonTensorData`` values, as ``tree`` found it:
+    its batch size, its keys, and per key the leaf tensor itself, ``NODE`` or ``VALUE``."""
+
+    batch_size: torch.Size
+    keys: tuple[str, ...]
+    entries: tuple[Any, ...]
+
+
+def tree(data: Any) -> list[TreeNode] | None:
+    """``data``'s nodes, depth first in ``flatten``'s order, or None when it holds anything else (a dict, a
+    tensorclass, a stack, a tensor subclass): such a state is compared through ``flatten`` instead."""
+    out: list[TreeNode] = []
+    return out if _tree(data, out) else None
+
+
+def _tree(node: Any, out: list[TreeNode]) -> bool:
+    if type(node) is not TensorDict:
+        return False
+    d = node._tensordict
+    entries: list[Any] = []
+    out.append(TreeNode(node.batch_size, tuple(d), ()))
+    at = len(out) - 1
+    for v in d.values():
+        if type(v) in _PLAIN:
+            entries.append(v)
+        elif type(v) is NonTensorData:
+            entries.append(VALUE)
+        elif type(v) is TensorDict:
+            entries.append(NODE)
+            if not _tree(v, out):
+                return False
+        else:
+            return False
+    out[at] = TreeNode(out[at].batch_size, out[at].keys, tuple(entries))
+    return True
+
+
+def same_tree(data: Any, nodes: list[TreeNode]) -> list[Any] | None:
+    """The non-tensor values of ``data`` (in ``flatten``'s order) when it has exactly the nodes, keys and leaf
+    tensors (the same objects) of ``nodes``; else None."""
+    values: list[Any] = []
+    return values if _same(data, nodes, 0, values) == len(nodes) else None
+
+
+def _same(node: Any, nodes: list[TreeNode], at: int, values: list[Any]) -> int:
+    """Compare ``node`` with ``nodes[at]`` and its sub-nodes; the index after them, or -1."""
+    if at >= len(nodes) or type(node) is not TensorDict:
+        return -1
+    expected, d = nodes[at], node._tensordict
+    if len(d) != len(expected.keys) or tuple(d) != expected.keys or node.batch_size != expected.batch_size:
+        return -1
+    at += 1
+    for v, e in zip(d.values(), expected.entries):
+        if e is NODE:
+            at = _same(v, nodes, at, values)
+            if at < 0:
+                return -1
+        elif e is VALUE:
+            if type(v) is not NonTensorData:
+                return -1
+            values.append(v.data)
+        elif v is not e:
+            return -1
+    return at
+
 
 def _same_objects(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def tensor_meta(tensors: tuple[torch.Tensor, ...]) -> list[tuple[Any, ...]]:

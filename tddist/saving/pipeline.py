@@ -467,11 +467,15 @@ def start_deferred(
     """
     plan = ch.deferred_plan
     if plan is not None and streams(options):
+        seen = deferred.seen_optimizers() if settings.guard is None else ()
+        values = plan.values_if_same(settings, seen, data, ch.arena, ch.buffers)
+        if values is not None:
+            found = {k: (kind, v) for (k, kind), v in zip(plan.object_kinds, values)}
+            return _deferred_from_plan(ch, options, plan, found)
         try:
             nodes, leaves, objects = flatten(data)
         except Exception:  # ``prepare`` below returns it as this rank's vote
             nodes = None
-        seen = deferred.seen_optimizers() if settings.guard is None else ()
         if nodes is not None and plan.matches(settings, seen, nodes, leaves, objects, ch.arena, ch.buffers):
             return _deferred_from_plan(ch, options, plan, objects)
     ch.deferred_plan = None
@@ -488,7 +492,7 @@ def start_deferred(
         logger.info("rank %d: this save cannot defer its copy; copying it now", ch.comm.rank)
         ch.arena = None
         return snapshot_whole(ch, options, _snapshot_into(ch.buffers, shard, sources))
-    plan = _plan(ch, settings, shard, sources, guard, guarded)
+    plan = _plan(ch, settings, shard, sources, guard, guarded, deferred_plan.tree(data))
     if deferred_plan.keepable(sources.given, sources.sources):
         ch.deferred_plan = plan
     return _deferred_from_plan(ch, options, plan, None)
@@ -510,6 +514,7 @@ def _plan(
     sources: StreamSources,
     guard: tuple[Any, ...],
     guarded: set[int] | None,
+    tree: list[deferred_plan.TreeNode] | None,
 ) -> DeferredPlan:
     """A packed directory's deferred save, planned: the eager leaves' snapshot buffers, what the stream copies
     into the arena (``Stream.produce_deferred``, on the copy helper), and the leaves the proof records."""
@@ -547,6 +552,7 @@ def _plan(
         layout=stream_layout(written, arena.slot_bytes),
         arena=arena,
         buffers_generation=ch.buffers.generation,
+        tree=tree,
     )
 
 
