@@ -267,6 +267,14 @@ def test_a_kept_plan_is_reused_only_for_the_same_leaves_and_still_proves_each_co
         save(td, f"e{i}", guard=[])
         assert (ch.deferred_plan is plan) == (i == 0), i
         plan = ch.deferred_plan
+    with held_copy() as go:
+        fut = tddist.save(td, tmp_path / "f", comm=comm, return_early=True, snapshot="deferred", guard=[])
+        assert ch.deferred_plan is plan
+        td["w"].add_(1)
+        go.set()
+        with pytest.raises(tddist.SnapshotChangedError, match="changed while the deferred snapshot copied it"):
+            fut.result(60)
+    assert not (tmp_path / "f").exists()
     nested = {"w": torch.arange(50_000.0), "n": {"b": torch.ones(3)}, "note": "x"}  # compared through flatten
     plans = []
     for i in range(2):
@@ -277,14 +285,6 @@ def test_a_kept_plan_is_reused_only_for_the_same_leaves_and_still_proves_each_co
         nested["note"] = "y"  # a value, not the structure: encoded again
         plans.append(ch.deferred_plan)
     assert plans[0] is plans[1] is not None
-    with held_copy() as go:
-        fut = tddist.save(td, tmp_path / "f", comm=comm, return_early=True, snapshot="deferred", guard=[])
-        assert ch.deferred_plan is plan
-        td["w"].add_(1)
-        go.set()
-        with pytest.raises(tddist.SnapshotChangedError, match="changed while the deferred snapshot copied it"):
-            fut.result(60)
-    assert not (tmp_path / "f").exists()
 
 
 def test_archives_copy_before_returning(tmp_path: Path) -> None:
