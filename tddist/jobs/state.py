@@ -60,6 +60,11 @@ def get_state(
 
     The optimizers it sees are remembered (weakly): a deferred save of this
     state (``snapshot="deferred"`` without ``guard=``) guards their steps.
+    ``get_state(model, optimizer)`` without ``options`` keeps what it built
+    per model and returns a shallow copy of it (new nodes, the same tensors)
+    while the modules, parameters, buffers and optimizer state keep their
+    structure; anything structural changed, it is built again
+    (``jobs.state_cache``, docs/parameters.md).
 
     Tensors are the state dict's own (no copy): ``tddist.load(path, into=state)``
     fills them in place, each in its own placements. Under FSDP2 they are
