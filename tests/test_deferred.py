@@ -228,6 +228,65 @@ def test_no_new_host_memory_after_the_first_save(tmp_path: Path) -> None:
     assert counts[1] == counts[2] == counts[0], counts
 
 
+def test_a_kept_plan_is_reused_only_for_the_same_leaves_and_still_proves_each_copy(tmp_path: Path) -> None:
+    """Saves of an unchanged structure reuse the channel's plan (``deferred_plan``); a leaf given other storage,
+    another dtype or shape, or a new key is planned again; the checkpoint is the state at each save, and a leaf
+    changed during the copy of a reused plan still fails the save."""
+    comm = tddist.LocalComm()
+    ch = channel(comm)
+    m, opt = _model()
+    _train(m, opt)
+
+    def save(state: TensorDict, name: str, guard: object = opt) -> None:
+        saved = _tensors(state)
+        tddist.save(state, tmp_path / name, comm=comm, return_early=True, snapshot="deferred", guard=guard).result(60)
+        assert_td_equal(_tensors(tddist.load(tmp_path / name, shard=None)), saved, name)
+
+    save(tddist.get_state(m, opt), "a")
+    plan = ch.deferred_plan
+    assert plan is not None
+    _train(m, opt)
+    save(tddist.get_state(m, opt), "b")
+    assert ch.deferred_plan is plan, "the same structure was planned again"
+    with torch.no_grad():
+        m[0].weight.data = torch.randn(128, 64)  # other storage: get_state and the plan are made again
+    save(tddist.get_state(m, opt), "c")
+    assert ch.deferred_plan is not plan and ch.deferred_plan is not None
+    td = TensorDict(w=torch.arange(50_000.0), b=torch.ones(3), batch_size=[])
+    save(td, "d", guard=[])
+    plan = ch.deferred_plan
+    changes = [
+        lambda: td["w"].mul_(3),  # values only: the plan holds
+        lambda: setattr(td["w"], "data", torch.arange(50_000.0) * 5),  # the same tensor, other storage
+        lambda: setattr(td["w"], "data", td["w"].data.view(torch.int32)),  # the same storage, another dtype
+        lambda: td["b"].resize_(6).fill_(2.0),  # another shape
+        lambda: td.set("c", torch.zeros(2)),  # a new key
+    ]
+    for i, change in enumerate(changes):
+        change()
+        save(td, f"e{i}", guard=[])
+        assert (ch.deferred_plan is plan) == (i == 0), i
+        plan = ch.deferred_plan
+    with held_copy() as go:
+        fut = tddist.save(td, tmp_path / "f", comm=comm, return_early=True, snapshot="deferred", guard=[])
+        assert ch.deferred_plan is plan
+        td["w"].add_(1)
+        go.set()
+        with pytest.raises(tddist.SnapshotChangedError, match="changed while the deferred snapshot copied it"):
+            fut.result(60)
+    assert not (tmp_path / "f").exists()
+    nested = {"w": torch.arange(50_000.0), "n": {"b": torch.ones(3)}, "note": "x"}  # compared through flatten
+    plans = []
+    for i in range(2):
+        tddist.save(nested, tmp_path / f"g{i}", comm=comm, return_early=True, snapshot="deferred", guard=[]).result(60)
+        back = tddist.load(tmp_path / f"g{i}", shard=None)
+        assert torch.equal(back["w"], nested["w"]) and back["note"] == nested["note"]
+        nested["w"].add_(1)
+        nested["note"] = "y"  # a value, not the structure: encoded again
+        plans.append(ch.deferred_plan)
+    assert plans[0] is plans[1] is not None
+
+
 def test_archives_copy_before_returning(tmp_path: Path) -> None:
     """A save that cannot defer its copy (an archive) copies now: changing the state at once is safe."""
     td = TensorDict(w=torch.arange(100_000.0), batch_size=[])

@@ -20,6 +20,7 @@ from tensordict import TensorDict, TensorDictBase
 from ..core.tree import flatten
 from ..errors import InvalidArgumentError, InvalidDataError
 from ..saving.deferred import remember_optimizer
+from .state_cache import cached_state
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -59,6 +60,11 @@ def get_state(
 
     The optimizers it sees are remembered (weakly): a deferred save of this
     state (``snapshot="deferred"`` without ``guard=``) guards their steps.
+    ``get_state(model, optimizer)`` without ``options`` keeps what it built
+    per model and returns a shallow copy of it (new nodes, the same tensors)
+    while the modules, parameters, buffers and optimizer state keep their
+    structure; anything structural changed, it is built again
+    (``jobs.state_cache``, docs/parameters.md).
 
     Tensors are the state dict's own (no copy): ``tddist.load(path, into=state)``
     fills them in place, each in its own placements. Under FSDP2 they are
@@ -93,8 +99,15 @@ def _model_state(
     if optimizer is None:
         model_sd, optim_sd = get_model_state_dict(model, options=options), None
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
         remember_optimizer(optimizer)
+        if options is None:
+            return cached_state(model, optimizer, lambda: _built(*get_state_dict(model, optimizer)), _jsonable)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    return _built(model_sd, optim_sd)
+
+
+def _built(model_sd: Any, optim_sd: Any) -> TensorDict:
+    """The state of DCP's model and optimizer state dicts (None: no optimizer)."""
     state = TensorDict({"model": TensorDict(dict(model_sd), batch_size=[])}, batch_size=[])
     if optim_sd is not None:
         state.set("optim", _optim_node(cast("dict[str, Any]", optim_sd)))

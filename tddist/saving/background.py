@@ -37,6 +37,7 @@ from ..comm.base import Communicator, default_timeout
 from ..core.types import Key
 from ..errors import InvalidArgumentError, SaveInProgressError
 from ..manifest.merge import MergeCache
+from .deferred_plan import DeferredPlan
 from .prepare import PlacementCache
 from .snapshot import SnapshotBuffers
 from .stream import Arena, Stream, pipeline_slot, whole_state_budget
@@ -190,6 +191,7 @@ class Channel:
         self.arena_allocations = 0  # how many arenas this channel allocated (a reused one is not counted again)
         self.merges = MergeCache()  # the cached path of the next save's merge (see merge.py)
         self.placements = PlacementCache()  # what the latest saves derived from their structures (prepare.py)
+        self.deferred_plan: DeferredPlan | None = None  # the latest deferred save's plan (deferred_plan.py)
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
         self._worker: Worker | None = None

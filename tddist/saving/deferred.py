@@ -80,6 +80,12 @@ def record(key: Key, t: torch.Tensor) -> Recorded:
     return Recorded(key, t, int(t._version), _storage(t))
 
 
+def now(r: Recorded) -> Recorded:
+    """``r``'s leaf with its version as it is now, in the same storage (a kept plan found its address unchanged
+    while it holds that storage: ``deferred_plan``)."""
+    return Recorded(r.key, r.tensor, int(r.tensor._version), r.storage)
+
+
 class Proof:
     """The deferred leaves of one save (by their index in the copy; None for a leaf copied eagerly) and the first
     one found changed.
@@ -164,20 +170,39 @@ def remember_optimizer(optimizer: Any) -> None:
         _seen.add(optimizer)
 
 
+def seen_optimizers() -> tuple[Any, ...]:
+    """The optimizers ``get_state`` saw, still alive."""
+    with _lock:
+        return tuple(_seen)
+
+
 def seen_guarding(sources: Mapping[Key, torch.Tensor]) -> tuple[Any, ...]:
     """The optimizers ``get_state`` saw whose steps change a leaf of ``sources`` (the default guard)."""
-    with _lock:
-        seen = list(_seen)
+    return default_guard(sources)[0]
+
+
+def default_guard(sources: Mapping[Key, torch.Tensor]) -> tuple[tuple[Any, ...], set[int]]:
+    """``seen_guarding``'s optimizers and the storages their steps change (computed once: ``eager_keys`` takes them)."""
     storages = {_storage(t) for t in sources.values()}
-    return tuple(opt for opt in seen if guarded_storages([opt]) & storages)
+    guard, guarded = [], set()
+    for opt in seen_optimizers():
+        theirs = guarded_storages([opt])
+        if theirs & storages:
+            guard.append(opt)
+            guarded |= theirs
+    return tuple(guard), guarded
 
 
-def eager_keys(sources: Mapping[Key, torch.Tensor], optimizers: Sequence[Any]) -> set[Key]:
+def eager_keys(
+    sources: Mapping[Key, torch.Tensor], optimizers: Sequence[Any], guarded: set[int] | None = None
+) -> set[Key]:
     """The leaves a deferred save copies before it returns: with a guard, those under ``EAGER_BYTES`` and those
-    the optimizers' steps do not change (buffers); without one, none (the caller waits for the copy)."""
+    the optimizers' steps do not change (buffers); without one, none (the caller waits for the copy).
+    ``guarded``: the optimizers' ``guarded_storages``, when already known."""
     if not optimizers:
         return set()
-    guarded = guarded_storages(optimizers)
+    if guarded is None:
+        guarded = guarded_storages(optimizers)
     return {
         k
         for k, t in sources.items()

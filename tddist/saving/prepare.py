@@ -178,13 +178,7 @@ def prepare_shard(
         derived = structure.derive_placements() if placement_cache is None else placement_cache.placements_of(structure)
         if not copy_existing:
             _check_not_mapped(leaves, rank)
-        encoded = {}
-        for (k, (kind, value)), own in zip(objects.items(), derived.objects_per_rank):
-            where = f"rank {rank}: non-tensor leaf {list(k)}"
-            if kind == "stack":
-                encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
-            else:
-                encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where), own)
+        encoded = encode_objects(objects, derived.objects_per_rank, rank, allow_pickle)
         items = []
         for (k, t), leaf in zip(leaves.items(), derived.leaves):
             local = buffers.snapshot(k, t) if buffers is not None else local_bytes(t)
@@ -196,6 +190,20 @@ def prepare_shard(
         return LocalShard(nodes, tuple(items), encoded)
     except Exception as e:
         return e
+
+
+def encode_objects(
+    objects: Mapping[Key, tuple[str, Any]], per_rank: tuple[bool, ...], rank: int, allow_pickle: bool
+) -> dict[Key, EncodedObject]:
+    """The non-tensor values of a save, encoded (at every save: values change where the structure does not)."""
+    encoded = {}
+    for (k, (kind, value)), own in zip(objects.items(), per_rank):
+        where = f"rank {rank}: non-tensor leaf {list(k)}"
+        if kind == "stack":
+            encoded[k] = EncodedObject("stack", [fmt.encode_object(v, allow_pickle, where) for v in value])
+        else:
+            encoded[k] = EncodedObject("data", fmt.encode_object(value, allow_pickle, where), own)
+    return encoded
 
 
 def _check_materialised(leaves: Mapping[Key, torch.Tensor], rank: int) -> None:

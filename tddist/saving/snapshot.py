@@ -69,6 +69,7 @@ class SnapshotBuffers:
         self._buffers: dict[Key, torch.Tensor] = {}
         self._lock = threading.Lock()
         self.allocations = 0  # how many buffers were ever allocated (tests and benchmarks read it)
+        self.generation = 0  # bumped whenever a buffer is allocated or freed (a kept deferred plan checks it)
         self._copier: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, Any] = {}  # a side stream per CUDA device
         self._pending: list[Any] = []  # CUDA events of copies issued since the last synchronize()
@@ -84,6 +85,7 @@ class SnapshotBuffers:
                 buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
                 self._buffers[key] = buf
                 self.allocations += 1
+                self.generation += 1
         if cuda:
             self._copy_on_side_stream(buf, t)
         elif t.numel() * t.element_size() < _PARALLEL_COPY_BYTES or not t.is_contiguous():
@@ -136,6 +138,7 @@ class SnapshotBuffers:
         with self._lock:
             for k in [k for k in self._buffers if k not in keys]:
                 del self._buffers[k]
+                self.generation += 1
 
     def nbytes(self) -> int:
         """Bytes held in buffers."""

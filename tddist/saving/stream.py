@@ -42,7 +42,7 @@ import xxhash
 from .. import format as fmt
 from .._fs import WRITE_STEP, write_and_start_writeback
 from ..checksum import combine_digests
-from ..core.finite import counter_for
+from ..core.finite import StatsCounter, counter_for
 from ..core.types import Fragment, Key, LocalShard, SaveOptions, Staging, StoredBytes
 from ..manifest.locate import packed_offsets
 from ..manifest.merge import MergeCache
@@ -262,6 +262,28 @@ def copy_bytes(destination: int, source: int, nbytes: int) -> None:
     ctypes.memmove(destination, source, nbytes)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamLayout:
+    """What a ``Stream`` derives from its leaves alone: their keys, bytes (flat ``uint8`` views), host addresses
+    (None for a device leaf) and slot assignment. The same leaves, unchanged (the same tensors, storages and
+    shapes), have the same layout: a deferred save of an unchanged state reuses it (``deferred_plan``)."""
+
+    keys: list[Key]
+    sources: list[torch.Tensor]
+    addresses: list[int | None]
+    slot_bytes: int
+    assigned: SlotAssignment
+
+
+def stream_layout(items: list[tuple[Key, torch.Tensor]], slot_bytes: int) -> StreamLayout:
+    """The layout of ``items`` in slots of ``slot_bytes``."""
+    sources = [_bytes_of(t) for _k, t in items]
+    # Host leaves are copied by address (``copy_bytes``); device leaves (None) by ``copy_``.
+    addresses = [s.data_ptr() if s.is_cpu else None for s in sources]
+    assigned = assign_slots(tuple(s.numel() for s in sources), slot_bytes)
+    return StreamLayout([k for k, _t in items], sources, addresses, slot_bytes, assigned)
+
+
 _END = "end"
 
 
@@ -283,20 +305,22 @@ class Stream:
     here), and nothing reads or writes memory beside it until it is done.
     """
 
-    def __init__(self, arena: Arena, items: list[tuple[Key, torch.Tensor]], rank: int) -> None:
+    def __init__(
+        self, arena: Arena, items: list[tuple[Key, torch.Tensor]], rank: int, layout: StreamLayout | None = None
+    ) -> None:
         self.arena = arena
         self.rank = rank
-        self.keys = [k for k, _t in items]
         # The leaves' tensors (the detached views ``prepare_shard`` made) stay referenced until the stream
         # goes, on the worker's thread: freed as the caller returned from ``save`` they took it 8-9 ms at
         # 1,000 leaves while the commit's thread ran (1 ms of CPU, the rest waiting), longer than a copy.
         self._items = items
-        self.sources = [_bytes_of(t) for _k, t in items]
+        if layout is None or layout.slot_bytes != arena.slot_bytes:
+            layout = stream_layout(items, arena.slot_bytes)
+        self.layout = layout
+        self.keys, self.sources, self._addresses = layout.keys, layout.sources, layout.addresses
         # Each floating leaf's counts of non-finite values, made in the hashing pass (``consume``).
-        self.counters = [counter_for(fmt.dtype_name(t.dtype)) for _k, t in items]
-        # Host leaves are copied by address (``copy_bytes``); device leaves (None) by ``copy_``.
-        self._addresses = [s.data_ptr() if s.is_cpu else None for s in self.sources]
-        assigned = assign_slots(tuple(s.numel() for s in self.sources), arena.slot_bytes)
+        self.counters: list[StatsCounter | None] = []
+        assigned = layout.assigned
         self.offsets, self.total, self.fills = assigned.offsets, assigned.total, assigned.fills
         self.whole = len(self.fills) <= arena.nslots
         if self.whole:
@@ -479,6 +503,7 @@ class Stream:
         competing with the training loop for the cores and the interpreter.
         """
         cb = fmt.CHECKSUM_BLOCK
+        self.counters = [counter_for(fmt.dtype_name(t.dtype)) for _k, t in self._items]
         digests: list[list[int]] = [[0] * ((s.numel() + cb - 1) // cb) for s in self.sources]
         hashers: dict[tuple[int, int], xxhash.xxh3_64] = {}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
