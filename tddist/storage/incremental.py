@@ -37,7 +37,7 @@ import xxhash
 from .. import format as fmt
 from .._faults import fault_point
 from .._fs import WRITE_STEP, write_and_start_writeback
-from ..checksum import EMPTY, identify, tensor_bytes
+from ..checksum import EMPTY, blocks, combine_digests, digest_visiting, identify, tensor_bytes
 from ..core.finite import ChunkStats, counter_for, is_floating
 from ..core.types import Holder, Key, SaveItem, StoredBytes
 from ..errors import TargetError, TddistError
@@ -403,23 +403,29 @@ def hashed(item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int 
     if seen is not None and seen.unchanged(item.tensor):
         return seen.chunk
     version = int(item.tensor._version)
-    chunk = None
+    ident = None
     if known is not None and known.identity is not None and known.stats is not None and data.size:
         ident = xxhash.xxh3_128_intdigest(data.data)
-        if ident == known.identity:
-            chunk = HashedChunk(StoredBytes(int(data.size), hex_checksum(known.checksum), known.stats.stats), ident,
-                           known.stats.exact)  # fmt: skip
-    chunk = chunk or _counted(item, data)
+    if ident is not None and known is not None and known.stats is not None and ident == known.identity:
+        chunk = HashedChunk(StoredBytes(int(data.size), hex_checksum(known.checksum), known.stats.stats), ident,
+                            known.stats.exact)  # fmt: skip
+    else:
+        chunk = _counted(item, data, ident)
     if rank is not None and data.size:
         with _SEEN_LOCK:
             _SEEN[(rank, item.key)] = _Seen(item.tensor, version, item.tensor.data_ptr(), chunk)
     return chunk
 
 
-def _counted(item: SaveItem, data: np.ndarray) -> HashedChunk:
-    """``item``'s chunk hashed (checksum and identity) and counted, in one pass."""
+def _counted(item: SaveItem, data: np.ndarray, ident: int | None = None) -> HashedChunk:
+    """``item``'s chunk hashed (checksum and, unless ``ident`` already is, identity) and counted, in one pass."""
     counter = counter_for(fmt.dtype_name(item.tensor.dtype))
-    checksum, ident = identify(data, counter) if data.size else (EMPTY, 0)
+    if not data.size:
+        checksum, ident = EMPTY, 0
+    elif ident is None:
+        checksum, ident = identify(data, counter)
+    else:
+        checksum = combine_digests([digest_visiting(b, counter) for b in blocks(data)])
     return HashedChunk(StoredBytes(int(data.size), checksum, None if counter is None else counter.result()), ident)
 
 
