@@ -532,7 +532,8 @@ def test_data_file_sizes_are_the_locators():
         assert data_file_sizes(m).tolist() == [loc.packed(r)[1] for r in range(m.world_size)]
 
     for path in sorted((REPO / "tests" / "golden").glob("v*/*")):
-        same(tddist.read_manifest(path))
+        if path.is_file() or (path / "tddist.json").exists():  # not the objects of v4/s3_incremental
+            same(tddist.read_manifest(path))
     u8 = np.zeros(4, dtype=np.uint64)
     leaves = [
         Leaf(("s",), "float32", (9, 5), tddist.Shard(0), ShardChunks((9, 5), 0, 4, np.array([4, 0, 2, 3]), u8)),
