@@ -524,18 +524,20 @@ def identity_columns(ids: list[int]) -> bytes:
     return np.asarray([id_pair(i) for i in ids], dtype=_U8).reshape(-1, 2).tobytes()
 
 
-def check_holders(target: str, table: tuple[Holder, ...]) -> None:
+def check_holders(
+    target: str, table: tuple[Holder, ...], opener: Callable[[str], OpenedCheckpoint] = open_manifest
+) -> None:
     """(rank 0, before the commit) Every holder a save to ``target`` may reference is there, at the generation
-    its ranks read.
+    its ranks read (each opened by its store's ``opener``).
 
     Raises:
-        TargetError: one is missing or was replaced since (deleted by a clean-up that ran before the pins):
-            nothing is committed; save again.
+        TargetError: one is missing or was replaced since (deleted by a clean-up that ran before the pins, or on
+            object storage at any time before this check): nothing is committed; save again.
     """
     for h in table:
         path = fmt.holder_path(target, h.name)
         try:
-            with open_manifest(path) as opened:
+            with opener(path) as opened:
                 gen = opened.generation
         except TddistError as e:
             gen = f"unreadable ({e})"

@@ -24,8 +24,9 @@ import numpy as np
 from ... import format as fmt
 from ...checksum import tensor_bytes
 from ...core.types import Holder, Key, SaveItem, StoredBytes
-from ...errors import TargetError, TddistError
+from ...errors import TddistError
 from ...manifest.locate import Location, Locator, kept_offsets, packed_offsets
+from .. import incremental
 from ..incremental import RankBase, exact_largest, judged, view_of
 from ..opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .files import S3Files
@@ -155,21 +156,5 @@ class _Holders:
 
 
 def check_holders(target: str, table: tuple[Holder, ...]) -> None:
-    """(rank 0, before the commit) Every holder a save to ``target`` may reference is there, at the generation
-    its ranks read.
-
-    Raises:
-        TargetError: one is missing or was replaced since: nothing is committed; save again.
-    """
-    for h in table:
-        path = fmt.holder_path(target, h.name)
-        try:
-            with open_object(path) as opened:
-                gen = opened.generation
-        except TddistError as e:
-            gen = f"unreadable ({e})"
-        if gen != h.generation:
-            raise TargetError(
-                f"rank 0: {path}, which this incremental save references, changed during the save (generation "
-                f"{h.generation}, now {gen}); nothing was committed: save again"
-            )
+    """(rank 0, before the commit) ``incremental.check_holders`` of a save on object storage."""
+    incremental.check_holders(target, table, open_object)
