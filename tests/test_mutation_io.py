@@ -103,7 +103,9 @@ def test_needed_ranges_hold_exactly_the_requested_elements(rows_checkpoint, veri
     source = reader.ChunkSource(str(rows_checkpoint), m)
     locator = Locator(m)
     requests = [(leaf, box) for leaf in m.leaves.values() for box in boxes(leaf.shape)[1:]]
-    got = reader._needed(source, requests, verify)
+    by_holder = reader._needed(source, requests, verify)
+    assert list(by_holder) == [0]  # no references: every range is this checkpoint's
+    got = by_holder[0]
 
     want = []
     for leaf, box in requests:
@@ -145,7 +147,9 @@ def test_needed_ranges_of_whole_leaves_are_runs_of_each_data_file(rows_checkpoin
     source = reader.ChunkSource(str(rows_checkpoint), m)
     locator = Locator(m)
     requests = [(leaf, ((0,) * len(leaf.shape), leaf.shape)) for leaf in m.leaves.values()]
-    got = reader._needed(source, requests, verify)
+    by_holder = reader._needed(source, requests, verify)
+    assert list(by_holder) == [0]
+    got = by_holder[0]
     assert len({r.location.relpath for r in got}) == len(got)  # every chunk of a file is read: one run per file
     by_file = {r.location.relpath: r for r in got}
     for leaf in m.leaves.values():
@@ -167,11 +171,11 @@ def test_needed_of_a_one_element_chunk_and_of_no_request(rows_checkpoint):
     m = tddist.read_manifest(rows_checkpoint)
     source = reader.ChunkSource(str(rows_checkpoint), m)
     leaf = m.leaves[("d",)]
-    (r,) = reader._needed(source, [(leaf, ((2,), (1,)))], False)
+    (r,) = reader._needed(source, [(leaf, ((2,), (1,)))], False)[0]
     assert (r.start, r.stop) == (0, 8) and r.location.nbytes == 8
     raw = (rows_checkpoint / r.location.relpath).read_bytes()[r.location.offset : r.location.offset + 8]
     assert np.frombuffer(raw, dtype=np.float64).tolist() == [10.0]
-    assert reader._needed(source, [], False) == [] and reader._needed(source, [], True) == []
+    assert reader._needed(source, [], False) == {} and reader._needed(source, [], True) == {}
 
 
 # --- writer ---------------------------------------------------------------------------------

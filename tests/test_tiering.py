@@ -321,7 +321,7 @@ def _manager(work: Path, **kw) -> CheckpointManager:
 
 
 def _report(work: Path, name: str, obj: dict) -> None:
-    ch._write_json(work / f"{name}.json", obj)
+    ch.write_json(work / f"{name}.json", obj)
 
 
 def strike_rank(rank: int, work: Path, strike: Strike) -> None:
