@@ -14,7 +14,7 @@
 3. the pin is closed; the returned tensors map the files they came from.
 
 A save reads back what it committed with ``read_shard`` too
-(``saving.pipeline.open_committed``).
+(``saving.committing.open_committed``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Background saves: one persistent worker thread and one private channel per communicator.
 
-``save(return_early=True)`` snapshots the data (``pipeline.start_early``),
+``save(return_early=True)`` snapshots the data (``early.start_early``),
 then hands the writing and the whole two-phase commit to the channel's
 worker thread through a queue,
 over a duplicate of the communicator, so its messages never interleave with

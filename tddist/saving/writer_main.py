@@ -1,13 +1,13 @@
 """Entry point of tddist's writer process: ``python -m tddist.saving.writer_main FD SPEC`` (see ``writer_process``).
 
 The process runs the save pipeline's ``commit`` for each request; the
-trainer maps the result itself (``pipeline.open_committed``).
+trainer maps the result itself (``committing.open_committed``).
 """
 
 import sys
 
 from .background import yield_cpu_to_training
-from .pipeline import commit
+from .committing import commit
 from .writer_process import serve
 
 if __name__ == "__main__":

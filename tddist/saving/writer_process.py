@@ -245,7 +245,7 @@ def serve(fd: int, spec: str, commit: Callable[[Communicator, SaveOptions, Any, 
     """The writer process (``python -m tddist.saving.writer_main FD SPEC``): join the writers' group, then
     commit each request until told to stop or the trainer is gone.
 
-    ``commit`` is ``pipeline.commit``, passed in by the entry point, since
+    ``commit`` is ``committing.commit``, passed in by the entry point, since
     the pipeline imports this module; the trainer gets the generation it
     committed.
     """

@@ -1,0 +1,231 @@
+"""A save's commit and its read-back, on every rank: this rank's shard written and the checkpoint published
+(``commit``), then what this rank saved mapped from the checkpoint that commit named (``open_committed``).
+
+The synchronous save runs both on the caller's thread (``pipeline.save``); an early or deferred save hands
+them to its channel's worker (``early``, ``deferred_save``); the writer process runs ``commit`` alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tensordict import TensorDict
+
+from .. import format as fmt
+from .._version import __version__
+from ..comm.base import Communicator
+from ..core.tree import build
+from ..core.types import (
+    Fragment,
+    LoadOptions,
+    LocalShard,
+    ManifestFiles,
+    SavedRows,
+    SaveOptions,
+    Staging,
+    Structure,
+)
+from ..errors import CheckpointChangedError, NonFiniteError, StorageError, TargetError, TddistError
+from ..loading.pipeline import read_shard
+from ..manifest.merge import MergeCache, merge_fragments
+from ..manifest.model import Manifest
+from ..manifest.v2 import encode
+from ..storage.backends import Store, store_for
+from ..storage.base import ShardWriter
+from ..storage.opened import Pin
+from .commit import Retire, two_phase_commit
+from .snapshot import Snapshotter
+
+logger = logging.getLogger(__name__)
+
+logger = logging.getLogger(__name__)
+
+#: A function that prepares this rank's shard, snapshotting its tensors into the given buffers.
+Prepare = Callable[[Snapshotter | None], LocalShard | Exception]
+#: A function that makes this rank's writer of a save (the store's, or one that writes a streamed snapshot).
+WriterFactory = Callable[[SaveOptions, int, LocalShard | Exception, MergeCache], ShardWriter]
+
+
+def store_of(options: SaveOptions) -> Store:
+    """The store a save writes to (``storage.backends``)."""
+    return store_for(options.target, options.container == "archive")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A save this rank took part in, once committed: what ``open_committed`` reads back exactly."""
+
+    writer: ShardWriter | None  # None: a writer process wrote it
+    generation: str  # of the manifest rank 0 published
+    pin: Pin | None  # the checkpoint, pinned before it was published (file stores; ``Store.pin_staging``)
+
+
+def commit(
+    c: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: MergeCache,
+    make_writer: WriterFactory | None = None,
+    retire: Retire | None = None,
+) -> Committed:
+    """Write this rank's shard and run the two-phase commit; return what was committed once it is published.
+
+    ``make_writer``: a writer other than the store's own (a streamed
+    snapshot's); ``retire``: where the removal of the replaced checkpoint goes
+    (``two_phase_commit``). The store pins the staging area on every rank
+    before its vote, so a save that replaces this one at once cannot make it
+    read back another save's data.
+    """
+    store = store_of(options)
+    writer = (make_writer or store.writer)(options, c.rank, shard, cache)
+    pins: list[Pin] = []
+
+    def pin(staging: Staging) -> None:
+        held = store.pin_staging(staging)
+        if held is not None:
+            pins.append(held)
+
+    def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
+        m = merge_fragments(
+            fragments,
+            structure,
+            metadata=dict(options.metadata),
+            robust_key=options.robust_key,
+            version=__version__,
+            container=options.container,
+            packing=options.packing,
+            cache=cache,
+        )
+        if options.require_finite:
+            refuse_non_finite(m, options.target)
+        return encode(m)
+
+    try:
+        generation = two_phase_commit(c, writer, build_manifest, retire, on_staged=pin)
+    except BaseException:
+        for p in pins:
+            p.close()
+        raise
+    writer.committed()
+    logger.info("rank %d: committed %s", c.rank, options.target)
+    return Committed(writer, generation, pins[0] if pins else None)
+
+
+def refuse_non_finite(m: Manifest, target: str) -> None:
+    """(rank 0, before the manifest is written) ``require_finite``: refuse a checkpoint whose leaves hold NaN
+    or Inf values; the commit turns it into the same error on every rank and removes the staging area.
+
+    Raises:
+        NonFiniteError: naming each such leaf, its counts and the ranks whose chunks hold them.
+    """
+    bad = m.non_finite()
+    if not bad:
+        return
+    shown = "; ".join(f"{list(b.key)}: {b.nan} NaN and {b.inf} Inf values (ranks {list(b.ranks)[:8]})" for b in bad[:8])
+    more = f"; and {len(bad) - 8} more leaves" if len(bad) > 8 else ""
+    raise NonFiniteError(
+        f"the save to {target!r} was refused (require_finite=True): {len(bad)} leaves hold non-finite values: "
+        f"{shown}{more}. Nothing was committed; the target keeps its previous checkpoint. The run has probably "
+        f"diverged: restore the last finite checkpoint (CheckpointManager(restore='finite'))"
+    )
+
+
+def open_committed(
+    c: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    committed: Committed,
+    in_memory: LocalShard | Exception | None = None,
+) -> TensorDict:
+    """This rank's saved shard, mapped from the checkpoint ``committed`` names, never another save's.
+
+    Through the pin taken before it was published (file stores), or by name
+    with its generation compared (object storage, a writer process). When a
+    concurrent save replaced it before it could be read (a store without a
+    pin, or a file system without ``flock``), this rank's shard is returned
+    from memory instead: ``in_memory``, the snapshot or the caller's own
+    tensors, which hold what was written (copied, as a map would be). Raises
+    ``TargetError`` only when the commit is durable but could not be read
+    back and no such copy exists (a streamed snapshot), or the file system
+    failed.
+    """
+    assert isinstance(shard, LocalShard)  # the commit raised otherwise
+    store = store_of(options)
+    own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
+    opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
+    try:
+        with store.open_saved(committed.writer, committed.pin) as opened:
+            if opened.generation != committed.generation:
+                raise CheckpointChangedError(
+                    f"rank {c.rank}: {options.target!r} holds another save's checkpoint (generation "
+                    f"{opened.generation}, this save committed {committed.generation})"
+                )
+            return read_shard(opened, c, opts, own)
+    except CheckpointChangedError as e:
+        return replaced_after_commit(c.rank, options, in_memory, e)
+    except StorageError as e:
+        raise unreadable_after_commit(c.rank, options.target, e) from e
+    except TddistError:
+        raise
+    except OSError as e:  # the file system failed after the commit (an I/O error, a power loss)
+        raise unreadable_after_commit(c.rank, options.target, e) from e
+
+
+def commit_and_open(
+    c: Communicator,
+    options: SaveOptions,
+    shard: LocalShard | Exception,
+    cache: MergeCache,
+    make_writer: WriterFactory | None,
+    retire: Retire,
+    in_memory: LocalShard | Exception | None,
+) -> TensorDict:
+    """(a ``return_early`` save's worker) ``commit``, then ``open_committed``; ``in_memory``: what was
+    written, kept until this save ends (a whole snapshot), or None (a streamed one, whose slots are reused)."""
+    committed = commit(c, options, shard, cache, make_writer, retire)
+    return open_committed(c, options, shard, committed, in_memory)
+
+
+def replaced_after_commit(
+    rank: int, options: SaveOptions, in_memory: LocalShard | Exception | None, e: CheckpointChangedError
+) -> TensorDict:
+    """A concurrent save replaced this one's checkpoint before it was read back: this rank's shard from memory."""
+    if not isinstance(in_memory, LocalShard):
+        raise TargetError(
+            f"rank {rank}: the save to {options.target!r} was committed and is durable, but another save "
+            f"replaced it before it could be read back ({e}); save to distinct paths (or one process at a time) "
+            f"to get the saved shard back, or load the checkpoint you want"
+        ) from e
+    logger.info("rank %d: %s; returning the saved shard from memory", rank, e)
+    return shard_from_memory(in_memory, options)
+
+
+def shard_from_memory(shard: LocalShard, options: SaveOptions) -> TensorDict:
+    """This rank's shard as ``load(shard="saved")`` returns it, from the tensors that were written (copied).
+
+    Sharded leaves hold this rank's rows, replicated ones its copy (equal to
+    the written one: small replicas are compared in every save, larger ones
+    with ``check_replicas``), DTensor leaves their local shard.
+    """
+    leaves = {i.key: i.tensor.detach().to("cpu", copy=True) for i in shard.items}
+    objects = {}
+    for key, obj in shard.objects.items():
+        where = f"non-tensor leaf {list(key)}"
+        if obj.kind == "stack":
+            objects[key] = ("stack", [fmt.decode_object(v, True, where) for v in obj.value])
+        else:
+            objects[key] = ("data", fmt.decode_object(obj.value, True, where))
+    return build(dict(shard.nodes), leaves, lambda _key, batch: batch[0], None, objects, options.share_non_tensor)
+
+
+def unreadable_after_commit(rank: int, target: str, e: OSError | StorageError) -> TargetError:
+    """The error of a save whose commit is durable but whose checkpoint could not be read back (the I/O failed)."""
+    return TargetError(
+        f"rank {rank}: the save to {target!r} was committed and is durable, but opening it to return it failed: "
+        f"{e}; once the file system is readable again, tddist.load reads it"
+    )
+
+
+# --- return_early: snapshot on the caller's thread, commit on the channel's worker ---------------------------
