@@ -29,7 +29,7 @@ from tensordict import TensorDict
 
 import tddist
 from tddist.comm.base import LocalComm
-from tddist.jobs import box_reshard, direct, local_shards, peer_restore, receiving, transfer
+from tddist.jobs import box_reshard, direct, local_shards, peer_choice, peer_restore, receiving, transfer
 from tddist.jobs.copies import CopyRecord, PartId, digest_files, read_record
 from tddist.jobs.keeping import write_in_place
 from tddist.jobs.local_tier import LocalTier
@@ -110,9 +110,9 @@ def test_parts_without_recorded_dtensor_boxes_reshard_plain_states_only(
     tier = LocalTier(str(tmp_path), 0, 2)
     for r in range(2):  # parts as a tddist that recorded no boxes saved them
         tddist.save(local_state(r, 2, 1), str(tmp_path / step_name(1) / f"rank-{r}-of-2"), metadata={"step": 1})
-    copies = peer_restore.inventory(tier, "n")
+    copies = peer_choice.inventory(tier, "n")
     assert [c.boxes for c in copies] == [None, None]
-    choice, _passed = peer_restore.choose(copies, set(), None, 1)
+    choice, _passed = peer_choice.choose(copies, set(), None, 1)
     assert choice is not None and choice.world == 2
     assert peer_restore._reshardable(LocalComm(), choice, {0: ()})  # a plain state reshards as before
     dtensor = local_shards.LeafBox(("fsdp", "w"), (0, 0), (9, 5), (9, 5))
@@ -121,7 +121,7 @@ def test_parts_without_recorded_dtensor_boxes_reshard_plain_states_only(
     assert "did not record where the DTensor shards of its node-local parts lie" in caplog.text
     assert "restoring from the shared root" in caplog.text
     tier.save(local_state(0, 2, 2), 2, {"step": 2}, {})  # the local tier records the boxes (none: no DTensor)
-    assert [c.boxes for c in peer_restore.inventory(tier, "n") if c.part.step == 2] == [()]
+    assert [c.boxes for c in peer_choice.inventory(tier, "n") if c.part.step == 2] == [()]
     assert tier.read(2, ()).metadata == {"step": 2}  # a promotion gives the shared checkpoint the user's metadata
 
 
