@@ -390,7 +390,7 @@ def judged(
         elif same_bytes(known.holder):
             held = known.holder
     if not held and not chunk.exact:  # remembered as the base's chunk, which this is no longer: counted now
-        chunk = _counted(item, data)
+        chunk = _counted(item, data, chunk.identity)
     return chunk, held
 
 
@@ -403,14 +403,15 @@ def hashed(item: SaveItem, data: np.ndarray, known: BaseChunk | None, rank: int 
     if seen is not None and seen.unchanged(item.tensor):
         return seen.chunk
     version = int(item.tensor._version)
-    ident = None
-    if known is not None and known.identity is not None and known.stats is not None and data.size:
-        ident = xxhash.xxh3_128_intdigest(data.data)
-    if ident is not None and known is not None and known.stats is not None and ident == known.identity:
-        chunk = HashedChunk(StoredBytes(int(data.size), hex_checksum(known.checksum), known.stats.stats), ident,
-                            known.stats.exact)  # fmt: skip
+    if known is None or known.identity is None or known.stats is None or not data.size:
+        chunk = _counted(item, data)
     else:
-        chunk = _counted(item, data, ident)
+        ident = xxhash.xxh3_128_intdigest(data.data)
+        if ident == known.identity:
+            chunk = HashedChunk(StoredBytes(int(data.size), hex_checksum(known.checksum), known.stats.stats), ident,
+                                known.stats.exact)  # fmt: skip
+        else:
+            chunk = _counted(item, data, ident)
     if rank is not None and data.size:
         with _SEEN_LOCK:
             _SEEN[(rank, item.key)] = _Seen(item.tensor, version, item.tensor.data_ptr(), chunk)
