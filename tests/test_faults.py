@@ -581,7 +581,10 @@ def test_rank_0_stopped_as_its_save_begins_does_not_hold_its_peer_past_the_timeo
     target = tmp_path / "ckpt"
     cfg = {"target": str(target), "timeout": SIGNAL_TIMEOUT, "stop_after": STOP_AFTER}
     job = run_job(launcher, 2, SCRIPT, ["stopped_before_save", json.dumps(cfg)], tmp_path / "r", timeout=JOB_TIMEOUT)
-    assert job.returncodes != [0], job.output[-3000:]  # rank 0 was killed: the launcher reports the failure
+    # The job ended, so rank 0 (which sleeps an hour after its save) was killed by rank 1. torchrun reports
+    # that death; MPICH's mpiexec sometimes reports success when the killed rank is reaped after its peer exits.
+    if launcher == "torchrun":
+        assert job.returncodes != [0], job.output[-3000:]
     o = job.reports[1]["outcome"]
     assert raised(o, "CommTimeoutError") and "rank 1" in o["msg"], o
     assert o["elapsed"] <= SIGNAL_TIMEOUT + DEADLINE_GRACE + MARGIN, o
