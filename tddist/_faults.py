@@ -17,7 +17,10 @@ set this is one dict lookup. Actions:
 - ``hang``: sleep forever (the process's other threads go on);
 - ``stop``: SIGSTOP this process: every thread stops, as under a debugger or
   on a swapped-out node (a store this rank hosts stops answering too);
-- ``delay``: sleep one second, then go on.
+- ``delay``: sleep one second, then go on;
+- (``inject`` only) a function: called there, on the thread that reached the
+  point, so a test runs another process's step exactly between two of this
+  one's.
 
 ``TDDIST_FAULT_THREAD=<prefix>`` strikes only threads whose name starts with
 ``<prefix>`` (the commit of a background save runs on ``tddist-save-rank<r>``),
@@ -38,7 +41,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .errors import InjectedFault
 
@@ -48,7 +51,7 @@ NO_EXCHANGE_ENV = "TDDIST_NO_EXCHANGE"
 THREAD_ENV = "TDDIST_FAULT_THREAD"
 FS_IOC_GOINGDOWN = 0x8004587D  # _IOR('X', 125, __u32), shared by XFS and ext4
 FSOP_GOING_FLAGS_NOLOGFLUSH = 2  # do not flush the log: what was not fsynced is lost
-_injected: dict[tuple[str, int], str] = {}
+_injected: dict[tuple[str, int], str | Callable[[], None]] = {}
 _no_exchange: list[bool] = []
 
 
@@ -67,6 +70,9 @@ def fault_point(point: str, rank: int) -> None:
     if action is None and ENV in os.environ:
         action = _from_env().get((point, rank))
     if action is None or not threading.current_thread().name.startswith(os.environ.get(THREAD_ENV, "")):
+        return
+    if callable(action):
+        action()
         return
     if action == "raise":
         raise InjectedFault(f"rank {rank}: injected failure at commit step {point!r}")
@@ -113,7 +119,7 @@ def exchange_disabled() -> bool:
 
 
 @contextlib.contextmanager
-def inject(point: str, rank: int, action: str = "raise") -> Iterator[None]:
+def inject(point: str, rank: int, action: str | Callable[[], None] = "raise") -> Iterator[None]:
     """In-process fault injection (thread communicator tests)."""
     _injected[(point, rank)] = action
     try:

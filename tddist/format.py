@@ -45,6 +45,7 @@ _TRASH_TAG = ".tddist-trash-"
 _BACKUP_TAG = ".tddist-backup-"
 _PIN_TAG = ".tddist-pin-"
 _PIN_RE = re.compile(r"^\.(?P<base>.+)\.tddist-pin-[0-9a-f]{32}$")
+_DELETING_TAG = ".tddist-deleting-"
 _SIDE_RE = re.compile(r"^\.(?P<base>.+)\.tddist-(?P<kind>staging|trash|backup)-(?P<uid>[0-9a-f]{32})$")
 
 #: Top-level names of tensordict's meta.json; a key with one of these names
@@ -339,6 +340,27 @@ def holder_path(checkpoint: str, name: str) -> str:
 def pin_path(target: str) -> str:
     """A fresh name for a pin of ``target`` (a file beside it): an incremental save in progress references it."""
     return _side_name(target, _PIN_TAG)
+
+
+def pin_name(name: str) -> str:
+    """A fresh name for a pin of the checkpoint ``name``, beside it (``.<name>.tddist-pin-<32 hex digits>``)."""
+    return f".{name}{_PIN_TAG}{uuid.uuid4().hex}"
+
+
+def pins_prefix(name: str) -> str:
+    """What the name of every pin of the checkpoint ``name`` starts with."""
+    return f".{name}{_PIN_TAG}"
+
+
+def deletion_name(name: str) -> str:
+    """A fresh name for the marker of a deletion of the checkpoint ``name`` on object storage
+    (``.<name>.tddist-deleting-<32 hex digits>``, section 13.3)."""
+    return f".{name}{_DELETING_TAG}{uuid.uuid4().hex}"
+
+
+def deletions_prefix(name: str) -> str:
+    """What the name of every deletion marker of the checkpoint ``name`` starts with."""
+    return f".{name}{_DELETING_TAG}"
 
 
 def pin_entries(target: str) -> list[str]:

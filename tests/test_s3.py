@@ -20,6 +20,9 @@ from tensordict import NonTensorData, TensorDict
 
 import tddist
 from tddist._faults import inject
+from tddist.errors import CheckpointPinnedError
+from tddist.storage.backends import store_for
+from tddist.storage.s3.root import delete_prefix
 from tests.helpers import assert_td_equal
 from tests.launch_util import REPO, run_job
 
@@ -579,7 +582,10 @@ def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3)
     save_lora(s1, 9)  # replaced: another generation than the one referenced
     replaced = verify(s3_)
     assert [p.kind for p in replaced.problems] == ["holder"] and "generation" in replaced.problems[0].message
-    delete_checkpoint(s1)
+    with pytest.raises(CheckpointPinnedError, match="referenced by a checkpoint beside it"):
+        delete_checkpoint(s1)  # step3 names it among its holders
+    b, p = bucket.split("/")
+    delete_prefix(client, b, f"{p}/run/step1/")  # lost outside tddist
     report = verify(s3_)
     assert [p.kind for p in report.problems] == ["holder"] and "step1" in report.problems[0].message, report
     with pytest.raises(tddist.CorruptCheckpointError, match="step1"):
@@ -588,6 +594,60 @@ def test_incremental_saves_upload_only_the_changed_chunks_and_load_bit_exact(s3)
     for base in (other, "local/step1"):  # a path: on this file system
         with pytest.raises(tddist.InvalidArgumentError, match="same bucket"):
             tddist.save(lora_shard(0, 4), url(bucket, "directory", "step4"), base=base)
+
+
+def test_a_direct_incremental_save_and_a_clean_up_never_leave_a_dangling_reference(s3, monkeypatch):
+    """Pins and deletion markers (docs/format.md 13.3), each interleaving run exactly through a fault point:
+    a deletion between the save's check of its holders and its commit finds the save's pin and deletes
+    nothing; once committed, the reference keeps the holder; a save that checks its holders while a deletion
+    of one is under way (its marker beside it) commits nothing; a marker past its lease (a deletion cut off)
+    is ignored, and recover removes it; no mark is left behind."""
+    from tddist import format as fmt
+    from tddist.jobs.retention import delete_checkpoint
+    from tddist.storage.s3 import holds
+
+    client, bucket = s3
+    b, p = bucket.split("/")
+    h1, h2, h3, h4 = (url(bucket, "directory", f"pins{i}") for i in (1, 2, 3, 4))
+    save_lora(h1, 1)
+    refused: list[BaseException] = []
+
+    def clean_up() -> None:  # another process's clean-up, run between rank 0's check and its commit
+        try:
+            delete_checkpoint(h1)
+        except CheckpointPinnedError as e:
+            refused.append(e)
+
+    with inject("manifest", 0, clean_up):
+        save_lora(h2, 2, base=h1)
+    assert len(refused) == 1 and "pinned by an incremental save" in str(refused[0]), refused
+    assert_td_equal(tddist.load(h2, shard=None, verify=True), lora_whole(2), "the holder was kept")
+    with pytest.raises(CheckpointPinnedError, match="referenced by a checkpoint beside it"):
+        delete_checkpoint(h1)
+
+    failed: list[BaseException] = []
+
+    def save_meanwhile() -> None:  # a save of another process, run while this deletion's marker is beside h3
+        got = tddist.run_threads(2, lambda c: tddist.save(lora_shard(c.rank, 4), h4, comm=c, base=h3), timeout=60)
+        failed.extend(r for r in got if isinstance(r, BaseException))
+
+    save_lora(h3, 3)
+    with inject("delete", 0, save_meanwhile):
+        delete_checkpoint(h3)  # unreferenced: deleted once the save that failed has removed its pin
+    assert len(failed) == 2 and all(isinstance(e, tddist.TargetError) for e in failed), failed
+    assert "is being deleted by a clean-up" in str(failed[0]), failed
+    assert not store_for(h4).committed() and not store_for(h3).committed()
+
+    marker = f"{p}/run/{fmt.deletion_name('pins1')}"  # a deletion cut off after its marker
+    client.put_object(Bucket=b, Key=marker, Body=b"")
+    got = tddist.run_threads(2, lambda c: tddist.save(lora_shard(c.rank, 4), h4, comm=c, base=h1), timeout=60)
+    assert all(isinstance(r, tddist.TargetError) and "being deleted" in str(r) for r in got), got
+    monkeypatch.setattr(holds, "DELETION_LEASE", 1.0)
+    time.sleep(2.5)  # the store's modification times have whole seconds
+    save_lora(h4, 4, base=h1)
+    assert_td_equal(tddist.load(h4, shard=None, verify=True), lora_whole(4), "past the marker's lease")
+    assert any(marker in line for line in tddist.recover(h1))
+    assert [k for k in keys(client, bucket) if k.startswith("run/.")] == []
 
 
 def test_manager_incremental_on_s3_keeps_what_it_references_and_materializes(s3, tmp_path):

@@ -197,8 +197,8 @@ def gc(root: str | os.PathLike, keep_last: int | None = None) -> list[Action]:
     """
     where = root_for(os.fspath(root))
     if not where.local:
-        # Object storage has no pins: the root's lease keeps a job's saves (and the bases they reference)
-        # and this clean-up apart; a live job's lease refuses it (RootLockedError).
+        # The root's lease keeps a manager's saves and this clean-up apart (a live job's lease refuses it:
+        # RootLockedError); a direct incremental save's pins keep its holders (``storage/s3/holds.py``).
         root_lock.acquire(where.target)
         try:
             return _gc_objects(where, plan_gc(where.target, keep_last))
@@ -287,6 +287,7 @@ def _gc_objects(root: Root, actions: list[Action]) -> list[Action]:
     torn entries and retired checkpoints are deleted."""
     recovered: set[str] = set()
     leftover = set(_OBJECT_REASON.values())
+    done = []
     for a in actions:
         target = root.join(re.split(r"[/?]", a.path[len(root.target) + 1 :], maxsplit=1)[0])
         if a.action == REMOVE and a.reason in leftover:
@@ -295,5 +296,9 @@ def _gc_objects(root: Root, actions: list[Action]) -> list[Action]:
                 for line in store_for(target).recover():
                     logger.info("gc: %s", line)
         elif a.action in (REMOVE, DELETE) and a.path == target:
-            delete_checkpoint(target)
-    return actions
+            try:
+                delete_checkpoint(target)
+            except CheckpointPinnedError as e:  # an incremental save is about to reference it
+                a = Action(KEEP, a.path, f"pinned: {e}")
+        done.append(a)
+    return done

@@ -109,6 +109,15 @@ def _holders_of(path: str) -> list[str]:
             head = f.read(HEAD)
     except OSError:  # not a directory checkpoint (an archive holds no references tddist writes)
         return []
+    return holders_in(head)
+
+
+def holders_in(head: bytes) -> list[str]:
+    """The holders' names in the first ``HEAD`` bytes of a manifest (none: it names none).
+
+    Only the member ``holders`` is decoded, where the writer puts it, before
+    the large members: the whole manifest is neither read nor parsed.
+    """
     at = head.find(b'"holders":')
     if at < 0:
         return []

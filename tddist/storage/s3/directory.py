@@ -38,7 +38,8 @@ from ..incremental import RankBase, identity_columns
 from ..tdmeta import node_meta_files
 from ..writer import stored_bytes
 from .client import bucket_missing, client_errors, no_bucket, s3_client, s3_failed
-from .incremental import Decided, check_holders, decide, read_base
+from .holds import pin, unpin
+from .incremental import Decided, check_holders, decide, eligible, read_base
 from .pin import GENERATION_META, GENERATION_PREFIX, is_generation
 from .root import committed_generation, delete_prefix
 from .upload import Segment, run, upload_object
@@ -142,7 +143,12 @@ class S3DirectoryWriter(WriterBase):
     def decide_incremental(self, base: str) -> Decided:
         """An incremental save: which of this rank's chunks its base's holders have (docs/format.md 13.3)."""
         items = self.local_shard().items
+        if self.rank == 0 and eligible(base, self.target) is None:
+            self.pins.append(pin(base))  # before this rank decides; ``check_holders`` looks again before the commit
         self.view = read_base(base, self.target, self.rank, items)
+        if self.rank == 0 and self.view is not None:
+            self.pins += [pin(fmt.holder_path(self.target, h.name)) for h in self.view.table[1:]]
+        fault_point("pin", self.rank)
         return decide(items, self.rank, self.target, self.view, self.options.reuse_hashes)
 
     def kept_segments(self, decided: Decided) -> list[Segment]:
@@ -191,6 +197,8 @@ class S3DirectoryWriter(WriterBase):
             )
         except client_errors() as e:
             raise self._failed("committing the manifest of", e) from e
+        unpin(self.pins)  # committed: the manifest references the holders now
+        self.pins = []
         fault_point("replace", 0)
         old = self.old_generation
         if old and old != staging.path:
@@ -203,7 +211,9 @@ class S3DirectoryWriter(WriterBase):
         )
 
     def abort(self, staging: Staging) -> None:
-        """(rank 0) Delete what was uploaded under the generation; never raises."""
+        """(rank 0) Delete what was uploaded under the generation, and the pins; never raises."""
+        unpin(self.pins)
+        self.pins = []
         try:
             delete_prefix(s3_client(), self.url.bucket, self.url.child(staging.path) + "/")
         except Exception as e:

@@ -24,12 +24,13 @@ import numpy as np
 from ... import format as fmt
 from ...checksum import tensor_bytes
 from ...core.types import Holder, Key, SaveItem, StoredBytes
-from ...errors import TddistError
+from ...errors import TargetError, TddistError
 from ...manifest.locate import Location, Locator, kept_offsets, packed_offsets
 from .. import incremental
 from ..incremental import RankBase, exact_largest, judged, view_of
 from ..opened import ChunkFiles, OpenedCheckpoint, Pin, validate
 from .files import S3Files
+from .holds import DELETION_LEASE, being_deleted
 from .pin import S3Pin, open_s3, place_kept
 from .url import parse
 
@@ -156,5 +157,19 @@ class _Holders:
 
 
 def check_holders(target: str, table: tuple[Holder, ...]) -> None:
-    """(rank 0, before the commit) ``incremental.check_holders`` of a save on object storage."""
+    """(rank 0, before the commit, its pins made) No holder is being deleted, then ``incremental.check_holders``:
+    each still has the generation the ranks read. In this order: a deletion that marks after the first check
+    finds the pin (``holds``).
+
+    Raises:
+        TargetError: a holder is being deleted, missing or replaced: nothing is committed; save again.
+    """
+    for h in table:
+        path = fmt.holder_path(target, h.name)
+        if being_deleted(path):
+            raise TargetError(
+                f"rank 0: {path}, which this incremental save references, is being deleted by a clean-up (a "
+                f"marker {fmt.deletions_prefix(h.name)}... lies beside it, younger than {DELETION_LEASE:.0f} s); "
+                f"nothing was committed: save again, with another base or once the clean-up is done"
+            )
     incremental.check_holders(target, table, open_object)

@@ -3,7 +3,8 @@
 A directory save leaves generations (``key/tddist-gen-.../``) that no
 committed manifest names, and large objects' unfinished multipart uploads; an
 archive save leaves an unfinished multipart upload of ``key``. Neither is
-visible to readers, but both are billed. ``recover`` removes them; like the
+visible to readers, but both are billed. ``recover`` removes them, and the
+pins and deletion markers beside the key past their lease (``holds``); like the
 file-system ``recover``, run it only when no save to the key is in progress.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 from ...errors import StorageError
 from .client import client_errors, s3_client, s3_failed
+from .holds import expired, unpin
 from .pin import is_generation
 from .root import committed_generation, delete_prefix
 from .url import S3Url, parse
@@ -22,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 
 def recover(target: str) -> list[str]:
-    """Abort the key's unfinished multipart uploads and delete its uncommitted generations; say what was done.
+    """Abort the key's unfinished multipart uploads, delete its uncommitted generations and its expired pins and
+    deletion markers; say what was done.
 
     Raises:
         StorageError: a request failed (unreachable endpoint, missing bucket, refused credentials).
@@ -35,6 +38,9 @@ def recover(target: str) -> list[str]:
             done += _remove_generations(client, url)
     except client_errors() as e:
         raise s3_failed("recovering", url.url, e, cls=StorageError) from e
+    stale = expired(url.url)
+    unpin(stale)
+    done += [f"removed {m} (a pin or deletion marker past its lease)" for m in stale]
     for line in done:
         logger.info("recover: %s", line)
     return done

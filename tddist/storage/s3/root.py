@@ -11,7 +11,8 @@ Removing a directory checkpoint deletes its manifest first (one request: the
 checkpoint stops being committed at once, as a rename to a trash name does
 on a file system), then its generations; a crash in between leaves a prefix
 of generations without a manifest, which clean-up removes. An archive is one
-DELETE.
+DELETE. A committed checkpoint is deleted only while no incremental save pins
+it and nothing beside it references it (``holds``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ... import format as fmt
 from ...errors import StorageError
 from ..roots import Leftover, Usage
 from .client import client_errors, is_missing, s3_client, s3_failed
+from .holds import guarded_delete
 from .pin import ARCHIVE_META, GENERATION_META, is_generation
 from .url import S3Url, parse
 
@@ -215,19 +217,29 @@ def committed(target: str) -> bool:
 
 def delete(target: str) -> None:
     """Remove the checkpoint at ``target``: a directory's manifest first (it is no longer committed), then
-    every object under its prefix; an archive's object.
+    every object under its prefix; an archive's object. A committed one is removed only while no incremental
+    save pins it and no checkpoint beside it references it (``holds.guarded_delete``).
 
     Raises:
+        CheckpointPinnedError: an incremental save pins it, or a checkpoint beside it references it; nothing
+            was deleted.
         StorageError: a request failed; what is left is removed by ``tddist.recover`` or clean-up.
     """
     url = parse(target)
     client = s3_client()
     try:
-        if url.archive:
-            client.delete_object(Bucket=url.bucket, Key=url.key)
-        else:
-            client.delete_object(Bucket=url.bucket, Key=url.child(fmt.MANIFEST_NAME))
-            delete_prefix(client, url.bucket, url.key + "/")
+        if url.archive or committed_generation(client, url) is not None:
+            guarded_delete(url.url, lambda: _remove(client, url))
+        else:  # torn: nothing can reference it (a save's check of its holders reads their manifests)
+            _remove(client, url)
     except client_errors() as e:
         raise s3_failed("deleting", url.url, e, cls=StorageError) from e
     logger.info("deleted checkpoint %s", url.url)
+
+
+def _remove(client: Any, url: S3Url) -> None:
+    if url.archive:
+        client.delete_object(Bucket=url.bucket, Key=url.key)
+    else:
+        client.delete_object(Bucket=url.bucket, Key=url.child(fmt.MANIFEST_NAME))
+        delete_prefix(client, url.bucket, url.key + "/")
