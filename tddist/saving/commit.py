@@ -122,9 +122,9 @@ def two_phase_commit(
 
     ``build_manifest(fragments, structure)`` (rank 0): the manifest's files. ``on_staged(staging)`` runs on
     every rank before it writes (its failure is the rank's vote). ``share()`` (rank 0, once the manifest is
-    built): a value every rank receives with the decision (``Published.shared``). ``writer.retirement()`` removes the
-    replaced checkpoint after the announcement, at once or via ``retire`` (a ``return_early`` save's
-    worker). Raises the same error on every rank otherwise.
+    built, before it is written): a value every rank receives with the decision (``Published.shared``).
+    ``writer.retirement()`` removes the replaced checkpoint after the announcement, at once or via
+    ``retire`` (a ``return_early`` save's worker). Raises the same error on every rank otherwise.
     """
     what, rank = f"save to {writer.target!r}", comm.rank
     fault_point("begin", rank)

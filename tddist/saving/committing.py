@@ -64,7 +64,7 @@ class Committed:
     writer: ShardWriter | None  # None: a writer process wrote it
     generation: str  # of the manifest rank 0 published
     pin: Pin | None  # the checkpoint, pinned before it was published (file stores; ``Store.pin_staging``)
-    #: the manifest rank 0 published, as built (rank 0) or sent with the decision (a small one); None: read it
+    #: the manifest rank 0 published, a copy sent with the decision (a small one; ``share``); None: read it
     manifest: Manifest | None = None
 
 
