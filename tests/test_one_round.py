@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorData, TensorDict
 
 import tddist
 from tddist._faults import inject
@@ -160,3 +160,35 @@ def test_fsyncs_issued_together_work_in_a_forked_child(tmp_path: Path) -> None:
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
+
+
+@pytest.mark.parametrize("leaves", [1, 400])
+def test_each_rank_returns_what_a_load_of_its_shard_gives(tmp_path: Path, leaves: int) -> None:
+    """A save's returned shard equals ``load(shard="saved")`` on every rank, with a manifest small enough to
+    travel with the decision and with one too large (read from the checkpoint); its non-tensor values are
+    the checkpoint's, not the caller's own objects."""
+    from tddist.saving.committing import share
+
+    def state(rank: int) -> TensorDict:
+        td = TensorDict({f"w{i:03d}": torch.arange(3.0).reshape(1, 3) + 100 * i + rank for i in range(leaves)}, [1])
+        td["notes"] = NonTensorData([rank, {"tag": "run"}], batch_size=[1])
+        return td
+
+    def rank_fn(comm: ThreadComm) -> tuple[TensorDict, TensorDict, TensorDict]:
+        mine = state(comm.rank)
+        tddist.save(mine, str(tmp_path / "first"), comm=comm)  # the next save takes the one-round path
+        got = tddist.save(mine, str(tmp_path / "ckpt"), comm=comm)
+        mine.get("notes").data.append("changed after the save")
+        return mine, got, tddist.load(str(tmp_path / "ckpt"), shard="saved", comm=comm)
+
+    results = tddist.run_threads(2, rank_fn, timeout=60)
+    for rank, (mine, got, loaded) in enumerate(results):
+        assert list(got.keys(True, True)) == list(loaded.keys(True, True))
+        for key in loaded.keys(True, True):
+            if key == "notes":
+                assert got[key] == loaded[key] == [rank, {"tag": "run"}], (rank, got[key])
+            else:
+                assert torch.equal(got[key], loaded[key]) and type(got[key]) is type(loaded[key]), (rank, key)
+        assert got.batch_size == loaded.batch_size
+    shared = share(tddist.read_manifest(str(tmp_path / "ckpt")))
+    assert (shared is not None) == (leaves == 1)

@@ -116,13 +116,15 @@ def two_phase_commit(
     build_manifest: ManifestBuilder,
     retire: Retire | None = None,
     on_staged: Callable[[Staging], None] | None = None,
-) -> str:
-    """Run the protocol above; return on every rank, once it is committed, the generation rank 0 published.
+    share: Callable[[], Any] | None = None,
+) -> Published:
+    """Run the protocol above; return on every rank, once it is committed, what rank 0 published.
 
     ``build_manifest(fragments, structure)`` (rank 0): the manifest's files. ``on_staged(staging)`` runs on
-    every rank before it writes (its failure is the rank's vote). ``writer.retirement()`` removes the
-    replaced checkpoint after the announcement, at once or via ``retire`` (a ``return_early`` save's
-    worker). Raises the same error on every rank otherwise.
+    every rank before it writes (its failure is the rank's vote). ``share()`` (rank 0, once the manifest is
+    built, before it is written): a value every rank receives with the decision (``Published.shared``).
+    ``writer.retirement()`` removes the replaced checkpoint after the announcement, at once or via
+    ``retire`` (a ``return_early`` save's worker). Raises the same error on every rank otherwise.
     """
     what, rank = f"save to {writer.target!r}", comm.rank
     fault_point("begin", rank)
@@ -130,7 +132,9 @@ def two_phase_commit(
     committed: list[bool] = []
     try:
         staged = _stage_and_vote(comm, what, writer, names, on_staged)
-        generation = _decide_round(comm, what, writer, staged.staging, staged.vote, build_manifest, committed)
+        published = _decide_round(
+            comm, what, writer, staged.staging, staged.vote, _Build(build_manifest, share), committed
+        )
     except BaseException as e:
         if names is not None:
             names.forget()  # every rank ends the same way: the next save runs the first round again
@@ -142,7 +146,24 @@ def two_phase_commit(
         if removal is not None:
             (retire or _at_once)(removal)
     fault_point("announce", rank)
-    return generation
+    return published
+
+
+@dataclass(frozen=True)
+class Published:
+    """What every rank learns of a committed save: the generation rank 0 published, and what it shared
+    (``two_phase_commit``'s ``share``; None without one)."""
+
+    generation: str
+    shared: Any = None
+
+
+@dataclass(frozen=True)
+class _Build:
+    """(rank 0) How the decision is built: the manifest's files, and what is shared with every rank."""
+
+    manifest: ManifestBuilder
+    share: Callable[[], Any] | None
 
 
 @dataclass(frozen=True)
@@ -179,9 +200,9 @@ def _decide_round(
     writer: ShardWriter,
     staging: Staging,
     vote: Contribution[Any],
-    build: ManifestBuilder,
+    build: _Build,
     committed: list[bool],
-) -> str:
+) -> Published:
     """Steps 3 to 5: gather the votes, rank 0 decides and publishes, every rank learns the outcome.
 
     A vote of the one-round path (``StagedVote``) carries the plan the first
@@ -190,7 +211,7 @@ def _decide_round(
     (one more collective, on that failure only).
     """
     rank = comm.rank
-    outcome: str | Structure = decide_on_rank0(
+    outcome: Published | Structure = decide_on_rank0(
         comm,
         what,
         lambda votes: _decide(writer, staging, votes, build, committed),
@@ -199,7 +220,7 @@ def _decide_round(
         on_failure=lambda: writer.abort(staging),
         after_failure=lambda: _abort_own(writer, staging, rank),
     )
-    if isinstance(outcome, str):
+    if isinstance(outcome, Published):
         return outcome
     mine = writer.structure
     differs = None if mine is None or mine.digest == outcome.digest else describe_difference(mine, rank, outcome)
@@ -341,9 +362,9 @@ def _abort_own(writer: ShardWriter, staging: Staging, rank: int) -> None:
 
 
 def _decide(
-    writer: ShardWriter, staging: Staging, votes: list[Any], build: ManifestBuilder, committed: list[bool]
-) -> str | Structure:
-    """(rank 0) Step 4 when every rank voted yes: validate, write the manifest, publish; the generation.
+    writer: ShardWriter, staging: Staging, votes: list[Any], build: _Build, committed: list[bool]
+) -> Published | Structure:
+    """(rank 0) Step 4 when every rank voted yes: validate, write the manifest, publish; what every rank learns.
 
     In the one-round path, first what step 1 checks: the plans, the
     structures (rank 0's structure when one differs: the outcome every rank
@@ -357,12 +378,13 @@ def _decide(
             writer.abort(staging)
             return structure
         writer.check_staged(min((v.created for v in votes if v.created), key=len, default=None))
-    manifest = build(fragments, structure)
+    manifest = build.manifest(fragments, structure)
     generation, _sealed = checksum.generation(manifest.manifest, f"the manifest of {writer.target!r}")
+    shared = build.share() if build.share is not None else None
     fault_point("validate", 0)
     writer.finalize(staging, manifest, fragments)
     fault_point("manifest", 0)
     writer.publish(staging)
     fault_point("publish", 0)
     committed.append(True)
-    return generation
+    return Published(generation, shared)

@@ -8,6 +8,7 @@ them to its channel's worker (``early``, ``deferred_save``); the writer process 
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,13 +35,16 @@ from ..manifest.model import Manifest
 from ..manifest.v2 import encode
 from ..storage.backends import Store, store_for
 from ..storage.base import ShardWriter
-from ..storage.opened import Pin
+from ..storage.opened import OpenedCheckpoint, Pin
 from .commit import Retire, two_phase_commit
 from .snapshot import Snapshotter
 
 logger = logging.getLogger(__name__)
 
-logger = logging.getLogger(__name__)
+#: The largest manifest (pickled, in bytes) that rank 0 sends every rank with its decision, so that they read
+#: back their shard without reading and parsing it again; a larger one is read. A decision with one still fits
+#: the gloo communicator's broadcast slot (``comm.slots.BROADCAST_SLOT``), so it costs no other operation.
+SHARED_MANIFEST_BYTES = 12 << 10
 
 #: A function that prepares this rank's shard, snapshotting its tensors into the given buffers.
 Prepare = Callable[[Snapshotter | None], LocalShard | Exception]
@@ -60,6 +64,8 @@ class Committed:
     writer: ShardWriter | None  # None: a writer process wrote it
     generation: str  # of the manifest rank 0 published
     pin: Pin | None  # the checkpoint, pinned before it was published (file stores; ``Store.pin_staging``)
+    #: the manifest rank 0 published, a copy sent with the decision (a small one; ``share``); None: read it
+    manifest: Manifest | None = None
 
 
 def commit(
@@ -81,6 +87,7 @@ def commit(
     store = store_of(options)
     writer = (make_writer or store.writer)(options, c.rank, shard, cache)
     pins: list[Pin] = []
+    built: list[Manifest] = []
 
     def pin(staging: Staging) -> None:
         held = store.pin_staging(staging)
@@ -100,17 +107,34 @@ def commit(
         )
         if options.require_finite:
             refuse_non_finite(m, options.target)
+        built.append(m)
         return encode(m)
 
     try:
-        generation = two_phase_commit(c, writer, build_manifest, retire, on_staged=pin)
+        published = two_phase_commit(c, writer, build_manifest, retire, on_staged=pin, share=lambda: share(built[-1]))
     except BaseException:
         for p in pins:
             p.close()
         raise
     writer.committed()
     logger.info("rank %d: committed %s", c.rank, options.target)
-    return Committed(writer, generation, pins[0] if pins else None)
+    return Committed(writer, published.generation, pins[0] if pins else None, received(published.shared))
+
+
+def share(m: Manifest) -> bytes | None:
+    """(rank 0) The manifest it built, pickled, to send with the decision: None when larger than
+    ``SHARED_MANIFEST_BYTES`` (every rank then reads it).
+
+    Every rank, rank 0 included, reads back through a copy (``received``), as it would through a parsed
+    manifest: the built one holds the caller's own non-tensor values and tables the ``MergeCache`` keeps.
+    """
+    data = pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)
+    return data if len(data) <= SHARED_MANIFEST_BYTES else None
+
+
+def received(shared: object) -> Manifest | None:
+    """The manifest rank 0 sent with its decision (``share``), a copy of its own, or None."""
+    return pickle.loads(shared) if isinstance(shared, bytes) else None
 
 
 def refuse_non_finite(m: Manifest, target: str) -> None:
@@ -156,7 +180,7 @@ def open_committed(
     own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
     opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
     try:
-        with store.open_saved(committed.writer, committed.pin) as opened:
+        with open_saved(store, committed) as opened:
             if opened.generation != committed.generation:
                 raise CheckpointChangedError(
                     f"rank {c.rank}: {options.target!r} holds another save's checkpoint (generation "
@@ -171,6 +195,16 @@ def open_committed(
         raise
     except OSError as e:  # the file system failed after the commit (an I/O error, a power loss)
         raise unreadable_after_commit(c.rank, options.target, e) from e
+
+
+def open_saved(store: Store, committed: Committed) -> OpenedCheckpoint:
+    """The committed checkpoint opened to read this rank's shard back: through the pin with the manifest this
+    rank already holds (a directory on a file system: the pin holds the very tree rank 0 wrote that manifest
+    into), else by the store, which reads the manifest again."""
+    pin = committed.pin
+    if committed.manifest is not None and pin is not None and not pin.archive:
+        return OpenedCheckpoint(pin, committed.manifest, committed.generation, store.files)
+    return store.open_saved(committed.writer, committed.pin)
 
 
 def commit_and_open(
