@@ -12,8 +12,8 @@ guard, its nodes, keys and non-tensor kinds, each leaf the same tensor
 object with the same storage address, shape, strides, dtype and device, and
 the channel's arena and snapshot buffers untouched since. Whatever changes
 with the values is done at every save: the non-tensor values are encoded,
-the small leaves copied, and each deferred leaf's version counter read for
-the proof (``deferred.Proof``). Its storage is the plan's: the plan holds
+the small leaves copied, and each leaf's version counter read for the proof
+(``deferred.Proof``, one pass over the plan's ``watched_tensors``). Its storage is the plan's: the plan holds
 that storage (its byte view, ``StreamLayout``), so no other storage can have
 the address the leaf still has, and the same address is the same storage.
 
@@ -32,7 +32,7 @@ import torch
 from tensordict import NonTensorData, TensorDict
 
 from ..core.types import Key, LocalShard
-from .deferred import Recorded
+from .deferred import Watched
 from .snapshot import SnapshotBuffers
 from .stream import Arena, StreamLayout, StreamSources
 
@@ -69,7 +69,8 @@ class DeferredPlan:
     eager_buffers: list[torch.Tensor]  # the snapshot buffers of the leaves copied before save returns
     eager_sources: list[torch.Tensor]
     written: list[tuple[Key, torch.Tensor]]  # what the stream copies: a snapshot buffer, or the leaf itself
-    recorded: list[Recorded | None]  # per written leaf: the proof's record when planned (``deferred.now``), or None
+    watched: list[Watched | None]  # per written leaf: what the proof checks, or None (copied eagerly)
+    watched_tensors: tuple[torch.Tensor, ...]  # per written leaf: the caller's tensor (its version is read per save)
     layout: StreamLayout
     arena: Arena
     buffers_generation: int

@@ -103,7 +103,7 @@ def _plan(
     into the arena (``Stream.produce_deferred``, on the copy helper), and the leaves the proof records."""
     eager = deferred.eager_keys(sources.sources, guard, guarded)
     written: list[tuple[Key, torch.Tensor]] = []
-    recorded: list[deferred.Recorded | None] = []
+    watched: list[deferred.Watched | None] = []
     eager_buffers, eager_sources = [], []
     for i in (i for i in shard.items if i.writes):
         src = sources.sources[i.key]
@@ -111,7 +111,7 @@ def _plan(
             eager_buffers.append(ch.buffers.snapshot(i.key, src))
             eager_sources.append(src)
         written.append((i.key, eager_buffers[-1] if i.key in eager else src))
-        recorded.append(None if i.key in eager else deferred.record(i.key, sources.given[i.key]))
+        watched.append(None if i.key in eager else deferred.watch(i.key, sources.given[i.key]))
     ch.buffers.retain_only({k for k, _t in written if k in eager})
     arena = ch.pipeline_arena(written)
     given = tuple(sources.given.values())
@@ -131,7 +131,8 @@ def _plan(
         eager_buffers=eager_buffers,
         eager_sources=eager_sources,
         written=written,
-        recorded=recorded,
+        watched=watched,
+        watched_tensors=tuple(sources.given[k] for k, _t in written),
         layout=stream_layout(written, arena.slot_bytes),
         arena=arena,
         buffers_generation=ch.buffers.generation,
@@ -157,7 +158,7 @@ def _deferred_from_plan(
     if plan.eager_buffers:
         torch._foreach_copy_(plan.eager_buffers, plan.eager_sources)
     s = Stream(plan.arena, plan.written, ch.comm.rank, plan.layout)
-    s.proof = deferred.Proof(ch.comm.rank, [None if r is None else deferred.now(r) for r in plan.recorded])
+    s.proof = deferred.Proof(ch.comm.rank, plan.watched, deferred.versions(plan.watched_tensors))
 
     def factory(o: SaveOptions, rank: int, sh: LocalShard | Exception, cache: MergeCache) -> ShardWriter:
         return StreamingWriter(o, rank, sh, cache, s)
@@ -180,7 +181,10 @@ def _deferred_on_device(
     later = [i for i in shard.items if i.key not in eager]
     copies = {i.key: ch.buffers.snapshot(i.key, sources.sources[i.key]) for i in shard.items if i.key in eager}
     ch.buffers.synchronize()
-    proof = deferred.Proof(ch.comm.rank, [deferred.record(i.key, sources.given[i.key]) for i in later])
+    given = [sources.given[i.key] for i in later]
+    proof = deferred.Proof(
+        ch.comm.rank, [deferred.watch(i.key, t) for i, t in zip(later, given)], deferred.versions(given)
+    )
     copies.update((i.key, ch.buffers.snapshot(i.key, sources.sources[i.key])) for i in later)
     events = ch.buffers.defer_pending()
     ch.buffers.retain_only(set(copies))
