@@ -33,6 +33,7 @@ from tensordict import NonTensorData, TensorDict
 
 from ..core.types import Key, LocalShard
 from .deferred import Watched
+from .eager import EagerCopies
 from .snapshot import SnapshotBuffers
 from .stream import Arena, StreamLayout, StreamSources
 
@@ -61,13 +62,12 @@ class DeferredPlan:
     nodes: Mapping[Key, tuple[int, ...]]
     keys: tuple[Key, ...]
     given: tuple[torch.Tensor, ...]  # each leaf as the caller's state holds it
-    meta: list[tuple[Any, ...]]  # each leaf's ``tensor_meta``
+    meta: list[list[Any]]  # the leaves' ``tensor_meta``
     object_kinds: tuple[tuple[Key, str], ...]
     objects_per_rank: tuple[bool, ...]
     shard: LocalShard  # its non-tensor values are encoded again at every save
     sources: StreamSources
-    eager_buffers: list[torch.Tensor]  # the snapshot buffers of the leaves copied before save returns
-    eager_sources: list[torch.Tensor]
+    eager: EagerCopies  # the leaves copied before save returns: their buffers, and how they are copied
     written: list[tuple[Key, torch.Tensor]]  # what the stream copies: a snapshot buffer, or the leaf itself
     watched: list[Watched | None]  # per written leaf: what the proof checks, or None (copied eagerly)
     watched_tensors: tuple[torch.Tensor, ...]  # per written leaf: the caller's tensor (its version is read per save)
@@ -197,9 +197,19 @@ def _same_objects(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def tensor_meta(tensors: tuple[torch.Tensor, ...]) -> list[tuple[Any, ...]]:
-    """What a leaf's plan depends on besides its identity: where its bytes are, their shape and type."""
-    return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cpu) for t in tensors]
+_META = (
+    torch.Tensor.data_ptr,
+    operator.attrgetter("shape"),
+    torch.Tensor.stride,
+    operator.attrgetter("dtype"),
+    operator.attrgetter("is_cpu"),
+)
+
+
+def tensor_meta(tensors: tuple[torch.Tensor, ...]) -> list[list[Any]]:
+    """What a leaf's plan depends on besides its identity: where its bytes are, their shape and type. An
+    attribute at a time over all the leaves (``map`` runs in C: a tuple per leaf cost twice as much)."""
+    return [list(map(get, tensors)) for get in _META]
 
 
 def keepable(given: Mapping[Key, torch.Tensor], sources: Mapping[Key, torch.Tensor]) -> bool:

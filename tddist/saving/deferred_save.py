@@ -10,7 +10,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 
 from ..comm.base import Communicator
@@ -28,6 +27,7 @@ from .background import Channel, SaveFuture
 from .commit import Retire
 from .committing import Prepare, commit_and_open
 from .deferred_plan import DeferredPlan, PlanSettings
+from .eager import eager_copies
 from .early import commit_streamed, copy_hashed_replicas, snapshot_into, snapshot_whole, streams
 from .prepare import encode_objects
 from .snapshot import SnapshotBuffers
@@ -102,17 +102,11 @@ def _plan(
     """A packed directory's deferred save, planned: the eager leaves' snapshot buffers, what the stream copies
     into the arena (``Stream.produce_deferred``, on the copy helper), and the leaves the proof records."""
     eager = deferred.eager_keys(sources.sources, guard, guarded)
-    written: list[tuple[Key, torch.Tensor]] = []
-    watched: list[deferred.Watched | None] = []
-    eager_buffers, eager_sources = [], []
-    for i in (i for i in shard.items if i.writes):
-        src = sources.sources[i.key]
-        if i.key in eager:
-            eager_buffers.append(ch.buffers.snapshot(i.key, src))
-            eager_sources.append(src)
-        written.append((i.key, eager_buffers[-1] if i.key in eager else src))
-        watched.append(None if i.key in eager else deferred.watch(i.key, sources.given[i.key]))
-    ch.buffers.retain_only({k for k, _t in written if k in eager})
+    keys = [i.key for i in shard.items if i.writes]
+    copies = eager_copies(ch.buffers, [(k, sources.sources[k]) for k in keys if k in eager])
+    written = [(k, copies.buffers[k] if k in eager else sources.sources[k]) for k in keys]
+    watched = [None if k in eager else deferred.watch(k, sources.given[k]) for k in keys]
+    ch.buffers.retain_only(set(copies.buffers), {t.dtype for t in copies.cat_out})
     arena = ch.pipeline_arena(written)
     given = tuple(sources.given.values())
     objects = shard.objects
@@ -128,8 +122,7 @@ def _plan(
         objects_per_rank=tuple(o.per_rank for o in objects.values()),
         shard=shard,
         sources=sources,
-        eager_buffers=eager_buffers,
-        eager_sources=eager_sources,
+        eager=copies,
         written=written,
         watched=watched,
         watched_tensors=tuple(sources.given[k] for k, _t in written),
@@ -155,8 +148,7 @@ def _deferred_from_plan(
             return snapshot_whole(ch, options, e)
         shard = replace(shard, objects=encoded)
     shard = copy_hashed_replicas(shard, plan.sources, options.check_replicas)
-    if plan.eager_buffers:
-        torch._foreach_copy_(plan.eager_buffers, plan.eager_sources)
+    plan.eager.copy()
     s = Stream(plan.arena, plan.written, ch.comm.rank, plan.layout)
     s.proof = deferred.Proof(ch.comm.rank, plan.watched, deferred.versions(plan.watched_tensors))
 
