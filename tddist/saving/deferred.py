@@ -93,17 +93,21 @@ def versions(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 class Proof:
     """The deferred leaves of one save (by their index in the copy; None for a leaf copied eagerly), their
-    version counters when ``save`` was called (``versions``, by the same index), and the first leaf found changed.
+    version counters when ``save`` was called (``recorded``: the deferred leaves' only, in order; ``at`` gives
+    each index's place in it, by default the index itself), and the first leaf found changed.
 
     ``check`` runs after a leaf's bytes are copied; ``seal`` checks every leaf
     once the whole copy is done and then stops checking (whatever changes
     afterwards is the next step's), before the guard lets a step run.
     """
 
-    def __init__(self, rank: int, leaves: Sequence[Watched | None], recorded: Sequence[int]) -> None:
+    def __init__(
+        self, rank: int, leaves: Sequence[Watched | None], recorded: Sequence[int], at: Sequence[int] | None = None
+    ) -> None:
         self.rank = rank
         self.leaves = leaves
         self.versions = recorded
+        self._at = range(len(leaves)) if at is None else at
         self.failure: SnapshotChangedError | None = None
         self._sealed = False
         self._lock = threading.Lock()
@@ -135,7 +139,7 @@ class Proof:
             return self.failure
 
     def _same(self, i: int) -> bool:
-        r, recorded = self.leaves[i], self.versions[i]
+        r, recorded = self.leaves[i], self.versions[self._at[i]]
         assert r is not None
         version, storage = int(r.tensor._version), _storage(r.tensor)
         if version == recorded and storage == r.storage:

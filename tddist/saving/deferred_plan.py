@@ -68,9 +68,11 @@ class DeferredPlan:
     shard: LocalShard  # its non-tensor values are encoded again at every save
     sources: StreamSources
     eager: EagerCopies  # the leaves copied before save returns: their buffers, and how they are copied
+    hashes_replicas: bool  # whether this rank's vote hashes a replica it does not write (copied at every save)
     written: list[tuple[Key, torch.Tensor]]  # what the stream copies: a snapshot buffer, or the leaf itself
     watched: list[Watched | None]  # per written leaf: what the proof checks, or None (copied eagerly)
-    watched_tensors: tuple[torch.Tensor, ...]  # per written leaf: the caller's tensor (its version is read per save)
+    watched_tensors: tuple[torch.Tensor, ...]  # the watched leaves' tensors, in order (their versions: per save)
+    watched_at: list[int]  # per written leaf: its place in ``watched_tensors`` (-1: copied eagerly)
     layout: StreamLayout
     arena: Arena
     buffers_generation: int
@@ -130,6 +132,7 @@ class TreeNode:
     batch_size: torch.Size
     keys: tuple[str, ...]
     entries: tuple[Any, ...]
+    tensors_only: bool = False  # every entry a leaf tensor: compared by identity in one pass
 
 
 def tree(data: Any) -> list[TreeNode] | None:
@@ -157,7 +160,8 @@ def _tree(node: Any, out: list[TreeNode]) -> bool:
                 return False
         else:
             return False
-    out[at] = TreeNode(out[at].batch_size, out[at].keys, tuple(entries))
+    plain = not any(e is NODE or e is VALUE for e in entries)
+    out[at] = TreeNode(out[at].batch_size, out[at].keys, tuple(entries), plain)
     return True
 
 
@@ -176,6 +180,8 @@ def _same(node: Any, nodes: list[TreeNode], at: int, values: list[Any]) -> int:
     if len(d) != len(expected.keys) or tuple(d) != expected.keys or node.batch_size != expected.batch_size:
         return -1
     at += 1
+    if expected.tensors_only:
+        return at if all(map(operator.is_, d.values(), expected.entries)) else -1
     for v, e in zip(d.values(), expected.entries):
         if e is NODE:
             at = _same(v, nodes, at, values)

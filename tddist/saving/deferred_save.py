@@ -21,7 +21,7 @@ from ..core.types import (
     SaveRequest,
 )
 from ..manifest.merge import MergeCache
-from ..storage.base import ShardWriter
+from ..storage.base import ShardWriter, hashes_replica
 from . import deferred, deferred_plan
 from .background import Channel, SaveFuture
 from .commit import Retire
@@ -123,14 +123,25 @@ def _plan(
         shard=shard,
         sources=sources,
         eager=copies,
+        hashes_replicas=any(hashes_replica(i, settings.check_replicas) for i in shard.items),
         written=written,
         watched=watched,
-        watched_tensors=tuple(sources.given[k] for k, _t in written),
+        watched_tensors=tuple(w.tensor for w in watched if w is not None),
+        watched_at=_places(watched),
         layout=stream_layout(written, arena.slot_bytes),
         arena=arena,
         buffers_generation=ch.buffers.generation,
         tree=tree,
     )
+
+
+def _places(watched: list[deferred.Watched | None]) -> list[int]:
+    """Each leaf's place among the watched ones (-1 for a leaf copied eagerly)."""
+    out, n = [], 0
+    for w in watched:
+        out.append(-1 if w is None else n)
+        n += w is not None
+    return out
 
 
 def _deferred_from_plan(
@@ -147,10 +158,11 @@ def _deferred_from_plan(
         except Exception as e:  # this rank's vote, as ``prepare_shard`` returns it
             return snapshot_whole(ch, options, e)
         shard = replace(shard, objects=encoded)
-    shard = copy_hashed_replicas(shard, plan.sources, options.check_replicas)
+    if plan.hashes_replicas:
+        shard = copy_hashed_replicas(shard, plan.sources, options.check_replicas)
     plan.eager.copy()
     s = Stream(plan.arena, plan.written, ch.comm.rank, plan.layout)
-    s.proof = deferred.Proof(ch.comm.rank, plan.watched, deferred.versions(plan.watched_tensors))
+    s.proof = deferred.Proof(ch.comm.rank, plan.watched, deferred.versions(plan.watched_tensors), plan.watched_at)
 
     def factory(o: SaveOptions, rank: int, sh: LocalShard | Exception, cache: MergeCache) -> ShardWriter:
         return StreamingWriter(o, rank, sh, cache, s)
