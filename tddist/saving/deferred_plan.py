@@ -62,7 +62,7 @@ class DeferredPlan:
     nodes: Mapping[Key, tuple[int, ...]]
     keys: tuple[Key, ...]
     given: tuple[torch.Tensor, ...]  # each leaf as the caller's state holds it
-    meta: list[list[Any]]  # the leaves' ``tensor_meta``
+    meta: TensorMeta  # the leaves' metadata (``TensorMeta.same``)
     object_kinds: tuple[tuple[Key, str], ...]
     objects_per_rank: tuple[bool, ...]
     shard: LocalShard  # its non-tensor values are encoded again at every save
@@ -99,7 +99,7 @@ class DeferredPlan:
             and tuple(leaves) == self.keys
             and nodes == self.nodes
             and tuple((k, kind) for k, (kind, _v) in objects.items()) == self.object_kinds
-            and tensor_meta(self.given) == self.meta
+            and self.meta.same(self.given)
         )
 
     def values_if_same(
@@ -115,7 +115,7 @@ class DeferredPlan:
         ):
             return None
         values = same_tree(data, self.tree)
-        if values is None or tensor_meta(self.given) != self.meta:
+        if values is None or not self.meta.same(self.given):
             return None
         return values
 
@@ -203,19 +203,35 @@ def _same_objects(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-_META = (
-    torch.Tensor.data_ptr,
-    operator.attrgetter("shape"),
-    torch.Tensor.stride,
-    operator.attrgetter("dtype"),
-    operator.attrgetter("is_cpu"),
-)
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_SET_TO = torch.Tensor.is_set_to
+_DTYPE = operator.attrgetter("dtype")
 
 
-def tensor_meta(tensors: tuple[torch.Tensor, ...]) -> list[list[Any]]:
-    """What a leaf's plan depends on besides its identity: where its bytes are, their shape and type. An
-    attribute at a time over all the leaves (``map`` runs in C: a tuple per leaf cost twice as much)."""
-    return [list(map(get, tensors)) for get in _META]
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What a plan depends on besides each leaf's identity: where its bytes are, their shape and type.
+
+    ``aliases`` are new tensors on each leaf's storage, offset, shape and strides: ``is_set_to`` compares all
+    four in one call (the same storage object is on the same device); the address catches a storage that
+    moved (``resize_`` keeps the storage object), the dtype a ``.data =`` of another dtype on the same bytes.
+    Compared an attribute at a time over all the leaves (``map`` runs in C: a tuple per leaf cost twice as
+    much, on the blocking path of every save)."""
+
+    addresses: list[int]
+    aliases: tuple[torch.Tensor, ...]
+    dtypes: list[torch.dtype]
+
+    @staticmethod
+    def of(tensors: tuple[torch.Tensor, ...]) -> TensorMeta:
+        return TensorMeta(list(map(_DATA_PTR, tensors)), tuple(t.detach() for t in tensors), list(map(_DTYPE, tensors)))
+
+    def same(self, tensors: tuple[torch.Tensor, ...]) -> bool:
+        return (
+            list(map(_DATA_PTR, tensors)) == self.addresses
+            and all(map(_IS_SET_TO, tensors, self.aliases))
+            and list(map(_DTYPE, tensors)) == self.dtypes
+        )
 
 
 def keepable(given: Mapping[Key, torch.Tensor], sources: Mapping[Key, torch.Tensor]) -> bool:

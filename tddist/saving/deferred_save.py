@@ -117,7 +117,7 @@ def _plan(
         nodes=dict(shard.nodes),
         keys=tuple(sources.given),
         given=given,
-        meta=deferred_plan.tensor_meta(given),
+        meta=deferred_plan.TensorMeta.of(given),
         object_kinds=tuple((k, o.kind) for k, o in objects.items()),
         objects_per_rank=tuple(o.per_rank for o in objects.values()),
         shard=shard,
