@@ -217,12 +217,19 @@ def encode_object(value: object, allow_pickle: bool, where: str) -> dict[str, An
     return {"pickle": base64.b64encode(pickle.dumps(value, protocol=4)).decode("ascii")}
 
 
+_JSON_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
 def _same_types(value: object) -> bool:
+    """Whether ``value`` holds only lists, dicts with str keys and JSON scalars (exact types). A list or a dict
+    whose items are all scalars is checked in one pass in C (a param group's hundreds of parameter names)."""
     if isinstance(value, (list,)):
-        return all(_same_types(v) for v in value)
+        return set(map(type, value)) <= _JSON_SCALARS or all(map(_same_types, value))
     if isinstance(value, dict):
-        return all(type(k) is str and _same_types(v) for k, v in value.items())
-    return type(value) in (str, int, float, bool, type(None))
+        return all(type(k) is str for k in value) and (
+            set(map(type, value.values())) <= _JSON_SCALARS or all(map(_same_types, value.values()))
+        )
+    return type(value) in _JSON_SCALARS
 
 
 def decode_object(enc: object, allow_pickle: bool, where: str) -> Any:

@@ -252,13 +252,16 @@ def test_a_kept_plan_is_reused_only_for_the_same_leaves_and_still_proves_each_co
         m[0].weight.data = torch.randn(128, 64)  # other storage: get_state and the plan are made again
     save(tddist.get_state(m, opt), "c")
     assert ch.deferred_plan is not plan and ch.deferred_plan is not None
-    td = TensorDict(w=torch.arange(50_000.0), b=torch.ones(3), batch_size=[])
+    td = TensorDict(w=torch.arange(50_000.0), b=torch.ones(3), s=torch.arange(16.0).view(4, 4), batch_size=[])
     save(td, "d", guard=[])
     plan = ch.deferred_plan
     changes = [
         lambda: td["w"].mul_(3),  # values only: the plan holds
         lambda: setattr(td["w"], "data", torch.arange(50_000.0) * 5),  # the same tensor, other storage
         lambda: setattr(td["w"], "data", td["w"].data.view(torch.int32)),  # the same storage, another dtype
+        lambda: td["w"].resize_(100_000).resize_(50_000),  # the same storage object and shape, moved
+        lambda: td["s"].t_(),  # the same storage and shape, other strides (not kept: not contiguous)
+        lambda: td["s"].t_(),  # contiguous again: planned again
         lambda: td["b"].resize_(6).fill_(2.0),  # another shape
         lambda: td.set("c", torch.zeros(2)),  # a new key
     ]

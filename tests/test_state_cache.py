@@ -99,6 +99,15 @@ def _non_persistent(m: torch.nn.Module, _o: torch.optim.Optimizer) -> None:
     m[1]._non_persistent_buffers_set.add("running_var")
 
 
+def _buffer_set(m: torch.nn.Module, _o: torch.optim.Optimizer) -> None:
+    m[2].register_buffer("extra", None)  # a buffer that is None is no leaf ...
+    m[2].extra = torch.ones(2)  # ... until it is given a tensor
+
+
+def _state_entry_added(m: torch.nn.Module, o: torch.optim.Optimizer) -> None:
+    o.state[m[0].bias]["extra"] = torch.zeros(1)  # one parameter's state gets another entry
+
+
 CHANGES: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer], None]] = {
     "a step": _step,
     "a parameter given other storage": _replace_weight,
@@ -111,6 +120,8 @@ CHANGES: dict[str, Callable[[torch.nn.Module, torch.optim.Optimizer], None]] = {
     "the optimizer state dropped": _drop_state,
     "a state dict hook": _hook,
     "a buffer made non-persistent": _non_persistent,
+    "a buffer registered as None then set": _buffer_set,
+    "an optimizer state entry added": _state_entry_added,
 }
 
 

@@ -27,6 +27,7 @@ import operator
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
@@ -59,7 +60,23 @@ class CachedState:
     descendants: tuple[torch.nn.Module, ...]  # the model's modules but itself (held weakly, as the cache's key)
     fingerprint: Fingerprint
     state: TensorDict
+    nodes: Node  # ``state``'s nodes, for ``_shallow_copy``
     group_names: tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A node of a kept state and its sub-nodes by key (what ``_shallow_copy`` copies: the rest is shared)."""
+
+    td: TensorDict
+    batch_size: torch.Size
+    device: torch.device | None
+    children: tuple[tuple[str, Node], ...]
+
+
+def _node(td: TensorDict) -> Node:
+    children = tuple((k, _node(v)) for k, v in td._tensordict.items() if type(v) is TensorDict)
+    return Node(td, td.batch_size, td.device, children)
 
 
 _cache: weakref.WeakKeyDictionary[torch.nn.Module, CachedState] = weakref.WeakKeyDictionary()
@@ -68,37 +85,54 @@ _MODULE = torch.nn.Module
 _OPTIMIZER = torch.optim.Optimizer
 
 
+_PARAMETERS = operator.attrgetter("_parameters")
+_BUFFERS = operator.attrgetter("_buffers")
+_MODULES = operator.attrgetter("_modules")
+_HIDDEN = operator.attrgetter("_non_persistent_buffers_set")
+_HOOKS = operator.attrgetter("_state_dict_hooks")
+_PRE_HOOKS = operator.attrgetter("_state_dict_pre_hooks")
+_DATA_PTR = torch.Tensor.data_ptr
+_SHAPE = operator.attrgetter("shape")
+_STRIDE = torch.Tensor.stride
+_DTYPE = operator.attrgetter("dtype")
+_values = dict.values
+
+
 def fingerprint(modules: tuple[torch.nn.Module, ...], optimizer: Any) -> Fingerprint:
     """The fingerprint of ``modules`` (the tree's modules, root first) and ``optimizer`` as they are now.
 
-    Each sequence is preceded by its length, so two different structures never flatten to the same values."""
-    objects: list[Any] = []
+    Gathered a kind at a time over all the modules (``map`` and ``chain`` run in C: a loop with a dozen
+    steps per module cost half a millisecond per call at 85 modules), each sequence with its lengths, so two
+    different structures never flatten to the same values."""
+    objects: list[Any] = list(map(type, modules))
     values: list[Any] = []
-    tensors: list[torch.Tensor | None] = []
-    for m in modules:
-        objects.append(type(m))
-        for d in (m._parameters, m._buffers, m._modules):
-            values.append(len(d))
-            values.extend(d)
-            objects.extend(d.values())
-        tensors.extend(m._parameters.values())
-        tensors.extend(m._buffers.values())
-        hidden = m._non_persistent_buffers_set
-        values.append(frozenset(hidden) if hidden else None)
-        values.append(len(m._state_dict_hooks) + len(m._state_dict_pre_hooks))
-    values.extend((t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors if t is not None)
+    for get in (_PARAMETERS, _BUFFERS, _MODULES):
+        dicts = list(map(get, modules))
+        values.extend(map(len, dicts))
+        values.extend(chain.from_iterable(dicts))  # the keys
+        objects.extend(chain.from_iterable(map(_values, dicts)))
+    values.extend(frozenset(h) if h else None for h in map(_HIDDEN, modules))
+    values.extend(map(len, map(_HOOKS, modules)))
+    values.extend(map(len, map(_PRE_HOOKS, modules)))
+    tensors = [
+        t
+        for t in chain.from_iterable(map(_values, chain(map(_PARAMETERS, modules), map(_BUFFERS, modules))))
+        if t is not None
+    ]
+    for attribute in (_DATA_PTR, _SHAPE, _STRIDE, _DTYPE):
+        values.extend(map(attribute, tensors))
     values.append(len(optimizer._optimizer_state_dict_pre_hooks) + len(optimizer._optimizer_state_dict_post_hooks))
-    values.append(len(optimizer.param_groups))
-    for group in optimizer.param_groups:
-        params = group["params"]
-        values.append(len(params))
-        objects.extend(params)
-    values.append(len(optimizer.state))
-    for p, entries in optimizer.state.items():
-        objects.append(p)
-        values.append(len(entries))
-        values.extend(entries)
-        objects.extend(entries.values())
+    groups = [g["params"] for g in optimizer.param_groups]
+    values.append(len(groups))
+    values.extend(map(len, groups))
+    objects.extend(chain.from_iterable(groups))
+    state = optimizer.state
+    values.append(len(state))
+    objects.extend(state)
+    entries = list(state.values())
+    values.extend(map(len, entries))
+    values.extend(chain.from_iterable(entries))  # each parameter's state's keys
+    objects.extend(chain.from_iterable(map(_values, entries)))
     return Fingerprint(tuple(objects), tuple(values))
 
 
@@ -114,7 +148,7 @@ def cached_state(
         and id(kept.optimizer()) == id(optimizer)  # (not "is": it would narrow the type of optimizer)
         and fingerprint((model, *kept.descendants), optimizer).same(kept.fingerprint)
     ):
-        out = _shallow_copy(kept.state)
+        out = _shallow_copy(kept.nodes)
         live = [  # the names are JSON already: only the hyper-parameters are converted
             {**groups({k: v for k, v in g.items() if k != "params"}), "params": list(names)}
             for g, names in zip(optimizer.param_groups, kept.group_names)
@@ -126,7 +160,7 @@ def cached_state(
     entry = _entry(model, optimizer, state)
     if entry is not None:
         _cache[model] = entry
-        return _shallow_copy(state)
+        return _shallow_copy(entry.nodes)
     return state
 
 
@@ -147,7 +181,12 @@ def _entry(model: torch.nn.Module, optimizer: Any, state: TensorDict) -> CachedS
     if len(names) != len(optimizer.param_groups):
         return None
     return CachedState(
-        weakref.ref(optimizer), modules[1:], fingerprint(modules, optimizer), state, tuple(tuple(n) for n in names)
+        weakref.ref(optimizer),
+        modules[1:],
+        fingerprint(modules, optimizer),
+        state,
+        _node(state),
+        tuple(tuple(n) for n in names),
     )
 
 
@@ -176,11 +215,14 @@ def _plain_optimizer(optimizer: Any) -> bool:
     )
 
 
-def _shallow_copy(td: TensorDict) -> TensorDict:
+def _shallow_copy(node: Node) -> TensorDict:
     """New nodes holding the same tensors and values: what the caller changes in its state stays out of the kept
-    one (twice as fast as ``TensorDict.copy``, which checks every entry again)."""
-    source = {k: _shallow_copy(v) if type(v) is TensorDict else v for k, v in td._tensordict.items()}
-    return TensorDict._new_unsafe(source=source, batch_size=td.batch_size, device=td.device, nested=False)
+    one. Each node's entries are copied as one dict (in C), then its sub-nodes replaced by their copies: a
+    loop over every entry cost twice as much, ``TensorDict.copy`` (which checks every entry again) four times."""
+    source = dict(node.td._tensordict)
+    for k, child in node.children:
+        source[k] = _shallow_copy(child)
+    return TensorDict._new_unsafe(source=source, batch_size=node.batch_size, device=node.device, nested=False)
 
 
 def forget() -> None:

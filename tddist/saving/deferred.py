@@ -28,6 +28,7 @@ forward and backward run. Two things keep the checkpoint one step's state:
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -55,12 +56,13 @@ _lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
-class Recorded:
-    """A deferred leaf as ``save`` found it: the tensor the caller's state holds, its version and storage."""
+class Watched:
+    """A deferred leaf the proof checks: the tensor the caller's state holds and the storage its bytes are in
+    when ``save`` was called (a kept plan found its address unchanged while it holds that storage:
+    ``deferred_plan``). Its version counter is read at every save (``versions``)."""
 
     key: Key
     tensor: torch.Tensor
-    version: int
     storage: int
 
 
@@ -75,29 +77,37 @@ def _storage(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
 
 
-def record(key: Key, t: torch.Tensor) -> Recorded:
-    """``t`` (leaf ``key`` as the caller passed it) as it is now."""
-    return Recorded(key, t, int(t._version), _storage(t))
+def watch(key: Key, t: torch.Tensor) -> Watched:
+    """``t`` (leaf ``key`` as the caller passed it) and its storage as they are now."""
+    return Watched(key, t, _storage(t))
 
 
-def now(r: Recorded) -> Recorded:
-    """``r``'s leaf with its version as it is now, in the same storage (a kept plan found its address unchanged
-    while it holds that storage: ``deferred_plan``)."""
-    return Recorded(r.key, r.tensor, int(r.tensor._version), r.storage)
+_VERSION = operator.attrgetter("_version")
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter now: one pass in C over the leaves, the proof's record at every save
+    (a record object per leaf cost a microsecond each on the caller's thread)."""
+    return list(map(_VERSION, tensors))
 
 
 class Proof:
-    """The deferred leaves of one save (by their index in the copy; None for a leaf copied eagerly) and the first
-    one found changed.
+    """The deferred leaves of one save (by their index in the copy; None for a leaf copied eagerly), their
+    version counters when ``save`` was called (``recorded``: the deferred leaves' only, in order; ``at`` gives
+    each index's place in it, by default the index itself), and the first leaf found changed.
 
     ``check`` runs after a leaf's bytes are copied; ``seal`` checks every leaf
     once the whole copy is done and then stops checking (whatever changes
     afterwards is the next step's), before the guard lets a step run.
     """
 
-    def __init__(self, rank: int, leaves: Sequence[Recorded | None]) -> None:
+    def __init__(
+        self, rank: int, leaves: Sequence[Watched | None], recorded: Sequence[int], at: Sequence[int] | None = None
+    ) -> None:
         self.rank = rank
-        self.leaves = list(leaves)
+        self.leaves = leaves
+        self.versions = recorded
+        self._at = range(len(leaves)) if at is None else at
         self.failure: SnapshotChangedError | None = None
         self._sealed = False
         self._lock = threading.Lock()
@@ -114,8 +124,7 @@ class Proof:
         with self._lock:
             if self.failure is None and not self._sealed:
                 for i in indices:
-                    r = self.leaves[i]
-                    if r is not None and not self._same(r):
+                    if self.leaves[i] is not None and not self._same(i):
                         break
             return self.failure is None
 
@@ -123,19 +132,21 @@ class Proof:
         """Check every leaf once (the first call), then stop checking; the failure, if any."""
         with self._lock:
             if not self._sealed:
-                for r in self.leaves:
-                    if self.failure is not None or (r is not None and not self._same(r)):
+                for i, r in enumerate(self.leaves):
+                    if self.failure is not None or (r is not None and not self._same(i)):
                         break
                 self._sealed = True
             return self.failure
 
-    def _same(self, r: Recorded) -> bool:
+    def _same(self, i: int) -> bool:
+        r, recorded = self.leaves[i], self.versions[self._at[i]]
+        assert r is not None
         version, storage = int(r.tensor._version), _storage(r.tensor)
-        if version == r.version and storage == r.storage:
+        if version == recorded and storage == r.storage:
             return True
         what = (
-            f"its version counter went from {r.version} to {version}"
-            if version != r.version
+            f"its version counter went from {recorded} to {version}"
+            if version != recorded
             else "it was given other storage"
         )
         self.failure = SnapshotChangedError(

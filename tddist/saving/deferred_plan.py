@@ -12,8 +12,8 @@ guard, its nodes, keys and non-tensor kinds, each leaf the same tensor
 object with the same storage address, shape, strides, dtype and device, and
 the channel's arena and snapshot buffers untouched since. Whatever changes
 with the values is done at every save: the non-tensor values are encoded,
-the small leaves copied, and each deferred leaf's version counter read for
-the proof (``deferred.Proof``). Its storage is the plan's: the plan holds
+the small leaves copied, and each leaf's version counter read for the proof
+(``deferred.Proof``, one pass over the plan's ``watched_tensors``). Its storage is the plan's: the plan holds
 that storage (its byte view, ``StreamLayout``), so no other storage can have
 the address the leaf still has, and the same address is the same storage.
 
@@ -32,7 +32,8 @@ import torch
 from tensordict import NonTensorData, TensorDict
 
 from ..core.types import Key, LocalShard
-from .deferred import Recorded
+from .deferred import Watched
+from .eager import EagerCopies
 from .snapshot import SnapshotBuffers
 from .stream import Arena, StreamLayout, StreamSources
 
@@ -61,15 +62,17 @@ class DeferredPlan:
     nodes: Mapping[Key, tuple[int, ...]]
     keys: tuple[Key, ...]
     given: tuple[torch.Tensor, ...]  # each leaf as the caller's state holds it
-    meta: list[tuple[Any, ...]]  # each leaf's ``tensor_meta``
+    meta: TensorMeta  # the leaves' metadata (``TensorMeta.same``)
     object_kinds: tuple[tuple[Key, str], ...]
     objects_per_rank: tuple[bool, ...]
     shard: LocalShard  # its non-tensor values are encoded again at every save
     sources: StreamSources
-    eager_buffers: list[torch.Tensor]  # the snapshot buffers of the leaves copied before save returns
-    eager_sources: list[torch.Tensor]
+    eager: EagerCopies  # the leaves copied before save returns: their buffers, and how they are copied
+    hashes_replicas: bool  # whether this rank's vote hashes a replica it does not write (copied at every save)
     written: list[tuple[Key, torch.Tensor]]  # what the stream copies: a snapshot buffer, or the leaf itself
-    recorded: list[Recorded | None]  # per written leaf: the proof's record when planned (``deferred.now``), or None
+    watched: list[Watched | None]  # per written leaf: what the proof checks, or None (copied eagerly)
+    watched_tensors: tuple[torch.Tensor, ...]  # the watched leaves' tensors, in order (their versions: per save)
+    watched_at: list[int]  # per written leaf: its place in ``watched_tensors`` (-1: copied eagerly)
     layout: StreamLayout
     arena: Arena
     buffers_generation: int
@@ -96,7 +99,7 @@ class DeferredPlan:
             and tuple(leaves) == self.keys
             and nodes == self.nodes
             and tuple((k, kind) for k, (kind, _v) in objects.items()) == self.object_kinds
-            and tensor_meta(self.given) == self.meta
+            and self.meta.same(self.given)
         )
 
     def values_if_same(
@@ -112,7 +115,7 @@ class DeferredPlan:
         ):
             return None
         values = same_tree(data, self.tree)
-        if values is None or tensor_meta(self.given) != self.meta:
+        if values is None or not self.meta.same(self.given):
             return None
         return values
 
@@ -129,6 +132,7 @@ class TreeNode:
     batch_size: torch.Size
     keys: tuple[str, ...]
     entries: tuple[Any, ...]
+    tensors_only: bool = False  # every entry a leaf tensor: compared by identity in one pass
 
 
 def tree(data: Any) -> list[TreeNode] | None:
@@ -156,7 +160,8 @@ def _tree(node: Any, out: list[TreeNode]) -> bool:
                 return False
         else:
             return False
-    out[at] = TreeNode(out[at].batch_size, out[at].keys, tuple(entries))
+    plain = not any(e is NODE or e is VALUE for e in entries)
+    out[at] = TreeNode(out[at].batch_size, out[at].keys, tuple(entries), plain)
     return True
 
 
@@ -175,6 +180,8 @@ def _same(node: Any, nodes: list[TreeNode], at: int, values: list[Any]) -> int:
     if len(d) != len(expected.keys) or tuple(d) != expected.keys or node.batch_size != expected.batch_size:
         return -1
     at += 1
+    if expected.tensors_only:
+        return at if all(map(operator.is_, d.values(), expected.entries)) else -1
     for v, e in zip(d.values(), expected.entries):
         if e is NODE:
             at = _same(v, nodes, at, values)
@@ -196,9 +203,35 @@ def _same_objects(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def tensor_meta(tensors: tuple[torch.Tensor, ...]) -> list[tuple[Any, ...]]:
-    """What a leaf's plan depends on besides its identity: where its bytes are, their shape and type."""
-    return [(t.data_ptr(), t.shape, t.stride(), t.dtype, t.is_cpu) for t in tensors]
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_SET_TO = torch.Tensor.is_set_to
+_DTYPE = operator.attrgetter("dtype")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What a plan depends on besides each leaf's identity: where its bytes are, their shape and type.
+
+    ``aliases`` are new tensors on each leaf's storage, offset, shape and strides: ``is_set_to`` compares all
+    four in one call (the same storage object is on the same device); the address catches a storage that
+    moved (``resize_`` keeps the storage object), the dtype a ``.data =`` of another dtype on the same bytes.
+    Compared an attribute at a time over all the leaves (``map`` runs in C: a tuple per leaf cost twice as
+    much, on the blocking path of every save)."""
+
+    addresses: list[int]
+    aliases: tuple[torch.Tensor, ...]
+    dtypes: list[torch.dtype]
+
+    @staticmethod
+    def of(tensors: tuple[torch.Tensor, ...]) -> TensorMeta:
+        return TensorMeta(list(map(_DATA_PTR, tensors)), tuple(t.detach() for t in tensors), list(map(_DTYPE, tensors)))
+
+    def same(self, tensors: tuple[torch.Tensor, ...]) -> bool:
+        return (
+            list(map(_DATA_PTR, tensors)) == self.addresses
+            and all(map(_IS_SET_TO, tensors, self.aliases))
+            and list(map(_DTYPE, tensors)) == self.dtypes
+        )
 
 
 def keepable(given: Mapping[Key, torch.Tensor], sources: Mapping[Key, torch.Tensor]) -> bool:

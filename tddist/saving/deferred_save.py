@@ -10,7 +10,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-import torch
 from tensordict import TensorDict
 
 from ..comm.base import Communicator
@@ -22,12 +21,13 @@ from ..core.types import (
     SaveRequest,
 )
 from ..manifest.merge import MergeCache
-from ..storage.base import ShardWriter
+from ..storage.base import ShardWriter, hashes_replica
 from . import deferred, deferred_plan
 from .background import Channel, SaveFuture
 from .commit import Retire
 from .committing import Prepare, commit_and_open
 from .deferred_plan import DeferredPlan, PlanSettings
+from .eager import eager_copies
 from .early import commit_streamed, copy_hashed_replicas, snapshot_into, snapshot_whole, streams
 from .prepare import encode_objects
 from .snapshot import SnapshotBuffers
@@ -102,17 +102,11 @@ def _plan(
     """A packed directory's deferred save, planned: the eager leaves' snapshot buffers, what the stream copies
     into the arena (``Stream.produce_deferred``, on the copy helper), and the leaves the proof records."""
     eager = deferred.eager_keys(sources.sources, guard, guarded)
-    written: list[tuple[Key, torch.Tensor]] = []
-    recorded: list[deferred.Recorded | None] = []
-    eager_buffers, eager_sources = [], []
-    for i in (i for i in shard.items if i.writes):
-        src = sources.sources[i.key]
-        if i.key in eager:
-            eager_buffers.append(ch.buffers.snapshot(i.key, src))
-            eager_sources.append(src)
-        written.append((i.key, eager_buffers[-1] if i.key in eager else src))
-        recorded.append(None if i.key in eager else deferred.record(i.key, sources.given[i.key]))
-    ch.buffers.retain_only({k for k, _t in written if k in eager})
+    keys = [i.key for i in shard.items if i.writes]
+    copies = eager_copies(ch.buffers, [(k, sources.sources[k]) for k in keys if k in eager])
+    written = [(k, copies.buffers[k] if k in eager else sources.sources[k]) for k in keys]
+    watched = [None if k in eager else deferred.watch(k, sources.given[k]) for k in keys]
+    ch.buffers.retain_only(set(copies.buffers), {t.dtype for t in copies.cat_out})
     arena = ch.pipeline_arena(written)
     given = tuple(sources.given.values())
     objects = shard.objects
@@ -123,20 +117,31 @@ def _plan(
         nodes=dict(shard.nodes),
         keys=tuple(sources.given),
         given=given,
-        meta=deferred_plan.tensor_meta(given),
+        meta=deferred_plan.TensorMeta.of(given),
         object_kinds=tuple((k, o.kind) for k, o in objects.items()),
         objects_per_rank=tuple(o.per_rank for o in objects.values()),
         shard=shard,
         sources=sources,
-        eager_buffers=eager_buffers,
-        eager_sources=eager_sources,
+        eager=copies,
+        hashes_replicas=any(hashes_replica(i, settings.check_replicas) for i in shard.items),
         written=written,
-        recorded=recorded,
+        watched=watched,
+        watched_tensors=tuple(w.tensor for w in watched if w is not None),
+        watched_at=_places(watched),
         layout=stream_layout(written, arena.slot_bytes),
         arena=arena,
         buffers_generation=ch.buffers.generation,
         tree=tree,
     )
+
+
+def _places(watched: list[deferred.Watched | None]) -> list[int]:
+    """Each leaf's place among the watched ones (-1 for a leaf copied eagerly)."""
+    out, n = [], 0
+    for w in watched:
+        out.append(-1 if w is None else n)
+        n += w is not None
+    return out
 
 
 def _deferred_from_plan(
@@ -153,11 +158,11 @@ def _deferred_from_plan(
         except Exception as e:  # this rank's vote, as ``prepare_shard`` returns it
             return snapshot_whole(ch, options, e)
         shard = replace(shard, objects=encoded)
-    shard = copy_hashed_replicas(shard, plan.sources, options.check_replicas)
-    if plan.eager_buffers:
-        torch._foreach_copy_(plan.eager_buffers, plan.eager_sources)
+    if plan.hashes_replicas:
+        shard = copy_hashed_replicas(shard, plan.sources, options.check_replicas)
+    plan.eager.copy()
     s = Stream(plan.arena, plan.written, ch.comm.rank, plan.layout)
-    s.proof = deferred.Proof(ch.comm.rank, [None if r is None else deferred.now(r) for r in plan.recorded])
+    s.proof = deferred.Proof(ch.comm.rank, plan.watched, deferred.versions(plan.watched_tensors), plan.watched_at)
 
     def factory(o: SaveOptions, rank: int, sh: LocalShard | Exception, cache: MergeCache) -> ShardWriter:
         return StreamingWriter(o, rank, sh, cache, s)
@@ -180,7 +185,10 @@ def _deferred_on_device(
     later = [i for i in shard.items if i.key not in eager]
     copies = {i.key: ch.buffers.snapshot(i.key, sources.sources[i.key]) for i in shard.items if i.key in eager}
     ch.buffers.synchronize()
-    proof = deferred.Proof(ch.comm.rank, [deferred.record(i.key, sources.given[i.key]) for i in later])
+    given = [sources.given[i.key] for i in later]
+    proof = deferred.Proof(
+        ch.comm.rank, [deferred.watch(i.key, t) for i, t in zip(later, given)], deferred.versions(given)
+    )
     copies.update((i.key, ch.buffers.snapshot(i.key, sources.sources[i.key])) for i in later)
     events = ch.buffers.defer_pending()
     ch.buffers.retain_only(set(copies))

@@ -67,6 +67,7 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[Key, torch.Tensor] = {}
+        self._flat: dict[torch.dtype, torch.Tensor] = {}  # one flat buffer per dtype (``flat``)
         self._lock = threading.Lock()
         self.allocations = 0  # how many buffers were ever allocated (tests and benchmarks read it)
         self.generation = 0  # bumped whenever a buffer is allocated or freed (a kept deferred plan checks it)
@@ -133,14 +134,29 @@ class SnapshotBuffers:
             event.synchronize()
         self._events = []
 
-    def retain_only(self, keys: set[Key]) -> None:
-        """Free buffers of keys that the latest save no longer has."""
+    def flat(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A reusable one-dimensional host buffer of ``numel`` elements of ``dtype`` (one per dtype): the small
+        leaves of a deferred save, each a view of it, copied by one ``torch.cat`` (``saving.eager``)."""
+        with self._lock:
+            buf = self._flat.get(dtype)
+            if buf is None or buf.numel() != numel:
+                buf = self._flat[dtype] = torch.empty(numel, dtype=dtype)
+                self.allocations += 1
+                self.generation += 1
+        return buf
+
+    def retain_only(self, keys: set[Key], flat: set[torch.dtype] | None = None) -> None:
+        """Free buffers of keys that the latest save no longer has, and the flat buffers of other dtypes
+        than ``flat`` (all of them by default: only a deferred save uses them)."""
         with self._lock:
             for k in [k for k in self._buffers if k not in keys]:
                 del self._buffers[k]
+                self.generation += 1
+            for d in [d for d in self._flat if d not in (flat or ())]:
+                del self._flat[d]
                 self.generation += 1
 
     def nbytes(self) -> int:
         """Bytes held in buffers."""
         with self._lock:
-            return sum(b.numel() * b.element_size() for b in self._buffers.values())
+            return sum(b.numel() * b.element_size() for b in [*self._buffers.values(), *self._flat.values()])
