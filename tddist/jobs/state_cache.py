@@ -59,9 +59,13 @@ class CachedState:
     optimizer: weakref.ref[Any]
     descendants: tuple[torch.nn.Module, ...]  # the model's modules but itself (held weakly, as the cache's key)
     fingerprint: Fingerprint
-    state: TensorDict
-    nodes: Node  # ``state``'s nodes, for ``_shallow_copy``
+    nodes: Node  # the kept state's nodes, for ``_shallow_copy``
     group_names: tuple[tuple[Any, ...], ...]
+
+    @property
+    def state(self) -> TensorDict:
+        """The kept state (never handed out: callers get a ``_shallow_copy``)."""
+        return self.nodes.td
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +188,6 @@ def _entry(model: torch.nn.Module, optimizer: Any, state: TensorDict) -> CachedS
         weakref.ref(optimizer),
         modules[1:],
         fingerprint(modules, optimizer),
-        state,
         _node(state),
         tuple(tuple(n) for n in names),
     )

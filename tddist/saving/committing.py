@@ -87,7 +87,7 @@ def commit(
     store = store_of(options)
     writer = (make_writer or store.writer)(options, c.rank, shard, cache)
     pins: list[Pin] = []
-    built: list[Manifest] = []
+    built: list[tuple[Manifest, ManifestFiles]] = []
 
     def pin(staging: Staging) -> None:
         held = store.pin_staging(staging)
@@ -107,11 +107,12 @@ def commit(
         )
         if options.require_finite:
             refuse_non_finite(m, options.target)
-        built.append(m)
-        return encode(m)
+        files = encode(m)
+        built.append((m, files))
+        return files
 
     try:
-        published = two_phase_commit(c, writer, build_manifest, retire, on_staged=pin, share=lambda: share(built[-1]))
+        published = two_phase_commit(c, writer, build_manifest, retire, on_staged=pin, share=lambda: share(*built[-1]))
     except BaseException:
         for p in pins:
             p.close()
@@ -121,13 +122,16 @@ def commit(
     return Committed(writer, published.generation, pins[0] if pins else None, received(published.shared))
 
 
-def share(m: Manifest) -> bytes | None:
+def share(m: Manifest, files: ManifestFiles | None = None) -> bytes | None:
     """(rank 0) The manifest it built, pickled, to send with the decision: None when larger than
-    ``SHARED_MANIFEST_BYTES`` (every rank then reads it).
+    ``SHARED_MANIFEST_BYTES`` (every rank then reads it). A manifest whose written ``files`` already exceed
+    that is not pickled at all: a large one would be copied once more on the commit's path for nothing.
 
     Every rank, rank 0 included, reads back through a copy (``received``), as it would through a parsed
     manifest: the built one holds the caller's own non-tensor values and tables the ``MergeCache`` keeps.
     """
+    if files is not None and len(files.manifest) + len(files.index) > SHARED_MANIFEST_BYTES:
+        return None
     data = pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)
     return data if len(data) <= SHARED_MANIFEST_BYTES else None
 
