@@ -291,7 +291,12 @@ def loads(data: bytes | str) -> Any:
 
 def _side_name(target: str, tag: str, uid: str | None = None) -> str:
     parent, base = os.path.split(os.path.abspath(target))
-    return os.path.join(parent, f".{base}{tag}{uid or uuid.uuid4().hex}")
+    return os.path.join(parent, _entry_name(base, tag, uid))
+
+
+def _entry_name(name: str, tag: str, uid: str | None = None) -> str:
+    """``.<name><tag><32 hex digits>``: an entry beside the checkpoint ``name`` (section 7)."""
+    return f".{name}{tag}{uid or uuid.uuid4().hex}"
 
 
 def staging_path(target: str, seed: str | None = None) -> str:
@@ -351,7 +356,7 @@ def pin_path(target: str) -> str:
 
 def pin_name(name: str) -> str:
     """A fresh name for a pin of the checkpoint ``name``, beside it (``.<name>.tddist-pin-<32 hex digits>``)."""
-    return f".{name}{_PIN_TAG}{uuid.uuid4().hex}"
+    return _entry_name(name, _PIN_TAG)
 
 
 def pins_prefix(name: str) -> str:
@@ -362,7 +367,7 @@ def pins_prefix(name: str) -> str:
 def deletion_name(name: str) -> str:
     """A fresh name for the marker of a deletion of the checkpoint ``name`` on object storage
     (``.<name>.tddist-deleting-<32 hex digits>``, section 13.3)."""
-    return f".{name}{_DELETING_TAG}{uuid.uuid4().hex}"
+    return _entry_name(name, _DELETING_TAG)
 
 
 def deletions_prefix(name: str) -> str:

@@ -142,8 +142,6 @@ def guarded_delete(target: str, delete: Callable[[], None]) -> None:
             nothing was deleted.
         StorageError: a request failed.
     """
-    if pinned(target):  # the common refusal, without a marker
-        raise CheckpointPinnedError(f"{target} is pinned by an incremental save in progress; not deleted")
     started = time.monotonic()
     marker = _put(Beside.of(target), fmt.deletion_name)
     try:
