@@ -262,14 +262,19 @@ def write_durable(path: str, data: bytes | memoryview, sync: bool = True) -> Non
     """Write ``data`` to a new file and fsync it (unless ``sync`` is False: the caller syncs later)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
+        write_all(fd, data)
         if sync:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of ``data`` at ``fd``'s position (``os.write`` may write part of it)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
 
 
 _SYNC_POOL: ThreadPoolExecutor | None = None
@@ -285,8 +290,9 @@ def _forget_sync_pool() -> None:
 os.register_at_fork(after_in_child=_forget_sync_pool)
 
 
-def fsync_together(paths: Sequence[str]) -> None:
-    """fsync every file or directory in ``paths``, all at once from a few threads.
+def fsync_together(paths: Sequence[str | int]) -> None:
+    """fsync every file or directory in ``paths`` (a path, or a descriptor open on it), all at once from a few
+    threads.
 
     A journaling file system commits the metadata of fsyncs that wait at the
     same time in one journal commit, so three concurrent fsyncs cost about
@@ -296,17 +302,24 @@ def fsync_together(paths: Sequence[str]) -> None:
     global _SYNC_POOL
     if len(paths) < 2:
         for p in paths:
-            fsync_path(p)
+            _fsync(p)
         return
     with _SYNC_POOL_LOCK:
         if _SYNC_POOL is None:
             _SYNC_POOL = ThreadPoolExecutor(4, thread_name_prefix="tddist-fsync")
         pool = _SYNC_POOL
-    futures = [pool.submit(fsync_path, p) for p in paths]
+    futures = [pool.submit(_fsync, p) for p in paths]
     errors = [f.exception() for f in futures]
     for e in errors:
         if e is not None:
             raise e
+
+
+def _fsync(path_or_fd: str | int) -> None:
+    if isinstance(path_or_fd, int):
+        os.fsync(path_or_fd)
+    else:
+        fsync_path(path_or_fd)
 
 
 def remove_tree(path: str) -> None:

@@ -16,6 +16,7 @@ import os
 import stat
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from .._fs import (
     makedirs_top,
     remove_tree,
     sync_created,
-    write_durable,
+    write_all,
 )
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ..errors import CorruptCheckpointError, TargetError
@@ -71,6 +72,8 @@ class DirectoryWriter(WriterBase):
     """One rank's side of a directory save (a ``base.ShardWriter``)."""
 
     container = "directory"
+    #: (rank 0 of an atomic save) the manifest's files, created empty before this rank's data (``_ManifestFiles``)
+    manifest_files: _ManifestFiles | None = None
 
     @property
     def stages_alone(self) -> bool:
@@ -116,6 +119,8 @@ class DirectoryWriter(WriterBase):
     def write(self, staging: Staging) -> Fragment:
         self.check_reference(staging)
         o, shard = self.options, self.local_shard()
+        if self.rank == 0 and o.atomic:
+            self.manifest_files = _ManifestFiles.create(staging.path)
         if o.packing == "packed" and o.base is not None:
             return self.write_incremental(staging, o.base)
         if o.packing == "packed":
@@ -150,10 +155,15 @@ class DirectoryWriter(WriterBase):
     def finalize(self, staging: Staging, manifest: ManifestFiles, fragments: list[Fragment]) -> None:
         for table in {f.base for f in fragments if f.base is not None}:
             check_holders(self.target, table)  # pinned: what is there now stays until the commit
-        index, manifest_path = (os.path.join(staging.path, name) for name in (fmt.INDEX_NAME, fmt.MANIFEST_NAME))
-        write_durable(index, manifest.index, sync=False)
-        write_durable(manifest_path, manifest.manifest, sync=False)
-        fsync_together([index, manifest_path, staging.path])  # the rename (publish) follows all three
+        files, self.manifest_files = self.manifest_files, None
+        if files is None or files.staging != staging.path:
+            files = _ManifestFiles.create(staging.path)
+        try:
+            write_all(files.index, manifest.index)
+            write_all(files.manifest, manifest.manifest)
+            fsync_together([files.index, files.manifest, staging.path])  # the rename (publish) follows all three
+        finally:
+            files.close()
 
     def publish(self, staging: Staging) -> None:
         if self.options.atomic:
@@ -165,12 +175,49 @@ class DirectoryWriter(WriterBase):
         fault_point("unpin", self.rank)
 
     def abort(self, staging: Staging) -> None:
+        if self.manifest_files is not None:
+            self.manifest_files.close()
+            self.manifest_files = None
         unpin(self.pins)
         self.pins = []
         # A torn non-atomic target has no manifest: readers refuse it. A staging area can be absent: another
         # rank of a one-round save removed it first, or this rank never created it.
         if self.options.atomic and os.path.lexists(staging.path):
             discard(staging.path)
+
+
+@dataclass
+class _ManifestFiles:
+    """(rank 0) The manifest's two files in a staging directory, created empty and held open until written.
+
+    Rank 0 creates them before it writes its data, not when it decides: a
+    file created while the ranks' fsyncs commit the file system's journal
+    waits for that commit (about a millisecond each on ext4), and the
+    decision is the one step no rank can overlap. Created in the staging
+    directory, they are never read before the rename publishes them written.
+    """
+
+    staging: str
+    index: int
+    manifest: int
+
+    @classmethod
+    def create(cls, staging: str) -> _ManifestFiles:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        index = os.open(os.path.join(staging, fmt.INDEX_NAME), flags, 0o644)
+        try:
+            manifest = os.open(os.path.join(staging, fmt.MANIFEST_NAME), flags, 0o644)
+        except BaseException:
+            os.close(index)
+            raise
+        return cls(staging, index, manifest)
+
+    def close(self) -> None:
+        for fd in (self.index, self.manifest):
+            try:
+                os.close(fd)
+            except OSError:  # closing a file written and fsynced, or one about to be removed: nothing is lost
+                pass
 
 
 class DirectoryFiles:

@@ -118,9 +118,10 @@ def write_leaves(
     return results
 
 
-def run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
-    """Run tasks in order on ``num_threads`` threads (0 or 1: this thread); re-raise the first error."""
-    if num_threads <= 1 or len(tasks) <= 1:
+def run_all(tasks: list[Callable[[], None]], num_threads: int, on_this_thread: bool = False) -> None:
+    """Run tasks in order on ``num_threads`` threads (0 or 1, or ``on_this_thread``: this thread); re-raise the
+    first error."""
+    if num_threads <= 1 or len(tasks) <= 1 or on_this_thread:
         for t in tasks:
             t()
         return
@@ -230,8 +231,9 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
                 batch, batch_bytes = [], 0
         if batch:
             tasks.append(partial(_put_batch, fd, batch))
+        one_write = len(tasks) <= 1  # a small shard: one write, no threads to start
         tasks.insert(len(tasks) // 2, partial(fault_point, "midwrite", rank))
-        run_all(tasks, num_threads)
+        run_all(tasks, num_threads, on_this_thread=one_write)
         os.fsync(fd)
     finally:
         os.close(fd)
