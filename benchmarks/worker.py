@@ -728,8 +728,13 @@ class Job:
     def ensure_kept(self, labels) -> None:
         """Load scenarios read the last durable saves; write them (untimed) if save did not run."""
         self.mkdirs(self.keep)
-        for label, fn in self.save_impls(self.payload):
-            if label in labels and not os.path.exists(self.keep_path(label) + self.suffix(label)):
+        impls = self.save_impls(self.payload)
+        missing = {
+            lab for lab, _ in impls if lab in labels and not os.path.exists(self.keep_path(lab) + self.suffix(lab))
+        }
+        self.ctx.barrier()  # every rank looked before a save creates its directory (a later look would skip it)
+        for label, fn in impls:
+            if label in missing:
                 fn(self.keep_path(label))
                 self.ctx.barrier()
 
