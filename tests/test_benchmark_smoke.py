@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ RUN = REPO / "benchmarks" / "run.py"
 S3 = REPO / "benchmarks" / "s3.py"
 COPY_OVERLAP = REPO / "benchmarks" / "copy_overlap.py"
 CONSOLIDATE = REPO / "benchmarks" / "consolidate.py"
+RESHARD_FLOOR = REPO / "benchmarks" / "reshard_floor.py"
 TIMEOUT = 300  # a no-hang limit: the run takes 35-90 s alone, over 3 minutes on a busy shared machine
 
 
@@ -126,6 +128,19 @@ def test_copy_overlap_model(tmp_path: Path) -> None:
     for r in rows:
         assert f"| {r['mode']} |" in stdout, stdout
         assert 0 < r["blocking_s"] <= r["complete_s"], r
+
+
+def test_reshard_floor_model(tmp_path: Path) -> None:
+    """``benchmarks/reshard_floor.py`` reads a quarter of each leaf of one file and a file each, by mmap and by
+    pread, and prints both layouts' times and their ratio for each."""
+    cmd = [sys.executable, str(RESHARD_FLOOR), "--leaf-mib", "4", "--repeats", "1", "--dir", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO / "benchmarks")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = re.findall(r"^(mmap|pread) .*?([\d.]+) ms .*?([\d.]+) ms +ratio ([\d.]+)$", done.stdout, re.M)
+    assert [r[0] for r in rows] == ["mmap", "pread"], done.stdout
+    for _how, one, each, ratio in rows:
+        assert float(one) > 0 and float(each) > 0, rows
+        assert abs(float(ratio) - float(one) / float(each)) < 0.01 + 0.01 * float(ratio), rows
 
 
 def test_consolidate_quick(tmp_path: Path) -> None:
