@@ -27,6 +27,7 @@ one job.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,15 +97,12 @@ def gather(obj: Any, root: int, rank: int, size: int, group: dist.ProcessGroup) 
         return None
     slots = [torch.empty(GATHER_SLOT, dtype=torch.uint8) for _ in range(size)]
     dist.gather(mine.slot, slots, group=group, group_dst=root)
-    out: list[Any] = []
-    for r, slot in enumerate(slots):
-        missing = rest_bytes(slot)
-        rest = None
-        if missing and r != rank:
-            rest = torch.empty(missing, dtype=torch.uint8)
+
+    def receive(r: int, rest: torch.Tensor) -> None:
+        if r != rank:
             dist.recv(rest, group=group, group_src=r)
-        out.append(obj if r == rank else unpack(slot, rest))
-    return out
+
+    return _objects(obj, rank, slots, mine, receive)
 
 
 def broadcast(obj: Any, root: int, rank: int, group: dist.ProcessGroup) -> Any:
@@ -130,12 +128,20 @@ def allgather(obj: Any, rank: int, size: int, group: dist.ProcessGroup) -> list[
     mine = pack(obj, GATHER_SLOT)
     slots = [torch.empty(GATHER_SLOT, dtype=torch.uint8) for _ in range(size)]
     dist.all_gather(slots, mine.slot, group=group)
+    return _objects(obj, rank, slots, mine, lambda r, rest: dist.broadcast(rest, group=group, group_src=r))
+
+
+def _objects(
+    obj: Any, rank: int, slots: list[torch.Tensor], mine: Packed, move_rest: Callable[[int, torch.Tensor], Any]
+) -> list[Any]:
+    """Every rank's object from its slot (this rank's own: ``obj``), in rank order; ``move_rest(r, rest)``
+    moves the rest of rank ``r``'s object that did not fit, into ``rest`` (this rank's own rest: ``mine``'s)."""
     out: list[Any] = []
     for r, slot in enumerate(slots):
         missing = rest_bytes(slot)
         rest = None
         if missing:
             rest = mine.rest if r == rank else torch.empty(missing, dtype=torch.uint8)
-            dist.broadcast(rest, group=group, group_src=r)
+            move_rest(r, rest)
         out.append(obj if r == rank else unpack(slot, rest))
     return out

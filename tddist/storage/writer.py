@@ -118,10 +118,9 @@ def write_leaves(
     return results
 
 
-def run_all(tasks: list[Callable[[], None]], num_threads: int, on_this_thread: bool = False) -> None:
-    """Run tasks in order on ``num_threads`` threads (0 or 1, or ``on_this_thread``: this thread); re-raise the
-    first error."""
-    if num_threads <= 1 or len(tasks) <= 1 or on_this_thread:
+def run_all(tasks: list[Callable[[], None]], num_threads: int) -> None:
+    """Run tasks in order on ``num_threads`` threads (0 or 1: this thread); re-raise the first error."""
+    if num_threads <= 1 or len(tasks) <= 1:
         for t in tasks:
             t()
         return
@@ -231,9 +230,9 @@ def write_packed(path: str, items: Sequence[SaveItem], num_threads: int, rank: i
                 batch, batch_bytes = [], 0
         if batch:
             tasks.append(partial(_put_batch, fd, batch))
-        one_write = len(tasks) <= 1  # a small shard: one write, no threads to start
+        threads = num_threads if len(tasks) > 1 else 1  # a small shard: one write, no threads to start
         tasks.insert(len(tasks) // 2, partial(fault_point, "midwrite", rank))
-        run_all(tasks, num_threads, on_this_thread=one_write)
+        run_all(tasks, threads)
         os.fsync(fd)
     finally:
         os.close(fd)
