@@ -115,6 +115,29 @@ def drop_pages(address: int, nbytes: int) -> None:
     madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
+#: ``madvise``'s advice that faults a range's pages in and waits for them (Linux 5.14+); Python 3.11's ``mmap`` lacks
+#: the name.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+
+def read_into_page_cache(fd: int, start: int, stop: int) -> None:
+    """Read bytes ``[start, stop)`` of the file open at ``fd`` into the page cache and wait for them, leaving them
+    mapped nowhere: a read-only map of the range for the duration of ``madvise(MADV_POPULATE_READ)``, which reads
+    it in large sequential requests without copying a byte. A kernel without that advice (EINVAL) gets
+    ``POSIX_FADV_WILLNEED``, which starts the same reads without waiting for them.
+    """
+    lo = start // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+    if stop <= lo:
+        return
+    with mmap.mmap(fd, stop - lo, access=mmap.ACCESS_READ, offset=lo) as m:
+        try:
+            m.madvise(MADV_POPULATE_READ)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            os.posix_fadvise(fd, lo, stop - lo, os.POSIX_FADV_WILLNEED)
+
+
 #: ``madvise``'s advice that backs a range with transparent huge pages where the kernel allows them.
 MADV_HUGEPAGE = 14
 #: The size of a transparent huge page on x86-64 and arm64 (4 KiB pages).

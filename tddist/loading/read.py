@@ -22,7 +22,7 @@ from ..checksum import EMPTY, combine_digests, hash_blocks
 from ..core.sharding import Box, ReadPiece, full_box, plan_reads
 from ..core.types import Key
 from ..errors import CorruptCheckpointError, TddistError
-from ..manifest.locate import ChunkRange, Location, Locator
+from ..manifest.locate import ChunkRange, FileSpan, Location, Locator
 from ..manifest.model import Chunk, Leaf, Manifest
 from ..manifest.parse import paused_gc
 from ..manifest.whole import FileOffsets, WholePieces, file_offsets, needed_ranks, plan_whole
@@ -30,6 +30,7 @@ from ..storage.backends import local_files, store_for
 from ..storage.opened import ChunkFiles, OpenedCheckpoint
 from ..storage.pinned import storage_failed
 from . import whole
+from .cooperate import SharedReads, share_of
 
 
 class ChunkSource:
@@ -326,22 +327,46 @@ def read_leaves(
     requests: Iterable[tuple[Leaf, Box]],
     num_threads: int,
     verify: bool,
+    shared: SharedReads | None = None,
 ) -> list[torch.Tensor]:
     """Read every (leaf, box) request, sharing one pool and one set of maps.
 
     Pass the ``OpenedCheckpoint`` the manifest was read from, so the data
-    comes from the same generation (a path is opened again).
+    comes from the same generation (a path is opened again). ``shared``: what
+    every rank of this node reads; this rank first reads its part of the files
+    they share into the page cache (``cooperate``).
     """
     source = ChunkSource(checkpoint, manifest)
     root = source.root
     requests = list(requests)
     try:
         with paused_gc():  # a tensor per leaf, and its chunks: see paused_gc
+            if shared is not None:
+                _warm_shared(source, shared, verify)
             return _read(source, requests, num_threads, verify)
     except OSError as e:
         if e.errno == errno.ENOMEM:
             raise
         raise storage_failed(root, e) from e
+
+
+def _warm_shared(source: ChunkSource, shared: SharedReads, verify: bool) -> None:
+    """Read this rank's part of the node's shared reads into the page cache (``cooperate.share_of``), file store by
+    file store (a holder of an incremental checkpoint has files of its own)."""
+    needs = [_needed(source, list(requests), verify) for requests in shared.requests]
+    for h in sorted({h for need in needs for h in need}):
+        files = source.holder_files(h)
+        if not files.shares_pages:
+            continue
+        spans = [[_file_span(r) for r in need.get(h, [])] for need in needs]
+        part = share_of(spans, shared.me)
+        if part:
+            files.warm(part)
+
+
+def _file_span(r: ChunkRange) -> FileSpan:
+    loc = r.location
+    return FileSpan(loc.relpath, loc.offset + r.start, loc.offset + r.stop)
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,15 @@ class ChunkRange:
     stop: int
 
 
+@dataclass(frozen=True, slots=True)
+class FileSpan:
+    """Bytes ``[start, stop)`` of the checkpoint's file ``relpath`` (a range several chunks may share)."""
+
+    relpath: str
+    start: int
+    stop: int
+
+
 def kept_offsets(nbytes: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A rank's data object on object storage with references (docs/format.md 13.3): where each of its chunks
     starts in it, and its size: ``packed_offsets`` with 0 for every referenced chunk (``held``: its holder,

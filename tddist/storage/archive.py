@@ -26,7 +26,7 @@ from ..checksum import EMPTY, combine_digests
 from ..core.finite import counter_for
 from ..core.types import Compression, Fragment, Key, ManifestFiles, SavePlan, Staging, StoredBytes
 from ..errors import CorruptCheckpointError, TargetError
-from ..manifest.locate import ChunkRange, Location
+from ..manifest.locate import ChunkRange, FileSpan, Location
 from ..manifest.parse import paused_gc
 from .base import WriterBase, map_copy_on_write
 from .pinned import storage_failed
@@ -235,9 +235,13 @@ class ArchiveFiles:
         return starts
 
     fetches_ahead = False
+    shares_pages = False  # spans name entries of the archive, not files (a node's ranks map it on demand)
 
     def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
         """Nothing to fetch ahead: the archive is mapped."""
+
+    def warm(self, spans: Sequence[FileSpan]) -> None:
+        """Nothing shared to warm: the archive's ranks map it on demand."""
 
     def span(self, loc: Location) -> torch.Tensor:
         """A chunk's bytes (archives hold one entry per chunk)."""

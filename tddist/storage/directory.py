@@ -29,13 +29,14 @@ from .._fs import (
     fsync_together,
     makedirs_durable,
     makedirs_top,
+    read_into_page_cache,
     remove_tree,
     sync_created,
     write_all,
 )
 from ..core.types import Fragment, ManifestFiles, SavePlan, Staging
 from ..errors import CorruptCheckpointError, TargetError
-from ..manifest.locate import ChunkRange, Location
+from ..manifest.locate import ChunkRange, FileSpan, Location
 from .base import WriterBase, map_copy_on_write
 from .incremental import check_holders, eligible_base, identity_columns, read_base, write_packed_incremental
 from .pinned import PinnedCheckpoint
@@ -238,9 +239,28 @@ class DirectoryFiles:
         self._mapped: dict[int, weakref.ref[torch.Tensor]] = {}
 
     fetches_ahead = False
+    shares_pages = True
 
     def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
         """Nothing to fetch ahead: files are mapped."""
+
+    def warm(self, spans: Sequence[FileSpan]) -> None:
+        """Read ``spans`` into the node's page cache, each file opened through the pin (``read_into_page_cache``:
+        mapped nowhere once read). A file that is missing, not a regular file or shorter than the spans is left
+        to ``span``, which says what is wrong with it."""
+        by_file: dict[str, list[FileSpan]] = {}
+        for s in spans:
+            by_file.setdefault(s.relpath, []).append(s)
+        for rel, parts in by_file.items():
+            fd = self.pin.open_file(rel)
+            if fd is None:
+                continue
+            try:
+                st = os.fstat(fd)
+                for p in parts if stat.S_ISREG(st.st_mode) else ():
+                    read_into_page_cache(fd, p.start, min(p.stop, st.st_size))
+            finally:
+                os.close(fd)
 
     def span(self, loc: Location) -> torch.Tensor:
         """A chunk's bytes: a view of its file's copy-on-write map (each file is mapped once)."""

@@ -24,7 +24,7 @@ from .opened import ChunkFiles, ManifestBytes, OpenedCheckpoint, Pin, validate
 if TYPE_CHECKING:
     import torch
 
-    from ..manifest.locate import ChunkRange, Location
+    from ..manifest.locate import ChunkRange, FileSpan, Location
 
 
 #: Bytes of a file received in place elsewhere (``jobs.direct``: the state's tensors), by file: ``(offset in the
@@ -129,8 +129,13 @@ class MemoryFiles:
         self._ready = ready
         self._direct = direct or {}
 
+    shares_pages = False
+
     def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
         """Nothing to fetch: the bytes are in memory."""
+
+    def warm(self, spans: Sequence[FileSpan]) -> None:
+        """Nothing shared to warm: the bytes are in this process's memory."""
 
     def span(self, location: Location) -> torch.Tensor:
         """The chunk's bytes: a view of its file (whose size the manifest's must match)."""

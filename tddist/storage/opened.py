@@ -19,7 +19,8 @@ Call order, on every rank that reads (``loading.pipeline`` runs it):
    committed between two ranks' opens (then every rank raises
    ``CheckpointChangedError`` and the load opens again).
 3. (every rank) ``files()``: the ``ChunkFiles`` of the pinned generation (the
-   store's reader); then
+   store's reader); then ``warm(spans)`` once where ``shares_pages`` and the
+   node's ranks read the same files (``loading.cooperate``), then
    ``prefetch(ranges, num_threads)`` once with every range the load reads
    where ``fetches_ahead`` (a store that pays per request fetches them in
    parallel), then ``span(location)`` for each chunk read.
@@ -45,19 +46,32 @@ from ..manifest.parse import IndexSource, parse_manifest, paused_gc
 if TYPE_CHECKING:
     import torch
 
-    from ..manifest.locate import ChunkRange, Location
+    from ..manifest.locate import ChunkRange, FileSpan, Location
 
 
 class ChunkFiles(Protocol):
     """The chunks of one pinned generation, read as uint8 tensors (the read-side counterpart of ``ShardWriter``).
 
-    Call order: ``prefetch`` at most once, with every range the load will
-    read; then ``span`` for each chunk, in any order, from any thread.
+    Call order: ``warm`` at most once, with the part of the node's shared
+    reads this rank reads for all of them (where ``shares_pages``; see
+    ``loading.cooperate``); ``prefetch`` at most once, with every range the
+    load will read; then ``span`` for each chunk, in any order, from any thread.
     """
 
     root: str  # the checkpoint, as errors name it
     #: whether ``prefetch`` fetches anything (object storage); a file system maps chunks in ``span``
     fetches_ahead: bool
+    #: whether the ranks of one node read these files through one page cache (a file system), so that what one
+    #: rank ``warm``s the others map from memory
+    shares_pages: bool
+
+    def warm(self, spans: Sequence[FileSpan]) -> None:
+        """Read ``spans`` into the page cache of this node (a no-op where ``shares_pages`` is False) and wait for
+        them: bytes other ranks of the node map, read by this one in long sequential requests.
+
+        An optimisation only: a file that cannot be opened is left to ``span``, which says why.
+        """
+        ...
 
     def prefetch(self, ranges: Sequence[ChunkRange], num_threads: int) -> None:
         """Fetch ahead the bytes a load will read (a no-op where ``span`` maps files)."""

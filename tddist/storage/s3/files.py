@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,7 +22,7 @@ import torch
 
 from ... import format as fmt
 from ...errors import CorruptCheckpointError
-from ...manifest.locate import ChunkRange, Location
+from ...manifest.locate import ChunkRange, FileSpan, Location
 from ..zipcodec import ALIGN, LOCAL_FMT, LOCAL_SIZE, check_compressed_entry, inflate_into
 from .pin import S3Pin
 
@@ -51,6 +51,7 @@ class S3Files:
     """The chunks of one committed checkpoint on object storage, fetched once each (an ``opened.ChunkFiles``)."""
 
     fetches_ahead = True
+    shares_pages = False  # each rank fetches into its own memory
 
     def __init__(self, pin: S3Pin):
         self.pin = pin
@@ -76,6 +77,9 @@ class S3Files:
 
     def release(self, span: torch.Tensor) -> None:
         """Nothing is mapped: fetched bytes are the caller's tensors, freed with them."""
+
+    def warm(self, spans: Sequence[FileSpan]) -> None:
+        """Nothing shared to warm: each rank fetches into its own memory."""
 
     def prefetch(self, ranges: Iterable[ChunkRange], num_threads: int) -> None:
         """Fetch the bytes the load will read now, in parallel, so that ``span`` finds them in memory.
