@@ -115,6 +115,19 @@ def drop_pages(address: int, nbytes: int) -> None:
     madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the kernel can give without swapping (``MemAvailable`` of ``/proc/meminfo``), None where
+    it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 #: ``madvise``'s advice that faults a range's pages in and waits for them (Linux 5.14+); Python 3.11's ``mmap`` lacks
 #: the name.
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)

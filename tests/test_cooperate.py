@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 import tddist
 from tddist import format as fmt
-from tddist.loading.cooperate import node_ranks, share_of
+from tddist.loading.cooperate import MIN_SHARED_BYTES, node_ranks, share_of
 from tddist.manifest.locate import FileSpan
 from tddist.storage.directory import DirectoryFiles
 from tests.helpers import assert_td_equal
@@ -98,7 +98,8 @@ def test_warm_reads_the_spans_into_the_page_cache(tmp_path: Path) -> None:
 
 
 def test_resharding_load_has_the_node_read_its_shared_files(tmp_path: Path) -> None:
-    rows = 1 << 16
+    rows = 1 << 20  # 72 MiB: each rank reads 18 MiB, above ``MIN_SHARED_BYTES``
+    assert rows * (16 * 4 + 8) // 4 >= MIN_SHARED_BYTES
     td = TensorDict(
         w=torch.arange(rows * 16, dtype=torch.float32).reshape(rows, 16),
         b=torch.arange(rows, dtype=torch.int64),
@@ -116,7 +117,7 @@ def test_resharding_load_has_the_node_read_its_shared_files(tmp_path: Path) -> N
 
 def test_same_layout_load_reads_nothing_ahead(tmp_path: Path) -> None:
     """Each rank reads its own file: nothing is shared, so nothing is read before the ranks touch their data."""
-    rows = 1 << 15
+    rows = 1 << 19  # 32 MiB: a rank reads 16 MiB
     full = torch.arange(rows * 16, dtype=torch.float32).reshape(rows, 16)
 
     def save(c: tddist.ThreadComm) -> None:

@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from ..manifest.model import Leaf
 
 
+#: A rank that reads fewer bytes than this reads them itself: its reads are too short for their order to matter.
+MIN_SHARED_BYTES = 16 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class NodeRanks:
     """The ranks that run on this rank's node, ascending, this rank among them (they share a page cache)."""

@@ -9,6 +9,7 @@ overlaps are opened, so loading some keys or some rows touches nothing else.
 from __future__ import annotations
 
 import errno
+import logging
 import math
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from .. import format as fmt
+from .._fs import available_memory
 from ..checksum import EMPTY, combine_digests, hash_blocks
 from ..core.sharding import Box, ReadPiece, full_box, plan_reads
 from ..core.types import Key
@@ -30,7 +32,9 @@ from ..storage.backends import local_files, store_for
 from ..storage.opened import ChunkFiles, OpenedCheckpoint
 from ..storage.pinned import storage_failed
 from . import whole
-from .cooperate import SharedReads, share_of
+from .cooperate import MIN_SHARED_BYTES, SharedReads, share_of
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkSource:
@@ -352,14 +356,29 @@ def read_leaves(
 
 def _warm_shared(source: ChunkSource, shared: SharedReads, verify: bool) -> None:
     """Read this rank's part of the node's shared reads into the page cache (``cooperate.share_of``), file store by
-    file store (a holder of an incremental checkpoint has files of its own)."""
-    needs = [_needed(source, list(requests), verify) for requests in shared.requests]
+    file store (a holder of an incremental checkpoint has files of its own).
+
+    Not for a rank that reads less than ``MIN_SHARED_BYTES`` (the neighbours' plans would cost more than the
+    order of its reads saves), nor when the node's shared bytes exceed half the memory available (what one
+    rank read for another would be evicted before it is mapped, and read again).
+    """
+    mine = _needed(source, list(shared.requests[shared.me]), verify)
+    if sum(r.stop - r.start for ranges in mine.values() for r in ranges) < MIN_SHARED_BYTES:
+        return
+    needs = [mine if i == shared.me else _needed(source, list(reqs), verify) for i, reqs in enumerate(shared.requests)]
+    available = available_memory()
     for h in sorted({h for need in needs for h in need}):
         files = source.holder_files(h)
         if not files.shares_pages:
             continue
-        spans = [[_file_span(r) for r in need.get(h, [])] for need in needs]
-        part = share_of(spans, shared.me)
+        part = share_of([[_file_span(r) for r in need.get(h, [])] for need in needs], shared.me)
+        node_bytes = sum(s.stop - s.start for s in part) * len(needs)
+        if available is not None and node_bytes > available // 2:
+            logger.info(
+                "the node's shared reads (%d bytes) exceed half its available memory: each rank reads its own",
+                node_bytes,
+            )
+            return
         if part:
             files.warm(part)
 
