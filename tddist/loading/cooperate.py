@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..manifest.locate import FileSpan
+from ..manifest.locate import FileSpan, merged_ranges
 
 if TYPE_CHECKING:
     from ..core.sharding import Box
@@ -74,7 +74,7 @@ def share_of(needs: Sequence[Sequence[FileSpan]], me: int) -> list[FileSpan]:
             if s.stop > s.start:
                 readers.setdefault(s.relpath, set()).add(i)
                 spans.setdefault(s.relpath, []).append((s.start, s.stop))
-    union = [(rel, lo, hi) for rel in sorted(spans) if len(readers[rel]) > 1 for lo, hi in _merged(spans[rel])]
+    union = [(rel, lo, hi) for rel in sorted(spans) if len(readers[rel]) > 1 for lo, hi in merged_ranges(spans[rel])]
     total = sum(hi - lo for _rel, lo, hi in union)
     first, last = total * me // len(needs), total * (me + 1) // len(needs)
     part, at = [], 0  # ``at``: bytes of the union before the current span
@@ -84,14 +84,3 @@ def share_of(needs: Sequence[Sequence[FileSpan]], me: int) -> list[FileSpan]:
             part.append(FileSpan(rel, lo + a, lo + b))
         at += hi - lo
     return part
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``ranges`` sorted, with the ones that overlap or touch joined."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out

@@ -195,6 +195,17 @@ class ChunkRange:
     stop: int
 
 
+def merged_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(start, stop)`` byte ranges sorted, with the ones that overlap or touch joined."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class FileSpan:
     """Bytes ``[start, stop)`` of the checkpoint's file ``relpath`` (a range several chunks may share)."""

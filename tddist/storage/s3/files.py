@@ -22,7 +22,7 @@ import torch
 
 from ... import format as fmt
 from ...errors import CorruptCheckpointError
-from ...manifest.locate import ChunkRange, FileSpan, Location
+from ...manifest.locate import ChunkRange, FileSpan, Location, merged_ranges
 from ..zipcodec import ALIGN, LOCAL_FMT, LOCAL_SIZE, check_compressed_entry, inflate_into
 from .pin import S3Pin
 
@@ -110,7 +110,7 @@ class S3Files:
             sub = {}
             for loc, rs in parts.items():
                 s = data_spans[loc] if self.pin.archive else self._dir_span(loc)
-                for lo, hi in _merged(rs):
+                for lo, hi in merged_ranges(rs):
                     sub[Span(s.key, s.start + lo, s.start + hi, s.size, s.rank)] = (loc, lo)
             got = self._fetch(spans + list(sub), pool)
         for (loc, lo), data in zip(sub.values(), got[len(spans) :]):
@@ -254,17 +254,6 @@ class S3Files:
         if crc != zi.CRC:
             raise CorruptCheckpointError(f"archive {where} decompresses to bytes that fail its CRC-32; it is damaged")
         return out
-
-
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Overlapping or touching ranges merged, in order."""
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 class _BytesSource:
