@@ -35,12 +35,10 @@ def resident(path: Path) -> list[bool]:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
         npages = (size + PAGE - 1) // PAGE
         vec = (ctypes.c_ubyte * npages)()
-        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        try:
-            if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore")
-        finally:
-            del address  # no export of the map may outlive it
+        view = ctypes.c_char.from_buffer(m)  # an export of the map: released before the map closes
+        if libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        del view
         return [bool(v & 1) for v in vec]
 
 

@@ -29,12 +29,13 @@ from tensordict import TensorDict
 
 import tddist
 from tddist.comm.base import LocalComm
+from tddist.comm.node import node_name
 from tddist.jobs import box_reshard, direct, local_shards, peer_choice, peer_restore, receiving, transfer
 from tddist.jobs.copies import CopyRecord, PartId, digest_files, read_record
 from tddist.jobs.keeping import write_in_place
 from tddist.jobs.local_tier import LocalTier
 from tddist.jobs.manager import CheckpointManager
-from tddist.jobs.nodes import node_name, replica_peers
+from tddist.jobs.nodes import replica_peers
 from tddist.jobs.retention import step_name
 from tddist.storage.memory import MemoryStore
 from tests import launch_util

@@ -1,18 +1,15 @@
-"""Which node a rank runs on, and which rank on another node keeps its replica.
+"""Which rank on another node keeps each rank's replica.
 
 A replica is only worth keeping on another node: a node that dies takes its
-local disk with it. ``comm.node.node_name`` says where this process runs
-(``TDDIST_NODE`` or the manager's ``node=`` override it). ``replica_peers`` pairs every rank with a
-rank of the next node, so each node's replicas all live on one other node.
+local disk with it. ``comm.node.node_name`` says where a process runs
+(``TDDIST_NODE`` or the manager's ``node=`` override it); ``replica_peers``
+pairs every rank with a rank of the next node, so each node's replicas all
+live on one other node.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-from ..comm.node import NODE_ENV, node_name
-
-__all__ = ["NODE_ENV", "node_name", "replica_peers"]
 
 
 def replica_peers(nodes: Sequence[str]) -> dict[int, int]:

@@ -39,7 +39,7 @@ class ManagerOptions:
         save_kwargs: a copy of the ``save_kwargs`` given, none of them reserved.
         local_dir: the node-local tier's directory, or None.
         replicas: copies of each rank's local part kept on other nodes (0 or 1).
-        node: this rank's node as given (None: detected, see ``nodes.node_name``).
+        node: this rank's node as given (None: detected, see ``comm.node.node_name``).
         restore_finite: ``restore="finite"``: restore skips checkpoints that hold NaN or Inf values.
         incremental: each save references what it shares with the last checkpoint (``save(base=...)``).
     """

@@ -21,13 +21,13 @@ from typing import Any
 
 from ..comm.base import Communicator
 from ..comm.collective import collective_error, contribute, describe, run_step
+from ..comm.node import node_name
 from ..errors import CommError, TddistError
 from ..loading.share import LoadReport
 from . import promotion
 from .keeping import Keeping
 from .local_shards import DTensorLayout
 from .local_tier import LocalTier, Restoring, complete_steps, expand
-from .nodes import node_name
 from .peer_restore import PeerRestore, restore_from_copies
 from .replication import Replicator
 from .train_state import fill

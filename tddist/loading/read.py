@@ -362,15 +362,15 @@ def _warm_shared(source: ChunkSource, shared: SharedReads, verify: bool) -> None
     order of its reads saves), nor when the node's shared bytes exceed half the memory available (what one
     rank read for another would be evicted before it is mapped, and read again).
     """
+    if not source.files.shares_pages:  # object storage: each rank fetches into its own memory; nothing to plan
+        return
     mine = _needed(source, list(shared.requests[shared.me]), verify)
     if sum(r.stop - r.start for ranges in mine.values() for r in ranges) < MIN_SHARED_BYTES:
         return
     needs = [mine if i == shared.me else _needed(source, list(reqs), verify) for i, reqs in enumerate(shared.requests)]
     available = available_memory()
     for h in sorted({h for need in needs for h in need}):
-        files = source.holder_files(h)
-        if not files.shares_pages:
-            continue
+        files = source.holder_files(h)  # a holder is a checkpoint of the same store, so it shares pages too
         part = share_of([[_file_span(r) for r in need.get(h, [])] for need in needs], shared.me)
         node_bytes = sum(s.stop - s.start for s in part) * len(needs)
         if available is not None and node_bytes > available // 2:
