@@ -297,6 +297,37 @@ def test_the_saved_tensordict_is_held_only_by_the_caller(tmp_path):
     assert not mapped(), f"still mapped after the caller dropped the result: {sorted(mapped())}"
 
 
+def test_a_future_returns_once_its_worker_holds_nothing_of_the_save(monkeypatch):
+    """The worker still runs for a moment after it resolves a save's future (the rest of its job); ``result()``
+    waits for that, so the value the caller gets is held by nobody else once the caller drops it. Here the
+    worker lingers 0.2 s after each job: the value must still die with the caller's last reference."""
+    import time
+    import weakref
+
+    run_job = background._run_job
+
+    def slow_to_return(job):
+        run_job(job)
+        time.sleep(0.2)  # like a worker descheduled right after it resolved the future
+
+    monkeypatch.setattr(background, "_run_job", slow_to_return)
+
+    class Saved:  # stands for the TensorDict a save returns (which maps the checkpoint's files)
+        pass
+
+    worker = background.Worker("test-linger", background=False)
+    try:
+        for _ in range(3):
+            fut, _done = worker.submit(Saved)
+            value = weakref.ref(fut.result(10))
+            del fut
+            assert value() is None, "the worker still held the save's value after result() returned"
+        failed, _done = worker.submit(lambda: 1 / 0)
+        assert isinstance(failed.exception(10), ZeroDivisionError)
+    finally:
+        worker.stop()
+
+
 def test_saves_that_alternate_between_states_reuse_one_arena(tmp_path):
     """Two states of 8 and 12 MiB saved in turn on one communicator, and a state with nothing to copy between
     them: the arena is allocated for the first state and grown once for the larger one, then kept (it holds

@@ -54,9 +54,38 @@ STOP_TIMEOUT = 10.0
 
 
 class SaveFuture(Future):
-    """The Future of a ``return_early`` save, with ``wait_snapshot`` for state changed outside a guarded step."""
+    """The Future of a ``return_early`` save, with ``wait_snapshot`` for state changed outside a guarded step.
+
+    ``result()`` and ``exception()`` return only once the worker that resolved it holds nothing of the save
+    (``released``, which ``Worker._run`` sets before the job's clean-ups, so the caller never waits for
+    those): the caller is then the only holder of what the save returned (a TensorDict that maps the
+    checkpoint's files), so its maps go when the caller drops it. Without this wait the worker's last
+    references could outlive the caller's for a moment, and the maps with them.
+    """
 
     _snapshot: Callable[[], None] | None = None
+
+    def __init__(self, resolver: int | None = None) -> None:
+        super().__init__()
+        #: set by the worker once it holds no reference to this save (its job, its function, its value)
+        self.released = threading.Event()
+        self._resolver = resolver  # the worker thread's ident: it must never wait for itself
+
+    def result(self, timeout: float | None = None) -> Any:
+        value = super().result(timeout)
+        self._wait_released()
+        return value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        error = super().exception(timeout)
+        self._wait_released()
+        return error
+
+    def _wait_released(self) -> None:
+        """Wait for the worker to let go of the save: a moment after it resolved the future (the rest of its
+        job's function returning), never on the worker's own thread (a done-callback runs there)."""
+        if threading.get_ident() != self._resolver:
+            self.released.wait(STOP_TIMEOUT)  # bounded: a worker that never got there must not hang the caller
 
     def set_snapshot(self, wait: Callable[[], None]) -> None:
         """(the save, before it returns) What ``wait_snapshot`` waits for: a deferred snapshot's copy."""
@@ -104,7 +133,7 @@ class Worker:
         Only the caller holds the value (a saved TensorDict maps the checkpoint's files): the worker and
         the channel keep neither, so the maps go when the caller drops them, not at some later save.
         """
-        job = _Job(fn, SaveFuture(), Future())
+        job = _Job(fn, SaveFuture(self.thread.ident), Future())
         self._queue.put(job)
         return job.future, job.done
 
@@ -132,8 +161,10 @@ class Worker:
             job = self._queue.get()
             if job is None:
                 return
+            released = job.future.released
             _run_job(job)
             del job  # nothing of the save stays referenced while the worker waits for the next one
+            released.set()  # the caller's result() returns now: it alone holds what the save returned
             while self._deferred:  # in a call, so that no local keeps the save's writer (and its leaves)
                 _run_clean_up(self._deferred.pop(0))
 
