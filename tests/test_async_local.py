@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+import weakref
 
 import pytest
 import torch
@@ -301,9 +303,6 @@ def test_a_future_returns_once_its_worker_holds_nothing_of_the_save(monkeypatch)
     """The worker still runs for a moment after it resolves a save's future (the rest of its job); ``result()``
     waits for that, so the value the caller gets is held by nobody else once the caller drops it. Here the
     worker lingers 0.2 s after each job: the value must still die with the caller's last reference."""
-    import time
-    import weakref
-
     run_job = background._run_job
 
     def slow_to_return(job):
@@ -371,7 +370,6 @@ def test_a_return_early_save_resolves_before_the_checkpoint_it_replaced_is_remov
     """The future resolves at the commit: the removal of the replaced checkpoint follows on the worker, the
     next save on the channel waits for it, and a synchronous save removes it before returning."""
     import threading
-    import time
 
     from tddist.storage import base
 

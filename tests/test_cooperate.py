@@ -36,9 +36,12 @@ def resident(path: Path) -> list[bool]:
         npages = (size + PAGE - 1) // PAGE
         vec = (ctypes.c_ubyte * npages)()
         view = ctypes.c_char.from_buffer(m)  # an export of the map: released before the map closes
-        if libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec) != 0:
+        try:
+            failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec) != 0
+        finally:
+            del view  # even when mincore fails: a live export would turn the map's close into a BufferError
+        if failed:
             raise OSError(ctypes.get_errno(), "mincore")
-        del view
         return [bool(v & 1) for v in vec]
 
 
