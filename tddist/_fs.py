@@ -17,10 +17,13 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import Literal, TypeVar
 
 from ._faults import fault_point
+
+T = TypeVar("T")
 
 _AT_FDCWD = -100
 RENAME_NOREPLACE = 1
@@ -326,6 +329,17 @@ def _forget_sync_pool() -> None:
 os.register_at_fork(after_in_child=_forget_sync_pool)
 
 
+def in_background(fn: Callable[[], T]) -> Future[T]:
+    """Run ``fn`` on one of a few threads kept for file-system calls that wait in the kernel (fsyncs, file
+    creations), so the caller goes on meanwhile."""
+    global _SYNC_POOL
+    with _SYNC_POOL_LOCK:
+        if _SYNC_POOL is None:
+            _SYNC_POOL = ThreadPoolExecutor(4, thread_name_prefix="tddist-fsync")
+        pool = _SYNC_POOL
+    return pool.submit(fn)
+
+
 def fsync_together(paths: Sequence[str | int]) -> None:
     """fsync every file or directory in ``paths`` (a path, or a descriptor open on it), all at once from a few
     threads.
@@ -335,16 +349,11 @@ def fsync_together(paths: Sequence[str | int]) -> None:
     one; one after the other, each waits for its own commit. Raises the first
     failure once every fsync has ended.
     """
-    global _SYNC_POOL
     if len(paths) < 2:
         for p in paths:
             _fsync(p)
         return
-    with _SYNC_POOL_LOCK:
-        if _SYNC_POOL is None:
-            _SYNC_POOL = ThreadPoolExecutor(4, thread_name_prefix="tddist-fsync")
-        pool = _SYNC_POOL
-    futures = [pool.submit(_fsync, p) for p in paths]
+    futures = [in_background(partial(_fsync, p)) for p in paths]
     errors = [f.exception() for f in futures]
     for e in errors:
         if e is not None:

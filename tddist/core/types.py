@@ -332,12 +332,15 @@ class StagedVote:
     ``plan`` is what the first round would have sent (rank 0 compares them);
     ``fragment`` is the vote; ``created`` is the top-most parent directory of
     the target that this rank created (None: every one existed), which rank 0
-    makes durable before it publishes.
+    makes durable before it publishes; ``wants_shared``: whether this rank
+    uses what rank 0 shares with the decision (``two_phase_commit``'s
+    ``share``), which rank 0 then builds only if some rank does.
     """
 
     plan: SavePlan
     fragment: Fragment
     created: str | None = None
+    wants_shared: bool = True
 
 
 # --- what a rank loads ----------------------------------------------------------------------

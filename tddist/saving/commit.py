@@ -117,12 +117,14 @@ def two_phase_commit(
     retire: Retire | None = None,
     on_staged: Callable[[Staging], None] | None = None,
     share: Callable[[], Any] | None = None,
+    wants_shared: bool = True,
 ) -> Published:
     """Run the protocol above; return on every rank, once it is committed, what rank 0 published.
 
     ``build_manifest(fragments, structure)`` (rank 0): the manifest's files. ``on_staged(staging)`` runs on
     every rank before it writes (its failure is the rank's vote). ``share()`` (rank 0, once the manifest is
-    built, before it is written): a value every rank receives with the decision (``Published.shared``).
+    built, before it is written): a value every rank receives with the decision (``Published.shared``);
+    in the one-round path rank 0 calls it only if some rank ``wants_shared`` (else every rank gets None).
     ``writer.retirement()`` removes the replaced checkpoint after the announcement, at once or via
     ``retire`` (a ``return_early`` save's worker). Raises the same error on every rank otherwise.
     """
@@ -131,7 +133,7 @@ def two_phase_commit(
     names = _names_of(comm)
     committed: list[bool] = []
     try:
-        staged = _stage_and_vote(comm, what, writer, names, on_staged)
+        staged = _stage_and_vote(comm, what, writer, names, on_staged, wants_shared)
         published = _decide_round(
             comm, what, writer, staged.staging, staged.vote, _Build(build_manifest, share), committed
         )
@@ -180,6 +182,7 @@ def _stage_and_vote(
     writer: ShardWriter,
     names: _StagingNames | None,
     on_staged: Callable[[Staging], None] | None,
+    wants_shared: bool,
 ) -> _Staged:
     """Steps 1 and 2: with rank 0 opening the staging area (the first round), or without (the one-round
     path: the writer ``stages_alone`` and every rank knows the staging path from ``names``)."""
@@ -187,7 +190,7 @@ def _stage_and_vote(
     path = names.next_path(writer.target) if names is not None and writer.stages_alone else None
     if path is not None:
         staging = Staging(path)
-        return _Staged(staging, contribute(lambda: _stage_and_write(writer, staging, rank, on_staged)))
+        return _Staged(staging, contribute(lambda: _stage_and_write(writer, staging, rank, on_staged, wants_shared)))
     opened: Staging = decide_on_rank0(comm, what, lambda plans: _open(writer, plans), contribute(writer.plan))
     if names is not None:
         names.learn(opened.seed)
@@ -341,14 +344,19 @@ def _write(writer: ShardWriter, staging: Staging, rank: int, on_staged: Callable
 
 
 def _stage_and_write(
-    writer: ShardWriter, staging: Staging, rank: int, on_staged: Callable[[Staging], None] | None
+    writer: ShardWriter,
+    staging: Staging,
+    rank: int,
+    on_staged: Callable[[Staging], None] | None,
+    wants_shared: bool,
 ) -> StagedVote:
     """(all ranks, one-round path) Steps 1 and 2 without rank 0: the plan, the staging area, the write."""
     plan = writer.plan()
     created = writer.stage(staging.path)
     if rank == 0:
         fault_point("prepare", 0)
-    return StagedVote(replace(plan, structure=None), _write(writer, staging, rank, on_staged), created)
+    fragment = _write(writer, staging, rank, on_staged)
+    return StagedVote(replace(plan, structure=None), fragment, created, wants_shared)
 
 
 def _abort_own(writer: ShardWriter, staging: Staging, rank: int) -> None:
@@ -372,15 +380,17 @@ def _decide(
     """
     structure = writer.structure
     assert structure is not None  # plan() set it
-    fragments = _fragments(votes) if isinstance(votes[0], StagedVote) else votes
-    if isinstance(votes[0], StagedVote):
+    one_round = isinstance(votes[0], StagedVote)
+    fragments = _fragments(votes) if one_round else votes
+    if one_round:
         if any(f.digest != structure.digest for f in fragments):
             writer.abort(staging)
             return structure
         writer.check_staged(min((v.created for v in votes if v.created), key=len, default=None))
     manifest = build.manifest(fragments, structure)
     generation, _sealed = checksum.generation(manifest.manifest, f"the manifest of {writer.target!r}")
-    shared = build.share() if build.share is not None else None
+    wanted = not one_round or any(v.wants_shared for v in votes)
+    shared = build.share() if build.share is not None and wanted else None
     fault_point("validate", 0)
     writer.finalize(staging, manifest, fragments)
     fault_point("manifest", 0)

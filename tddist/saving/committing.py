@@ -37,6 +37,7 @@ from ..storage.backends import Store, store_for
 from ..storage.base import ShardWriter
 from ..storage.opened import OpenedCheckpoint, Pin
 from .commit import Retire, two_phase_commit
+from .own_rows import map_own_rows, maps_own_rows
 from .snapshot import Snapshotter
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ class Committed:
     writer: ShardWriter | None  # None: a writer process wrote it
     generation: str  # of the manifest rank 0 published
     pin: Pin | None  # the checkpoint, pinned before it was published (file stores; ``Store.pin_staging``)
-    #: the manifest rank 0 published, a copy sent with the decision (a small one; ``share``); None: read it
-    manifest: Manifest | None = None
+    #: the manifest rank 0 published, pickled and sent with the decision (a small one; ``share``); None: read it.
+    #: Unpickled only by a read-back that needs it (``open_saved``): most map their own rows without it.
+    shared: bytes | None = None
 
 
 def commit(
@@ -112,14 +114,23 @@ def commit(
         return files
 
     try:
-        published = two_phase_commit(c, writer, build_manifest, retire, on_staged=pin, share=lambda: share(*built[-1]))
+        published = two_phase_commit(
+            c,
+            writer,
+            build_manifest,
+            retire,
+            on_staged=pin,
+            share=lambda: share(*built[-1]),
+            wants_shared=not (isinstance(shard, LocalShard) and maps_own_rows(options, shard)),
+        )
     except BaseException:
         for p in pins:
             p.close()
         raise
     writer.committed()
     logger.info("rank %d: committed %s", c.rank, options.target)
-    return Committed(writer, published.generation, pins[0] if pins else None, received(published.shared))
+    shared = published.shared if isinstance(published.shared, bytes) else None
+    return Committed(writer, published.generation, pins[0] if pins else None, shared)
 
 
 def share(m: Manifest, files: ManifestFiles | None = None) -> bytes | None:
@@ -183,7 +194,18 @@ def open_committed(
     store = store_of(options)
     own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
     opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
+    pin = committed.pin
     try:
+        if (
+            pin is not None
+            and not pin.archive
+            and maps_own_rows(options, shard)
+            and not __import__("os").environ.get("SLOWRB")
+        ):
+            try:  # the pinned tree is the one rank 0 committed: no generation to compare
+                return map_own_rows(store.files(pin), c.rank, shard, options)
+            finally:
+                pin.close()
         with open_saved(store, committed) as opened:
             if opened.generation != committed.generation:
                 raise CheckpointChangedError(
@@ -205,9 +227,9 @@ def open_saved(store: Store, committed: Committed) -> OpenedCheckpoint:
     """The committed checkpoint opened to read this rank's shard back: through the pin with the manifest this
     rank already holds (a directory on a file system: the pin holds the very tree rank 0 wrote that manifest
     into), else by the store, which reads the manifest again."""
-    pin = committed.pin
-    if committed.manifest is not None and pin is not None and not pin.archive:
-        return OpenedCheckpoint(pin, committed.manifest, committed.generation, store.files)
+    pin, manifest = committed.pin, received(committed.shared)
+    if manifest is not None and pin is not None and not pin.archive:
+        return OpenedCheckpoint(pin, manifest, committed.generation, store.files)
     return store.open_saved(committed.writer, committed.pin)
 
 

@@ -16,7 +16,9 @@ import os
 import stat
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from .._fs import (
     drop_pages,
     fsync_path,
     fsync_together,
+    in_background,
     makedirs_durable,
     makedirs_top,
     read_into_page_cache,
@@ -160,9 +163,10 @@ class DirectoryWriter(WriterBase):
         if files is None or files.staging != staging.path:
             files = _ManifestFiles.create(staging.path)
         try:
-            write_all(files.index, manifest.index)
-            write_all(files.manifest, manifest.manifest)
-            fsync_together([files.index, files.manifest, staging.path])  # the rename (publish) follows all three
+            index, written = files.descriptors()
+            write_all(index, manifest.index)
+            write_all(written, manifest.manifest)
+            fsync_together([index, written, staging.path])  # the rename (publish) follows all three
         finally:
             files.close()
 
@@ -187,38 +191,53 @@ class DirectoryWriter(WriterBase):
             discard(staging.path)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _ManifestFiles:
     """(rank 0) The manifest's two files in a staging directory, created empty and held open until written.
 
-    Rank 0 creates them before it writes its data, not when it decides: a
+    Rank 0 creates them while it writes its data, not when it decides: a
     file created while the ranks' fsyncs commit the file system's journal
     waits for that commit (about a millisecond each on ext4), and the
-    decision is the one step no rank can overlap. Created in the staging
-    directory, they are never read before the rename publishes them written.
+    decision is the one step no rank can overlap. They are created on a
+    helper thread (``_fs.in_background``): created first on rank 0's own
+    thread, they delayed its data, the last vote, by about a millisecond
+    where the ranks create their files in the staging directory at once.
+    Created in the staging directory, they are never read before the rename
+    publishes them written.
     """
 
     staging: str
-    index: int
-    manifest: int
+    created: Future[tuple[int, int]]  # the index's and the manifest's descriptors
 
     @classmethod
     def create(cls, staging: str) -> _ManifestFiles:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        index = os.open(os.path.join(staging, fmt.INDEX_NAME), flags, 0o644)
-        try:
-            manifest = os.open(os.path.join(staging, fmt.MANIFEST_NAME), flags, 0o644)
-        except BaseException:
-            os.close(index)
-            raise
-        return cls(staging, index, manifest)
+        return cls(staging, in_background(partial(_create_manifest_files, staging)))
+
+    def descriptors(self) -> tuple[int, int]:
+        """The index's and the manifest's descriptors, once created (raises the creation's error)."""
+        return self.created.result()
 
     def close(self) -> None:
-        for fd in (self.index, self.manifest):
+        try:
+            fds = self.created.result()
+        except Exception:  # never created: nothing to close (``descriptors`` raised what failed, if anyone asked)
+            return
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:  # closing a file written and fsynced, or one about to be removed: nothing is lost
                 pass
+
+
+def _create_manifest_files(staging: str) -> tuple[int, int]:
+    """``tddist.idx`` and ``tddist.json`` created empty in ``staging``; their descriptors."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    index = os.open(os.path.join(staging, fmt.INDEX_NAME), flags, 0o644)
+    try:
+        return index, os.open(os.path.join(staging, fmt.MANIFEST_NAME), flags, 0o644)
+    except BaseException:
+        os.close(index)
+        raise
 
 
 class DirectoryFiles:
