@@ -196,12 +196,7 @@ def open_committed(
     opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
     pin = committed.pin
     try:
-        if (
-            pin is not None
-            and not pin.archive
-            and maps_own_rows(options, shard)
-            and not __import__("os").environ.get("SLOWRB")
-        ):
+        if pin is not None and not pin.archive and maps_own_rows(options, shard):
             try:  # the pinned tree is the one rank 0 committed: no generation to compare
                 return map_own_rows(store.files(pin), c.rank, shard, options)
             finally:
