@@ -10,8 +10,9 @@ used (``packed_offsets`` of the written sizes, in the shard's order), the
 dtypes and shapes those of the tensors written. This maps the file once,
 through the pin taken before the commit published it (the very tree rank 0
 committed, whatever replaced it since), and views each leaf in it: the same
-TensorDict for about a fifth of the CPU, which every rank spends on the
-commit's critical path (a save returns once every rank has its result).
+TensorDict for less than half the CPU (0.6 against 1.4 ms a save of one
+leaf under cProfile), which every rank spends on the commit's critical path:
+a save returns once every rank has its result.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tensordict import TensorDict
 from .. import format as fmt
 from ..core.sharding import PerRank
 from ..core.tree import build
-from ..core.types import LocalShard, SaveOptions
+from ..core.types import Key, LocalShard, SaveOptions
 from ..manifest.locate import Location, packed_offsets
 from ..storage.opened import ChunkFiles
 
@@ -47,7 +48,7 @@ def map_own_rows(files: ChunkFiles, rank: int, shard: LocalShard, options: SaveO
     sizes = np.array([i.tensor.numel() * i.tensor.element_size() for i in items], dtype=np.int64)
     offsets, end = packed_offsets(sizes)
     name, total = fmt.rank_data_name(rank), int(end)
-    leaves: dict = {}
+    leaves: dict[Key, torch.Tensor] = {}
     for item, offset, nbytes in zip(items, offsets.tolist(), sizes.tolist()):
         written = item.tensor
         if nbytes:
