@@ -5,6 +5,7 @@ created beside rank 0's write."""
 from __future__ import annotations
 
 import os
+from unittest.mock import Mock
 
 import pytest
 import torch
@@ -34,18 +35,11 @@ def rows_td(rank: int, rows: int = 3) -> TensorDict:
     )
 
 
-class Calls:
-    """Counts the calls of a function it replaces (the function still runs)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
-        self.count = 0
-        wrapped = getattr(owner, name)
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return wrapped(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, counted)
+def counted(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> Mock:
+    """``owner.name`` replaced by a Mock that calls it and counts the calls (``call_count``)."""
+    spy = Mock(wraps=getattr(owner, name))
+    monkeypatch.setattr(owner, name, spy)
+    return spy
 
 
 def test_a_rank_that_wrote_every_leaf_returns_its_rows_without_reading_the_manifest(tmp_path, monkeypatch):
@@ -53,7 +47,7 @@ def test_a_rank_that_wrote_every_leaf_returns_its_rows_without_reading_the_manif
     load(shard="saved") returns, mapped from the rank's own data file; no rank reads the manifest back, and
     rank 0 pickles it for the others only in the communicator's first save (whose first round carries no
     word of who reads it)."""
-    reads, shares = Calls(monkeypatch, committing, "read_shard"), Calls(monkeypatch, committing, "share")
+    reads, shares = counted(monkeypatch, committing, "read_shard"), counted(monkeypatch, committing, "share")
 
     def job(comm):
         out = []
@@ -70,7 +64,7 @@ def test_a_rank_that_wrote_every_leaf_returns_its_rows_without_reading_the_manif
             assert_td_equal(got, loaded)
             assert got["sub"].batch_size == torch.Size([rows, 2])
             assert got["half"].dtype == torch.bfloat16 and got["none"].shape == (rows, 0)
-    assert (reads.count, shares.count) == (0, 1)
+    assert (reads.call_count, shares.call_count) == (0, 1)
 
 
 def test_returned_rows_are_a_copy_on_write_map_of_the_committed_file(tmp_path):
@@ -85,7 +79,7 @@ def test_returned_rows_are_a_copy_on_write_map_of_the_committed_file(tmp_path):
 def test_a_rank_holding_another_ranks_replica_reads_the_manifest_rank_0_sent(tmp_path, monkeypatch):
     """With a replicated leaf rank 0 writes alone, rank 1 reads back through the manifest rank 0 shared with
     the decision (one pickled copy per save), rank 0 maps its own rows; both return what a load returns."""
-    reads, shares = Calls(monkeypatch, committing, "read_shard"), Calls(monkeypatch, committing, "share")
+    reads, shares = counted(monkeypatch, committing, "read_shard"), counted(monkeypatch, committing, "share")
     target = tmp_path / "ckpt"
 
     def job(comm):
@@ -100,7 +94,7 @@ def test_a_rank_holding_another_ranks_replica_reads_the_manifest_rank_0_sent(tmp
         td, first, second = result
         assert_td_equal(first, td)
         assert_td_equal(second, td)
-    assert (reads.count, shares.count) == (2, 2)
+    assert (reads.call_count, shares.call_count) == (2, 2)
 
 
 def test_a_failed_creation_of_the_manifest_files_aborts_the_save_on_every_rank(tmp_path, monkeypatch):

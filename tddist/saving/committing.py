@@ -191,16 +191,15 @@ def open_committed(
     failed.
     """
     assert isinstance(shard, LocalShard)  # the commit raised otherwise
-    store = store_of(options)
-    own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
-    opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
-    pin = committed.pin
+    store, pin = store_of(options), committed.pin
     try:
         if pin is not None and not pin.archive and maps_own_rows(options, shard):
             try:  # the pinned tree is the one rank 0 committed: no generation to compare
-                return map_own_rows(store.files(pin), c.rank, shard, options)
+                return map_own_rows(store.files(pin), c.rank, shard)
             finally:
                 pin.close()
+        own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}
+        opts = LoadOptions(SavedRows(), allow_pickle=options.allow_pickle, share_non_tensor=options.share_non_tensor)
         with open_saved(store, committed) as opened:
             if opened.generation != committed.generation:
                 raise CheckpointChangedError(

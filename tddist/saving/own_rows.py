@@ -41,9 +41,10 @@ def maps_own_rows(options: SaveOptions, shard: LocalShard) -> bool:
     )
 
 
-def map_own_rows(files: ChunkFiles, rank: int, shard: LocalShard, options: SaveOptions) -> TensorDict:
-    """This rank's saved shard (``maps_own_rows`` must hold), each leaf a view of its data file mapped from
-    ``files`` (the committed generation's reader); sizes are checked as a load checks them."""
+def map_own_rows(files: ChunkFiles, rank: int, shard: LocalShard) -> TensorDict:
+    """This rank's saved shard (``maps_own_rows`` must hold: no non-tensor leaf, so nothing to share), each
+    leaf a view of its data file mapped from ``files`` (the committed generation's reader); sizes are checked
+    as a load checks them."""
     items = shard.items
     sizes = np.array([i.tensor.numel() * i.tensor.element_size() for i in items], dtype=np.int64)
     offsets, end = packed_offsets(sizes)
@@ -55,4 +56,4 @@ def map_own_rows(files: ChunkFiles, rank: int, shard: LocalShard, options: SaveO
             leaves[item.key] = files.span(Location(name, offset, nbytes, total)).view(written.dtype).view(written.shape)
         else:
             leaves[item.key] = torch.empty(written.shape, dtype=written.dtype)
-    return build(dict(shard.nodes), leaves, lambda _key, batch: batch[0], None, {}, options.share_non_tensor)
+    return build(dict(shard.nodes), leaves, lambda _key, batch: batch[0])

@@ -160,8 +160,8 @@ class DirectoryWriter(WriterBase):
         for table in {f.base for f in fragments if f.base is not None}:
             check_holders(self.target, table)  # pinned: what is there now stays until the commit
         files, self.manifest_files = self.manifest_files, None
-        if files is None or files.staging != staging.path:
-            files = _ManifestFiles.create(staging.path)
+        if files is None or files.staging != staging.path:  # not created ahead (``atomic=False``): now, here
+            files = _ManifestFiles.create_now(staging.path)
         try:
             index, written = files.descriptors()
             write_all(index, manifest.index)
@@ -212,6 +212,13 @@ class _ManifestFiles:
     @classmethod
     def create(cls, staging: str) -> _ManifestFiles:
         return cls(staging, in_background(partial(_create_manifest_files, staging)))
+
+    @classmethod
+    def create_now(cls, staging: str) -> _ManifestFiles:
+        """Created on the caller's thread, for a caller that needs them at once (no thread to hand over to)."""
+        created: Future[tuple[int, int]] = Future()
+        created.set_result(_create_manifest_files(staging))
+        return cls(staging, created)
 
     def descriptors(self) -> tuple[int, int]:
         """The index's and the manifest's descriptors, once created (raises the creation's error)."""
