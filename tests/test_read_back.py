@@ -113,3 +113,77 @@ def test_a_failed_creation_of_the_manifest_files_aborts_the_save_on_every_rank(t
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     loaded = tddist.load(target, shard=None, verify=True)
     assert loaded.batch_size == torch.Size([6])  # the two ranks' 3 rows each, from before
+
+
+def test_each_rank_maps_its_rows_while_rank_0_decides(tmp_path, monkeypatch):
+    """Every rank maps its rows once it has voted, inside the commit (before the decision reaches it), not
+    after it; the read-back after the decision maps nothing again."""
+    events: list[tuple[str, int]] = []
+    real_map, real_commit = committing.map_own_rows, committing.two_phase_commit
+
+    def mapping(files, rank, shard):
+        events.append(("map", rank))
+        return real_map(files, rank, shard)
+
+    def committing_(comm, *args, **kwargs):
+        try:
+            return real_commit(comm, *args, **kwargs)
+        finally:
+            events.append(("decided", comm.rank))
+
+    monkeypatch.setattr(committing, "map_own_rows", mapping)
+    monkeypatch.setattr(committing, "two_phase_commit", committing_)
+
+    def job(comm):
+        got = [tddist.save(rows_td(comm.rank), tmp_path / f"s{i}", comm=comm) for i in range(2)]
+        return got, tddist.load(tmp_path / "s1", shard="saved", comm=comm)
+
+    results = tddist.run_threads(2, job)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, BaseException), result
+        got, loaded = result
+        for td in got:
+            assert_td_equal(td, rows_td(rank))
+        assert_td_equal(got[1], loaded)
+        mine = [kind for kind, r in events if r == rank]
+        assert mine == ["map", "decided"] * 2, mine
+
+
+def test_an_aborted_save_drops_the_rows_it_mapped_and_leaves_nothing(tmp_path):
+    """Rank 0 refuses the save after every rank mapped its rows (``require_finite`` with a NaN): every rank
+    raises the same error, the previous checkpoint stays whole and no staging area is left."""
+    target = tmp_path / "ckpt"
+    tddist.run_threads(2, lambda comm: tddist.save(rows_td(comm.rank), target, comm=comm))
+
+    def job(comm):
+        td = rows_td(comm.rank, rows=5)
+        if comm.rank == 1:
+            td["w"][0, 0] = float("nan")
+        return tddist.save(td, target, comm=comm, require_finite=True)
+
+    results = tddist.run_threads(2, job)
+    assert all(isinstance(r, tddist.NonFiniteError) for r in results), results
+    assert str(results[0]) == str(results[1])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    loaded = tddist.load(target, shard=None, verify=True)
+    assert loaded.batch_size == torch.Size([6])
+
+
+def test_a_failed_map_while_waiting_is_retried_after_the_decision(tmp_path, monkeypatch):
+    """A map that fails while rank 0 decides is not the save's error: the read-back after the decision maps
+    the rows again and returns them."""
+    calls: list[int] = []
+    real_map = committing.map_own_rows
+
+    def flaky(files, rank, shard):
+        calls.append(rank)
+        if calls.count(rank) == 1:
+            raise OSError(24, "Too many open files")
+        return real_map(files, rank, shard)
+
+    monkeypatch.setattr(committing, "map_own_rows", flaky)
+    results = tddist.run_threads(2, lambda comm: tddist.save(rows_td(comm.rank), tmp_path / "ckpt", comm=comm))
+    for rank, result in enumerate(results):
+        assert not isinstance(result, BaseException), result
+        assert_td_equal(result, rows_td(rank))
+    assert sorted(calls) == [0, 0, 1, 1]

@@ -118,6 +118,7 @@ def two_phase_commit(
     on_staged: Callable[[Staging], None] | None = None,
     share: Callable[[], Any] | None = None,
     wants_shared: bool = True,
+    after_vote: Callable[[], None] | None = None,
 ) -> Published:
     """Run the protocol above; return on every rank, once it is committed, what rank 0 published.
 
@@ -125,6 +126,9 @@ def two_phase_commit(
     every rank before it writes (its failure is the rank's vote). ``share()`` (rank 0, once the manifest is
     built, before it is written): a value every rank receives with the decision (``Published.shared``);
     in the one-round path rank 0 calls it only if some rank ``wants_shared`` (else every rank gets None).
+    ``after_vote()`` runs on every rank once its vote is cast, while it waits: on rank 0 before it gathers
+    the others' votes, on the others once theirs is sent, before they wait for the decision (work the
+    decision would otherwise wait for; it must not raise).
     ``writer.retirement()`` removes the replaced checkpoint after the announcement, at once or via
     ``retire`` (a ``return_early`` save's worker). Raises the same error on every rank otherwise.
     """
@@ -135,7 +139,7 @@ def two_phase_commit(
     try:
         staged = _stage_and_vote(comm, what, writer, names, on_staged, wants_shared)
         published = _decide_round(
-            comm, what, writer, staged.staging, staged.vote, _Build(build_manifest, share), committed
+            comm, what, writer, staged.staging, staged.vote, _Build(build_manifest, share), committed, after_vote
         )
     except BaseException as e:
         if names is not None:
@@ -205,8 +209,10 @@ def _decide_round(
     vote: Contribution[Any],
     build: _Build,
     committed: list[bool],
+    after_vote: Callable[[], None] | None = None,
 ) -> Published:
-    """Steps 3 to 5: gather the votes, rank 0 decides and publishes, every rank learns the outcome.
+    """Steps 3 to 5: gather the votes, rank 0 decides and publishes, every rank learns the outcome
+    (``after_vote`` runs on rank 0 before the gather, on the others after it: see ``two_phase_commit``).
 
     A vote of the one-round path (``StagedVote``) carries the plan the first
     round would have compared; a rank whose structure differs from rank 0's is
@@ -214,12 +220,20 @@ def _decide_round(
     (one more collective, on that failure only).
     """
     rank = comm.rank
+    if rank == 0 and after_vote is not None:
+        after_vote()
+
+    def voted() -> None:
+        fault_point("vote", rank)
+        if rank != 0 and after_vote is not None:
+            after_vote()
+
     outcome: Published | Structure = decide_on_rank0(
         comm,
         what,
         lambda votes: _decide(writer, staging, votes, build, committed),
         vote,
-        after_gather=lambda: fault_point("vote", rank),
+        after_gather=voted,
         on_failure=lambda: writer.abort(staging),
         after_failure=lambda: _abort_own(writer, staging, rank),
     )

@@ -68,6 +68,9 @@ class Committed:
     #: the manifest rank 0 published, pickled and sent with the decision (a small one; ``share``); None: read it.
     #: Unpickled only by a read-back that needs it (``open_saved``): most map their own rows without it.
     shared: bytes | None = None
+    #: this rank's saved shard, mapped from its own data file through ``pin`` while rank 0 decided
+    #: (``map_own_rows``); None: ``open_committed`` reads it back after the decision.
+    rows: TensorDict | None = None
 
 
 def commit(
@@ -77,6 +80,7 @@ def commit(
     cache: MergeCache,
     make_writer: WriterFactory | None = None,
     retire: Retire | None = None,
+    read_back: bool = True,
 ) -> Committed:
     """Write this rank's shard and run the two-phase commit; return what was committed once it is published.
 
@@ -84,17 +88,35 @@ def commit(
     snapshot's); ``retire``: where the removal of the replaced checkpoint goes
     (``two_phase_commit``). The store pins the staging area on every rank
     before its vote, so a save that replaces this one at once cannot make it
-    read back another save's data.
+    read back another save's data. A rank whose rows ``map_own_rows`` returns
+    maps them through that pin once it has voted, while it waits for the
+    decision (``Committed.rows``). ``read_back=False`` (a writer process,
+    whose trainer reads back itself): no rows are mapped.
     """
     store = store_of(options)
     writer = (make_writer or store.writer)(options, c.rank, shard, cache)
     pins: list[Pin] = []
     built: list[tuple[Manifest, ManifestFiles]] = []
+    own_rows = read_back and isinstance(shard, LocalShard) and maps_own_rows(options, shard)
+    mapped: list[TensorDict] = []
 
     def pin(staging: Staging) -> None:
         held = store.pin_staging(staging)
         if held is not None:
             pins.append(held)
+
+    def map_while_waiting() -> None:
+        """(``after_vote``) This rank's rows, mapped from the data file it wrote and fsynced, through the pin
+        of the tree rank 0 publishes if it commits: the read-back's CPU spent while rank 0 gathers and
+        decides, not after the decision, when every rank would spend it at once on the save's critical path.
+        Dropped if the save aborts; a failure here is left to the read-back after the decision, which
+        reports it."""
+        if not (own_rows and pins and not pins[0].archive and isinstance(shard, LocalShard)):
+            return
+        try:
+            mapped.append(map_own_rows(store.files(pins[0]), c.rank, shard))
+        except Exception:
+            logger.debug("rank %d: mapping the saved rows before the decision failed", c.rank, exc_info=True)
 
     def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
         m = merge_fragments(
@@ -122,6 +144,7 @@ def commit(
             on_staged=pin,
             share=lambda: share(*built[-1]),
             wants_shared=not (isinstance(shard, LocalShard) and maps_own_rows(options, shard)),
+            after_vote=map_while_waiting,
         )
     except BaseException:
         for p in pins:
@@ -130,7 +153,7 @@ def commit(
     writer.committed()
     logger.info("rank %d: committed %s", c.rank, options.target)
     shared = published.shared if isinstance(published.shared, bytes) else None
-    return Committed(writer, published.generation, pins[0] if pins else None, shared)
+    return Committed(writer, published.generation, pins[0] if pins else None, shared, mapped[0] if mapped else None)
 
 
 def share(m: Manifest, files: ManifestFiles | None = None) -> bytes | None:
@@ -195,7 +218,7 @@ def open_committed(
     try:
         if pin is not None and not pin.archive and maps_own_rows(options, shard):
             try:  # the pinned tree is the one rank 0 committed: no generation to compare
-                return map_own_rows(store.files(pin), c.rank, shard)
+                return committed.rows if committed.rows is not None else map_own_rows(store.files(pin), c.rank, shard)
             finally:
                 pin.close()
         own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}

@@ -52,7 +52,8 @@ class Store(Protocol):
     ``base.ShardWriter``), ``pin_staging`` once the commit's first round
     named the staging area (every rank, before it votes), then
     ``open_saved`` with that writer and pin (every rank, once the commit is
-    announced). A load asks ``open`` (every rank; see ``opened`` for what
+    announced; a rank that reads back only the rows it wrote itself asks
+    ``files`` of that pin instead, once it has voted). A load asks ``open`` (every rank; see ``opened`` for what
     follows). ``recover`` runs alone, when no save to the target is in flight.
     """
 
