@@ -11,6 +11,7 @@ import logging
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from tensordict import TensorDict
 
@@ -97,26 +98,12 @@ def commit(
     writer = (make_writer or store.writer)(options, c.rank, shard, cache)
     pins: list[Pin] = []
     built: list[tuple[Manifest, ManifestFiles]] = []
-    own_rows = read_back and isinstance(shard, LocalShard) and maps_own_rows(options, shard)
     mapped: list[TensorDict] = []
 
     def pin(staging: Staging) -> None:
         held = store.pin_staging(staging)
         if held is not None:
             pins.append(held)
-
-    def map_while_waiting() -> None:
-        """(``after_vote``) This rank's rows, mapped from the data file it wrote and fsynced, through the pin
-        of the tree rank 0 publishes if it commits: the read-back's CPU spent while rank 0 gathers and
-        decides, not after the decision, when every rank would spend it at once on the save's critical path.
-        Dropped if the save aborts; a failure here is left to the read-back after the decision, which
-        reports it."""
-        if not (own_rows and pins and not pins[0].archive and isinstance(shard, LocalShard)):
-            return
-        try:
-            mapped.append(map_own_rows(store.files(pins[0]), c.rank, shard))
-        except Exception:
-            logger.debug("rank %d: mapping the saved rows before the decision failed", c.rank, exc_info=True)
 
     def build_manifest(fragments: list[Fragment], structure: Structure) -> ManifestFiles:
         m = merge_fragments(
@@ -144,7 +131,7 @@ def commit(
             on_staged=pin,
             share=lambda: share(*built[-1]),
             wants_shared=not (isinstance(shard, LocalShard) and maps_own_rows(options, shard)),
-            after_vote=map_while_waiting,
+            after_vote=partial(_map_while_waiting, store, options, c.rank, shard, pins, mapped) if read_back else None,
         )
     except BaseException:
         for p in pins:
@@ -154,6 +141,27 @@ def commit(
     logger.info("rank %d: committed %s", c.rank, options.target)
     shared = published.shared if isinstance(published.shared, bytes) else None
     return Committed(writer, published.generation, pins[0] if pins else None, shared, mapped[0] if mapped else None)
+
+
+def _map_while_waiting(
+    store: Store,
+    options: SaveOptions,
+    rank: int,
+    shard: LocalShard | Exception,
+    pins: list[Pin],
+    mapped: list[TensorDict],
+) -> None:
+    """(``two_phase_commit``'s ``after_vote``) This rank's rows, mapped into ``mapped`` from the data file it
+    wrote and fsynced, through the pin of the tree rank 0 publishes if it commits, when ``map_own_rows``
+    returns them: the read-back's CPU spent while rank 0 gathers and decides, not after the decision, when
+    every rank would spend it at once on the save's critical path. Dropped if the save aborts; a failure
+    here is left to the read-back after the decision, which reports it."""
+    if not (pins and not pins[0].archive and isinstance(shard, LocalShard) and maps_own_rows(options, shard)):
+        return
+    try:
+        mapped.append(map_own_rows(store.files(pins[0]), rank, shard))
+    except Exception:
+        logger.debug("rank %d: mapping the saved rows before the decision failed", rank, exc_info=True)
 
 
 def share(m: Manifest, files: ManifestFiles | None = None) -> bytes | None:
