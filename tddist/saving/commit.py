@@ -126,11 +126,9 @@ def two_phase_commit(
     every rank before it writes (its failure is the rank's vote). ``share()`` (rank 0, once the manifest is
     built, before it is written): a value every rank receives with the decision (``Published.shared``);
     in the one-round path rank 0 calls it only if some rank ``wants_shared`` (else every rank gets None).
-    ``after_vote()`` runs on every rank once its vote is cast, while it waits: on rank 0 before it gathers
-    the others' votes, on the others once theirs is sent, before they wait for the decision (work the
-    decision would otherwise wait for; it must not raise).
-    ``writer.retirement()`` removes the replaced checkpoint after the announcement, at once or via
-    ``retire`` (a ``return_early`` save's worker). Raises the same error on every rank otherwise.
+    ``after_vote()``: see ``_decide_round``. ``writer.retirement()`` removes the replaced checkpoint after
+    the announcement, at once or via ``retire`` (a ``return_early`` save's worker). Raises the same error on
+    every rank otherwise.
     """
     what, rank = f"save to {writer.target!r}", comm.rank
     fault_point("begin", rank)
@@ -138,9 +136,7 @@ def two_phase_commit(
     committed: list[bool] = []
     try:
         staged = _stage_and_vote(comm, what, writer, names, on_staged, wants_shared)
-        published = _decide_round(
-            comm, what, writer, staged.staging, staged.vote, _Build(build_manifest, share), committed, after_vote
-        )
+        published = _decide_round(comm, what, writer, staged, _Build(build_manifest, share), committed, after_vote)
     except BaseException as e:
         if names is not None:
             names.forget()  # every rank ends the same way: the next save runs the first round again
@@ -205,21 +201,24 @@ def _decide_round(
     comm: Communicator,
     what: str,
     writer: ShardWriter,
-    staging: Staging,
-    vote: Contribution[Any],
+    staged: _Staged,
     build: _Build,
     committed: list[bool],
     after_vote: Callable[[], None] | None = None,
 ) -> Published:
-    """Steps 3 to 5: gather the votes, rank 0 decides and publishes, every rank learns the outcome
-    (``after_vote`` runs on rank 0 before the gather, on the others after it: see ``two_phase_commit``).
+    """Steps 3 to 5: gather the votes, rank 0 decides and publishes, every rank learns the outcome.
+
+    ``after_vote()`` runs on every rank once its vote is cast, while it waits:
+    on rank 0 before it gathers the others' votes, on the others once theirs
+    is sent, before they wait for the decision (work the decision would
+    otherwise wait for; it must not raise).
 
     A vote of the one-round path (``StagedVote``) carries the plan the first
     round would have compared; a rank whose structure differs from rank 0's is
     then told rank 0's, names the difference itself, and every rank raises it
     (one more collective, on that failure only).
     """
-    rank = comm.rank
+    rank, staging = comm.rank, staged.staging
     if rank == 0 and after_vote is not None:
         after_vote()
 
@@ -232,7 +231,7 @@ def _decide_round(
         comm,
         what,
         lambda votes: _decide(writer, staging, votes, build, committed),
-        vote,
+        staged.vote,
         after_gather=voted,
         on_failure=lambda: writer.abort(staging),
         after_failure=lambda: _abort_own(writer, staging, rank),
