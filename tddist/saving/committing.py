@@ -98,6 +98,7 @@ def commit(
     writer = (make_writer or store.writer)(options, c.rank, shard, cache)
     pins: list[Pin] = []
     built: list[tuple[Manifest, ManifestFiles]] = []
+    own_rows = isinstance(shard, LocalShard) and maps_own_rows(options, shard)
     mapped: list[TensorDict] = []
 
     def pin(staging: Staging) -> None:
@@ -130,8 +131,10 @@ def commit(
             retire,
             on_staged=pin,
             share=lambda: share(*built[-1]),
-            wants_shared=not (isinstance(shard, LocalShard) and maps_own_rows(options, shard)),
-            after_vote=partial(_map_while_waiting, store, options, c.rank, shard, pins, mapped) if read_back else None,
+            wants_shared=not own_rows,
+            after_vote=partial(_map_while_waiting, store, c.rank, shard, pins, mapped)
+            if read_back and own_rows
+            else None,
         )
     except BaseException:
         for p in pins:
@@ -144,19 +147,14 @@ def commit(
 
 
 def _map_while_waiting(
-    store: Store,
-    options: SaveOptions,
-    rank: int,
-    shard: LocalShard | Exception,
-    pins: list[Pin],
-    mapped: list[TensorDict],
+    store: Store, rank: int, shard: LocalShard | Exception, pins: list[Pin], mapped: list[TensorDict]
 ) -> None:
-    """(``two_phase_commit``'s ``after_vote``) This rank's rows, mapped into ``mapped`` from the data file it
-    wrote and fsynced, through the pin of the tree rank 0 publishes if it commits, when ``map_own_rows``
-    returns them: the read-back's CPU spent while rank 0 gathers and decides, not after the decision, when
-    every rank would spend it at once on the save's critical path. Dropped if the save aborts; a failure
-    here is left to the read-back after the decision, which reports it."""
-    if not (pins and not pins[0].archive and isinstance(shard, LocalShard) and maps_own_rows(options, shard)):
+    """(``two_phase_commit``'s ``after_vote``, for a shard ``maps_own_rows`` holds for) This rank's rows,
+    mapped into ``mapped`` from the data file it wrote and fsynced, through the pin of the tree rank 0
+    publishes if it commits: the read-back's CPU spent while rank 0 gathers and decides, not after the
+    decision, when every rank would spend it at once on the save's critical path. Dropped if the save
+    aborts; a failure here is left to the read-back after the decision, which reports it."""
+    if not (pins and not pins[0].archive and isinstance(shard, LocalShard)):  # a failed vote pinned nothing
         return
     try:
         mapped.append(map_own_rows(store.files(pins[0]), rank, shard))
@@ -224,9 +222,12 @@ def open_committed(
     assert isinstance(shard, LocalShard)  # the commit raised otherwise
     store, pin = store_of(options), committed.pin
     try:
+        if committed.rows is not None and pin is not None:  # mapped while rank 0 decided
+            pin.close()
+            return committed.rows
         if pin is not None and not pin.archive and maps_own_rows(options, shard):
             try:  # the pinned tree is the one rank 0 committed: no generation to compare
-                return committed.rows if committed.rows is not None else map_own_rows(store.files(pin), c.rank, shard)
+                return map_own_rows(store.files(pin), c.rank, shard)
             finally:
                 pin.close()
         own = {i.key: i.dtensor.box for i in shard.items if i.dtensor is not None}

@@ -53,8 +53,9 @@ class Store(Protocol):
     named the staging area (every rank, before it votes), then
     ``open_saved`` with that writer and pin (every rank, once the commit is
     announced; a rank that reads back only the rows it wrote itself asks
-    ``files`` of that pin instead, once it has voted). A load asks ``open`` (every rank; see ``opened`` for what
-    follows). ``recover`` runs alone, when no save to the target is in flight.
+    ``files`` of that pin instead, once it has voted). A load asks ``open``
+    (every rank; see ``opened`` for what follows). ``recover`` runs alone,
+    when no save to the target is in flight.
     """
 
     @property
