@@ -139,12 +139,17 @@ def measure(
     sample: int | None = None,
     quiet: bool = False,
     extra: dict | None = None,
+    cpu: bool = False,
 ) -> float:
     """Time ``fn()`` on every rank between barriers; record it (rank 0). Returns the wall time.
 
     ``fn`` may return a dict of named local phase times (``{"open": s}``);
     each becomes a metric (the maximum over ranks). ``time`` is the wall time
-    from the start barrier to the end barrier.
+    from the start barrier to the end barrier. With ``cpu``, each rank also
+    measures the CPU time its process (every thread of it) spent in ``fn()``
+    (``time.process_time``, barriers excluded): metric ``cpu`` is the sum over
+    ranks, ``cpu_ranks`` each rank's. Where ranks share the cores, the sum over
+    the cores is the least wall time any overlap of that work can take.
     """
     ctx = rec.ctx
     ctx.barrier()
@@ -161,19 +166,25 @@ def measure(
     base = C.rss_kib()
     C.reset_hwm()
     ctx.barrier()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     phases = fn()
     local = time.perf_counter() - t0
+    used = time.process_time() - c0
     if not isinstance(phases, dict):  # a save's own return value (DCP's Metadata, ...) is not a phase
         phases = {}
     ctx.barrier()
     wall = time.perf_counter() - t0
     peak = C.hwm_kib()
-    got = ctx.gather({"local": local, "phases": phases, "added": (peak - base) / 1024, "peak": peak / 1024})
+    got = ctx.gather(
+        {"local": local, "cpu": used, "phases": phases, "added": (peak - base) / 1024, "peak": peak / 1024}
+    )
     if ctx.rank == 0:
         metrics = {"time": wall}
         for name in phases:
             metrics[name] = max(g["phases"][name] for g in got)
+        if cpu:
+            metrics["cpu"] = sum(g["cpu"] for g in got)
         r = {
             "scenario": scenario,
             "world": ctx.world,
@@ -189,6 +200,8 @@ def measure(
             "rss_peak_mib_ranks": [round(g["peak"], 1) for g in got],
             "cold": dropped if cold else None,
         }
+        if cpu:
+            r["cpu_ranks"] = [g["cpu"] for g in got]
         if sample is not None:
             r["sample"] = sample
         if extra:
@@ -1095,6 +1108,7 @@ class Job:
                         repeat=rep,
                         sample=i,
                         quiet=True,
+                        cpu=True,
                     )
             if self.rank == 0:
                 for label in [lab for lab, _ in impls]:
