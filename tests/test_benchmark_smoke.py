@@ -80,6 +80,13 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
     assert ("commit", "torchrun") in seen and ("commit", "mpiexec") in seen
     worlds = {r["world"] for r in result["records"] if r.get("launcher") == "torchrun"}
     assert worlds == {1, 2}
+    # the commit scenario takes each rank's CPU time of a save: metric "cpu" is their sum
+    commits = [r for r in result["records"] if r.get("scenario") == "commit" and "metrics" in r]
+    assert {r["launcher"] for r in commits} == {"torchrun", "mpiexec"}
+    for r in commits:
+        assert len(r["cpu_ranks"]) == r["world"] and all(c >= 0 for c in r["cpu_ranks"]), r
+        assert r["metrics"]["cpu"] == sum(r["cpu_ranks"]), r
+    assert any(r["metrics"]["cpu"] > 0 for r in commits if r["impl"] == "tddist")
     # every scenario compares tddist with at least one peer, except the single-implementation manifest model
     for scen in expected - MANIFEST - DEFERRED:
         impls = {r["impl"] for r in result["records"] if r.get("scenario") == scen and "impl" in r}
@@ -225,3 +232,23 @@ def test_publish_refuses_results_of_other_code(tmp_path: Path) -> None:
     refused = run_publish()
     assert refused.returncode == 2 and "no source digest" in refused.stderr, refused.stderr
     assert readme.read_text() == text
+
+
+def test_commit_targets_report_the_cpu_of_a_save_beside_the_wall_time() -> None:
+    """Beside each commit target at 4 ranks, ``run.py`` reports (with no target) tddist's CPU time of a save, all
+    ranks together, against the fsync floor's, from the ``cpu`` metric of the same run."""
+    _C, R = _bench_modules(REPO)
+    record = {"scenario": "commit", "world": 4, "ref": "tddist", "repeat": 0, "bytes": None}
+    records = [
+        dict(record, launcher=launcher, impl=impl, sample=i, metrics={"time": wall, "cpu": cpu})
+        for launcher in ("torchrun", "mpiexec")
+        for impl, wall, cpu in (("tddist", 0.018, 0.030), ("fsync floor", 0.010, 0.012))
+        for i in range(3)
+    ]
+    targets = {t["target"]: t for t in R.evaluate_targets(R.aggregate(records), records)}
+    for name in ("gloo", "MPI"):
+        judged = targets[f"commit overhead at 4 {name} ranks <= 1.5x the fsync floor"]
+        assert judged["status"] == "MISSED" and judged["detail"].startswith("1.80x"), judged
+        cpu = targets[f"commit at 4 {name} ranks: CPU time of a save, all ranks together"]
+        assert cpu["status"] == "reported", cpu
+        assert cpu["detail"] == "2.50x the floor's (tddist 30.0 ms, floor 12.0 ms; no target)", cpu
