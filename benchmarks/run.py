@@ -415,6 +415,10 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
             {"target": name, "status": "not measured" if ok is None else ("met" if ok else "MISSED"), "detail": detail}
         )
 
+    def report(name, detail):
+        """A number shown beside the targets, judged against none."""
+        out.append({"target": name, "status": "reported", "detail": detail})
+
     for n in (2, 4):
         t, d, raw = med("save", n, "tddist"), med("save", n, "dcp"), med("save", n, "raw pwrite+fsync")
         check(
@@ -448,12 +452,9 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
         )
         cb = med("async save", n, "dcp.async_save(cached)", "blocking")
         if None not in (b, cb):  # DCP's staging into reused buffers: the like-for-like comparison, no target
-            out.append(
-                {
-                    "target": f"return_early N={n}: blocking vs dcp.async_save with cached staging",
-                    "status": "reported",
-                    "detail": f"{b / cb:.2f}x (tddist {C.fmt_seconds(b)}, dcp cached {C.fmt_seconds(cb)}; no target)",
-                }
+            report(
+                f"return_early N={n}: blocking vs dcp.async_save with cached staging",
+                f"{b / cb:.2f}x (tddist {C.fmt_seconds(b)}, dcp cached {C.fmt_seconds(cb)}; no target)",
             )
         copy = med("async save", n, "plain copy_", "blocking")
         check(
@@ -530,10 +531,10 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
             if not mine
             else f"tddist {fmt_files(mine)} ({', '.join(mine['shared'])}; {mine['total']} files in all); {others}",
         )
-    for launcher in ("torchrun", "mpiexec"):
+    for launcher, name in (("torchrun", "gloo"), ("mpiexec", "MPI")):
         t, floor = med("commit", 4, "tddist", launcher=launcher), med("commit", 4, "fsync floor", launcher=launcher)
         check(
-            f"commit overhead at 4 {'gloo' if launcher == 'torchrun' else 'MPI'} ranks <= 1.5x the fsync floor",
+            f"commit overhead at 4 {name} ranks <= 1.5x the fsync floor",
             None if None in (t, floor) else t <= 1.5 * floor,
             None
             if None in (t, floor)
@@ -541,14 +542,9 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
         )
         ct, cf = med("commit", 4, "tddist", "cpu", launcher), med("commit", 4, "fsync floor", "cpu", launcher)
         if None not in (ct, cf):  # what bounds the wall time where the ranks share the cores: no target
-            out.append(
-                {
-                    "target": f"commit at 4 {'gloo' if launcher == 'torchrun' else 'MPI'} ranks: CPU time of a save, "
-                    f"all ranks together",
-                    "status": "reported",
-                    "detail": f"{ct / cf:.2f}x the floor's (tddist {C.fmt_seconds(ct)}, floor {C.fmt_seconds(cf)}; "
-                    f"no target)",
-                }
+            report(
+                f"commit at 4 {name} ranks: CPU time of a save, all ranks together",
+                f"{ct / cf:.2f}x the floor's (tddist {C.fmt_seconds(ct)}, floor {C.fmt_seconds(cf)}; no target)",
             )
 
     for r in records:

@@ -148,8 +148,9 @@ def measure(
     from the start barrier to the end barrier. With ``cpu``, each rank also
     measures the CPU time its process (every thread of it) spent in ``fn()``
     (``time.process_time``, barriers excluded): metric ``cpu`` is the sum over
-    ranks, ``cpu_ranks`` each rank's. Where ranks share the cores, the sum over
-    the cores is the least wall time any overlap of that work can take.
+    ranks, ``cpu_ranks`` each rank's. Where ranks share the cores, that sum
+    divided by the number of cores is the least wall time any overlap of the
+    work can take.
     """
     ctx = rec.ctx
     ctx.barrier()
@@ -176,9 +177,8 @@ def measure(
     ctx.barrier()
     wall = time.perf_counter() - t0
     peak = C.hwm_kib()
-    got = ctx.gather(
-        {"local": local, "cpu": used, "phases": phases, "added": (peak - base) / 1024, "peak": peak / 1024}
-    )
+    mine = {"local": local, "phases": phases, "added": (peak - base) / 1024, "peak": peak / 1024}
+    got = ctx.gather(dict(mine, cpu=used) if cpu else mine)
     if ctx.rank == 0:
         metrics = {"time": wall}
         for name in phases:
