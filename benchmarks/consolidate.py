@@ -26,7 +26,8 @@ Then two pairs of conversions, each conversion in a fresh process (``--child``) 
 
 Each conversion's wall time and peak RSS added (VmHWM minus the RSS before it) are taken; the order of the
 two sides alternates between repeats; the table shows the best time and the largest RSS of the repeats, and
-the ratios DCP / tddist. ``--json PATH`` (or ``--out PATH``) writes every sample.
+the ratios DCP / tddist. ``--json PATH`` (or ``--out PATH``) writes every sample, and the same samples as
+``run.py``'s records (``records_of``): ``run.py`` runs this program and judges its memory targets.
 """
 
 from __future__ import annotations
@@ -306,6 +307,40 @@ def table(shape: Shape, samples: list[dict]) -> str:
     return "\n".join(lines)
 
 
+#: The name of each pair's scenario in ``run.py``'s records and table.
+SCENARIO = {"hf": "consolidate to hf", "torch": "consolidate to torch.save"}
+
+
+def records_of(shape: Shape, samples: list[dict]) -> list[dict]:
+    """The samples as ``run.py``'s records: one process converting (world 1), tddist the reference, the
+    checkpoint's shape and its largest leaf (what a conversion's memory is bounded by) in ``extra``."""
+    out = []
+    for pair, a, b in PAIRS:
+        for s in samples:
+            if s["kind"] not in (a, b):
+                continue
+            out.append(
+                {
+                    "scenario": SCENARIO[pair],
+                    "world": 1,
+                    "launcher": "single",
+                    "impl": s["kind"].split()[0],
+                    "ref": "tddist",
+                    "repeat": s["repeat"],
+                    "metrics": {"time": s["seconds"]},
+                    "rss_added_mib": s["rss_added_mib"],
+                    "bytes": shape.total_bytes,
+                    "extra": {
+                        "ranks": shape.ranks,
+                        "leaves": shape.leaves,
+                        "largest_leaf_bytes": shape.leaf_bytes,
+                        "out_bytes": s["out_bytes"],
+                    },
+                }
+            )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=256)
@@ -338,7 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     print(table(shape, samples))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"shape": asdict(shape), "args": vars(args), "samples": samples}, f, indent=2)
+            json.dump(
+                {"shape": asdict(shape), "args": vars(args), "samples": samples, "records": records_of(shape, samples)},
+                f,
+                indent=2,
+            )
     return 0
 
 

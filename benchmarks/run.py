@@ -9,8 +9,10 @@ by the smaller ones) one torchrun job (gloo, CPU) runs every scenario, the
 implementations interleaved A B C A B C ... once per repeat. Then mpiexec jobs
 measure the commit overhead over MPI, and a single process models rank 0's
 manifest work and one rank's open at 1,024, 4,096 and 16,384 ranks
-(``scale_manifest.py``), and one process trains with a save every 10 steps,
-deferred snapshots beside the other asynchronous saves (``deferred.py``). The table
+(``scale_manifest.py``), one process trains with a save every 10 steps,
+deferred snapshots beside the other asynchronous saves (``deferred.py``), and
+one process converts a checkpoint of 256 ranks x 200 leaves into Hugging Face
+shards and a torch.save file beside DCP's consolidation (``consolidate.py``). The table
 gives the median, min-max and, for every peer, ``peer time / tddist time``
 from this run (above 1: tddist is faster). See benchmarks/README.md.
 """
@@ -38,6 +40,7 @@ DEFERRED = HERE / "deferred.py"
 REPLICAS = HERE / "replicas.py"
 CERTIFY = HERE / "certify.py"
 INCREMENTAL = HERE / "incremental.py"
+CONSOLIDATE = HERE / "consolidate.py"
 SCENARIOS = [
     "save",
     "async",
@@ -50,6 +53,7 @@ SCENARIOS = [
     "replicas",
     "certify",
     "incremental",
+    "consolidate",
 ]
 LEAVES, COLS = 4, 1024  # the payload: 4 float32 leaves of 4 KiB rows, sharded by rows
 
@@ -625,7 +629,41 @@ def evaluate_targets(rows: list[dict], records: list[dict]) -> list[dict]:
     )
     certify_targets(med, records, check)
     incremental_targets(med, records, check)
+    consolidate_targets(med, records, check, report)
     return out
+
+
+#: Each consolidation (``consolidate.py``): what it writes, and DCP's conversion it is compared with.
+CONSOLIDATIONS = (
+    ("consolidate to hf", "Hugging Face sharded safetensors", "consolidate_safetensors_files"),
+    ("consolidate to torch.save", "one torch.save file", "dcp_to_torch_save"),
+)
+
+
+def consolidate_targets(med, records: list[dict], check, report) -> None:
+    """Consolidation (``consolidate.py``): one process converting a many-rank checkpoint holds about one leaf
+    (peak RSS added at most the largest leaf + 256 MiB, the largest of its repeats), and its time beside DCP's."""
+    for scenario, what, peer in CONSOLIDATIONS:
+        mine = [r for r in records if (r.get("scenario"), r.get("impl")) == (scenario, "tddist")]
+        if not mine:
+            check(f"consolidation into {what}: peak RSS added <= the largest leaf + 256 MiB", None, None)
+            continue
+        e = mine[0]["extra"]
+        leaf = e["largest_leaf_bytes"] / C.MIB
+        rss = max(r["rss_added_mib"] for r in mine)
+        check(
+            f"consolidate {e['ranks']} ranks x {e['leaves']} leaves into {what}: peak RSS added <= the largest "
+            f"leaf + 256 MiB",
+            rss <= leaf + 256,
+            f"{rss:.0f} MiB (largest leaf {leaf:.1f} MiB, so at most {leaf + 256:.0f} MiB)",
+        )
+        t, d = med(scenario, 1, "tddist", launcher="single"), med(scenario, 1, "dcp", launcher="single")
+        if None not in (t, d):
+            report(
+                f"consolidate {e['ranks']} ranks x {e['leaves']} leaves into {what}: time against DCP's {peer}",
+                f"DCP/tddist time {d / t:.2f}x (above 1: tddist is faster; tddist {C.fmt_seconds(t)}, dcp "
+                f"{C.fmt_seconds(d)}; no target)",
+            )
 
 
 def incremental_targets(med, records: list[dict], check) -> None:
@@ -714,7 +752,9 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         "small_elems": small_elems,
         "commit_reps": args.commit_reps,
         "scenarios": [
-            s for s in args.scenarios if s not in ("manifest", "deferred", "replicas", "certify", "incremental")
+            s
+            for s in args.scenarios
+            if s not in ("manifest", "deferred", "replicas", "certify", "incremental", "consolidate")
         ],
         "mpi_scenarios": ["commit"],
         "archive": args.archive,
@@ -851,6 +891,12 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         ]
         cmd += ["--dir", str(work), "--json", str(res_path)]
         jobs.append(run_job(cmd, args.job_timeout, "incremental checkpoints"))
+        got, n = read_records(res_path)
+        records += got
+    if "consolidate" in args.scenarios:  # one process converts a many-rank checkpoint, beside DCP's consolidation
+        res_path = work / "result-consolidate.json"
+        cmd = [sys.executable, str((_BENCH or HERE) / CONSOLIDATE.name), "--dir", str(work), "--json", str(res_path)]
+        jobs.append(run_job(cmd + (["--quick"] if args.quick else []), args.job_timeout, "consolidation"))
         got, n = read_records(res_path)
         records += got
     total = time.perf_counter() - t_start

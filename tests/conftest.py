@@ -63,7 +63,6 @@ SLOW = (
     "tests/test_async_local.py::test_twenty_return_early_saves_keep_memory_threads_and_buffers_flat",
     "tests/test_async_local.py::test_process_writer_in_one_process",
     "tests/test_benchmark_smoke.py::test_copy_overlap_model",
-    "tests/test_benchmark_smoke.py::test_consolidate_quick",
     "tests/test_cli.py::test_json_documents_match_docs",
     "tests/test_cli.py::test_ls_latest_gc_on_an_s3_root",
     "tests/test_cli.py::test_gc_applies_the_managers_rules",

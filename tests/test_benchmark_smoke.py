@@ -21,7 +21,6 @@ REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "benchmarks" / "run.py"
 S3 = REPO / "benchmarks" / "s3.py"
 COPY_OVERLAP = REPO / "benchmarks" / "copy_overlap.py"
-CONSOLIDATE = REPO / "benchmarks" / "consolidate.py"
 RESHARD_FLOOR = REPO / "benchmarks" / "reshard_floor.py"
 TIMEOUT = 300  # a no-hang limit: the run takes 35-90 s alone, over 3 minutes on a busy shared machine
 
@@ -49,6 +48,8 @@ def _run_quick(script: Path, out: Path, work: Path) -> str:
 
 #: The scenarios of benchmarks/deferred.py (a training loop saving every few steps, one process).
 DEFERRED = {"training, 1 thread", "training, all threads"}
+#: The scenarios of benchmarks/consolidate.py (one process converts a many-rank checkpoint; DCP's beside it).
+CONSOLIDATED = {"consolidate to hf", "consolidate to torch.save"}
 
 
 @pytest.mark.multirank
@@ -74,6 +75,7 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
         "commit",
         *MANIFEST,
         *DEFERRED,
+        *CONSOLIDATED,
     }
     assert expected <= scenarios, f"missing scenarios: {sorted(expected - scenarios)}"
     assert {"reshard 2->1", "reshard 1->2"} <= scenarios, sorted(scenarios)
@@ -87,6 +89,14 @@ def test_quick_benchmark_run(tmp_path: Path) -> None:
         assert len(r["cpu_ranks"]) == r["world"] and all(c >= 0 for c in r["cpu_ranks"]), r
         assert r["metrics"]["cpu"] == sum(r["cpu_ranks"]), r
     assert any(r["metrics"]["cpu"] > 0 for r in commits if r["impl"] == "tddist")
+    # consolidation: the same 16-rank state converted by tddist and by DCP, into HF shards and a torch.save file
+    # (each output checked against what the ranks saved), its memory judged against the largest leaf
+    converted = [r for r in result["records"] if r.get("scenario") in CONSOLIDATED]
+    assert {(r["scenario"], r["impl"]) for r in converted} == {(s, i) for s in CONSOLIDATED for i in ("tddist", "dcp")}
+    assert all(r["metrics"]["time"] > 0 and r["extra"]["out_bytes"] > 0 for r in converted), converted
+    assert all(r["extra"]["ranks"] == 16 and r["extra"]["leaves"] == 20 for r in converted), converted
+    for what in ("Hugging Face sharded safetensors", "one torch.save file"):
+        assert f"consolidate 16 ranks x 20 leaves into {what}: peak RSS added <= the largest leaf" in stdout
     # every scenario compares tddist with at least one peer, except the single-implementation manifest model
     for scen in expected - MANIFEST - DEFERRED:
         impls = {r["impl"] for r in result["records"] if r.get("scenario") == scen and "impl" in r}
@@ -148,18 +158,6 @@ def test_reshard_floor_model(tmp_path: Path) -> None:
     for _how, one, each, ratio in rows:
         assert float(one) > 0 and float(each) > 0, rows
         assert abs(float(ratio) - float(one) / float(each)) < 0.01 + 0.01 * float(ratio), rows
-
-
-def test_consolidate_quick(tmp_path: Path) -> None:
-    """``benchmarks/consolidate.py --quick`` saves the same state as tddist and as DCP (16 ranks), converts each
-    into Hugging Face shards and a torch.save file (every output checked against what the ranks saved), and
-    prints its table with both ratios."""
-    out = tmp_path / "consolidate.json"
-    stdout = _run_quick(CONSOLIDATE, out, tmp_path)
-    assert "| to | tddist s | DCP s | DCP/tddist time |" in stdout, stdout[-3000:]
-    samples = json.loads(out.read_text())["samples"]
-    assert {s["kind"] for s in samples} == {"tddist hf", "dcp hf", "tddist torch", "dcp torch"}, samples
-    assert all(s["seconds"] > 0 and s["out_bytes"] > 0 for s in samples), samples
 
 
 def _has(module: str) -> bool:
