@@ -250,3 +250,31 @@ def test_commit_targets_report_the_cpu_of_a_save_beside_the_wall_time() -> None:
         cpu = targets[f"commit at 4 {name} ranks: CPU time of a save, all ranks together"]
         assert cpu["status"] == "reported", cpu
         assert cpu["detail"] == "2.50x the floor's (tddist 30.0 ms, floor 12.0 ms; no target)", cpu
+
+
+def test_consolidation_targets_bound_the_peak_rss_by_the_largest_leaf() -> None:
+    """``run.py`` judges each consolidation by its largest peak RSS added over the repeats against the largest
+    leaf + 256 MiB, and reports DCP's time over tddist's beside it, from ``consolidate.py``'s records."""
+    _C, R = _bench_modules(REPO)
+    leaf = 5 * 2**20
+    extra = {"ranks": 256, "leaves": 200, "largest_leaf_bytes": leaf, "out_bytes": 1}
+    record = {"world": 1, "launcher": "single", "ref": "tddist", "bytes": 200 * leaf, "extra": extra}
+    samples = {  # (scenario, impl): (seconds, peak RSS added in MiB) of repeats 0 and 1
+        ("consolidate to hf", "tddist"): ((2.0, 40.0), (2.2, 250.0)),
+        ("consolidate to hf", "dcp"): ((4.2, 66.0), (4.2, 66.0)),
+        ("consolidate to torch.save", "tddist"): ((2.0, 30.0), (2.0, 262.0)),
+        ("consolidate to torch.save", "dcp"): ((10.0, 1101.0), (10.0, 1101.0)),
+    }
+    records = [
+        dict(record, scenario=s, impl=i, repeat=rep, metrics={"time": t}, rss_added_mib=rss)
+        for (s, i), reps in samples.items()
+        for rep, (t, rss) in enumerate(reps)
+    ]
+    targets = {t["target"]: t for t in R.evaluate_targets(R.aggregate(records), records)}
+    into = "consolidate 256 ranks x 200 leaves into"
+    hf = targets[f"{into} Hugging Face sharded safetensors: peak RSS added <= the largest leaf + 256 MiB"]
+    assert hf["status"] == "met" and hf["detail"] == "250 MiB (largest leaf 5.0 MiB, so at most 261 MiB)", hf
+    pt = targets[f"{into} one torch.save file: peak RSS added <= the largest leaf + 256 MiB"]
+    assert pt["status"] == "MISSED" and pt["detail"].startswith("262 MiB"), pt  # the larger repeat counts
+    timed = targets[f"{into} Hugging Face sharded safetensors: time against DCP's consolidate_safetensors_files"]
+    assert timed["status"] == "reported" and timed["detail"].startswith("DCP/tddist time 2.00x"), timed
