@@ -314,30 +314,24 @@ SCENARIO = {"hf": "consolidate to hf", "torch": "consolidate to torch.save"}
 def records_of(shape: Shape, samples: list[dict]) -> list[dict]:
     """The samples as ``run.py``'s records: one process converting (world 1), tddist the reference, the
     checkpoint's shape and its largest leaf (what a conversion's memory is bounded by) in ``extra``."""
+    extra = {"ranks": shape.ranks, "leaves": shape.leaves, "largest_leaf_bytes": shape.leaf_bytes}
     out = []
-    for pair, a, b in PAIRS:
-        for s in samples:
-            if s["kind"] not in (a, b):
-                continue
-            out.append(
-                {
-                    "scenario": SCENARIO[pair],
-                    "world": 1,
-                    "launcher": "single",
-                    "impl": s["kind"].split()[0],
-                    "ref": "tddist",
-                    "repeat": s["repeat"],
-                    "metrics": {"time": s["seconds"]},
-                    "rss_added_mib": s["rss_added_mib"],
-                    "bytes": shape.total_bytes,
-                    "extra": {
-                        "ranks": shape.ranks,
-                        "leaves": shape.leaves,
-                        "largest_leaf_bytes": shape.leaf_bytes,
-                        "out_bytes": s["out_bytes"],
-                    },
-                }
-            )
+    for s in samples:
+        impl, pair = s["kind"].split()  # "tddist hf", "dcp torch", ... (``PAIRS``)
+        out.append(
+            {
+                "scenario": SCENARIO[pair],
+                "world": 1,
+                "launcher": "single",
+                "impl": impl,
+                "ref": "tddist",
+                "repeat": s["repeat"],
+                "metrics": {"time": s["seconds"]},
+                "rss_added_mib": s["rss_added_mib"],
+                "bytes": shape.total_bytes,
+                "extra": dict(extra, out_bytes=s["out_bytes"]),
+            }
+        )
     return out
 
 

@@ -34,13 +34,14 @@ import _common as C
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-WORKER = HERE / "worker.py"
-SCALE = HERE / "scale_manifest.py"
-DEFERRED = HERE / "deferred.py"
-REPLICAS = HERE / "replicas.py"
-CERTIFY = HERE / "certify.py"
-INCREMENTAL = HERE / "incremental.py"
-CONSOLIDATE = HERE / "consolidate.py"
+# The programs of this run's jobs (``job_script``: the run's own snapshot of each).
+WORKER = "worker.py"
+SCALE = "scale_manifest.py"
+DEFERRED = "deferred.py"
+REPLICAS = "replicas.py"
+CERTIFY = "certify.py"
+INCREMENTAL = "incremental.py"
+CONSOLIDATE = "consolidate.py"
 SCENARIOS = [
     "save",
     "async",
@@ -55,6 +56,8 @@ SCENARIOS = [
     "incremental",
     "consolidate",
 ]
+#: The scenarios that run as jobs of their own (one program each, below); the others run in the torchrun worker.
+OWN_JOBS = ("manifest", "deferred", "replicas", "certify", "incremental", "consolidate")
 LEAVES, COLS = 4, 1024  # the payload: 4 float32 leaves of 4 KiB rows, sharded by rows
 
 QUICK = dict(
@@ -151,7 +154,7 @@ def snapshot_tddist(work: Path) -> dict:
     its identity: the version, the digest of the package alone (``sha256``, as older runs had it),
     and ``source_digest`` over every ``.py`` file of both with the files' own digests
     (``source_files``), which ``publish.py`` compares with the tree before it writes a table."""
-    global _LIB, _BENCH, WORKER, SCALE, CERTIFY
+    global _LIB, _BENCH
     import hashlib
     import importlib.util
     import shutil
@@ -167,7 +170,6 @@ def snapshot_tddist(work: Path) -> dict:
     _BENCH.mkdir()
     for f in sorted(HERE.glob("*.py")):
         shutil.copy2(f, _BENCH / f.name)
-    WORKER, SCALE, CERTIFY = _BENCH / WORKER.name, _BENCH / SCALE.name, _BENCH / CERTIFY.name
     h = hashlib.sha256()
     for f in sorted((_LIB / "tddist").rglob("*.py")):
         h.update(f.relative_to(_LIB).as_posix().encode() + b"\0" + f.read_bytes())
@@ -185,6 +187,12 @@ def snapshot_tddist(work: Path) -> dict:
         "source_files": files,
         "source_dir": str(src),
     }
+
+
+def job_script(name: str) -> str:
+    """The path of the benchmark program ``name`` that a job runs: the run's snapshot of it (the code the
+    source digest covers, whatever the tree holds by then), or this directory's before a snapshot exists."""
+    return str((_BENCH or HERE) / name)
 
 
 def _version_of(dist: str) -> str | None:
@@ -751,11 +759,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         "small_tensors": args.small_tensors,
         "small_elems": small_elems,
         "commit_reps": args.commit_reps,
-        "scenarios": [
-            s
-            for s in args.scenarios
-            if s not in ("manifest", "deferred", "replicas", "certify", "incremental", "consolidate")
-        ],
+        "scenarios": [s for s in args.scenarios if s not in OWN_JOBS],
         "mpi_scenarios": ["commit"],
         "archive": args.archive,
     }
@@ -797,7 +801,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
                 "torch.distributed.run",
                 "--standalone",
                 f"--nproc-per-node={w}",
-                str(WORKER),
+                job_script(WORKER),
                 "--config",
                 str(cfg_path),
                 "--result",
@@ -822,7 +826,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
                 "-n",
                 str(w),
                 sys.executable,
-                str(WORKER),
+                job_script(WORKER),
                 "--launcher",
                 "mpi",
                 "--config",
@@ -838,7 +842,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         res_path = work / "result-manifest.json"
         cmd = [
             sys.executable,
-            str(SCALE),
+            job_script(SCALE),
             "--ranks",
             ",".join(map(str, args.manifest_ranks)),
             "--leaves",
@@ -856,7 +860,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
     deferred_targets: list[dict] = []
     if "deferred" in args.scenarios:  # a training loop saving every 10 steps: one process, its own targets
         res_path = work / "result-deferred.json"
-        cmd = [sys.executable, str(DEFERRED), "--dir", str(work / "deferred"), "--json", str(res_path)]
+        cmd = [sys.executable, job_script(DEFERRED), "--dir", str(work / "deferred"), "--json", str(res_path)]
         size = ["--quick"] if args.quick else ["--mib", str(args.size_mib)]  # the payload: 1 GiB, as the targets say
         jobs.append(run_job(cmd + size, args.job_timeout, "deferred snapshots"))
         got, n = read_records(res_path)
@@ -867,14 +871,14 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
             notes.append("deferred snapshots: no result")
     if "replicas" in args.scenarios:  # the replicated node-local tier: two processes as two nodes
         res_path = work / "result-replicas.json"
-        cmd = [sys.executable, str(REPLICAS), "--mib", str(args.replicas_mib), "--rounds", str(max(3, args.repeats)),
+        cmd = [sys.executable, job_script(REPLICAS), "--mib", str(args.replicas_mib), "--rounds", str(max(3, args.repeats)),
                "--dir", str(work), "--json", str(res_path)]  # fmt: skip
         jobs.append(run_job(cmd, args.job_timeout, "replicated node-local tier"))
         got, n = read_records(res_path)
         records += got
     if "certify" in args.scenarios:
         res_path = work / "result-certify.json"
-        cmd = [sys.executable, str(CERTIFY), "--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
+        cmd = [sys.executable, job_script(CERTIFY), "--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
         cmd += ["--clean-saves", str(args.clean_saves), "--dir", str(work), "--json", str(res_path)]
         jobs.append(run_job(cmd, args.job_timeout, "certification"))
         got, n = read_records(res_path)
@@ -883,7 +887,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         res_path = work / "result-incremental.json"
         cmd = [
             sys.executable,
-            str(INCREMENTAL),
+            job_script(INCREMENTAL),
             "--size-mib",
             str(args.size_mib),
             "--repeats",
@@ -895,7 +899,7 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
         records += got
     if "consolidate" in args.scenarios:  # one process converts a many-rank checkpoint, beside DCP's consolidation
         res_path = work / "result-consolidate.json"
-        cmd = [sys.executable, str((_BENCH or HERE) / CONSOLIDATE.name), "--dir", str(work), "--json", str(res_path)]
+        cmd = [sys.executable, job_script(CONSOLIDATE), "--dir", str(work), "--json", str(res_path)]
         jobs.append(run_job(cmd + (["--quick"] if args.quick else []), args.job_timeout, "consolidation"))
         got, n = read_records(res_path)
         records += got
