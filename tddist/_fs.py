@@ -42,6 +42,9 @@ def pwrite_all(fd: int, data: memoryview, at: int, step: int = 1 << 30) -> None:
 
 #: sync_file_range's flag that starts the write-back of the range's dirty pages and returns without waiting.
 SYNC_FILE_RANGE_WRITE = 2
+#: sync_file_range's flags that wait for the range's write-back in flight before and after starting its own.
+SYNC_FILE_RANGE_WAIT_BEFORE = 1
+SYNC_FILE_RANGE_WAIT_AFTER = 4
 _sync_file_range: Callable[..., int] | Literal[False] | None = None  # False: not in this C library
 
 
@@ -57,14 +60,40 @@ def start_writeback(fd: int, at: int, nbytes: int) -> None:
     Where the call is missing or refused (not Linux, a pipe) nothing happens:
     the fsync that follows still writes everything and reports any error.
     """
+    fn = _range_sync()
+    if fn and nbytes > 0:
+        fn(fd, at, nbytes, SYNC_FILE_RANGE_WRITE)
+
+
+def wait_for_writeback(fd: int, at: int, nbytes: int) -> None:
+    """Wait until the disk has the ``nbytes`` at ``at`` of ``fd`` (written and their write-back started): a
+    throttle, never durability (no metadata, no device cache flush; the fsync that follows gives both).
+
+    A writer that runs beside work it must not slow down (``stream.Stream``'s
+    writes while the caller copies) waits here for an earlier block before it
+    writes the next one, so it copies into the page cache no faster than the
+    disk drains it. Where the call is missing it returns at once
+    (``waits_for_writeback`` says so beforehand); an error is left to that fsync.
+    """
+    fn = _range_sync()
+    if fn and nbytes > 0:
+        fn(fd, at, nbytes, SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER)
+
+
+def waits_for_writeback() -> bool:
+    """Whether ``wait_for_writeback`` can wait here (Linux's ``sync_file_range`` is in the C library)."""
+    return bool(_range_sync())
+
+
+def _range_sync() -> Callable[..., int] | Literal[False]:
+    """The C library's ``sync_file_range``, looked up once; False where it has none."""
     global _sync_file_range
     if _sync_file_range is None:
         fn = getattr(_load_libc(), "sync_file_range", None)
         if fn is not None:
             fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
         _sync_file_range = fn or False
-    if _sync_file_range and nbytes > 0:
-        _sync_file_range(fd, at, nbytes, SYNC_FILE_RANGE_WRITE)
+    return _sync_file_range or False
 
 
 #: The smallest write whose write-back is started at once; smaller ones (headers, batches of tiny leaves) wait

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -44,7 +45,8 @@ for step in range(20):
         ch.buffers.allocations, ch.arena_allocations, threading.active_count(), rss_mib(), len(background._channels)
     ))
 print(repr(samples))
-# The commit's worker yields the CPU to training; the copy helper, which the caller waits for, does not.
+# The commit's worker yields the CPU to training; the copy helper and the early writer, which run only while
+# the caller copies, do not.
 nice = {t.name.split("-rank")[0]: os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threading.enumerate()}
 print(repr(nice))
 assert torch.equal(tddist.load(os.path.join(root, "ckpt"), shard=None, verify=True)["w0"], td["w0"])
@@ -54,16 +56,17 @@ assert torch.equal(tddist.load(os.path.join(root, "ckpt"), shard=None, verify=Tr
 def test_twenty_return_early_saves_keep_memory_threads_and_buffers_flat(tmp_path):
     """One channel for the process: the arena the state is copied into while it is written is allocated by
     the first save only (no per-leaf snapshot buffers beside it), and the thread count and RSS stay flat after
-    it (each save replaces the previous checkpoint). The copy helper keeps the caller's CPU priority and the
-    commit's worker runs ``BACKGROUND_NICENESS`` lower."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    it (each save replaces the previous checkpoint). The copy helper and the early writer (64 MiB is the
+    smallest state written while it is copied) keep the caller's CPU priority and the commit's worker runs
+    ``BACKGROUND_NICENESS`` lower."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")  # one rank: a core for the early writer
     out = subprocess.run(
         [sys.executable, "-c", CODE, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
     )
     assert out.returncode == 0, out.stderr[-3000:]
     samples = eval(out.stdout.strip().splitlines()[-2])
     nice = eval(out.stdout.strip().splitlines()[-1])
-    assert nice["tddist-copy"] == nice["MainThread"], nice
+    assert nice["tddist-copy"] == nice["MainThread"] == nice["tddist-early-write"], nice
     assert nice["tddist-save"] == min(19, nice["MainThread"] + background.BACKGROUND_NICENESS), nice
     buffers = [s[0] for s in samples]
     arenas = [s[1] for s in samples]
@@ -400,3 +403,56 @@ def test_a_return_early_save_resolves_before_the_checkpoint_it_replaced_is_remov
     tddist.save(state(4), target)  # synchronous: removes what it replaced before returning
     assert leftovers(target) == [] and len(removed) == 3
     assert_td_equal(tddist.load(target, verify=True), state(4))
+
+
+@pytest.mark.parametrize("ranks_on_node", [1, 64])
+def test_a_large_return_early_save_is_written_while_it_is_copied(tmp_path, monkeypatch, ranks_on_node):
+    """A state of ``EARLY_WRITE_MIN`` bytes whose copies are slowed down: with a core per rank beside its
+    caller (one rank on this node), the early writer thread writes slots of the data file before ``save``
+    returns; with as many ranks as torchrun says (64 on this node) it writes none, the worker writes all
+    after the copy. Either way the checkpoint holds the state as of the call (the training changes it right
+    after), checksums verified."""
+    from tddist.saving import early as early_mod
+    from tddist.saving import stream as stream_mod
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a spare core per rank needs 2 cores here")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks_on_node))
+
+    copy, write = stream_mod.copy_bytes, stream_mod.write_and_start_writeback
+    writers: list[str] = []
+
+    def slow_copy(destination: int, source: int, nbytes: int) -> None:
+        copy(destination, source, nbytes)
+        time.sleep(0.005)
+
+    def recording_write(fd, view, at, step):
+        writers.append(threading.current_thread().name)
+        write(fd, view, at, step)
+
+    monkeypatch.setattr(stream_mod, "copy_bytes", slow_copy)
+    monkeypatch.setattr(stream_mod, "write_and_start_writeback", recording_write)
+    n = early_mod.EARLY_WRITE_MIN // 4 // 16
+    td = TensorDict({f"w{i}": torch.randn(n) for i in range(16)}, [])
+    expected = td.clone()
+    fut = tddist.save(td, tmp_path / "ckpt", return_early=True)
+    written_before_return = list(writers)
+    td.apply_(lambda t: t.add_(1))  # the training goes on
+    fut.result()
+    early = [w for w in written_before_return if w.startswith("tddist-early-write-rank0")]
+    assert bool(early) is (ranks_on_node == 1), written_before_return
+    assert ranks_on_node == 1 or not any(w.startswith("tddist-early-write") for w in writers), writers
+    assert_td_equal(tddist.load(tmp_path / "ckpt", shard=None, verify=True), expected)
+
+
+def test_the_ranks_on_this_node_are_read_from_the_launcher():
+    """torchrun's, Open MPI's, Hydra's and srun's counts of the ranks on this node, in that order; 1 where none
+    is set or a value is not a positive number."""
+    from tddist.comm.node import ranks_on_this_node
+
+    assert ranks_on_this_node({}) == 1
+    assert ranks_on_this_node({"LOCAL_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}) == 4
+    assert ranks_on_this_node({"OMPI_COMM_WORLD_LOCAL_SIZE": "8"}) == 8
+    assert ranks_on_this_node({"MPI_LOCALNRANKS": "3"}) == 3
+    assert ranks_on_this_node({"SLURM_NTASKS_PER_NODE": "2"}) == 2
+    assert ranks_on_this_node({"LOCAL_WORLD_SIZE": "0", "SLURM_NTASKS_PER_NODE": "x", "MPI_LOCALNRANKS": "5"}) == 5

@@ -1,7 +1,8 @@
 """The arena streams of asynchronous saves (tddist/stream.py), in one process, on real files.
 
 A pipelined ``return_early`` save copies the whole state into the arena on two threads (the caller from the
-first slot on, a helper thread from the last one back) and writes only once every byte is copied; a
+first slot on, a helper thread from the last one back) while an early writer writes the slots the caller has
+copied, at the disk's pace, and the writer the rest once every byte is copied; a
 budgeted one copies slot by slot while the writer writes and frees them. Both must lay every byte at its
 packed offset with the checksums of a plain save, and neither thread may wait forever for the other.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -239,12 +241,102 @@ def test_a_bounded_stream_reuses_its_slots_while_the_writer_writes(tmp_path, sma
     assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
 
 
-@pytest.mark.parametrize(("budgeted", "write_threads"), [(False, 1), (False, 2), (True, 1), (True, 2)])
+def _with_early_writer(stream: Stream) -> ThreadPoolExecutor:
+    """Give ``stream`` an early writer thread, as ``Channel.write_early`` does (shut the pool down after)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="early")
+    stream.early_writes = pool.submit
+    return pool
+
+
+def _slow_caller(stream: Stream, seconds: float) -> None:
+    """The caller's (and the helper's) copies of ``stream`` each take ``seconds`` longer."""
+    fill = stream._fill_shared
+
+    def slow_fill(i: int) -> None:
+        fill(i)
+        time.sleep(seconds)
+
+    stream._fill_shared = slow_fill  # type: ignore[method-assign]
+
+
+def test_the_early_writer_writes_the_copied_slots_in_file_order_at_the_disks_pace(tmp_path, small_blocks, monkeypatch):
+    """While a slow caller copies, the early writer hashes and writes the slots it copied, in file order, on its
+    own thread; before each it waits for the write-back of the slot ``EARLY_IN_FLIGHT`` before (the throttle).
+    The writer writes the rest; the file and the checksums are those of a plain save."""
+    events: list[tuple] = []
+    write, wait = stream_mod.write_and_start_writeback, stream_mod.wait_for_writeback
+
+    def recording_write(fd, view, at, step):
+        events.append(("write", at, threading.current_thread().name, stream._copied.is_set()))
+        write(fd, view, at, step)
+
+    def recording_wait(fd, at, nbytes):
+        events.append(("wait", at, nbytes))
+        wait(fd, at, nbytes)
+
+    monkeypatch.setattr(stream_mod, "write_and_start_writeback", recording_write)
+    monkeypatch.setattr(stream_mod, "wait_for_writeback", recording_wait)
+    items = _items([4096] * 16)
+    stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
+    pool = _with_early_writer(stream)
+    _slow_caller(stream, 0.02)
+    stored: dict = {}
+    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"), 2)))
+    writer.start()
+    stream.produce()
+    writer.join(10)
+    pool.shutdown()
+    assert not writer.is_alive()
+    writes = [e for e in events if e[0] == "write"]
+    assert sorted(e[1] for e in writes) == [f.file_start for f in stream.fills]  # each slot once
+    early = [e for e in writes if e[2].startswith("early")]
+    assert len(early) >= 8, events  # 16 slots copied 20 ms apart: the early writer keeps up with the copy
+    assert [e[1] for e in early] == [f.file_start for f in stream.fills[: len(early)]]  # in file order
+    assert writes[: len(early)] == early and not any(e[3] for e in early[:-1])  # first, before the copy ended
+    k = stream_mod.EARLY_IN_FLIGHT
+    for j, e in enumerate(early):
+        before = events[events.index(e) - 1]
+        if j >= k:
+            f = stream.fills[j - k]
+            assert before == ("wait", f.file_start, f.nbytes), (j, before)
+        else:
+            assert before[0] != "wait", (j, before)
+    assert (tmp_path / "d").read_bytes() == _packed_file(items)
+    assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
+
+
+def test_the_early_writer_leaves_the_slots_the_helper_copied_from_the_back_for_later(tmp_path, small_blocks):
+    """The helper copies from the back while the slow caller copies from the front: the early writer still
+    writes in file order, so the slots copied out of order wait until the front reaches them; the file is
+    the packed layout."""
+    items = _items([4096] * 16)
+    stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
+    pool = _with_early_writer(stream)
+    _slow_caller(stream, 0.01)
+    stored: dict = {}
+    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"), 1)))
+    writer.start()
+    helper = threading.Thread(target=stream.help)
+    helper.start()
+    stream.produce()
+    helper.join(10)
+    writer.join(10)
+    pool.shutdown()
+    assert not writer.is_alive() and not helper.is_alive()
+    assert (tmp_path / "d").read_bytes() == _packed_file(items)
+    assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
+
+
+@pytest.mark.parametrize(
+    ("budgeted", "write_threads", "early"),
+    [(False, 1, False), (False, 2, False), (True, 1, False), (True, 2, False), (False, 2, True)],
+)
 def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(
-    tmp_path, small_blocks, monkeypatch, budgeted, write_threads
+    tmp_path, small_blocks, monkeypatch, budgeted, write_threads, early
 ):
     """The disk refuses the third slot's write (EIO, injected at the write call): the writer raises that error
-    and the caller, even one waiting for a slot only a write would free (two slots), returns; none hangs."""
+    and the caller, even one waiting for a slot only a write would free (two slots), returns; none hangs. With
+    an early writer (and a slow caller) the failing write is one made while the caller copies."""
     calls = {"n": 0}
     real = stream_mod.write_and_start_writeback
 
@@ -259,6 +351,9 @@ def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(
     arena = Arena(256, slot=128) if budgeted else Arena(whole_state_budget(items, 1024), slot=1024)
     stream = Stream(arena, items, rank=0)
     assert stream.whole is not budgeted
+    pool = _with_early_writer(stream) if early else None
+    if early:
+        _slow_caller(stream, 0.05)
     t, outcome = _start(lambda: stream.consume(str(tmp_path / "d"), write_threads))
     caller = threading.Thread(target=stream.produce)
     caller.start()
@@ -266,6 +361,9 @@ def test_a_failed_write_raises_in_the_writer_and_stops_the_caller(
     t.join(10)
     assert not caller.is_alive() and not t.is_alive()
     assert len(outcome) == 1 and isinstance(outcome[0], OSError) and outcome[0].errno == errno.EIO, outcome
+    if pool is not None:
+        pool.shutdown()
+        assert stream._left > 0  # the copy stopped at the failure instead of going on to the end
 
 
 def _save_whole(arena: Arena, items, path) -> Stream:

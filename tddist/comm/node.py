@@ -32,3 +32,18 @@ def node_name(env: Mapping[str, str] | None = None) -> str:
     if mpi is not None and mpi.Is_initialized():
         return f"mpi-host-{mpi.Get_processor_name()}"
     return f"host-{socket.gethostname()}"
+
+
+#: The launchers' counts of the ranks started on this node: torchrun, Open MPI, MPICH's Hydra, SLURM's srun.
+LOCAL_RANK_COUNTS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+
+
+def ranks_on_this_node(env: Mapping[str, str] | None = None) -> int:
+    """How many ranks the launcher started on this node, the first of ``LOCAL_RANK_COUNTS`` it sets as a
+    positive number (1 where none is set): the ranks that share this node's cores."""
+    env = os.environ if env is None else env
+    for name in LOCAL_RANK_COUNTS:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return 1

@@ -226,7 +226,9 @@ class Channel:
         self.pending: Future | None = None
         self._bg_comm: Communicator | None = None
         self._worker: Worker | None = None
-        self._helper: Worker | None = None  # copies a pipelined save beside the caller (``Stream.help``)
+        # Threads at the training's priority: "copy" copies a pipelined save beside the caller (``Stream.help``),
+        # "early" writes its copied slots meanwhile (``Stream.write_early``).
+        self._helpers: dict[str, Worker] = {}
         self._process: ProcessWriter | None = None
         self._generation = 0  # writer processes started by this channel (their groups' prefixes)
 
@@ -305,29 +307,44 @@ class Channel:
         inside ``save``, so it takes no time from training steps (a deferred
         snapshot's copy, ``copy_deferred``, is the one that overlaps them).
         """
-        helper = self._copy_helper()
+        helper = self._foreground("copy", f"tddist-copy-rank{self.comm.rank}")
         if helper is not None:
             helper.submit(stream.help)
+
+    def write_early(self, stream: Stream) -> None:
+        """Have ``stream``'s writer hash and write the slots the caller has copied on the early writer thread,
+        while the copy goes on (``Stream.write_early``).
+
+        A thread at the training's priority, not the commit's worker: where
+        ranks share cores, the worker's lower priority starved it during the
+        copy (4 ranks on 2 cores), and the disk stayed idle until the copy
+        ended. It runs only while the caller is inside ``save``, and writes
+        only as fast as the disk drains the page cache.
+        """
+        writer = self._foreground("early", f"tddist-early-write-rank{self.comm.rank}")
+        if writer is not None:
+            stream.early_writes = lambda fn: writer.submit(fn)[0]
 
     def copy_deferred(self, stream: Stream) -> None:
         """Have the copy helper thread copy all of a deferred snapshot's slots (``Stream.produce_deferred``),
         at the training's priority, after ``save`` returned; the caller's thread when no helper can start."""
-        helper = self._copy_helper()
+        helper = self._foreground("copy", f"tddist-copy-rank{self.comm.rank}")
         if helper is None:
             stream.produce_deferred()
         else:
             helper.submit(stream.produce_deferred)
 
-    def _copy_helper(self) -> Worker | None:
+    def _foreground(self, role: str, name: str) -> Worker | None:
+        """The channel's thread for ``role`` at the training's priority ("copy": the copy helper, "early": the
+        early writer), started on first use and again after a fork; None where no thread can start."""
         try:
-            if self._helper is None or not self._helper.alive():
-                self._helper = Worker(f"tddist-copy-rank{self.comm.rank}", background=False)
-        except RuntimeError as e:  # no thread could start: the caller copies everything itself
-            logger.warning(
-                "rank %d: no copy helper thread (%s); the caller copies the snapshot alone", self.comm.rank, e
-            )
+            w = self._helpers.get(role)
+            if w is None or not w.alive():
+                w = self._helpers[role] = Worker(name, background=False)
+        except RuntimeError as e:  # no thread could start: the caller copies, the worker writes, alone
+            logger.warning("rank %d: no %s thread (%s); saving without it", self.comm.rank, name, e)
             return None
-        return self._helper
+        return w
 
     def wait_idle(self, wait: bool, target: str) -> None:
         """Block until no save is in flight (or raise if ``wait`` is False)."""
@@ -358,10 +375,11 @@ class Channel:
         return fut
 
     def stop(self) -> None:
-        for w in (self._worker, self._helper):
+        for w in (self._worker, *self._helpers.values()):
             if w is not None and w.alive():
                 w.stop()
-        self._worker = self._helper = None
+        self._worker = None
+        self._helpers.clear()
         if self._process is not None:
             self._process.close()
             self._process = None

@@ -5,13 +5,16 @@ shared arena), then ``committing.commit`` and ``open_committed`` handed to the c
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import Future
 from dataclasses import replace
 from functools import partial
 
 from tensordict import TensorDict
 
+from .._fs import waits_for_writeback
 from ..comm.base import Communicator
+from ..comm.node import ranks_on_this_node
 from ..core.types import (
     LocalShard,
     SaveOptions,
@@ -22,7 +25,7 @@ from .background import Channel, SaveFuture
 from .commit import Retire
 from .committing import Committed, Prepare, WriterFactory, commit_and_open, open_committed, store_of
 from .snapshot import SnapshotBuffers
-from .stream import Stream, StreamingWriter, StreamSources
+from .stream import EARLY_WRITE_MIN, Stream, StreamingWriter, StreamSources
 from .writer_process import ProcessWriter, WriterRequest, supported
 
 logger = logging.getLogger(__name__)
@@ -110,11 +113,36 @@ def stream(
     def factory(o: SaveOptions, rank: int, sh: LocalShard | Exception, cache: MergeCache) -> ShardWriter:
         return StreamingWriter(o, rank, sh, cache, s)
 
+    if s.whole and writes_early(s):
+        ch.write_early(s)
     fut = ch.submit(partial(commit_streamed, s, bg, options, shard, ch.merges, factory, ch.defer))
     if s.whole:
         ch.help_copy(s)
     s.produce()
     return fut
+
+
+def writes_early(s: Stream) -> bool:
+    """Whether a whole-state stream is written while it is copied (``Stream.write_early``): when it is large
+    enough for the disk to take a share during the copy, the writes can be held to the disk's pace, and the
+    node has a core for each rank's early writer (``spare_core_per_rank``)."""
+    return s.nbytes >= EARLY_WRITE_MIN and waits_for_writeback() and spare_core_per_rank()
+
+
+def spare_core_per_rank() -> bool:
+    """Whether this process may use two of the cores it runs on per rank of its node (``ranks_on_this_node``):
+    one for the caller's copy, one for the early writer.
+
+    The early writes cost the copy cores and memory bandwidth: copying into
+    the page cache at the disk's pace takes about a third of a core. Where a
+    core is free that is no cost to the caller; where the ranks' copies
+    already take every core it lengthens them. Measured with 1 GiB in one run,
+    alternated, on 2 cores (blocking against a plain ``copy_``, completion
+    against a synchronous save, without -> with early writes): 1 rank 0.91x ->
+    1.07x and 1.12x -> 1.03x; 2 ranks 0.97x -> 1.19x and 1.12x -> 1.07x; 4 ranks
+    1.11x -> 1.32x and 1.06x -> 1.02x.
+    """
+    return len(os.sched_getaffinity(0)) >= 2 * ranks_on_this_node()
 
 
 def in_writer_process(ch: Channel, options: SaveOptions, prepare: Prepare) -> Future:
@@ -166,10 +194,12 @@ def commit_streamed(
     factory: WriterFactory,
     retire: Retire,
 ) -> TensorDict:
-    """(the worker) Commit a streamed snapshot once its copy is done (nothing competes with the copy the
-    caller waits for); a failed commit stops the caller's copy waiting for slots."""
+    """(the worker) Commit a streamed snapshot: at once where its writer writes the slots as they are
+    copied (``Stream.early_writes``), else once its copy is done (nothing competes with the copy the caller
+    waits for); a failed commit stops the caller's copy waiting for slots."""
     try:
-        s.wait_copied()
+        if s.early_writes is None:
+            s.wait_copied()
         if s.proof is not None:  # a deferred snapshot: a leaf changed during its copy is this rank's vote
             shard = s.proof.failure or shard
         return commit_and_open(comm, options, shard, cache, factory, retire, None)
