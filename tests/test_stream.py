@@ -259,6 +259,26 @@ def _slow_caller(stream: Stream, seconds: float) -> None:
     stream._fill_shared = slow_fill  # type: ignore[method-assign]
 
 
+def _save_with_early_writer(stream: Stream, path, items, slow: float, write_threads: int, helped: bool) -> None:
+    """Save ``stream`` of ``items`` to ``path`` with an early writer, the caller's copies ``slow`` seconds longer
+    (and the helper copying from the back if ``helped``); the file must be the packed layout and each leaf's
+    checksum that of its bytes, with no thread left behind."""
+    pool = _with_early_writer(stream)
+    _slow_caller(stream, slow)
+    stored: dict = {}
+    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(path), write_threads)))
+    writer.start()
+    helper = threading.Thread(target=stream.help if helped else lambda: None)
+    helper.start()
+    stream.produce()
+    helper.join(10)
+    writer.join(10)
+    pool.shutdown()
+    assert not writer.is_alive() and not helper.is_alive()
+    assert path.read_bytes() == _packed_file(items)
+    assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
+
+
 def test_the_early_writer_writes_the_copied_slots_in_file_order_at_the_disks_pace(tmp_path, small_blocks, monkeypatch):
     """While a slow caller copies, the early writer hashes and writes the slots it copied, in file order, on its
     own thread; before each it waits for the write-back of the slot ``EARLY_IN_FLIGHT`` before (the throttle).
@@ -278,15 +298,7 @@ def test_the_early_writer_writes_the_copied_slots_in_file_order_at_the_disks_pac
     monkeypatch.setattr(stream_mod, "wait_for_writeback", recording_wait)
     items = _items([4096] * 16)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
-    pool = _with_early_writer(stream)
-    _slow_caller(stream, 0.02)
-    stored: dict = {}
-    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"), 2)))
-    writer.start()
-    stream.produce()
-    writer.join(10)
-    pool.shutdown()
-    assert not writer.is_alive()
+    _save_with_early_writer(stream, tmp_path / "d", items, 0.02, write_threads=2, helped=False)
     writes = [e for e in events if e[0] == "write"]
     assert sorted(e[1] for e in writes) == [f.file_start for f in stream.fills]  # each slot once
     early = [e for e in writes if e[2].startswith("early")]
@@ -301,8 +313,6 @@ def test_the_early_writer_writes_the_copied_slots_in_file_order_at_the_disks_pac
             assert before == ("wait", f.file_start, f.nbytes), (j, before)
         else:
             assert before[0] != "wait", (j, before)
-    assert (tmp_path / "d").read_bytes() == _packed_file(items)
-    assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
 
 
 def test_the_early_writer_leaves_the_slots_the_helper_copied_from_the_back_for_later(tmp_path, small_blocks):
@@ -311,20 +321,7 @@ def test_the_early_writer_leaves_the_slots_the_helper_copied_from_the_back_for_l
     the packed layout."""
     items = _items([4096] * 16)
     stream = Stream(Arena(whole_state_budget(items, 1024), slot=1024), items, rank=0)
-    pool = _with_early_writer(stream)
-    _slow_caller(stream, 0.01)
-    stored: dict = {}
-    writer = threading.Thread(target=lambda: stored.update(stream.consume(str(tmp_path / "d"), 1)))
-    writer.start()
-    helper = threading.Thread(target=stream.help)
-    helper.start()
-    stream.produce()
-    helper.join(10)
-    writer.join(10)
-    pool.shutdown()
-    assert not writer.is_alive() and not helper.is_alive()
-    assert (tmp_path / "d").read_bytes() == _packed_file(items)
-    assert all(stored[k].checksum == checksum_bytes(t.numpy().tobytes()) for k, t in items)
+    _save_with_early_writer(stream, tmp_path / "d", items, 0.01, write_threads=1, helped=True)
 
 
 @pytest.mark.parametrize(
