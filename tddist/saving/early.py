@@ -136,11 +136,11 @@ def spare_core_per_rank() -> bool:
     The early writes cost the copy cores and memory bandwidth: copying into
     the page cache at the disk's pace takes about a third of a core. Where a
     core is free that is no cost to the caller; where the ranks' copies
-    already take every core it lengthens them. Measured with 1 GiB in one run,
-    alternated, on 2 cores (blocking against a plain ``copy_``, completion
-    against a synchronous save, without -> with early writes): 1 rank 0.91x ->
-    1.07x and 1.12x -> 1.03x; 2 ranks 0.97x -> 1.19x and 1.12x -> 1.07x; 4 ranks
-    1.11x -> 1.32x and 1.06x -> 1.02x.
+    already take every core it lengthens them. Measured with 1 GiB on 2 cores
+    (blocking against a plain ``copy_``, completion against a synchronous
+    save, without -> with early writes): 2 ranks 1.05x -> 1.34x and 1.06x ->
+    1.02x, 4 ranks 1.22x -> 1.33x and 1.08x -> 1.04x (one run, alternated); 1
+    rank, in ``benchmarks/run.py``: 0.95x -> 0.72-0.73x and 1.17x -> 1.03-1.05x.
     """
     return len(os.sched_getaffinity(0)) >= 2 * ranks_on_this_node()
 
