@@ -456,3 +456,62 @@ def test_the_ranks_on_this_node_are_read_from_the_launcher():
     assert ranks_on_this_node({"MPI_LOCALNRANKS": "3"}) == 3
     assert ranks_on_this_node({"SLURM_NTASKS_PER_NODE": "2"}) == 2
     assert ranks_on_this_node({"LOCAL_WORLD_SIZE": "0", "SLURM_NTASKS_PER_NODE": "x", "MPI_LOCALNRANKS": "5"}) == 5
+
+
+KILLED_WHILE_WRITING_EARLY = r"""
+import os, sys, threading, time
+import torch
+from tensordict import TensorDict
+import tddist
+from tddist.saving import early, stream
+
+target = sys.argv[1]
+n = early.EARLY_WRITE_MIN // 4 // 16
+tddist.save(TensorDict({f"w{i}": torch.full((n,), 1.0) for i in range(16)}, []), target)  # the old checkpoint
+copy, write = stream.copy_bytes, stream.write_and_start_writeback
+
+def slow_copy(destination, source, nbytes):
+    copy(destination, source, nbytes)
+    time.sleep(0.01)
+
+def announced_write(fd, view, at, step):
+    write(fd, view, at, step)
+    if threading.current_thread().name.startswith("tddist-early-write"):
+        print("early write", flush=True)
+        time.sleep(0.05)
+
+stream.copy_bytes, stream.write_and_start_writeback = slow_copy, announced_write
+tddist.save(TensorDict({f"w{i}": torch.full((n,), 2.0) for i in range(16)}, []), target, return_early=True)
+print("returned", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_kill_during_early_writes_leaves_the_old_checkpoint_and_recover_clears_the_staging(tmp_path):
+    """A process replacing a checkpoint with a large ``return_early`` save is SIGKILLed while its early writer
+    is writing the new data file (before ``save`` returned): the target still loads, verified, as the old
+    checkpoint; ``recover`` removes the staging directory the save left, and nothing else is beside it."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the early writer needs a spare core per rank, 2 cores here")
+    target = tmp_path / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_WHILE_WRITING_EARLY, str(target)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # blocks until the first early write (or the end of the child)
+        proc.kill()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert first == "early write\n", (first, proc.stderr.read()[-3000:] if proc.stderr else "")
+    assert proc.returncode == -9
+    assert leftovers(target)  # the staging directory of the killed save
+    old = tddist.load(target, shard=None, verify=True)
+    assert all(bool((t == 1.0).all()) for t in old.values())
+    tddist.recover(target)
+    assert leftovers(target) == []
+    assert_td_equal(tddist.load(target, shard=None, verify=True), old)
