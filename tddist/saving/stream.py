@@ -265,9 +265,10 @@ def copy_bytes(destination: int, source: int, nbytes: int) -> None:
     either took 34-35 ms (the memory bandwidth), and with it the
     ``return_early`` benchmark's blocking and completion were no better at 1,
     2 and 4 ranks; numpy's ``copyto`` (``memmove`` again) needs the leaf
-    exported to numpy, which marks the caller's storage not resizable for good. Addresses come from ``data_ptr()`` of tensors the
-    stream holds while it copies, and ranges from the assignment (``fill_slots``),
-    which never crosses a leaf's end or a slot's.
+    exported to numpy, which marks the caller's storage not resizable for
+    good. Addresses come from ``data_ptr()`` of tensors the stream holds
+    while it copies, and ranges from the assignment (``fill_slots``), which
+    never crosses a leaf's end or a slot's.
     """
     ctypes.memmove(destination, source, nbytes)
 
