@@ -106,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     import tddist
-    from tddist.saving.stream import MIN_BUDGET
+    from tddist.saving.arena import MIN_BUDGET
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=1800))
     rank, world = dist.get_rank(), dist.get_world_size()

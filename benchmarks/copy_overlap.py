@@ -60,8 +60,8 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks._common import MIB, fmt_seconds, fsync_path  # noqa: E402
 from tddist._fs import WRITE_STEP, write_and_start_writeback  # noqa: E402
 from tddist.checksum import hash_blocks  # noqa: E402
+from tddist.saving.arena import copy_bytes  # noqa: E402
 from tddist.saving.background import yield_cpu_to_training  # noqa: E402
-from tddist.saving.stream import copy_bytes  # noqa: E402
 
 N_LEAVES = 32
 MODES = ("synchronous", "copy, then write", "write during copy", "O_DIRECT during copy", "helper writes leaves")

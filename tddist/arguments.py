@@ -18,7 +18,7 @@ import torch
 from . import format as fmt
 from .core.types import EarlyReturn, SaveOptions, SaveRequest
 from .errors import InvalidArgumentError
-from .saving.stream import MIN_BUDGET
+from .saving.arena import MIN_BUDGET
 from .storage.backends import S3_SCHEME, store_for
 from .storage.zipcodec import resolve_compression
 

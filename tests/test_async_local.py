@@ -16,7 +16,7 @@ from tensordict import TensorDict
 import tddist
 from tddist.comm.resolve import resolve
 from tddist.saving import background
-from tddist.saving.stream import MIN_BUDGET
+from tddist.saving.arena import MIN_BUDGET
 from tests.helpers import assert_td_equal, leftovers, require
 
 CODE = r"""

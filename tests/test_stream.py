@@ -21,8 +21,11 @@ import torch
 from tddist import format as fmt
 from tddist.checksum import checksum_bytes
 from tddist.manifest.locate import packed_offsets
+from tddist.saving import slots as slots_mod
 from tddist.saving import stream as stream_mod
-from tddist.saving.stream import Arena, Stream, fill_slots, whole_state_budget
+from tddist.saving.arena import Arena
+from tddist.saving.slots import fill_slots, whole_state_budget
+from tddist.saving.stream import Stream
 
 #: Leaf sizes in bytes: empty, tiny, unaligned, one that spans several slots and checksum blocks.
 SIZES = [0, 1, 63, 64, 65, 1000, 4096, 10_000, 7, 3 * 4096 + 5]
@@ -406,9 +409,9 @@ def test_saves_of_the_same_sizes_reuse_the_slot_assignment_and_the_padding_stays
 def test_a_slot_assignment_is_made_for_the_format_constants_in_force(monkeypatch):
     """The cached plan of some sizes is not reused under another checksum block (pieces never cross one)."""
     sizes = (5000, 3000)
-    default = stream_mod.assign_slots(sizes, 4096)
+    default = slots_mod.assign_slots(sizes, 4096)
     monkeypatch.setattr(fmt, "CHECKSUM_BLOCK", 1024)
-    small = stream_mod.assign_slots(sizes, 4096)
+    small = slots_mod.assign_slots(sizes, 4096)
     assert small is not default
     assert all(at // 1024 == (at + k - 1) // 1024 for e in small.fills for _i, at, _lo, k in e.pieces)
-    assert stream_mod.assign_slots(sizes, 4096) is small
+    assert slots_mod.assign_slots(sizes, 4096) is small

@@ -37,10 +37,12 @@ from ..comm.base import Communicator, default_timeout
 from ..core.types import Key
 from ..errors import InvalidArgumentError, SaveInProgressError
 from ..manifest.merge import MergeCache
+from .arena import Arena
 from .deferred_plan import DeferredPlan
 from .prepare import PlacementCache
+from .slots import pipeline_slot, whole_state_budget
 from .snapshot import SnapshotBuffers
-from .stream import Arena, Stream, pipeline_slot, whole_state_budget
+from .stream import Stream
 from .writer_process import ProcessWriter
 
 if TYPE_CHECKING:
@@ -227,7 +229,7 @@ class Channel:
         self._bg_comm: Communicator | None = None
         self._worker: Worker | None = None
         # Threads at the training's priority: "copy" copies a pipelined save beside the caller (``Stream.help``),
-        # "early" writes its copied slots meanwhile (``Stream.write_early``).
+        # "early-write" writes its copied slots meanwhile (``Stream.write_early``).
         self._helpers: dict[str, Worker] = {}
         self._process: ProcessWriter | None = None
         self._generation = 0  # writer processes started by this channel (their groups' prefixes)
@@ -307,7 +309,7 @@ class Channel:
         inside ``save``, so it takes no time from training steps (a deferred
         snapshot's copy, ``copy_deferred``, is the one that overlaps them).
         """
-        helper = self._foreground("copy", f"tddist-copy-rank{self.comm.rank}")
+        helper = self._foreground("copy")
         if helper is not None:
             helper.submit(stream.help)
 
@@ -321,22 +323,23 @@ class Channel:
         ended. It runs only while the caller is inside ``save``, and writes
         only as fast as the disk drains the page cache.
         """
-        writer = self._foreground("early", f"tddist-early-write-rank{self.comm.rank}")
+        writer = self._foreground("early-write")
         if writer is not None:
             stream.early_writes = lambda fn: writer.submit(fn)[0]
 
     def copy_deferred(self, stream: Stream) -> None:
         """Have the copy helper thread copy all of a deferred snapshot's slots (``Stream.produce_deferred``),
         at the training's priority, after ``save`` returned; the caller's thread when no helper can start."""
-        helper = self._foreground("copy", f"tddist-copy-rank{self.comm.rank}")
+        helper = self._foreground("copy")
         if helper is None:
             stream.produce_deferred()
         else:
             helper.submit(stream.produce_deferred)
 
-    def _foreground(self, role: str, name: str) -> Worker | None:
-        """The channel's thread for ``role`` at the training's priority ("copy": the copy helper, "early": the
-        early writer), started on first use and again after a fork; None where no thread can start."""
+    def _foreground(self, role: str) -> Worker | None:
+        """The channel's thread ``tddist-<role>-rank<r>`` at the training's priority ("copy": the copy helper,
+        "early-write": the early writer), started on first use and again after a fork; None where none can start."""
+        name = f"tddist-{role}-rank{self.comm.rank}"
         try:
             w = self._helpers.get(role)
             if w is None or not w.alive():

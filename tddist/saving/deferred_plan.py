@@ -32,10 +32,12 @@ import torch
 from tensordict import NonTensorData, TensorDict
 
 from ..core.types import Key, LocalShard
+from .arena import Arena
 from .deferred import Watched
 from .eager import EagerCopies
+from .slots import StreamLayout
 from .snapshot import SnapshotBuffers
-from .stream import Arena, StreamLayout, StreamSources
+from .stream import StreamSources
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,9 @@ from .deferred_plan import DeferredPlan, PlanSettings
 from .eager import eager_copies
 from .early import commit_streamed, copy_hashed_replicas, snapshot_into, snapshot_whole, streams
 from .prepare import encode_objects
+from .slots import stream_layout
 from .snapshot import SnapshotBuffers
-from .stream import Stream, StreamingWriter, StreamSources, stream_layout
+from .stream import Stream, StreamingWriter, StreamSources
 
 logger = logging.getLogger(__name__)
 

@@ -20,11 +20,13 @@ again. Only the packed directory streams: its offsets are known
 before any byte is written (``manifest.locate.packed_offsets``), so slots are written
 at their place in any order the writer likes, while an archive hashes and
 compresses each entry before the staging area exists.
+
+The plan of the slots is ``slots.py``'s, the arena and the copy into it
+``arena.py``'s; this module runs a save through them.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -33,10 +35,8 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import xxhash
 
@@ -45,32 +45,16 @@ from .._fs import WRITE_STEP, wait_for_writeback, write_and_start_writeback
 from ..checksum import combine_digests
 from ..core.finite import StatsCounter, counter_for
 from ..core.types import Fragment, Key, LocalShard, SaveOptions, Staging, StoredBytes
-from ..manifest.locate import packed_offsets
 from ..manifest.merge import MergeCache
 from ..storage.directory import DirectoryWriter
+from .arena import Arena, copy_bytes
+from .slots import SlotFill, StreamLayout, stream_layout
 from .snapshot import local_source
 
 if TYPE_CHECKING:
     from .deferred import Proof
 
 logger = logging.getLogger(__name__)
-
-#: The smallest budget accepted: two slots of half a MiB.
-MIN_BUDGET = 1024 * 1024
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat ``uint8`` tensor (a view; a copy only when ``t`` is not contiguous).
-
-    ``view(torch.uint8)`` first, then flat only when needed: ``reshape(-1)``
-    of a 1-D tensor costs 3.5 us for nothing, 3.5 ms per save at 1,000 leaves.
-    """
-    if not t.is_contiguous():  # a temporary of this leaf's size; documented
-        t = t.contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    b = t.view(torch.uint8)
-    return b if b.dim() == 1 else b.reshape(-1)
 
 
 class StreamSources:
@@ -101,198 +85,12 @@ def _stand_in(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-#: The slot size of a pipelined whole-state save: the unit the caller and the worker share the copying in.
-PIPELINE_SLOT = 4 * 1024 * 1024
 #: The most slots written while the caller copies whose write-back may still be in flight (``Stream.write_early``):
 #: 16 MiB of 4 MiB slots, a few milliseconds of a disk's write.
 EARLY_IN_FLIGHT = 4
 #: The smallest whole-state stream written while it is copied: below it the copy lasts a few milliseconds and
 #: handing the first slots to another thread costs more than their early write gains.
 EARLY_WRITE_MIN = 64 * 1024 * 1024
-
-
-def whole_state_budget(items: list[tuple[Key, torch.Tensor]], slot: int) -> int:
-    """An arena budget of ``slot``-sized slots that holds every byte of ``items`` as packed, padding included.
-
-    A slot closes early when the padding before the next leaf does not fit in
-    it (less than ``PACK_ALIGN`` bytes lost), so one spare slot per
-    ``slot // PACK_ALIGN`` leaves, and one more, cover every arrangement of the leaves.
-    """
-    sizes = np.array([t.numel() * t.element_size() for _k, t in items], dtype=np.int64)
-    _offsets, end = packed_offsets(sizes)
-    nslots = -(-int(end) // slot) + len(items) * fmt.PACK_ALIGN // slot + 2
-    return nslots * slot
-
-
-def pipeline_slot(items: list[tuple[Key, torch.Tensor]]) -> int:
-    """The slot size of a pipelined save of ``items``: ``PIPELINE_SLOT``, or less for a small state
-    (a quarter of it, so that the worker still has slots to copy when it joins; never under ``PACK_ALIGN``)."""
-    nbytes = sum(t.numel() * t.element_size() for _k, t in items)
-    quarter = -(-nbytes // 4 // fmt.PACK_ALIGN) * fmt.PACK_ALIGN
-    return max(fmt.PACK_ALIGN, min(PIPELINE_SLOT, quarter))
-
-
-class Arena:
-    """The host memory of streamed saves: ``nslots`` slots of ``slot_bytes``, at most ``budget`` bytes in all.
-
-    One per channel, allocated at the first streamed save and reused by the next ones. ``slot`` fixes
-    the slot size (a pipelined whole-state save); by default it is a checksum block or half the budget.
-    """
-
-    def __init__(self, budget: int, pin: bool = False, slot: int | None = None) -> None:
-        if slot is None:
-            slot = min(fmt.CHECKSUM_BLOCK, budget // 2 // fmt.PACK_ALIGN * fmt.PACK_ALIGN)
-        self.budget = budget
-        self.slot_bytes = slot
-        self.nslots = budget // slot
-        self.pinned = pin
-        self.memory = torch.empty(self.nslots * slot, dtype=torch.uint8, pin_memory=pin)
-        self.address = self.memory.data_ptr()
-        self._array = self.memory.numpy()
-        self._view = self._array.data
-        self._zeroed_for: tuple[_Filled, ...] | None = None
-
-    def slot_array(self, i: int) -> np.ndarray:
-        """Slot ``i`` as a numpy array (the arena's own memory)."""
-        lo = i * self.slot_bytes
-        return self._array[lo : lo + self.slot_bytes]
-
-    def zero_gaps(self, fills: tuple[_Filled, ...]) -> None:
-        """Zero the padding between the pieces of a whole-mode ``fills`` (entry ``i`` in slot ``i``).
-
-        Done once for the latest assignment (``assign_slots`` hands the same ``fills``
-        object to saves of the same sizes): zeroing a gap costs microseconds,
-        milliseconds per save at 1,000 leaves on the caller's thread. Copies of
-        the same fills never write into its gaps, so they stay zero until a
-        bounded save uses the slots (``forget_zeroed_gaps``).
-        """
-        if self._zeroed_for is not fills:
-            for i, e in enumerate(fills):
-                mem, fill = self.slot_array(i), 0
-                for _idx, _at, lo, k in e.pieces:
-                    if lo > fill:
-                        mem[fill:lo] = 0
-                    fill = lo + k
-            self._zeroed_for = fills
-
-    def forget_zeroed_gaps(self) -> None:
-        """A bounded save fills any slot with any entry: the gaps of the latest assignment may no longer be zero."""
-        self._zeroed_for = None
-
-    def slot_view(self, i: int, nbytes: int) -> memoryview:
-        lo = i * self.slot_bytes
-        return self._view[lo : lo + nbytes]
-
-
-@dataclass(frozen=True, slots=True)
-class _Filled:
-    """A slot's worth of the data file: the file range it holds and the leaf pieces in it (also for the
-    checksums). In an assignment (``fill_slots``) ``slot`` is -1; once copied it is the arena slot that holds it."""
-
-    slot: int
-    file_start: int
-    nbytes: int
-    pieces: tuple[tuple[int, int, int, int], ...]  # (leaf index, offset in the leaf, offset in the slot, bytes)
-
-
-@dataclass(frozen=True, slots=True)
-class SlotAssignment:
-    """Where leaves of some sizes lie in a packed data file and how they fill slots (``assign_slots``)."""
-
-    offsets: tuple[int, ...]
-    total: int
-    fills: tuple[_Filled, ...]
-
-
-def assign_slots(sizes: tuple[int, ...], slot_bytes: int) -> SlotAssignment:
-    """The packed offsets, file size and slot assignment of leaves of ``sizes`` (bytes), made once per sizes: a
-    training loop saves the same sizes every time, and planning costs about 1 us a leaf."""
-    return _assign_slots(sizes, slot_bytes, fmt.PACK_ALIGN, fmt.CHECKSUM_BLOCK)
-
-
-@functools.lru_cache(maxsize=8)
-def _assign_slots(sizes: tuple[int, ...], slot_bytes: int, _align: int, _block: int) -> SlotAssignment:
-    """``assign_slots``, cached by everything the assignment depends on (the format's alignment and block too)."""
-    offsets, end = packed_offsets(np.array(sizes, dtype=np.int64))
-    offsets_list = [int(o) for o in offsets.tolist()]
-    return SlotAssignment(tuple(offsets_list), int(end), tuple(fill_slots(list(sizes), offsets_list, slot_bytes)))
-
-
-def fill_slots(sizes: list[int], offsets: list[int], slot_bytes: int) -> list[_Filled]:
-    """How the bytes of leaves of ``sizes`` at packed ``offsets`` fill slots of ``slot_bytes``, in file order.
-
-    Each slot holds one contiguous range of the data file: leaf pieces and
-    the zero padding between them. A slot closes early when the padding before
-    the next leaf does not fit in it (that padding is never written: the file
-    is allocated, so it reads as zeros), and a piece never crosses a checksum
-    block of its leaf, so the writer can hash blocks incrementally.
-    """
-    cb, out = fmt.CHECKSUM_BLOCK, []
-    pieces: list[tuple[int, int, int, int]] = []
-    start, fill, open_ = 0, 0, False
-    for idx, (n, offset) in enumerate(zip(sizes, offsets)):
-        pos = 0
-        while pos < n:
-            if not open_:
-                start, fill, pieces, open_ = offset + pos, 0, [], True
-            gap = offset + pos - (start + fill)  # padding before an aligned chunk
-            if gap >= slot_bytes - fill:
-                out.append(_Filled(-1, start, fill, tuple(pieces)))
-                open_ = False
-                continue
-            fill += gap
-            k = min(n - pos, slot_bytes - fill, (pos // cb + 1) * cb - pos)
-            pieces.append((idx, pos, fill, k))
-            fill += k
-            pos += k
-            if fill == slot_bytes:
-                out.append(_Filled(-1, start, fill, tuple(pieces)))
-                open_ = False
-    if open_:
-        out.append(_Filled(-1, start, fill, tuple(pieces)))
-    return out
-
-
-def copy_bytes(destination: int, source: int, nbytes: int) -> None:
-    """Copy ``nbytes`` from address ``source`` into address ``destination`` (host memory; no overlap).
-
-    libc's ``memmove`` through ctypes, which drops the interpreter lock for
-    the call, so the caller and the copy helper copy in parallel. Written by
-    hand because neither library copies host bytes as well with nothing else
-    to it: torch's ``copy_`` costs 2-3 us a piece against 0.5 us (a state of
-    many small leaves), and on one thread it copied 1 GiB in 4 MiB pieces in
-    32 ms against ``memmove``'s 57 (AMD EPYC, 2 cores) but two threads of
-    either took 34-35 ms (the memory bandwidth), and with it the
-    ``return_early`` benchmark's blocking and completion were no better at 1,
-    2 and 4 ranks; numpy's ``copyto`` (``memmove`` again) needs the leaf
-    exported to numpy, which marks the caller's storage not resizable for
-    good. Addresses come from ``data_ptr()`` of tensors the stream holds
-    while it copies, and ranges from the assignment (``fill_slots``), which
-    never crosses a leaf's end or a slot's.
-    """
-    ctypes.memmove(destination, source, nbytes)
-
-
-@dataclass(frozen=True, slots=True)
-class StreamLayout:
-    """What a ``Stream`` derives from its leaves alone: their keys, bytes (flat ``uint8`` views), host addresses
-    (None for a device leaf) and slot assignment. The same leaves, unchanged (the same tensors, storages and
-    shapes), have the same layout: a deferred save of an unchanged state reuses it (``deferred_plan``)."""
-
-    keys: list[Key]
-    sources: list[torch.Tensor]
-    addresses: list[int | None]
-    slot_bytes: int
-    assigned: SlotAssignment
-
-
-def stream_layout(items: list[tuple[Key, torch.Tensor]], slot_bytes: int) -> StreamLayout:
-    """The layout of ``items`` in slots of ``slot_bytes``."""
-    sources = [_bytes_of(t) for _k, t in items]
-    # Host leaves are copied by address (``copy_bytes``); device leaves (None) by ``copy_``.
-    addresses = [s.data_ptr() if s.is_cpu else None for s in sources]
-    assigned = assign_slots(tuple(s.numel() for s in sources), slot_bytes)
-    return StreamLayout([k for k, _t in items], sources, addresses, slot_bytes, assigned)
 
 
 _END = "end"
@@ -344,7 +142,7 @@ class Stream:
         self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for i in range(arena.nslots):
             self._free.put(i)
-        self._ready: queue.SimpleQueue[_Filled | str | BaseException] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[SlotFill | str | BaseException] = queue.SimpleQueue()
         self._cancelled = False
         # The whole mode's shared state: the fills not yet taken are [_front, _back); _left are not copied.
         self._lock = threading.Lock()
@@ -357,7 +155,7 @@ class Stream:
         self.proof: Proof | None = None  # a deferred save's: checked after each slot's copy (``produce_deferred``)
         # Runs ``write_early`` on a thread at the training's priority while the caller copies (the whole mode;
         # ``Channel.write_early``); None: the writer waits for the whole copy before it writes.
-        self.early_writes: Callable[[Callable[[], list[_Filled]]], Future[list[_Filled]]] | None = None
+        self.early_writes: Callable[[Callable[[], list[SlotFill]]], Future[list[SlotFill]]] | None = None
         if self.whole and not self.fills:
             self._ready.put(_END)
             self._copied.set()
@@ -435,7 +233,7 @@ class Stream:
             self._ready.put(_END)
             self._copied.set()
 
-    def _fill(self, entry: _Filled, slot: int) -> None:
+    def _fill(self, entry: SlotFill, slot: int) -> None:
         """Copy the fill ``entry`` into ``slot`` and hand it to the writer (the whole mode's gaps are already zero)."""
         if not self.whole:
             mem, fill = self.arena.slot_array(slot), 0
@@ -455,7 +253,7 @@ class Stream:
                 self.arena.memory[base + lo : base + lo + k].copy_(src if k == src.numel() else src[at : at + k])
         if self.proof is not None and not self.proof.check(idx for idx, _at, _lo, _k in entry.pieces):
             return  # the save fails (``produce_deferred``): nothing more is handed to the writer
-        self._ready.put(_Filled(slot, entry.file_start, entry.nbytes, entry.pieces))
+        self._ready.put(SlotFill(slot, entry.file_start, entry.nbytes, entry.pieces))
 
     # --- the writer's thread ------------------------------------------------------------------
 
@@ -489,7 +287,7 @@ class Stream:
             self._copied.set()
             self._handed_over.set()
 
-    def _filled(self) -> Iterator[_Filled]:
+    def _filled(self) -> Iterator[SlotFill]:
         """The copied slots, in file order (a block's pieces are hashed in order), each as soon as it and every
         slot before it are copied; raises the caller's error.
 
@@ -500,10 +298,10 @@ class Stream:
             while (msg := self._ready.get()) != _END:
                 if isinstance(msg, BaseException):
                     raise msg
-                assert isinstance(msg, _Filled)
+                assert isinstance(msg, SlotFill)
                 yield msg
             return
-        pending: dict[int, _Filled] = {}
+        pending: dict[int, SlotFill] = {}
         for i in range(len(self.fills)):
             while i not in pending:
                 msg = self._ready.get()
@@ -511,7 +309,7 @@ class Stream:
                     raise msg
                 if msg == _END:  # every copy is done, and fill i is not among them: the copy was stopped
                     raise _Cancelled(f"rank {self.rank}: the snapshot's copy stopped before slot {i}")
-                assert isinstance(msg, _Filled)
+                assert isinstance(msg, SlotFill)
                 pending[msg.slot] = msg
             yield pending.pop(i)
 
@@ -535,7 +333,7 @@ class Stream:
         digests: list[list[int]] = [[0] * ((s.numel() + cb - 1) // cb) for s in self.sources]
         hashers: dict[tuple[int, int], xxhash.xxh3_64] = {}
 
-        def hashed(msg: _Filled) -> memoryview:
+        def hashed(msg: SlotFill) -> memoryview:
             """Hash (and count the non-finite values of) the pieces of a slot; return its bytes to write."""
             view = self.arena.slot_view(msg.slot, msg.nbytes)
             for idx, at, lo, k in msg.pieces:
@@ -558,14 +356,14 @@ class Stream:
             if self.total:
                 os.posix_fallocate(fd, 0, self.total)
             slots = self._filled()
-            written: list[_Filled] = []
+            written: list[SlotFill] = []
             if self.early_writes is not None:
                 written = self.early_writes(functools.partial(self.write_early, fd, slots)).result()
             pool = (
                 ThreadPoolExecutor(num_threads, thread_name_prefix="tddist-stream-write") if num_threads > 1 else None
             )
 
-            def write(msg: _Filled, view: memoryview) -> None:
+            def write(msg: SlotFill, view: memoryview) -> None:
                 if pool is None:
                     self._write_slot(fd, msg.slot, view, msg.file_start)
                 else:
@@ -578,8 +376,9 @@ class Stream:
                         write(msg, self.arena.slot_view(msg.slot, msg.nbytes))
                     for msg in written + rest:
                         hashed(msg)
-                for msg in slots:  # (nothing left after early writes)
-                    write(msg, hashed(msg))
+                else:
+                    for msg in slots:
+                        write(msg, hashed(msg))
             finally:
                 if pool is not None:
                     pool.shutdown()  # every write submitted ends before the descriptor closes, an error or not
@@ -593,7 +392,7 @@ class Stream:
             for k, s, d, c in zip(self.keys, self.sources, digests, self.counters)
         }
 
-    def write_early(self, fd: int, slots: Iterator[_Filled]) -> list[_Filled]:
+    def write_early(self, fd: int, slots: Iterator[SlotFill]) -> list[SlotFill]:
         """(a thread at the training's priority, while the caller copies) Write the copied slots in file order
         until every byte is copied; return those written. ``consume`` writes the rest and hashes them all.
 
@@ -606,8 +405,8 @@ class Stream:
         Nothing is hashed here for the same reason: after the copy the disk,
         not the cores, sets the pace, and the hashing overlaps the last writes.
         """
-        in_flight: deque[_Filled] = deque()
-        written: list[_Filled] = []
+        in_flight: deque[SlotFill] = deque()
+        written: list[SlotFill] = []
         while not self._copied.is_set():
             msg = next(slots, None)
             if msg is None:

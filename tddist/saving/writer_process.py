@@ -47,7 +47,7 @@ from ..comm.base import Communicator, LocalComm
 from ..core.types import LocalShard, SaveOptions
 from ..errors import CommError, InvalidArgumentError
 from ..manifest.locate import packed_offsets
-from .stream import copy_bytes
+from .arena import copy_bytes
 
 logger = logging.getLogger(__name__)
 
