@@ -838,71 +838,43 @@ def run(args: argparse.Namespace, host_memory: str) -> int:
             got, n = read_records(res_path)
             records += got
             notes += [x for x in n if x not in notes]
-    if "manifest" in args.scenarios:
-        res_path = work / "result-manifest.json"
-        cmd = [
-            sys.executable,
-            job_script(SCALE),
-            "--ranks",
-            ",".join(map(str, args.manifest_ranks)),
-            "--leaves",
-            str(args.manifest_leaves),
-            "--repeats",
-            str(args.repeats),
-            "--dir",
-            str(work / "manifest"),
-            "--json",
-            str(res_path),
-        ]
-        jobs.append(run_job(cmd, args.job_timeout, "manifest scale model"))
+
+    def own_job(scenario: str, script: str, options: list[str], what: str) -> Path:
+        """Run the program of a scenario that is a job of its own (``OWN_JOBS``) with ``options``, its result
+        file last; add its records and notes; return the result file."""
+        res_path = work / f"result-{scenario}.json"
+        cmd = [sys.executable, job_script(script), *options, "--json", str(res_path)]
+        jobs.append(run_job(cmd, args.job_timeout, what))
         got, n = read_records(res_path)
-        records += got
+        records.extend(got)
+        notes.extend(x for x in n if x not in notes)
+        return res_path
+
+    if "manifest" in args.scenarios:
+        ranks = ",".join(map(str, args.manifest_ranks))
+        options = ["--ranks", ranks, "--leaves", str(args.manifest_leaves), "--repeats", str(args.repeats)]
+        own_job("manifest", SCALE, options + ["--dir", str(work / "manifest")], "manifest scale model")
     deferred_targets: list[dict] = []
     if "deferred" in args.scenarios:  # a training loop saving every 10 steps: one process, its own targets
-        res_path = work / "result-deferred.json"
-        cmd = [sys.executable, job_script(DEFERRED), "--dir", str(work / "deferred"), "--json", str(res_path)]
         size = ["--quick"] if args.quick else ["--mib", str(args.size_mib)]  # the payload: 1 GiB, as the targets say
-        jobs.append(run_job(cmd + size, args.job_timeout, "deferred snapshots"))
-        got, n = read_records(res_path)
-        records += got
+        res_path = own_job("deferred", DEFERRED, ["--dir", str(work / "deferred"), *size], "deferred snapshots")
         try:
             deferred_targets = json.loads(res_path.read_text()).get("targets", [])
         except (OSError, ValueError):
             notes.append("deferred snapshots: no result")
     if "replicas" in args.scenarios:  # the replicated node-local tier: two processes as two nodes
-        res_path = work / "result-replicas.json"
-        cmd = [sys.executable, job_script(REPLICAS), "--mib", str(args.replicas_mib), "--rounds", str(max(3, args.repeats)),
-               "--dir", str(work), "--json", str(res_path)]  # fmt: skip
-        jobs.append(run_job(cmd, args.job_timeout, "replicated node-local tier"))
-        got, n = read_records(res_path)
-        records += got
+        options = ["--mib", str(args.replicas_mib), "--rounds", str(max(3, args.repeats)), "--dir", str(work)]
+        own_job("replicas", REPLICAS, options, "replicated node-local tier")
     if "certify" in args.scenarios:
-        res_path = work / "result-certify.json"
-        cmd = [sys.executable, job_script(CERTIFY), "--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
-        cmd += ["--clean-saves", str(args.clean_saves), "--dir", str(work), "--json", str(res_path)]
-        jobs.append(run_job(cmd, args.job_timeout, "certification"))
-        got, n = read_records(res_path)
-        records += got
+        options = ["--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
+        own_job(
+            "certify", CERTIFY, options + ["--clean-saves", str(args.clean_saves), "--dir", str(work)], "certification"
+        )
     if "incremental" in args.scenarios:
-        res_path = work / "result-incremental.json"
-        cmd = [
-            sys.executable,
-            job_script(INCREMENTAL),
-            "--size-mib",
-            str(args.size_mib),
-            "--repeats",
-            str(max(3, args.repeats)),
-        ]
-        cmd += ["--dir", str(work), "--json", str(res_path)]
-        jobs.append(run_job(cmd, args.job_timeout, "incremental checkpoints"))
-        got, n = read_records(res_path)
-        records += got
+        options = ["--size-mib", str(args.size_mib), "--repeats", str(max(3, args.repeats)), "--dir", str(work)]
+        own_job("incremental", INCREMENTAL, options, "incremental checkpoints")
     if "consolidate" in args.scenarios:  # one process converts a many-rank checkpoint, beside DCP's consolidation
-        res_path = work / "result-consolidate.json"
-        cmd = [sys.executable, job_script(CONSOLIDATE), "--dir", str(work), "--json", str(res_path)]
-        jobs.append(run_job(cmd + (["--quick"] if args.quick else []), args.job_timeout, "consolidation"))
-        got, n = read_records(res_path)
-        records += got
+        own_job("consolidate", CONSOLIDATE, ["--dir", str(work), *(["--quick"] if args.quick else [])], "consolidation")
     total = time.perf_counter() - t_start
     if not args.keep:
         C.remove(str(work))
